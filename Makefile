@@ -1,0 +1,34 @@
+# make demo: compile the in-repo example models with every pass that applies, print the
+#            per-pass report and write the visualization dump to tidal-out/.
+# make test: run the test suite.
+# Both create .venv if missing and install what they need (torch 2.13.0 CPU first).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tidal-installed
+OUT ?= tidal-out
+
+.PHONY: demo test graphviz clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) setup.cfg pyproject.toml
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,hf]'
+	touch $@
+
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { \
+	  echo "tidal: installing graphviz (dot) for SVG dumps"; \
+	  (apt-get update -qq && apt-get install -y -qq graphviz) >/dev/null 2>&1 || \
+	  echo "tidal: could not install graphviz; dumps will be written as .dot only"; }
+
+test: $(STAMP) graphviz
+	$(PY) -m pytest -q
+
+demo: $(STAMP) graphviz
+	$(PY) examples/demo.py --out $(OUT)
+
+clean:
+	rm -rf $(OUT) build *.egg-info

@@ -1,0 +1,129 @@
+"""``tidal.compile``: trace a model, annotate costs, run the selected passes."""
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+
+from tidal.compiler.capture import LeafSpec, trace
+from tidal.compiler.compiled import Compiled, OptimizerSpec
+from tidal.compiler.pass_manager import PassRecord, run_passes, snapshot
+from tidal.ir import cost
+from tidal.ir.cluster import Cluster
+from tidal.ir.errors import PassError
+from tidal.ir.pass_api import Pass, PassContext
+from tidal.passes import registry
+
+PassSpec = Union[str, Pass]
+
+
+def _option_names(cls: type) -> set[str]:
+    sig = inspect.signature(cls.__init__)
+    return {n for n, p in sig.parameters.items()
+            if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def resolve_passes(passes: Union[str, Sequence[PassSpec]], options: Mapping[str, Any],
+                   ctx: Optional[PassContext] = None, gm=None) -> list[Pass]:
+    """Turn pass names (or ``"auto"``: every registered pass that applies) and pass objects
+    into pass instances, giving each named pass the ``options`` its constructor accepts.
+    Raises ``PassError`` for an unknown pass name and ``TypeError`` for an option no selected
+    pass takes."""
+    reg = registry()
+    if isinstance(passes, str):
+        if passes != "auto":
+            passes = [p.strip() for p in passes.split(",") if p.strip()]
+        else:
+            passes = [n for n, cls in reg.items()
+                      if not (cls.training_only and (ctx is None or ctx.loss_fn is None))]
+    out: list[Pass] = []
+    used: set[str] = set()
+    for spec in passes:
+        if isinstance(spec, Pass):
+            out.append(spec)
+            continue
+        if not isinstance(spec, str):
+            raise TypeError(f"passes must be names or Pass objects, got {type(spec).__name__}")
+        if spec not in reg:
+            known = ", ".join(sorted(reg)) or "none registered"
+            raise PassError(f"unknown pass {spec!r} (known: {known})")
+        cls = reg[spec]
+        accepted = _option_names(cls) & set(options)
+        used |= accepted
+        out.append(cls(**{k: options[k] for k in accepted}))
+    unused = sorted(set(options) - used)
+    if unused:
+        takes = {p.name: sorted(_option_names(type(p))) for p in out if not isinstance(p, str)}
+        raise TypeError(f"unknown option {unused[0]!r}: no selected pass takes it "
+                        f"(options by pass: {takes or 'no passes selected'})")
+    return out
+
+
+def _stderr_log(msg: str) -> None:
+    print(f"tidal: {msg}", file=sys.stderr, flush=True)
+
+
+def compile(model: torch.nn.Module, example_inputs: Any, *,
+            passes: Union[str, Sequence[PassSpec]] = (), cluster: Optional[Cluster] = None,
+            loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+            optimizer: OptimizerSpec = None, example_targets: Any = None,
+            leaf_modules: Iterable[LeafSpec] = (), verbose: bool = False,
+            **options: Any) -> Compiled:
+    """Trace ``model``, annotate per-node costs and run ``passes`` on the graph.
+
+    ``example_inputs``: a tuple of inputs (a single tensor is accepted; a dict for Hugging Face
+    models); dim 0 of the first tensor is the global batch. ``passes``: registered pass names,
+    pass objects, or ``"auto"``. ``cluster``: the machine to plan for (default
+    ``Cluster()``: the world size under torchrun, else 1 GPU). ``loss_fn(outputs, targets)`` and
+    ``optimizer`` (a factory ``params -> Optimizer`` or an instance) enable ``Compiled.step``.
+    ``leaf_modules`` keeps modules (paths or classes) whole when tracing. Other keyword
+    ``options`` go to every selected pass whose constructor takes them.
+
+    Example:
+        >>> import torch, tidal
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+        >>> x = torch.randn(4, 8)
+        >>> compiled = tidal.compile(model, (x,))
+        >>> torch.equal(compiled(x), model(x))
+        True
+        >>> print(compiled.report().splitlines()[0].split())
+        ['pass', 'ms', 'nodes', 'in', 'nodes', 'out', 'added', 'removed', 'plan']
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    log = _stderr_log if verbose else (lambda msg: None)
+    records: list[PassRecord] = []
+    t0 = time.perf_counter()
+    gm = trace(model, example_inputs, leaf_modules=leaf_modules)
+    t1 = time.perf_counter()
+    records.append(PassRecord("trace", t1 - t0, 0, len(gm.graph.nodes),
+                              graph_after=snapshot(gm.graph)))
+    positional = tuple(example_inputs.values()) if isinstance(example_inputs, Mapping) \
+        else tuple(example_inputs)
+    cost.annotate(gm, positional)
+    t2 = time.perf_counter()
+    n = len(gm.graph.nodes)
+    records.append(PassRecord("annotate", t2 - t1, n, n, graph_after=snapshot(gm.graph),
+                              notes=(_cost_note(gm, cost.example_batch(positional)),)))
+    ctx = PassContext(example_inputs=positional, batch_size=cost.example_batch(positional),
+                      cluster=cluster or Cluster(), model=model, loss_fn=loss_fn,
+                      optimizer=optimizer, example_targets=example_targets, log=log)
+    selected = resolve_passes(passes, options, ctx, gm)
+    if loss_fn is None:
+        needs = [p.name for p in selected if p.training_only]
+        if needs:
+            raise PassError(f"pass {needs[0]!r} transforms training: give loss_fn and optimizer")
+    if isinstance(passes, str) and passes == "auto":
+        selected = [p for p in selected if p.applies(gm, ctx)]
+    gm, pass_records = run_passes(gm, selected, ctx)
+    return Compiled(model, gm, records + pass_records, ctx)
+
+
+def _cost_note(gm, batch: int) -> str:
+    t = cost.total_cost(gm, batch)
+    return (f"batch {batch}: {t['fwd_flops'] / 1e9:.3g} GFLOP forward, "
+            f"{t['bwd_flops'] / 1e9:.3g} GFLOP backward, "
+            f"{t['param_bytes'] / 2**20:.3g} MiB parameters")

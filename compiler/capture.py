@@ -1,0 +1,213 @@
+"""Capture a model as a graph: the forward with ``torch.fx`` and a whole training step
+(forward, loss, backward) as one aten-level graph with ``make_fx``.
+
+Example:
+    >>> import torch
+    >>> from tidal.compiler.capture import trace, capture_train_step
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    >>> x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    >>> gm = trace(model, (x,))
+    >>> torch.equal(gm(x), model(x))
+    True
+    >>> step = capture_train_step(model, (x,), y, torch.nn.functional.cross_entropy)
+    >>> loss, grads = step.run(model, (x,), y)
+    >>> sorted(grads)
+    ['0.bias', '0.weight']
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tidal.ir.errors import TraceError
+
+LeafSpec = Union[str, type]
+"""A leaf module given by qualified path (``"layer1.0"``) or by class (``Bottleneck``)."""
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer that honours user leaf modules and remembers which module it was in when
+    tracing failed."""
+
+    def __init__(self, leaf_modules: Iterable[LeafSpec] = ()):
+        super().__init__()
+        leaves = tuple(leaf_modules)
+        self.leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
+        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self.path_stack: list[tuple[str, str]] = []
+        self.failed_at: tuple[str, str] | None = None
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        if qualname in self.leaf_paths or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        path = self.path_of_module(m)
+        self.path_stack.append((path, type(m).__name__))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = self.path_stack[-1]
+            raise
+        finally:
+            self.path_stack.pop()
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame outside torch and tidal's compiler: the user's line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        f = os.path.abspath(frame.filename)
+        if not f.startswith(_TORCH_DIR) and not f.startswith(_THIS_DIR) and "<" not in frame.filename:
+            return frame
+    return None
+
+
+def _trace_error(model: torch.nn.Module, tracer: _Tracer, exc: Exception) -> TraceError:
+    path, kind = tracer.failed_at or ("", type(model).__name__)
+    frame = _user_frame(exc)
+    location = f"{frame.filename}:{frame.lineno}" if frame else ""
+    code = f": `{frame.line.strip()}`" if frame and frame.line else ""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    where = f"module '{path}' ({kind})" if path else f"the top-level forward of {kind}"
+    hint = (f"leaf_modules=['{path}'] or leaf_modules=[{kind}]" if path
+            else "simplify the top-level forward (no data-dependent control flow)")
+    return TraceError(
+        f"cannot trace {type(model).__name__}: {where}"
+        f"{' at ' + location if location else ''}{code}: {type(exc).__name__}: {reason}. "
+        f"If this forward has data-dependent control flow or an untraceable op, "
+        f"keep the module whole: tidal.compile(..., {hint}).",
+        module_path=path, module_type=kind, location=location,
+    )
+
+
+def _concrete_defaults(model: torch.nn.Module, n_positional: int, given: Iterable[str]) -> dict:
+    """Forward parameters the example inputs do not supply, pinned to their defaults (so that
+    ``if past_key_values is None`` traces the default path)."""
+    sig = inspect.signature(model.forward)
+    out = {}
+    params = [p for p in sig.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for p in params[n_positional:]:
+        if p.name not in given and p.default is not inspect.Parameter.empty:
+            out[p.name] = p.default
+    return out
+
+
+def _is_hf_model(model: torch.nn.Module) -> bool:
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any]) -> fx.GraphModule:
+    try:
+        from transformers.utils import fx as hf_fx
+    except ImportError as e:  # transformers >= 4.48 removed it
+        raise TraceError(
+            f"cannot trace {type(model).__name__}: transformers.utils.fx is unavailable ({e}); "
+            "install the pinned extra: pip install 'tidal[hf]' (transformers==4.47.1)",
+            module_type=type(model).__name__) from None
+    try:
+        return hf_fx.symbolic_trace(model, input_names=list(example_inputs))
+    except Exception as e:
+        raise TraceError(
+            f"cannot trace Hugging Face model {type(model).__name__} with "
+            f"transformers.utils.fx: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+            module_type=type(model).__name__) from e
+
+
+def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]], *,
+          leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphModule:
+    """Trace ``model``'s forward into a ``GraphModule`` that shares the model's parameters.
+
+    ``example_inputs`` is a tuple of positional inputs (or a dict of keyword inputs, the usual
+    form for Hugging Face models, which are traced with ``transformers.utils.fx``). Forward
+    arguments not given are pinned to their defaults. ``leaf_modules`` (paths or classes) are
+    kept as single ``call_module`` nodes. Raises ``TraceError`` naming the module and source
+    line on failure.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tidal can only trace torch.nn.Module instances, got {type(model).__name__}")
+    if _is_hf_model(model):
+        if not isinstance(example_inputs, Mapping):
+            sig = list(inspect.signature(model.forward).parameters)
+            example_inputs = dict(zip(sig, example_inputs))
+        return _trace_hf(model, example_inputs)
+    n_pos = 0 if isinstance(example_inputs, Mapping) else len(example_inputs)
+    given = example_inputs.keys() if isinstance(example_inputs, Mapping) else ()
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model, concrete_args=_concrete_defaults(model, n_pos, given) or None)
+    except TraceError:
+        raise
+    except Exception as e:
+        raise _trace_error(model, tracer, e) from e
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+@dataclass
+class TrainStep:
+    """A whole training step as one aten graph.
+
+    ``gm(params, buffers, inputs, targets)`` returns ``(loss, grads)`` where ``params`` and
+    ``buffers`` are dicts keyed by ``param_names``/``buffer_names`` and ``grads`` a tuple in
+    ``param_names`` order. Buffer updates (BatchNorm running statistics) happen in place on the
+    buffers passed in, as in eager training.
+    """
+
+    gm: fx.GraphModule
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+
+    def run(self, model: torch.nn.Module, inputs: Sequence[Any], targets: Any
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the captured step on ``model``'s own parameters and buffers; return the loss and
+        the gradients by parameter name (the model's ``.grad`` fields are not touched)."""
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        loss, grads = self.gm({k: params[k] for k in self.param_names},
+                              {k: buffers[k] for k in self.buffer_names}, tuple(inputs), targets)
+        return loss, dict(zip(self.param_names, grads))
+
+
+def capture_train_step(model: torch.nn.Module, example_inputs: Sequence[Any], example_targets: Any,
+                       loss_fn: Callable[[Any, Any], torch.Tensor]) -> TrainStep:
+    """Capture forward, ``loss_fn(outputs, targets)`` and backward of ``model`` as one aten-level
+    graph (``make_fx`` with fake tensors of a step that calls ``torch.func.functional_call`` and
+    ``torch.autograd.grad``). Parameters and buffers (BatchNorm statistics) are graph inputs."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    buffers = dict(model.named_buffers())
+    names = tuple(params)
+
+    def step(params, buffers, inputs, targets):
+        out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
+        loss = loss_fn(out, targets)
+        grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+        grads = tuple(torch.zeros_like(params[k]) if g is None else g for k, g in zip(names, grads))
+        return loss, grads
+
+    try:
+        gm = make_fx(step, tracing_mode="fake")(params, buffers, tuple(example_inputs),
+                                                 example_targets)
+    except Exception as e:
+        frame = _user_frame(e)
+        where = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+        raise TraceError(
+            f"cannot capture a training step of {type(model).__name__}{where}: "
+            f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}",
+            module_type=type(model).__name__,
+            location=f"{frame.filename}:{frame.lineno}" if frame else "") from e
+    return TrainStep(gm=gm, param_names=names, buffer_names=tuple(buffers))

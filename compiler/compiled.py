@@ -1,0 +1,97 @@
+"""``Compiled``: what ``tidal.compile`` returns — a runnable model plus what each pass did."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from tidal.compiler.pass_manager import PassRecord
+from tidal.compiler.table import format_table
+from tidal.ir.pass_api import PassContext
+from tidal.ir.plan import CompiledPlan
+
+OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
+
+
+class Compiled:
+    """A compiled model. Call it like the model; ``step`` trains it; ``plan``, ``report()`` and
+    ``dump(dir)`` show what the passes did.
+
+    Example:
+        >>> import torch, tidal
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+        >>> c = tidal.compile(model, (torch.randn(3, 4),), loss_fn=torch.nn.functional.cross_entropy,
+        ...                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        >>> loss = c.step((torch.randn(3, 4),), torch.tensor([0, 1, 1]))
+        >>> loss.dim()
+        0
+    """
+
+    def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, records: Sequence[PassRecord],
+                 ctx: PassContext):
+        self.model = model
+        self.graph_module = gm
+        self.records = tuple(records)
+        self.context = ctx
+        self._optimizer: Optional[torch.optim.Optimizer] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the compiled forward."""
+        return self.graph_module(*args, **kwargs)
+
+    @property
+    def plan(self) -> CompiledPlan:
+        """Every plan the passes chose, by pass name, in run order (JSON round-trippable)."""
+        return CompiledPlan(tuple((r.name, r.plan) for r in self.records if r.plan is not None))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the model's parameters (built on first use from the factory)."""
+        if self._optimizer is None:
+            spec = self.context.optimizer
+            if spec is None:
+                raise ValueError("Compiled.step needs an optimizer: tidal.compile(..., "
+                                 "optimizer=lambda params: torch.optim.SGD(params, lr=0.1))")
+            self._optimizer = spec if isinstance(spec, torch.optim.Optimizer) else spec(
+                self.model.parameters())
+            if not isinstance(self._optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer factory returned {type(self._optimizer).__name__}, "
+                                "not a torch.optim.Optimizer")
+        return self._optimizer
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """One training step on the global batch: forward, ``loss_fn(outputs, targets)``,
+        backward and the optimizer step, updating the model's parameters in place. Returns the
+        loss (detached)."""
+        if self.context.loss_fn is None:
+            raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
+                             "fn(outputs, targets) -> scalar tensor")
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        opt = self.optimizer
+        opt.zero_grad(set_to_none=True)
+        loss = self.context.loss_fn(self.graph_module(*inputs), targets)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def report(self) -> str:
+        """A table of the compile stages and passes: wall time, node counts, what was added
+        and removed, and each plan's summary, followed by the passes' notes."""
+        rows = []
+        for r in self.records:
+            rows.append([r.name, round(r.seconds * 1e3, 1), r.nodes_before, r.nodes_after,
+                         len(r.added), len(r.removed), r.plan.summary() if r.plan else "-"])
+        text = format_table(["pass", "ms", "nodes in", "nodes out", "added", "removed", "plan"],
+                            rows)
+        notes = [f"  {r.name}: {n}" for r in self.records for n in r.notes]
+        return text + ("\nnotes:\n" + "\n".join(notes) if notes else "")
+
+    def dump(self, out_dir: Union[str, Path]) -> Path:
+        """Write each pass's graph before/after (DOT, and SVG when graphviz is installed), the
+        passes' artifacts and an ``index.html`` listing them in order; return the index path."""
+        from tidal.compiler.dump import write_dump
+
+        return write_dump(Path(out_dir), type(self.model).__name__, self.records,
+                          self.context.batch_size)

@@ -1,0 +1,142 @@
+"""Typed node-meta keys and their accessors.
+
+This module is the only place where tidal's ``node.meta`` key strings are spelled. Every
+pass, analysis and dump reads and writes node metadata through the functions below, so a key
+can be renamed or its payload changed in one place.
+
+Example:
+    >>> import torch, torch.fx as fx
+    >>> from tidal.ir import meta
+    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> node = next(n for n in gm.graph.nodes if n.op == "call_module")
+    >>> meta.set_layer(node, meta.LayerRef(path="", kind="Linear", scope=""))
+    >>> meta.get_layer(node).kind
+    'Linear'
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+_LAYER = "tidal.layer"
+_COST = "tidal.cost"
+_TENSORS = "tidal.tensors"
+_ADDED_BY = "tidal.added_by"
+_FX_MODULE_STACK = "nn_module_stack"  # written by torch.fx's tracer
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    """Which layer a node belongs to.
+
+    ``path`` is the qualified module path for a ``call_module`` node (``layer1.0.conv1``) and the
+    node name otherwise; ``kind`` the module class name or the function name; ``scope`` the
+    qualified path of the innermost enclosing module (``layer1.0`` for a residual add), used to
+    cluster nodes in dumps.
+    """
+
+    path: str
+    kind: str
+    scope: str
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Shape and dtype of one tensor a node produces (at the example batch)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a dense tensor of this shape and dtype."""
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Cost of one node as sympy expressions of the batch symbol ``B``.
+
+    ``fwd_flops``/``bwd_flops`` count the forward and backward FLOPs of the node alone;
+    ``out_bytes`` the bytes of the tensors it outputs; ``param_bytes``/``buffer_bytes`` the
+    parameters and buffers it owns (a ``call_module`` node's module or a ``get_attr`` tensor).
+    """
+
+    fwd_flops: sympy.Expr
+    bwd_flops: sympy.Expr
+    out_bytes: sympy.Expr
+    param_bytes: int
+    buffer_bytes: int
+
+    def at(self, batch: int) -> dict[str, float]:
+        """The costs evaluated at a concrete batch size, as plain numbers."""
+        from tidal.ir.cost import BATCH
+
+        return {
+            "fwd_flops": float(self.fwd_flops.subs(BATCH, batch)),
+            "bwd_flops": float(self.bwd_flops.subs(BATCH, batch)),
+            "out_bytes": float(self.out_bytes.subs(BATCH, batch)),
+            "param_bytes": float(self.param_bytes),
+            "buffer_bytes": float(self.buffer_bytes),
+        }
+
+
+def get_layer(node: fx.Node) -> Optional[LayerRef]:
+    """The layer a node belongs to, or None before annotation."""
+    return node.meta.get(_LAYER)
+
+
+def set_layer(node: fx.Node, layer: LayerRef) -> None:
+    """Record which layer a node belongs to."""
+    node.meta[_LAYER] = layer
+
+
+def get_cost(node: fx.Node) -> Optional[NodeCost]:
+    """The node's cost, or None if it was not annotated (placeholders, outputs, added ops)."""
+    return node.meta.get(_COST)
+
+
+def set_cost(node: fx.Node, cost: NodeCost) -> None:
+    """Record the node's cost."""
+    node.meta[_COST] = cost
+
+
+def get_tensors(node: fx.Node) -> tuple[TensorInfo, ...]:
+    """The tensors the node outputs (flattened), empty for non-tensor outputs or before
+    shape propagation."""
+    return node.meta.get(_TENSORS, ())
+
+
+def set_tensors(node: fx.Node, tensors: tuple[TensorInfo, ...]) -> None:
+    """Record the tensors the node outputs."""
+    node.meta[_TENSORS] = tuple(tensors)
+
+
+def get_added_by(node: fx.Node) -> Optional[str]:
+    """Name of the pass that inserted this node, or None for nodes of the traced model."""
+    return node.meta.get(_ADDED_BY)
+
+
+def set_added_by(node: fx.Node, pass_name: str) -> None:
+    """Mark a node as inserted by a pass (the pass manager does this for every new node)."""
+    node.meta[_ADDED_BY] = pass_name
+
+
+def module_scope(node: fx.Node) -> str:
+    """Qualified path of the innermost module that was being traced when ``node`` was created
+    ('' at the top level), from the stack torch.fx's tracer records."""
+    stack = node.meta.get(_FX_MODULE_STACK) or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    if node.op == "call_module" and path == node.target:
+        paths = [v[0] for v in stack.values()]
+        return paths[-2] if len(paths) > 1 else ""
+    return path

@@ -1,0 +1,79 @@
+"""Run one fx node by itself, forward then backward, on detached inputs.
+
+Both the analytic cost model (meta device, FLOP counting) and the profiler (real device,
+timing) need the same thing: execute a single node of an ``fx.Interpreter`` with its own
+autograd graph, wrapping the forward and the backward each in a context manager of their choice.
+
+Example:
+    >>> import torch, torch.fx as fx
+    >>> from torch.utils.flop_counter import FlopCounterMode
+    >>> from tidal.ir.node_runner import run_isolated
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    >>> interp = fx.Interpreter(gm)
+    >>> interp.env = {}
+    >>> x, lin = list(gm.graph.nodes)[:2]
+    >>> interp.env[x] = torch.randn(2, 4)
+    >>> fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
+    >>> _ = run_isolated(interp, lin, fwd, bwd)
+    >>> fwd.get_total_flops(), bwd.get_total_flops()
+    (64, 128)
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, ContextManager, Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_flatten
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+"""fx node kinds that compute (as opposed to placeholder, get_attr, output)."""
+
+
+def flat_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a nested output, in pytree order."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def run_isolated(
+    interp: fx.Interpreter,
+    n: fx.Node,
+    fwd_ctx: Optional[ContextManager] = None,
+    bwd_ctx: Optional[ContextManager] = None,
+) -> Any:
+    """Run compute node ``n`` with the values in ``interp.env``; return its (detached) output.
+
+    Floating-point tensor arguments become fresh leaves requiring grad (cloned, so in-place
+    modules work), the forward runs inside ``fwd_ctx`` and the backward of the node's
+    differentiable outputs (against ones) inside ``bwd_ctx``, with respect to the leaves and the
+    module's parameters. Without a ``bwd_ctx`` no backward is run.
+    """
+    args, kwargs = interp.fetch_args_kwargs_from_env(n)
+    leaves: list[torch.Tensor] = []
+
+    def make_leaf(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            leaf = v.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone()
+        return v
+
+    args = map_aggregate(args, make_leaf)
+    kwargs = map_aggregate(kwargs, make_leaf)
+    with fwd_ctx or nullcontext():
+        out = getattr(interp, n.op)(n.target, args, kwargs)
+    if bwd_ctx is not None:
+        params = []
+        if n.op == "call_module":
+            params = [p for p in interp.fetch_attr(n.target).parameters() if p.requires_grad]
+        diff_out = [t for t in flat_tensors(out) if t.requires_grad and t.grad_fn is not None]
+        wrt = leaves + params
+        with bwd_ctx:
+            if diff_out and wrt:
+                torch.autograd.grad(
+                    diff_out, wrt, grad_outputs=[torch.ones_like(t) for t in diff_out],
+                    allow_unused=True,
+                )
+    return map_aggregate(out, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)

@@ -1,0 +1,178 @@
+"""Plans: frozen dataclasses that say what a pass decided, with an exact JSON round trip.
+
+A plan saved with ``to_json()`` is replayed with ``Plan.from_json()`` (no search). The JSON
+names the plan's class (``module:QualName``), so ``Plan.from_json`` restores the right subclass
+and nested plans; fields are decoded by their type annotations, so tuples come back as tuples
+and nested dataclasses as dataclasses.
+
+Example:
+    >>> from dataclasses import dataclass
+    >>> from tidal.ir.plan import Plan
+    >>> @dataclass(frozen=True)
+    ... class Toy(Plan):
+    ...     gpus: tuple[int, ...]
+    ...     time_us: float
+    >>> Toy((1, 2), 3.5).to_json() == Toy.from_json(Toy((1, 2), 3.5).to_json()).to_json()
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+import sys
+import types
+import typing
+from typing import Any
+
+from tidal.ir.errors import PlanError
+
+
+def _kind_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _class_of(kind: str) -> type:
+    module_name, _, qualname = kind.partition(":")
+    try:
+        obj: Any = sys.modules.get(module_name) or importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise PlanError(f"plan kind {kind!r} names no importable class ({e})") from None
+    if not (isinstance(obj, type) and issubclass(obj, Plan)):
+        raise PlanError(f"plan kind {kind!r} is not a tidal Plan")
+    return obj
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Plan):
+        return {"kind": _kind_of(type(value)), "data": _encode_fields(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _encode_fields(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return [[_encode(k), _encode(v)] for k, v in value.items()]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise PlanError(f"cannot encode a {type(value).__name__} in a plan: {value!r}")
+
+
+def _encode_fields(obj: Any) -> dict[str, Any]:
+    return {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _decode(tp: Any, data: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return data
+    if origin in (typing.Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _decode(arg, data, where)
+            except (PlanError, TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise PlanError(f"{where}: {data!r} matches none of {tp} ({'; '.join(errors)})")
+    if isinstance(tp, type) and issubclass(tp, Plan):
+        if not isinstance(data, dict) or "kind" not in data:
+            raise PlanError(f"{where}: expected a plan object with 'kind'")
+        cls = tp if data["kind"] == _kind_of(tp) else _class_of(data["kind"])
+        if not issubclass(cls, tp):
+            raise PlanError(f"{where}: plan kind {data['kind']} is not a {tp.__name__}")
+        return _decode_fields(cls, data["data"], where)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _decode_fields(tp, data, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if origin is tuple:
+        if not isinstance(data, list):
+            raise PlanError(f"{where}: expected a list, got {data!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+        if args and len(args) != len(data):
+            raise PlanError(f"{where}: expected {len(args)} items, got {len(data)}")
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+    if origin is list:
+        return [_decode(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(data)]
+    if origin in (dict, typing.Mapping) or tp is dict:
+        kt, vt = args if args else (Any, Any)
+        return {_decode(kt, k, where): _decode(vt, v, f"{where}[{k!r}]") for k, v in data}
+    if tp is float:
+        if not isinstance(data, (int, float)) or isinstance(data, bool):
+            raise PlanError(f"{where}: expected a number, got {data!r}")
+        return float(data)
+    if tp in (int, str, bool):
+        if type(data) is not tp:
+            raise PlanError(f"{where}: expected {tp.__name__}, got {data!r}")
+        return data
+    if tp is type(None):
+        if data is not None:
+            raise PlanError(f"{where}: expected null, got {data!r}")
+        return None
+    raise PlanError(f"{where}: unsupported field type {tp!r}")
+
+
+def _decode_fields(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected an object for {cls.__name__}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            raise PlanError(f"{where}: {cls.__name__} is missing field {f.name!r}")
+        kwargs[f.name] = _decode(hints[f.name], data[f.name], f"{where}.{f.name}")
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Base class of every plan. Subclasses are frozen dataclasses of JSON-able fields
+    (numbers, strings, tuples, dicts, enums, nested dataclasses and plans)."""
+
+    def to_json(self) -> str:
+        """The plan as JSON text, naming its class."""
+        return json.dumps(_encode(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Read a plan written by ``to_json``; the class named in the JSON must be ``cls`` or a
+        subclass. Raises ``PlanError`` naming the field at fault."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan JSON is not valid: {e}") from None
+        return _decode(cls, data, cls.__name__)
+
+    def summary(self) -> str:
+        """One line for reports; subclasses override with what matters most."""
+        return type(self).__name__
+
+    def table(self) -> str:
+        """A multi-line human-readable view for reports and the CLI; subclasses override."""
+        return self.to_json()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPlan(Plan):
+    """Every plan ``compile()`` produced, by pass name, in the order the passes ran."""
+
+    passes: tuple[tuple[str, Plan], ...] = ()
+
+    def get(self, name: str) -> Plan | None:
+        """The plan of pass ``name``, or None."""
+        return dict(self.passes).get(name)
+
+    def summary(self) -> str:
+        return ", ".join(f"{n}: {p.summary()}" for n, p in self.passes) or "no plans"

@@ -1,0 +1,301 @@
+"""Measured per-node forward/backward times on a real device, cached on disk.
+
+:func:`profile_layers` runs every compute node of a traced graph by itself (through
+:func:`tidal.ir.node_runner.run_isolated`) at each requested batch size, times its forward and
+its backward (median of ``repeats`` runs after ``warmup``), and returns a
+:class:`~tidal.ir.device_profile.DeviceProfile` keyed by :func:`node_signature`. Results are cached
+as one JSON file per (signature set, device name, torch version) under ``cache_dir`` (default
+``$TIDAL_CACHE_DIR``, else ``~/.cache/tidal/profiles``), so a second call with the same graph,
+batches and device measures nothing.
+
+Example:
+    >>> import tempfile, torch, torch.fx as fx
+    >>> from tidal.ir.profiler import node_signature, profile_layers
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+    >>> prof = profile_layers(gm, (torch.randn(4, 8),), [2, 4], repeats=2, warmup=1,
+    ...                       cache_dir=tempfile.mkdtemp(), progress=False)
+    >>> lin = next(n for n in gm.graph.nodes if n.op == "call_module")
+    >>> node_signature(gm, lin, 2)
+    'Linear(in_features=8, out_features=8, bias=True) | (T) | B=2 | float32[2,8]'
+    >>> prof.lookup(node_signature(gm, lin, 2)).fwd_us > 0
+    True
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_map
+from tqdm import tqdm
+
+from tidal.ir import meta
+from tidal.ir.device_profile import DeviceProfile, LayerTime, generic_signature
+from tidal.ir.node_runner import COMPUTE_OPS, run_isolated
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def default_cache_dir() -> Path:
+    """``$TIDAL_CACHE_DIR`` if set, else ``~/.cache/tidal/profiles``."""
+    env = os.environ.get("TIDAL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tidal" / "profiles"
+
+
+# --------------------------------------------------------------------------- signatures
+
+
+def _example_batch(gm: fx.GraphModule) -> int:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            for t in meta.get_tensors(n):
+                if len(t.shape) > 0:
+                    return int(t.shape[0])
+    raise ValueError(
+        "node_signature: the graph's placeholders carry no annotated tensor shapes; run "
+        "tidal.ir.cost.annotate(gm, example_inputs) first"
+    )
+
+
+def _batched_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value is computed from a placeholder (and so scales with the batch)."""
+    batched: set[fx.Node] = set()
+    for n in gm.graph.nodes:  # fx graphs are topologically ordered
+        if n.op == "placeholder" or any(a in batched for a in n.all_input_nodes):
+            batched.add(n)
+    return batched
+
+
+def _format_arg(value: Any) -> str:
+    if isinstance(value, fx.Node):
+        return "T" if meta.get_tensors(value) else "?"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_format_arg(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}={_format_arg(value[k])}" for k in sorted(value, key=str)) + "}"
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def node_signature(gm: fx.GraphModule, node: fx.Node, batch: int) -> str:
+    """The :func:`generic_signature` of compute node ``node`` at ``batch``.
+
+    Built from the annotated output tensors of the node's inputs (``tidal.ir.cost.annotate``
+    records them at the example batch): dimension 0 of every input computed from a graph input
+    is set to ``batch`` when it equals the example batch. Constant arguments are part of the
+    key (``T`` marks a tensor input, ``?`` another node's non-tensor value).
+    """
+    if node.op not in COMPUTE_OPS:
+        raise ValueError(
+            f"node_signature(node={node.name!r}): op {node.op!r} is not a compute op {COMPUTE_OPS}"
+        )
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"node_signature(batch={batch!r}): must be a positive int")
+    return _signature(gm, node, batch, _example_batch(gm), _batched_nodes(gm))
+
+
+def _signature(gm: fx.GraphModule, node: fx.Node, batch: int, b0: int,
+               batched: set[fx.Node]) -> str:
+    if node.op == "call_module":
+        op: Any = gm.get_submodule(node.target)
+    elif node.op == "call_method":
+        op = f"Tensor.{node.target}"
+    else:
+        op = node.target
+    inputs: list[Any] = []
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            tensors = meta.get_tensors(value)
+            if not tensors:
+                inputs.append(None)
+            for t in tensors:
+                shape = tuple(t.shape)
+                if value in batched and shape and shape[0] == b0:
+                    shape = (batch,) + shape[1:]
+                inputs.append(meta.TensorInfo(shape, t.dtype))
+        return value
+
+    map_aggregate((node.args, node.kwargs), visit)
+    args = _format_arg(node.args)
+    if node.kwargs:
+        args += _format_arg(dict(node.kwargs))
+    return generic_signature(op, inputs, batch, args=args)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class _Timer:
+    """Wall time of a ``with`` block in microseconds, synchronising the device around it."""
+
+    def __init__(self, sync: Callable[[], None]):
+        self._sync = sync
+        self._start = 0
+        self.us = 0.0
+
+    def __enter__(self) -> "_Timer":
+        self._sync()
+        self._start = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._sync()
+        self.us = (time.perf_counter_ns() - self._start) / 1000.0
+
+
+def _device_sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def device_name(device: Union[str, torch.device]) -> str:
+    """A name for the cache key: the GPU model on CUDA, ``cpu-<machine>`` on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        return f"cpu-{platform.machine() or 'unknown'}"
+    return device.type
+
+
+def _rebatch_real(value: Any, batch: int, device: torch.device) -> Any:
+    """A random tensor like ``value`` with dim 0 set to ``batch``; integers stay in range."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() == 0:
+        return value.to(device)
+    shape = (batch,) + tuple(value.shape[1:])
+    if value.dtype == torch.bool:
+        return torch.rand(shape, device=device) < 0.5
+    if value.is_floating_point() or value.is_complex():
+        return torch.randn(shape, dtype=value.dtype, device=device)
+    if value.numel() == 0:
+        return torch.zeros(shape, dtype=value.dtype, device=device)
+    low = min(0, int(value.min()))
+    high = int(value.max()) + 1
+    return torch.randint(low, high, shape, dtype=value.dtype, device=device)
+
+
+class _TimingInterpreter(fx.Interpreter):
+    """Runs a graph node by node, timing each compute node whose signature is still unmeasured."""
+
+    def __init__(self, gm, signatures, results, warmup, repeats, sync, bar):
+        super().__init__(gm, garbage_collect_values=True)
+        self.signatures = signatures  # node name -> signature at this batch
+        self.results = results
+        self.warmup, self.repeats, self.sync, self.bar = warmup, repeats, sync, bar
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in COMPUTE_OPS:
+            return super().run_node(n)
+        sig = self.signatures[n.name]
+        if sig in self.results:
+            out = run_isolated(self, n)
+        else:
+            for _ in range(self.warmup):
+                run_isolated(self, n, _Timer(self.sync), _Timer(self.sync))
+            fwd, bwd = [], []
+            for _ in range(self.repeats):
+                tf, tb = _Timer(self.sync), _Timer(self.sync)
+                out = run_isolated(self, n, tf, tb)
+                fwd.append(tf.us)
+                bwd.append(tb.us)
+            self.results[sig] = LayerTime(statistics.median(fwd), statistics.median(bwd))
+        self.bar.update(1)
+        return out
+
+
+def _cache_path(cache_dir: Path, signatures: Iterable[str], device: str) -> Path:
+    digest = hashlib.sha256("\n".join(sorted(set(signatures))).encode()).hexdigest()[:24]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device}-torch{torch.__version__}")
+    return cache_dir / f"profile-{digest}-{slug}.json"
+
+
+def _load_cached(path: Path, wanted: set[str]) -> Optional[DeviceProfile]:
+    if not path.is_file():
+        return None
+    try:
+        cached = DeviceProfile.load(path)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"profile_layers: ignoring unreadable cache file {path}: {e}")
+        return None
+    return cached if wanted.issubset(cached.entries) else None
+
+
+def profile_layers(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    batch_sizes: Iterable[int],
+    *,
+    device: Union[str, torch.device] = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    progress: bool = True,
+) -> DeviceProfile:
+    """Measure every compute node's forward and backward time at each batch size on ``device``.
+
+    ``example_inputs`` are re-batched along dimension 0 as fresh random tensors of the same
+    dtype (integer inputs such as token ids are drawn from ``[0, max]`` of the example). ``gm``
+    is annotated with ``tidal.ir.cost.annotate`` if it is not yet, and run as a copy on
+    ``device`` (its own parameters and buffers are untouched). Entries are keyed by
+    :func:`node_signature`; a node whose signature was already measured at that batch (a
+    repeated layer) is measured once. A tqdm bar over nodes x batches goes to stderr unless
+    ``progress=False``. The result is cached on disk (see the module docstring) and loaded
+    from there, without measuring, when every signature is already present.
+    """
+    from tidal.ir.cost import annotate
+
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"profile_layers(gm={type(gm).__name__}): must be a torch.fx.GraphModule")
+    batches = list(batch_sizes)
+    if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
+        raise ValueError(f"profile_layers(batch_sizes={batches!r}): must be positive ints")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"profile_layers(repeats={repeats!r}): must be an int >= 1")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"profile_layers(warmup={warmup!r}): must be an int >= 0")
+    device = torch.device(device)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(meta.get_tensors(n) for n in placeholders):
+        annotate(gm, example_inputs)
+    nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    b0, batched = _example_batch(gm), _batched_nodes(gm)
+    signatures = {b: {n.name: _signature(gm, n, b, b0, batched) for n in nodes} for b in batches}
+    wanted = {s for per_batch in signatures.values() for s in per_batch.values()}
+    name = device_name(device)
+    path = _cache_path(Path(cache_dir) if cache_dir is not None else default_cache_dir(), wanted, name)
+    cached = _load_cached(path, wanted)
+    if cached is not None:
+        return cached
+
+    work = copy.deepcopy(gm).to(device)
+    sync = _device_sync(device)
+    results: dict[str, LayerTime] = {}
+    with tqdm(total=len(nodes) * len(batches), desc="profiling layers", unit="node",
+              file=sys.stderr, disable=not progress) as bar:
+        for b in batches:
+            inputs = tree_map(lambda v: _rebatch_real(v, b, device), tuple(example_inputs))
+            _TimingInterpreter(work, signatures[b], results, warmup, repeats, sync, bar).run(*inputs)
+    profile = DeviceProfile(f"measured:{name}", {s: results[s] for s in sorted(results)})
+    try:
+        profile.save(path)
+    except OSError as e:
+        warnings.warn(f"profile_layers: could not write the cache file {path}: {e}")
+    return profile

@@ -1,0 +1,23 @@
+"""The registered passes, one file each.
+
+``registry()`` maps pass names to pass classes; ``tidal passes`` lists them. A pass added to
+``passes/`` is registered by adding its class to ``_PASS_CLASSES``.
+
+Example:
+    >>> from tidal.passes import registry
+    >>> isinstance(dict(registry()), dict)
+    True
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from tidal.ir.pass_api import Pass
+
+_PASS_CLASSES: tuple[type[Pass], ...] = ()
+
+
+def registry() -> Mapping[str, type[Pass]]:
+    """Registered pass classes by name (read-only)."""
+    return MappingProxyType({cls.name: cls for cls in _PASS_CLASSES})
