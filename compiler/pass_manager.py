@@ -14,7 +14,7 @@ Example:
     ...     name = "noop"
     ...     def __call__(self, gm, ctx):
     ...         return PassResult(gm)
-    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     >>> gm, records = run_passes(gm, [Noop()], PassContext.for_inputs((torch.randn(1, 2),)))
     >>> records[0].name, records[0].nodes_before, records[0].added
     ('noop', 3, ())

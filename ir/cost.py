@@ -64,6 +64,14 @@ def _describe_value(v: Any) -> Any:
     return repr(v)
 
 
+def _materialize(v: Any) -> Any:
+    if not isinstance(v, torch.Tensor):
+        return v
+    if v.is_floating_point():
+        return torch.randn(v.shape, dtype=v.dtype)
+    return torch.zeros(v.shape, dtype=v.dtype)
+
+
 def _replay_leaf(leaf: tuple) -> Any:
     if leaf[0] == "T":
         return torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device="meta")
@@ -77,11 +85,21 @@ class _MetaCostInterpreter(fx.Interpreter):
     ResNets and transformers) are counted once and replayed from ``memo``.
     """
 
-    def __init__(self, gm: fx.GraphModule, memo: dict):
+    def __init__(self, gm: fx.GraphModule, memo: dict, real_gm: fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
+        self.real_gm = real_gm
         self.samples: dict[str, tuple[int, int, int]] = {}
         self.outputs: dict[str, tuple[meta.TensorInfo, ...]] = {}
         self.memo = memo
+
+    def _run_on_cpu(self, n: fx.Node, fwd: FlopCounterMode, bwd: FlopCounterMode) -> Any:
+        """Run one node for real on random CPU inputs of the right shapes (for modules whose
+        forward cannot run on the meta device); return meta tensors of the output shapes."""
+        real = fx.Interpreter(self.real_gm)
+        real.env = {a: map_aggregate(self.env[a], _materialize) for a in n.all_input_nodes}
+        out = run_isolated(real, n, fwd, bwd)
+        return map_aggregate(out, lambda v: torch.empty_like(v, device="meta")
+                             if isinstance(v, torch.Tensor) else v)
 
     def _memo_key(self, n: fx.Node) -> Any:
         mod = self.fetch_attr(n.target)
@@ -100,7 +118,11 @@ class _MetaCostInterpreter(fx.Interpreter):
                 out = tree_unflatten([_replay_leaf(leaf) for leaf in leaves], spec)
             else:
                 fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
-                out = run_isolated(self, n, fwd, bwd)
+                try:
+                    out = run_isolated(self, n, fwd, bwd)
+                except Exception:  # e.g. a leaf module with data-dependent control flow
+                    fwd, bwd = FlopCounterMode(display=False), FlopCounterMode(display=False)
+                    out = self._run_on_cpu(n, fwd, bwd)
                 out_bytes = _tensor_bytes(flat_tensors(out))
                 sample = (fwd.get_total_flops(), bwd.get_total_flops(), out_bytes)
                 if key is not None:
@@ -171,7 +193,7 @@ def annotate(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_dim: int =
     runs = {}
     memo: dict = {}
     for b in (b0, b1):
-        interp = _MetaCostInterpreter(meta_gm, memo)
+        interp = _MetaCostInterpreter(meta_gm, memo, gm)
         inputs = map_aggregate(tuple(example_inputs), lambda v: _rebatch(v, b, batch_dim))
         interp.run(*inputs)
         runs[b] = interp
@@ -206,3 +228,31 @@ def total_cost(gm: fx.GraphModule, batch: int) -> dict[str, float]:
             for k, v in c.at(batch).items():
                 totals[k] += v
     return totals
+
+
+def node_time_us(gm: fx.GraphModule, n: fx.Node, batch: int, cluster) -> tuple[float, float]:
+    """Forward and backward time of node ``n`` at per-GPU ``batch`` on ``cluster``'s device.
+
+    From ``cluster.profile`` when it has the node (a measured profile keyed by
+    ``tidal.ir.profiler.node_signature``, or a DeepPool profile keyed by
+    ``tidal.ir.device_profile.layer_signature`` for module calls), else the annotated FLOPs at
+    ``cluster.peak_tflops``. Nodes with no cost annotation take no time.
+    """
+    profile = cluster.profile
+    if profile is not None and n.op in COMPUTE_OPS:
+        from tidal.ir.device_profile import layer_signature
+        from tidal.ir.profiler import node_signature
+
+        hit = profile.lookup(node_signature(gm, n, batch))
+        if hit is None and n.op == "call_module" and n.all_input_nodes:
+            shapes = meta.get_tensors(n.all_input_nodes[0])
+            if shapes:
+                key = layer_signature(gm.get_submodule(n.target), shapes[0].shape[1:], batch)
+                hit = profile.lookup(key) if key else None
+        if hit is not None:
+            return hit.fwd_us, hit.bwd_us
+    c = meta.get_cost(n)
+    if c is None:
+        return 0.0, 0.0
+    v = c.at(batch)
+    return cluster.compute_us(v["fwd_flops"]), cluster.compute_us(v["bwd_flops"])

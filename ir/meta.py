@@ -7,9 +7,9 @@ can be renamed or its payload changed in one place.
 Example:
     >>> import torch, torch.fx as fx
     >>> from tidal.ir import meta
-    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     >>> node = next(n for n in gm.graph.nodes if n.op == "call_module")
-    >>> meta.set_layer(node, meta.LayerRef(path="", kind="Linear", scope=""))
+    >>> meta.set_layer(node, meta.LayerRef(path="0", kind="Linear", scope=""))
     >>> meta.get_layer(node).kind
     'Linear'
 """

@@ -13,7 +13,7 @@ Example:
     ...     name = "count_nodes"
     ...     def __call__(self, gm, ctx):
     ...         return PassResult(gm, notes=(f"{len(gm.graph.nodes)} nodes",))
-    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     >>> CountNodes()(gm, PassContext.for_inputs((torch.randn(1, 2),))).notes
     ('3 nodes',)
 """

@@ -8,4 +8,4 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)

@@ -1,0 +1,87 @@
+"""compile() with no passes is the model; compile() options and errors."""
+import pytest
+import torch
+
+import tidal
+from examples.models import SMALL_MODELS, ZOO
+
+FULL_MODELS = sorted(set(ZOO) - set(SMALL_MODELS))
+
+
+def _check_equal(name, batch):
+    torch.manual_seed(0)
+    model = ZOO[name]().eval()
+    inputs = model.example_inputs(batch)
+    compiled = tidal.compile(model, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", SMALL_MODELS)
+def test_no_pass_compile_equals_eager_small(name):
+    _check_equal(name, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FULL_MODELS)
+def test_no_pass_compile_equals_eager_full(name):
+    _check_equal(name, 1)
+
+
+def test_compiled_shares_parameters_and_steps_in_place():
+    model = ZOO["resnet50_small"]()
+    x, y = model.example_inputs(4), model.example_targets(4)
+    compiled = tidal.compile(model, x, loss_fn=model.default_loss,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    reference = ZOO["resnet50_small"]()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = compiled.step(x, y)
+        opt.zero_grad()
+        ref_loss = reference.default_loss(reference(*x), y)
+        ref_loss.backward()
+        opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach())
+    for (k, p), q in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=k)
+
+
+def test_step_without_loss_or_optimizer_is_a_clear_error():
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match="loss_fn"):
+        tidal.compile(model, x).step(x, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="optimizer"):
+        tidal.compile(model, x, loss_fn=torch.nn.functional.cross_entropy).step(
+            x, torch.tensor([0, 1]))
+
+
+def test_unknown_pass_and_option_are_named():
+    model, x = torch.nn.Linear(3, 2), torch.randn(2, 3)
+    with pytest.raises(tidal.PassError, match="'nope'"):
+        tidal.compile(model, x, passes=["nope"])
+    with pytest.raises(TypeError, match="'amp_limit'"):
+        tidal.compile(model, x, amp_limit=2)
+
+
+def test_user_pass_object_runs_and_is_reported():
+    class DoubleOutput(tidal.Pass):
+        """Multiplies the model output by 2."""
+        name = "double_output"
+
+        def __call__(self, gm, ctx):
+            out = next(n for n in gm.graph.nodes if n.op == "output")
+            with gm.graph.inserting_before(out):
+                doubled = gm.graph.call_function(torch.mul, (out.args[0], 2))
+            out.args = (doubled,)
+            return tidal.PassResult(gm, notes=("doubled",))
+
+    model, x = torch.nn.Linear(3, 2), torch.randn(2, 3)
+    compiled = tidal.compile(model, x, passes=[DoubleOutput()])
+    torch.testing.assert_close(compiled(x), 2 * model(x))
+    record = compiled.records[-1]
+    assert record.name == "double_output" and record.added == ("mul",)
+    report = compiled.report()
+    assert "double_output" in report and "doubled" in report
+    assert [r.name for r in compiled.records] == ["trace", "annotate", "double_output"]
