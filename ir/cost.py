@@ -81,8 +81,9 @@ def _replay_leaf(leaf: tuple) -> Any:
 class _MetaCostInterpreter(fx.Interpreter):
     """Runs a meta-device graph node by node, counting each node's forward and backward FLOPs.
 
-    Module calls with the same module configuration and input shapes (the repeated blocks of
-    ResNets and transformers) are counted once and replayed from ``memo``.
+    Nodes with the same target (module configuration, function or method) and input shapes
+    (the repeated blocks of ResNets and transformers) are counted once and replayed from
+    ``memo``.
     """
 
     def __init__(self, gm: fx.GraphModule, memo: dict, real_gm: fx.GraphModule):
@@ -102,18 +103,21 @@ class _MetaCostInterpreter(fx.Interpreter):
                              if isinstance(v, torch.Tensor) else v)
 
     def _memo_key(self, n: fx.Node) -> Any:
-        mod = self.fetch_attr(n.target)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        flat = tree_flatten((args, kwargs))[0]
+        flat, spec = tree_flatten((args, kwargs))
+        inputs = (spec, tuple(_describe_value(v) for v in flat))
+        if n.op != "call_module":
+            return (n.op, n.target, inputs)
+        mod = self.fetch_attr(n.target)
         state = tuple((k, tuple(t.shape), t.dtype) for k, t in mod.state_dict().items())
-        return (type(mod), repr(mod), state, tuple(_describe_value(v) for v in flat))
+        return (type(mod), repr(mod), state, inputs)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in COMPUTE_OPS:
             out = super().run_node(n)
         else:
-            key = self._memo_key(n) if n.op == "call_module" else None
-            if key is not None and key in self.memo:
+            key = self._memo_key(n)
+            if key in self.memo:
                 sample, leaves, spec = self.memo[key]
                 out = tree_unflatten([_replay_leaf(leaf) for leaf in leaves], spec)
             else:
@@ -125,11 +129,10 @@ class _MetaCostInterpreter(fx.Interpreter):
                     out = self._run_on_cpu(n, fwd, bwd)
                 out_bytes = _tensor_bytes(flat_tensors(out))
                 sample = (fwd.get_total_flops(), bwd.get_total_flops(), out_bytes)
-                if key is not None:
-                    flat, spec = tree_flatten(out)
-                    leaves = [("T", tuple(v.shape), tuple(v.stride()), v.dtype)
-                              if isinstance(v, torch.Tensor) else ("V", v) for v in flat]
-                    self.memo[key] = (sample, leaves, spec)
+                flat, spec = tree_flatten(out)
+                leaves = [("T", tuple(v.shape), tuple(v.stride()), v.dtype)
+                          if isinstance(v, torch.Tensor) else ("V", v) for v in flat]
+                self.memo[key] = (sample, leaves, spec)
             self.samples[n.name] = sample
         self.outputs[n.name] = _describe(out)
         return out
