@@ -18,7 +18,7 @@ from tidal.compiler.compiled import Compiled
 from tidal.ir.cluster import Cluster
 from tidal.ir.device_profile import DeviceProfile
 from tidal.ir.errors import PassError, PlanError, TidalError, TraceError
-from tidal.ir.pass_api import Pass, PassContext, PassResult
+from tidal.ir.pass_api import Executor, Pass, PassContext, PassResult
 from tidal.ir.plan import CompiledPlan, Plan
 from tidal.passes import registry as passes
 
@@ -26,6 +26,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile", "trace", "capture_train_step", "Compiled", "Cluster", "DeviceProfile",
-    "Pass", "PassContext", "PassResult", "Plan", "CompiledPlan", "passes",
+    "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes",
     "TidalError", "TraceError", "PassError", "PlanError", "__version__",
 ]

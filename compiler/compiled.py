@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from tidal.compiler.pass_manager import PassRecord
 from tidal.compiler.table import format_table
-from tidal.ir.pass_api import PassContext
+from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
@@ -36,9 +36,13 @@ class Compiled:
         self.records = tuple(records)
         self.context = ctx
         self._optimizer: Optional[torch.optim.Optimizer] = None
+        executors = [r.executor for r in self.records if r.executor is not None]
+        self.executor: Optional[Executor] = executors[-1] if executors else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the compiled forward."""
+        """Run the compiled forward (through the executor of a pass that set one)."""
+        if self.executor is not None:
+            return self.executor.forward(self.graph_module, *args, **kwargs)
         return self.graph_module(*args, **kwargs)
 
     @property
@@ -70,6 +74,9 @@ class Compiled:
                              "fn(outputs, targets) -> scalar tensor")
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         opt = self.optimizer
+        if self.executor is not None:
+            return self.executor.step(self.graph_module, self.model, inputs, targets,
+                                      self.context.loss_fn, opt)
         opt.zero_grad(set_to_none=True)
         loss = self.context.loss_fn(self.graph_module(*inputs), targets)
         loss.backward()

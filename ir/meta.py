@@ -140,3 +140,18 @@ def module_scope(node: fx.Node) -> str:
         paths = [v[0] for v in stack.values()]
         return paths[-2] if len(paths) > 1 else ""
     return path
+
+
+_PASS_PREFIX = "tidal.pass."
+
+
+def get_pass_meta(node: fx.Node, pass_name: str) -> Optional[object]:
+    """What pass ``pass_name`` recorded on this node (a typed dataclass the pass's module
+    defines), or None."""
+    return node.meta.get(_PASS_PREFIX + pass_name)
+
+
+def set_pass_meta(node: fx.Node, pass_name: str, value: object) -> None:
+    """Record pass-specific metadata on a node, e.g. the process group that must all-reduce a
+    layer's parameters. ``value`` should be a frozen dataclass defined next to the pass."""
+    node.meta[_PASS_PREFIX + pass_name] = value

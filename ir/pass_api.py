@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.fx as fx
@@ -58,16 +58,34 @@ class PassContext:
         return cls(example_inputs=inputs, batch_size=example_batch(inputs), **kw)
 
 
+@runtime_checkable
+class Executor(Protocol):
+    """How a compiled model runs when a pass changes the schedule (multi-rank execution, waves,
+    pipelined loading). ``Compiled`` delegates to the executor of the last pass that set one.
+
+    ``forward(gm, *args, **kwargs)`` runs inference; ``step(gm, model, inputs, targets,
+    loss_fn, optimizer)`` runs one training step on the global batch (every rank passes the
+    same global batch; the executor takes its share) and returns the loss.
+    """
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any: ...
+
+    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class PassResult:
     """What a pass returns: the (possibly new) graph module, the plan it chose (or None for a
     pure rewrite), extra ``artifacts`` for dumps (file name -> text, e.g. an extra DOT or an SVG
-    chart) and one-line ``notes`` for the report."""
+    chart), one-line ``notes`` for the report, and an ``executor`` when the pass changes how the
+    model runs (None: run the graph module as it is)."""
 
     gm: fx.GraphModule
     plan: Optional[Plan] = None
     artifacts: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    executor: Optional[Executor] = None
 
 
 class Pass:

@@ -85,3 +85,31 @@ def test_user_pass_object_runs_and_is_reported():
     report = compiled.report()
     assert "double_output" in report and "doubled" in report
     assert [r.name for r in compiled.records] == ["trace", "annotate", "double_output"]
+
+
+def test_executor_of_a_pass_runs_forward_and_step():
+    calls = []
+
+    class Scaled:
+        def forward(self, gm, *args):
+            calls.append("forward")
+            return gm(*args) * 3
+
+        def step(self, gm, model, inputs, targets, loss_fn, optimizer):
+            calls.append("step")
+            return loss_fn(gm(*inputs), targets).detach()
+
+    class UsesExecutor(tidal.Pass):
+        """Runs through an executor."""
+        name = "uses_executor"
+
+        def __call__(self, gm, ctx):
+            return tidal.PassResult(gm, executor=Scaled())
+
+    model, x = torch.nn.Linear(3, 2), torch.randn(2, 3)
+    compiled = tidal.compile(model, x, passes=[UsesExecutor()],
+                             loss_fn=torch.nn.functional.cross_entropy,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(compiled(x), 3 * model(x))
+    compiled.step((x,), torch.tensor([0, 1]))
+    assert calls == ["forward", "step"]
