@@ -269,19 +269,9 @@ class LlamaForCausalLM(CausalLMIO, nn.Module):
 
 
 def smollm2_135m_config() -> LlamaConfig:
-    """The SmolLM2-135M architecture (134,515,008 parameters with tied embeddings)."""
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
+    """The SmolLM2-135M architecture (134,515,008 parameters with tied embeddings); it is
+    ``LlamaConfig``'s default."""
+    return LlamaConfig()
 
 
 def llama_small_config() -> LlamaConfig:
