@@ -12,14 +12,21 @@ exit status 2 (set TIDAL_DEBUG=1 for the full traceback).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from typing import Any, Optional, Sequence
 
+from tidal.compiler.cli_args import add_model_args, compile_from_args
 from tidal.ir.errors import TidalError
 
 EXIT_USAGE = 2
+
+_SUBCOMMANDS = (
+    # (name, module, help): each module has add_arguments(parser) and run(args) -> int
+    ("simulate", "tidal.compiler.cli_simulate", "simulate a training plan on a model of a GPU cluster"),
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,58 +34,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
-    return v
-
-
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r} is not key=value")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
-                   help="module:factory, path/to/file.py:factory, or a zoo model name")
-    p.add_argument("--passes", default="",
-                   help="comma-separated pass names, or 'auto' for every pass that applies "
-                        "(default: none; trace and cost annotation only)")
-    p.add_argument("--gpus", type=_positive_int, default=None,
-                   help="GPUs in the cluster to plan for (default: world size, else 1)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="global batch (default 8)")
-    p.add_argument("--input-shape", action="append", metavar="SHAPE",
-                   help="an input's shape without the batch, e.g. 3,224,224 or long[30522]:128; "
-                        "repeat for several inputs (default: the model's example_inputs)")
-    p.add_argument("--bandwidth-gbps", type=_positive_float, default=100.0,
-                   help="per-GPU link bandwidth in Gb/s (default 100)")
-    p.add_argument("--latency-us", type=float, default=10.0,
-                   help="per-transfer latency in microseconds (default 10)")
-    p.add_argument("--leaf", action="append", default=[], metavar="PATH",
-                   help="keep this module path whole when tracing (repeatable)")
-    p.add_argument("-o", "--option", action="append", type=_option, default=[],
-                   metavar="KEY=VALUE", help="a pass option (value read as JSON if it parses)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,27 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="compile MODEL and print the per-pass report and plans",
         description="Trace MODEL, annotate costs, run the passes, and print the per-pass table "
                     "(wall time, nodes added/removed, plan) and each plan.")
-    _add_model_args(inspect_p)
+    add_model_args(inspect_p)
     inspect_p.add_argument("--dump", metavar="DIR", help="also write the visualization dump here")
     inspect_p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     dump_p = sub.add_parser("dump", help="write graph visualizations for MODEL",
                             description="Write per-pass DOT/SVG graphs and index.html.")
-    _add_model_args(dump_p)
+    add_model_args(dump_p)
     dump_p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    for name, module_name, help_text in _SUBCOMMANDS:
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
     return parser
-
-
-def _compile(args: argparse.Namespace):
-    import tidal
-    from tidal.compiler.model_spec import build_model, example_inputs_for
-
-    model = build_model(args.model)
-    inputs = example_inputs_for(model, args.model, args.batch, args.input_shape)
-    cluster_kw = {} if args.gpus is None else {"gpus": args.gpus}
-    cluster = tidal.Cluster(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us,
-                            **cluster_kw)
-    return tidal.compile(model, inputs, passes=args.passes or (), cluster=cluster,
-                         leaf_modules=args.leaf, verbose=True, **dict(args.option))
 
 
 def _cmd_passes() -> int:
@@ -136,7 +83,7 @@ def _record_json(r) -> dict:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    compiled = _compile(args)
+    compiled = compile_from_args(args)
     index = compiled.dump(args.dump) if args.dump else None
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch,
@@ -153,7 +100,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_dump(args: argparse.Namespace) -> int:
-    index = _compile(args).dump(args.out)
+    index = compile_from_args(args).dump(args.out)
     print(f"dump: {index}")
     return 0
 
@@ -175,7 +122,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_passes()
         if args.command == "inspect":
             return _cmd_inspect(args)
-        return _cmd_dump(args)
+        if args.command == "dump":
+            return _cmd_dump(args)
+        return args.run(args)
     except (TidalError, ValueError, TypeError) as e:
         if os.environ.get("TIDAL_DEBUG"):
             raise

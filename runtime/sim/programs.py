@@ -1,0 +1,137 @@
+"""Task lists for execution strategies, built from per-layer costs, and their summary.
+
+``LayerTimes`` holds, for one per-GPU batch size, each layer's forward and backward time and
+its parameter bytes; ``layer_times(gm, cluster, batch)`` reads them from an annotated graph
+(measured or DeepPool profile when ``cluster.profile`` has the layer, FLOPs otherwise).
+``data_parallel`` builds one training iteration of data parallelism with a per-layer ring
+all-reduce that overlaps the rest of backward, as DDP does.
+
+Example:
+    >>> from tidal.runtime.sim.programs import LayerTimes, data_parallel, summarize
+    >>> lt = LayerTimes(("a", "b"), (10.0, 20.0), (20.0, 40.0), (4000, 0))
+    >>> r = summarize(data_parallel(lambda b: lt, gpus=1, global_batch=8), gpus=1, global_batch=8)
+    >>> r.iteration_us
+    90.0
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch.fx as fx
+
+from tidal.ir import cost
+from tidal.ir.cluster import Cluster
+from tidal.ir.node_runner import COMPUTE_OPS
+from tidal.runtime.sim.collectives import ring_allreduce_us
+from tidal.runtime.sim.engine import Interval, Task, simulate
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per-layer forward/backward microseconds at one per-GPU batch, and parameter bytes."""
+
+    names: tuple[str, ...]
+    fwd_us: tuple[float, ...]
+    bwd_us: tuple[float, ...]
+    param_bytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not (len(self.fwd_us) == len(self.bwd_us) == len(self.param_bytes) == n):
+            raise ValueError("LayerTimes: names, fwd_us, bwd_us and param_bytes differ in length")
+
+
+def layer_times(gm: fx.GraphModule, cluster: Cluster, batch: int) -> LayerTimes:
+    """The compute nodes of an annotated graph, in execution order, with their times at
+    ``batch`` samples per GPU on ``cluster``'s device (see ``tidal.ir.cost.node_time_us``)."""
+    from tidal.ir import meta
+
+    names, fwd, bwd, pbytes = [], [], [], []
+    for n in gm.graph.nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        f, b = cost.node_time_us(gm, n, batch, cluster)
+        c = meta.get_cost(n)
+        names.append(n.name)
+        fwd.append(f)
+        bwd.append(b)
+        pbytes.append(c.param_bytes if c else 0)
+    return LayerTimes(tuple(names), tuple(fwd), tuple(bwd), tuple(pbytes))
+
+
+def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch: int,
+                  cluster: Cluster | None = None, job: str = "fg") -> list[Task]:
+    """One data-parallel training iteration on ``gpus`` GPUs: every GPU runs all layers
+    forward then backward on ``global_batch / gpus`` samples; each layer's gradients are
+    all-reduced (ring) as soon as every GPU finished that layer's backward."""
+    if gpus < 1:
+        raise ValueError(f"data_parallel(gpus={gpus}): need at least one GPU")
+    if global_batch % gpus:
+        raise ValueError(f"data_parallel: global batch {global_batch} is not divisible by "
+                         f"{gpus} GPUs")
+    cluster = cluster or Cluster(gpus=gpus)
+    lt = times_at(global_batch // gpus)
+    tasks: list[Task] = []
+    bwd_index: dict[tuple[int, int], int] = {}
+    for g in range(gpus):
+        prev: tuple[int, ...] = ()
+        for i, name in enumerate(lt.names):
+            tasks.append(Task(f"F:{name}", job, "compute", (g,), lt.fwd_us[i], prev))
+            prev = (len(tasks) - 1,)
+        for i in reversed(range(len(lt.names))):
+            tasks.append(Task(f"B:{lt.names[i]}", job, "compute", (g,), lt.bwd_us[i], prev))
+            prev = (len(tasks) - 1,)
+            bwd_index[(g, i)] = len(tasks) - 1
+    if gpus > 1:
+        for i in reversed(range(len(lt.names))):
+            if lt.param_bytes[i]:
+                t = ring_allreduce_us(lt.param_bytes[i], gpus, cluster.bytes_per_us,
+                                      cluster.latency_us)
+                deps = tuple(bwd_index[(g, i)] for g in range(gpus))
+                tasks.append(Task(f"AR:{lt.names[i]}", job, "comm", tuple(range(gpus)), t, deps))
+    return tasks
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Timelines and summary of one simulated iteration."""
+
+    intervals: tuple[Interval, ...]
+    gpus: int
+    global_batch: int
+    iteration_us: float
+    busy_us: tuple[float, ...]
+
+    @property
+    def gpu_sec(self) -> float:
+        """GPU-seconds the iteration holds: iteration time x GPUs."""
+        return self.iteration_us * self.gpus / 1e6
+
+    @property
+    def busy_fraction(self) -> float:
+        """Share of GPU compute time that is busy during the iteration."""
+        total = self.iteration_us * self.gpus
+        return sum(self.busy_us) / total if total else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Foreground samples per second."""
+        return self.global_batch / self.iteration_us * 1e6 if self.iteration_us else 0.0
+
+    def summary(self) -> str:
+        """One line for reports."""
+        return (f"{self.gpus} GPUs, global batch {self.global_batch}: iteration "
+                f"{self.iteration_us / 1e3:.3f} ms, {self.throughput:.1f} samples/s, "
+                f"{self.gpu_sec:.4f} GPU-s, busy {self.busy_fraction:.0%}")
+
+
+def summarize(tasks: Sequence[Task], gpus: int, global_batch: int) -> SimResult:
+    """Simulate ``tasks`` and summarise them."""
+    intervals = simulate(tasks)
+    end = max((i.end_us for i in intervals), default=0.0)
+    busy = [0.0] * gpus
+    for i in intervals:
+        if i.lane == "compute":
+            busy[i.gpu] += i.end_us - i.start_us
+    return SimResult(tuple(intervals), gpus, global_batch, end, tuple(busy))

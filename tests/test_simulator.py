@@ -1,0 +1,110 @@
+"""Cluster simulator: engine semantics, collective times, data-parallel programs."""
+import random
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidal
+from tidal.runtime.sim.collectives import all_to_all_us, ring_allreduce_us
+from tidal.runtime.sim.engine import Task, simulate
+from tidal.runtime.sim.programs import LayerTimes, data_parallel, layer_times, summarize
+
+
+def _random_layers(rng, n):
+    return LayerTimes(tuple(f"l{i}" for i in range(n)),
+                      tuple(rng.uniform(1, 100) for _ in range(n)),
+                      tuple(rng.uniform(1, 200) for _ in range(n)),
+                      tuple(rng.choice([0, 4096, 10 ** 6]) for _ in range(n)))
+
+
+def test_single_gpu_iteration_is_sum_of_layer_times():
+    rng = random.Random(0)
+    for _ in range(5):
+        lt = _random_layers(rng, rng.randint(1, 30))
+        r = summarize(data_parallel(lambda b: lt, 1, 16), 1, 16)
+        assert r.iteration_us == pytest.approx(sum(lt.fwd_us) + sum(lt.bwd_us))
+        assert r.busy_fraction == pytest.approx(1.0)
+
+
+def test_ring_allreduce_is_textbook_step_by_step():
+    # reduce-scatter then all-gather: 2(p-1) steps, each sending b/p bytes after latency a
+    for p, b, bw, a in [(2, 1e6, 1e4, 5.0), (8, 3.2e7, 2.66e5, 40.0), (64, 1e8, 1250.0, 10.0)]:
+        steps = 2 * (p - 1)
+        expected = sum(a + (b / p) / bw for _ in range(steps))
+        assert ring_allreduce_us(b, p, bw, a) == pytest.approx(expected)
+    assert ring_allreduce_us(1e6, 1, 1e4, 5.0) == 0.0
+    assert all_to_all_us(0, 4, 1e4, 5.0) == 0.0
+    with pytest.raises(ValueError, match="bandwidth"):
+        ring_allreduce_us(1.0, 2, 0.0, 1.0)
+
+
+def test_no_gpu_runs_two_pieces_of_one_job_at_once():
+    rng = random.Random(1)
+    lt = _random_layers(rng, 12)
+    cluster = tidal.Cluster(gpus=4, bandwidth_gbps=10, latency_us=5)
+    intervals = simulate(data_parallel(lambda b: lt, 4, 32, cluster))
+    lanes = defaultdict(list)
+    for i in intervals:
+        lanes[(i.gpu, i.lane, i.job)].append((i.start_us, i.end_us))
+    for spans in lanes.values():
+        spans.sort()
+        for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+            assert s1 >= e0 - 1e-9
+
+
+def test_allreduce_overlaps_backward_and_waits_for_all_gpus():
+    lt = LayerTimes(("a", "b"), (10.0, 10.0), (10.0, 10.0), (10 ** 6, 10 ** 6))
+    cluster = tidal.Cluster(gpus=2, bandwidth_gbps=8, latency_us=0)  # 1000 bytes/us
+    tasks = data_parallel(lambda b: lt, 2, 4, cluster)
+    iv = {(i.name, i.gpu): i for i in simulate(tasks)}
+    # layer b's gradients are ready after its backward (t=30) and all-reduced while a's
+    # backward runs; a's all-reduce waits for the link
+    assert iv[("AR:b", 0)].start_us == 30.0
+    assert iv[("AR:a", 0)].start_us == iv[("AR:b", 0)].end_us
+    assert iv[("AR:b", 0)].end_us - 30.0 == pytest.approx(ring_allreduce_us(1e6, 2, 1000.0, 0))
+
+
+def test_engine_rejects_forward_dependencies_and_bad_tasks():
+    with pytest.raises(ValueError, match="not earlier"):
+        simulate([Task("x", "j", "compute", (0,), 1.0, deps=(0,))])
+    with pytest.raises(ValueError, match="exactly one GPU"):
+        Task("x", "j", "compute", (0, 1), 1.0)
+    with pytest.raises(ValueError, match="divisible"):
+        data_parallel(lambda b: _random_layers(random.Random(0), 2), 3, 8)
+
+
+def test_layer_times_from_a_traced_model_use_the_profile():
+    from examples.models import ZOO
+    from tidal.compiler.capture import trace
+    from tidal.ir import cost
+    from tidal.ir.device_profile import LayerTime
+    from tidal.ir.profiler import node_signature
+
+    model = ZOO["vgg16_small"]()
+    x = model.example_inputs(4)
+    gm = trace(model, x)
+    cost.annotate(gm, x)
+    plain = layer_times(gm, tidal.Cluster(gpus=1), 4)
+    first = next(n for n in gm.graph.nodes if n.op == "call_module")
+    prof = tidal.DeviceProfile("toy", {node_signature(gm, first, 4): LayerTime(123.0, 456.0)})
+    profiled = layer_times(gm, tidal.Cluster(gpus=1, profile=prof), 4)
+    i = plain.names.index(first.name)
+    assert (profiled.fwd_us[i], profiled.bwd_us[i]) == (123.0, 456.0)
+    assert profiled.fwd_us[:i] + profiled.fwd_us[i + 1:] == plain.fwd_us[:i] + plain.fwd_us[i + 1:]
+    assert sum(plain.param_bytes) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_simulate_cli_prints_simulated_summary_and_rejects_bad_batch():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tidal", "simulate", *a], cwd=root,
+                                    capture_output=True, text=True, timeout=300)
+    r = run("vgg16_small", "--gpus", "4", "--global-batch", "16")
+    assert r.returncode == 0, r.stderr
+    assert "simulated (not measured)" in r.stdout and "4 GPUs" in r.stdout
+    r = run("vgg16_small", "--gpus", "3", "--global-batch", "16")
+    assert r.returncode == 2 and "not divisible" in r.stderr
