@@ -13,7 +13,7 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) setup.cfg pyproject.toml
+$(STAMP): $(PY) setup.cfg setup.py pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,hf]'
 	touch $@
