@@ -108,3 +108,21 @@ def test_simulate_cli_prints_simulated_summary_and_rejects_bad_batch():
     assert "simulated (not measured)" in r.stdout and "4 GPUs" in r.stdout
     r = run("vgg16_small", "--gpus", "3", "--global-batch", "16")
     assert r.returncode == 2 and "not divisible" in r.stderr
+
+
+def test_collocation_fills_idle_time_and_slows_foreground():
+    from tidal.runtime.sim.collocation import BackgroundJob, collocate
+
+    lt = LayerTimes(("a", "b"), (10.0, 30.0), (20.0, 60.0), (0, 0))
+    tasks = data_parallel(lambda b: lt, 1, 4)
+    alone = summarize(tasks, 1, 4)
+    r = collocate(tasks, 1, 4, BackgroundJob(iteration_us=5.0, batch=2), interference=1.1)
+    assert r.foreground.iteration_us == pytest.approx(1.1 * alone.iteration_us)
+    assert r.bg_samples_per_iteration == 0.0  # one busy GPU leaves nothing to pack
+    # two GPUs with uneven work: the idle one runs background iterations
+    uneven = [Task("x", "fg", "compute", (0,), 100.0), Task("y", "fg", "compute", (1,), 40.0)]
+    r = collocate(uneven, 2, 8, BackgroundJob(iteration_us=20.0, batch=3))
+    assert r.bg_samples_per_iteration == pytest.approx(60.0 / 20.0 * 3)
+    assert r.cluster_throughput == pytest.approx(8 / 100e-6 + 9 / 100e-6)
+    with pytest.raises(ValueError, match="interference"):
+        collocate(uneven, 2, 8, BackgroundJob(20.0, 3), interference=0.5)
