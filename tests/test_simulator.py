@@ -57,13 +57,17 @@ def test_no_gpu_runs_two_pieces_of_one_job_at_once():
 def test_allreduce_overlaps_backward_and_waits_for_all_gpus():
     lt = LayerTimes(("a", "b"), (10.0, 10.0), (10.0, 10.0), (10 ** 6, 10 ** 6))
     cluster = tidal.Cluster(gpus=2, bandwidth_gbps=8, latency_us=0)  # 1000 bytes/us
-    tasks = data_parallel(lambda b: lt, 2, 4, cluster)
+    tasks = data_parallel(lambda b: lt, 2, 4, cluster, bucket_bytes=0)  # one bucket per layer
     iv = {(i.name, i.gpu): i for i in simulate(tasks)}
     # layer b's gradients are ready after its backward (t=30) and all-reduced while a's
     # backward runs; a's all-reduce waits for the link
-    assert iv[("AR:b", 0)].start_us == 30.0
-    assert iv[("AR:a", 0)].start_us == iv[("AR:b", 0)].end_us
-    assert iv[("AR:b", 0)].end_us - 30.0 == pytest.approx(ring_allreduce_us(1e6, 2, 1000.0, 0))
+    assert iv[("AR:b..b", 0)].start_us == 30.0
+    assert iv[("AR:a..a", 0)].start_us == iv[("AR:b..b", 0)].end_us
+    assert iv[("AR:b..b", 0)].end_us - 30.0 == pytest.approx(ring_allreduce_us(1e6, 2, 1000.0, 0))
+    # DDP's default 25 MiB bucket holds both layers: one all-reduce after the last backward
+    (ar,) = [t for t in data_parallel(lambda b: lt, 2, 4, cluster) if t.kind == "comm"]
+    assert ar.name == "AR:b..a" and ar.duration_us == pytest.approx(
+        ring_allreduce_us(2e6, 2, 1000.0, 0))
 
 
 def test_engine_rejects_forward_dependencies_and_bad_tasks():

@@ -3,8 +3,8 @@
 ``LayerTimes`` holds, for one per-GPU batch size, each layer's forward and backward time and
 its parameter bytes; ``layer_times(gm, cluster, batch)`` reads them from an annotated graph
 (measured or DeepPool profile when ``cluster.profile`` has the layer, FLOPs otherwise).
-``data_parallel`` builds one training iteration of data parallelism with a per-layer ring
-all-reduce that overlaps the rest of backward, as DDP does.
+``data_parallel`` builds one training iteration of data parallelism with ring all-reduces of
+DDP-style gradient buckets that overlap the rest of backward.
 
 Example:
     >>> from tidal.runtime.sim.programs import LayerTimes, data_parallel, summarize
@@ -60,11 +60,36 @@ def layer_times(gm: fx.GraphModule, cluster: Cluster, batch: int) -> LayerTimes:
     return LayerTimes(tuple(names), tuple(fwd), tuple(bwd), tuple(pbytes))
 
 
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""PyTorch DDP's default gradient bucket size."""
+
+
+def gradient_buckets(lt: LayerTimes, bucket_bytes: int) -> list[list[int]]:
+    """Layers with parameters grouped as DDP does: in backward (reverse) order, a bucket closes
+    once it holds at least ``bucket_bytes`` (0: one bucket per layer)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in reversed(range(len(lt.names))):
+        if not lt.param_bytes[i]:
+            continue
+        current.append(i)
+        size += lt.param_bytes[i]
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch: int,
-                  cluster: Cluster | None = None, job: str = "fg") -> list[Task]:
+                  cluster: Cluster | None = None, job: str = "fg",
+                  bucket_bytes: int = DDP_BUCKET_BYTES) -> list[Task]:
     """One data-parallel training iteration on ``gpus`` GPUs: every GPU runs all layers
-    forward then backward on ``global_batch / gpus`` samples; each layer's gradients are
-    all-reduced (ring) as soon as every GPU finished that layer's backward."""
+    forward then backward on ``global_batch / gpus`` samples; gradients are all-reduced (ring)
+    in DDP-style buckets of ``bucket_bytes``, each as soon as every GPU finished the backward of
+    the bucket's last layer, overlapping the rest of backward."""
     if gpus < 1:
         raise ValueError(f"data_parallel(gpus={gpus}): need at least one GPU")
     if global_batch % gpus:
@@ -84,12 +109,12 @@ def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch
             prev = (len(tasks) - 1,)
             bwd_index[(g, i)] = len(tasks) - 1
     if gpus > 1:
-        for i in reversed(range(len(lt.names))):
-            if lt.param_bytes[i]:
-                t = ring_allreduce_us(lt.param_bytes[i], gpus, cluster.bytes_per_us,
-                                      cluster.latency_us)
-                deps = tuple(bwd_index[(g, i)] for g in range(gpus))
-                tasks.append(Task(f"AR:{lt.names[i]}", job, "comm", tuple(range(gpus)), t, deps))
+        for bucket in gradient_buckets(lt, bucket_bytes):
+            nbytes = sum(lt.param_bytes[i] for i in bucket)
+            t = ring_allreduce_us(nbytes, gpus, cluster.bytes_per_us, cluster.latency_us)
+            deps = tuple(bwd_index[(g, bucket[-1])] for g in range(gpus))
+            tasks.append(Task(f"AR:{lt.names[bucket[0]]}..{lt.names[bucket[-1]]}", job, "comm",
+                              tuple(range(gpus)), t, deps))
     return tasks
 
 
