@@ -12,7 +12,7 @@ def _modules():
     names = ["tidal"]
     for info in pkgutil.walk_packages(tidal.__path__, "tidal."):
         if not info.name.startswith(("tidal.tests", "tidal.examples", "tidal.benchmarks")) \
-                and info.name != "tidal.__main__":
+                and info.name not in ("tidal.__main__", "tidal.setup"):
             names.append(info.name)
     return sorted(names)
 
