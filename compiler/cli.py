@@ -26,6 +26,7 @@ EXIT_USAGE = 2
 _SUBCOMMANDS = (
     # (name, module, help): each module has add_arguments(parser) and run(args) -> int
     ("simulate", "tidal.compiler.cli_simulate", "simulate a training plan on a model of a GPU cluster"),
+    ("run", "tidal.compiler.cli_run", "run a script on N local ranks through torchrun"),
 )
 
 

@@ -58,8 +58,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="per-transfer latency in microseconds (default 10)")
     p.add_argument("--leaf", action="append", default=[], metavar="PATH",
                    help="keep this module path whole when tracing (repeatable)")
+    p.add_argument("--amp-limit", type=float, default=None, metavar="A",
+                   help="burst_parallel: GPU-sec amplification limit (default 2)")
     p.add_argument("-o", "--option", action="append", type=option, default=[],
                    metavar="KEY=VALUE", help="a pass option (value read as JSON if it parses)")
+
+
+def pass_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Pass options from ``-o key=value`` and the per-pass convenience flags."""
+    options = dict(args.option)
+    if getattr(args, "amp_limit", None) is not None:
+        options["amp_limit"] = args.amp_limit
+    return options
 
 
 def compile_from_args(args: argparse.Namespace, **extra: Any):
@@ -73,4 +83,4 @@ def compile_from_args(args: argparse.Namespace, **extra: Any):
     cluster = tidal.Cluster(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us,
                             **cluster_kw)
     return tidal.compile(model, inputs, passes=args.passes or (), cluster=cluster,
-                         leaf_modules=args.leaf, verbose=True, **dict(args.option), **extra)
+                         leaf_modules=args.leaf, verbose=True, **pass_options(args), **extra)

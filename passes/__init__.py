@@ -14,8 +14,9 @@ from types import MappingProxyType
 from typing import Mapping
 
 from tidal.ir.pass_api import Pass
+from tidal.passes.burst_parallel import BurstParallel
 
-_PASS_CLASSES: tuple[type[Pass], ...] = ()
+_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel,)
 
 
 def registry() -> Mapping[str, type[Pass]]:

@@ -1,0 +1,786 @@
+"""DeepPool's burst-parallel planner (§4): per-layer GPU counts under a GPU-sec amplification
+limit, as a pure function of numpy cost arrays.
+
+Inputs (a :class:`BurstProblem`): the layer DAG (names in topological order and each layer's
+predecessors), ``comp[i, k]`` (forward + backward µs of layer ``i`` at the per-GPU batch
+``ceil(B / counts[k])``), ``sync[i, k]`` (gradient all-reduce µs of its parameters on
+``counts[k]`` GPUs), the bytes per sample of each layer's output, the link bandwidth and
+latency. The time model (DeepPool §4.1):
+
+* a layer on ``g`` GPUs costs ``comm_in + comp(i, g) + sync(i, g)``; its GPU-sec amplification
+  is ``Amp(i, g) = T(i, g) * g / comp(i, 1)`` with ``T`` that sum;
+* moving a layer's output between GPU sets (``comm``) costs, forward and backward, the largest
+  number of samples one GPU sends or receives times the bytes per sample over the bandwidth,
+  plus the latency. Nested sets share their first ranks (``g -> h`` moves
+  ``max(ceil(B/s) - ceil(B/b), ceil(B/b))`` samples per GPU, ``s``/``b`` the smaller/bigger
+  count); a branch placed on other GPUs moves every sample (``ceil(B / min(g, h))``);
+* a branch/join block (``tidal.ir.layer_graph.branch_blocks``) is reduced to one transition
+  ``tr(fork, h) -> (join, g)``: each branch is searched with the fork fixed at ``h``, the
+  critical (longest) branch stays on the fork's GPUs and each other branch moves to GPUs of its
+  own (after those the branches that stay use) when that shortens the block and the GPUs fit (DeepPool's multi-chain graph reduction);
+  branches on the same GPUs run one after another, branches on other GPUs overlap. Blocks
+  nested inside a branch run serially. Communication into a join is charged to the block.
+
+Two searches: ``algorithm="paper"`` is Algorithm 1 as printed (tables S and T, a predecessor
+state is eligible when ``Amp(i-1, h) <= max(bestAmp, AmpLimit)``, scanned in increasing ``h``;
+the last layer is checked by a final zero-cost step). ``algorithm="exact"`` (default) enforces
+``Amp(i, g) <= limit`` on each edge ``(i-1, h) -> (i, g)``, which makes the chain DP an exact
+constrained shortest path (it equals exhaustive search). Either way data parallelism (every
+layer on all ``G`` GPUs) is the baseline: a plan that does not beat it is replaced by it
+(``BurstPlan.fallback``).
+
+Example:
+    >>> import numpy as np
+    >>> from tidal.passes.burst_planner import BurstProblem, plan_burst
+    >>> counts = (1, 2, 4)
+    >>> comp = np.array([[400., 200., 100.], [40., 38., 37.], [300., 150., 75.]])
+    >>> sync = np.array([[0., 5., 8.], [0., 50., 80.], [0., 5., 8.]])
+    >>> p = BurstProblem(("conv", "fc", "head"), ((), (0,), (1,)), comp, sync,
+    ...                  act_bytes=np.array([64., 64., 64.]), counts=counts, batch=8,
+    ...                  bytes_per_us=1e4, latency_us=1.0)
+    >>> plan = plan_burst(p, amp_limit=2.0)
+    >>> [l.gpus for l in plan.layers], plan.time_us < plan.dp_time_us
+    ([4, 1, 4], True)
+"""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+import networkx as nx
+import numpy as np
+
+from tidal.ir import layer_graph
+from tidal.ir.plan import Plan
+
+_INF = np.inf
+_ALGORITHMS = ("exact", "paper")
+
+
+# --------------------------------------------------------------------------- cost helpers
+
+
+def candidate_counts(gpus: int, power_of_two: bool = True) -> tuple[int, ...]:
+    """GPU counts the planner considers: 1, 2, 4, ..., ``gpus`` (or every count 1..gpus).
+    Raises ``ValueError`` when ``gpus`` is not a power of two in power-of-two mode."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r}: must be a positive integer")
+    if not power_of_two:
+        return tuple(range(1, gpus + 1))
+    if gpus & (gpus - 1):
+        raise ValueError(f"gpus={gpus}: not a power of two (power_of_two=True); use a power of "
+                         f"two or power_of_two=False")
+    return tuple(1 << k for k in range(gpus.bit_length()))
+
+
+def per_gpu_batch(batch: int, gpus: int) -> int:
+    """Samples the busiest of ``gpus`` GPUs gets when ``batch`` is split evenly."""
+    return -(-batch // gpus)
+
+
+def split_batch(batch: int, gpus: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous sample ranges ``[lo, hi)`` of ``batch`` over ``gpus`` GPUs (the first
+    ``batch % gpus`` get one more)."""
+    q, r = divmod(batch, gpus)
+    out, lo = [], 0
+    for k in range(gpus):
+        hi = lo + q + (1 if k < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return tuple(out)
+
+
+def allreduce_us(nbytes: float, gpus: int, bytes_per_us: float, latency_us: float) -> float:
+    """Gradient all-reduce time: a ring's bandwidth term ``2 (g-1)/g * bytes / bw`` plus a
+    latency per step of recursive halving-doubling (``2 log2 g``); 0 on one GPU or no bytes."""
+    if gpus <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (gpus - 1) / gpus * nbytes / bytes_per_us + 2.0 * math.log2(gpus) * latency_us
+
+
+# --------------------------------------------------------------------------- the problem
+
+
+@dataclass(eq=False)
+class _Chain:
+    """Layers run one after another; ``blocks`` maps a join layer to the block before it."""
+
+    layers: list[int]
+    blocks: dict[int, "_Block"] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Block:
+    fork: int
+    join: int
+    branches: list[Optional[_Chain]]  # None: a skip connection fork -> join
+
+
+class BurstProblem:
+    """Costs and structure the planner searches over (see the module docstring).
+
+    ``names``: layers in topological order; ``preds[i]``: indices of the layers whose output
+    layer ``i`` reads (empty for a layer that reads only model inputs); ``comp``/``sync``:
+    arrays of shape ``(L, len(counts))`` in µs; ``act_bytes``: output bytes per sample of each
+    layer; ``counts``: candidate GPU counts, increasing, starting at 1 (the last is ``G``);
+    ``batch``: the global batch, at least ``G`` unless ``allow_idle`` (then counts above the
+    batch give some GPUs no sample; used to time the search at DeepPool's 1024-GPU scale).
+    Raises ``ValueError`` naming the value at fault, including a cycle or a branch shape that is
+    not a nest of fork/join blocks.
+    """
+
+    def __init__(self, names: Sequence[str], preds: Sequence[Sequence[int]], comp: np.ndarray,
+                 sync: np.ndarray, act_bytes: np.ndarray, counts: Sequence[int], batch: int,
+                 bytes_per_us: float, latency_us: float, *, allow_idle: bool = False):
+        self.allow_idle = allow_idle
+        self.names = tuple(str(n) for n in names)
+        self.preds = tuple(tuple(int(p) for p in ps) for ps in preds)
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.comp = np.asarray(comp, dtype=np.float64)
+        self.sync = np.asarray(sync, dtype=np.float64)
+        self.act_bytes = np.asarray(act_bytes, dtype=np.float64)
+        self.batch = batch
+        self.bytes_per_us = float(bytes_per_us)
+        self.latency_us = float(latency_us)
+        self._check()
+        self.top = _parse(self.names, self.preds)
+        pb = np.array([per_gpu_batch(batch, int(c)) for c in self.counts], dtype=np.float64)
+        lo = np.minimum.outer(np.arange(len(pb)), np.arange(len(pb)))
+        hi = np.maximum.outer(np.arange(len(pb)), np.arange(len(pb)))
+        self._moved = {
+            "overlap": np.where(lo == hi, 0.0, np.maximum(pb[lo] - pb[hi], pb[hi])),
+            "disjoint": pb[lo],
+        }
+        self._edges: dict[tuple[int, str], np.ndarray] = {}
+
+    @property
+    def gpus(self) -> int:
+        """``G``: the largest candidate count."""
+        return int(self.counts[-1])
+
+    def _check(self) -> None:
+        L, K = len(self.names), len(self.counts)
+        if L == 0:
+            raise ValueError("BurstProblem: no layers")
+        if len(set(self.names)) != L:
+            raise ValueError("BurstProblem(names=...): layer names must be unique")
+        if len(self.preds) != L:
+            raise ValueError(f"BurstProblem(preds=...): {len(self.preds)} entries for {L} layers")
+        c = self.counts
+        if K == 0 or c[0] != 1 or np.any(np.diff(c) <= 0):
+            raise ValueError(f"BurstProblem(counts={tuple(c.tolist())}): must increase from 1")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, (int, np.integer)) \
+                or self.batch < 1:
+            raise ValueError(f"BurstProblem(batch={self.batch!r}): must be a positive int")
+        self.batch = int(self.batch)
+        if self.batch < c[-1] and not self.allow_idle:
+            raise ValueError(f"BurstProblem(batch={self.batch}): global batch smaller than the "
+                             f"{int(c[-1])} GPUs; every GPU needs at least one sample")
+        for name, arr, shape in (("comp", self.comp, (L, K)), ("sync", self.sync, (L, K)),
+                                 ("act_bytes", self.act_bytes, (L,))):
+            if arr.shape != shape:
+                raise ValueError(f"BurstProblem({name}=...): shape {arr.shape}, expected {shape}")
+            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                raise ValueError(f"BurstProblem({name}=...): values must be finite and >= 0")
+        if not self.bytes_per_us > 0 or self.latency_us < 0:
+            raise ValueError(f"BurstProblem: bytes_per_us={self.bytes_per_us} must be > 0 and "
+                             f"latency_us={self.latency_us} >= 0")
+        for i, ps in enumerate(self.preds):
+            for p in ps:
+                if not 0 <= p < L:
+                    raise ValueError(f"layer {self.names[i]!r} reads layer index {p}: no such layer")
+                if p >= i:
+                    raise ValueError(f"layer {self.names[i]!r} reads {self.names[p]!r}, which comes "
+                                     f"later: layers must be in topological order (a cycle?)")
+
+    def branches(self) -> tuple[tuple[str, int], ...]:
+        """``(join layer, branch index)`` of every non-empty branch of every block (the names
+        ``plan_from_counts(parallel=...)`` takes)."""
+        return tuple((self.names[j], b) for j, blk in _all_blocks(self.top)
+                     for b, br in enumerate(blk.branches) if br is not None)
+
+    def branch_layers(self, join: str, branch: int) -> tuple[str, ...]:
+        """Names of every layer inside branch ``branch`` of the block joining at ``join``
+        (nested blocks included)."""
+        for j, blk in _all_blocks(self.top):
+            if self.names[j] == join and 0 <= branch < len(blk.branches):
+                br = blk.branches[branch]
+                return () if br is None else tuple(self.names[i] for i in sorted(_members(br)))
+        raise ValueError(f"no branch {branch} of a block joining at {join!r}")
+
+    def comm(self, layer: int, kind: str = "overlap") -> np.ndarray:
+        """``(K, K)`` forward + backward time to move layer ``layer``'s output from ``counts[h]``
+        GPUs (row) to ``counts[g]`` GPUs (column); ``kind`` ``"disjoint"`` for another GPU set."""
+        key = (layer, kind)
+        if key not in self._edges:
+            moved = self._moved[kind]
+            a = self.act_bytes[layer]
+            self._edges[key] = np.where(moved * a > 0, 2.0 * (moved * a / self.bytes_per_us
+                                                              + self.latency_us), 0.0)
+        return self._edges[key]
+
+
+def _parse(names: tuple[str, ...], preds: tuple[tuple[int, ...], ...]) -> _Chain:
+    """The nested chain/block structure of the layer DAG (ValueError if it is not one)."""
+    g = nx.DiGraph(inputs=[i for i, ps in enumerate(preds) if not ps], outputs=[])
+    for i in range(len(names)):
+        g.add_node(i, order=i)
+    for i, ps in enumerate(preds):
+        for p in ps:
+            g.add_edge(p, i)
+    sinks = [i for i in g.nodes if g.out_degree(i) == 0]
+    if len(sinks) != 1:
+        raise ValueError(f"layer graph has {len(sinks)} output layers "
+                         f"{[names[i] for i in sinks[:4]]}: unsupported branch shape (need one)")
+    try:
+        blocks = layer_graph.branch_blocks(g)
+    except ValueError as e:
+        raise ValueError(f"unsupported branch shape: {e}") from None
+    return _build_chain(list(range(len(names))), blocks, None, names, preds)
+
+
+def _build_chain(members: list[int], blocks, entry: Optional[int], names, preds) -> _Chain:
+    inside = {i for b in blocks for br in b.branches for i in br}
+    layers = [i for i in members if i not in inside]
+    chain = _Chain(layers)
+    pos = {i: k for k, i in enumerate(layers)}
+    for b in blocks:
+        f, j = b.fork, b.join
+        if f not in pos or j not in pos or pos[j] != pos[f] + 1:
+            raise ValueError(f"unsupported branch shape: block from {names[f]!r} to "
+                             f"{names[j]!r} is not a fork followed by its join")
+        branches: list[Optional[_Chain]] = []
+        for br in b.branches:
+            if not br:
+                branches.append(None)
+                continue
+            nested = [n for n in b.nested if n.fork in set(br)]
+            branches.append(_build_chain(list(br), nested, f, names, preds))
+        chain.blocks[j] = _Block(f, j, branches)
+    for k, i in enumerate(layers):
+        if i in chain.blocks:
+            blk = chain.blocks[i]
+            want = {br.layers[-1] for br in blk.branches if br is not None}
+            if any(br is None for br in blk.branches):
+                want.add(blk.fork)
+        elif k > 0:
+            want = {layers[k - 1]}
+        else:
+            want = set() if entry is None else {entry}
+        if set(preds[i]) != want:
+            extra = sorted(names[p] for p in set(preds[i]) ^ want)
+            raise ValueError(f"unsupported branch shape at layer {names[i]!r}: its inputs "
+                             f"{sorted(names[p] for p in preds[i])} are not the previous layer of "
+                             f"a chain or the branches of one block (mismatch: {extra})")
+    return chain
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where one layer runs: ``gpus`` ranks ``ranks`` (contiguous), the sample range
+    ``[lo, hi)`` of the global batch each of them processes, and its predicted costs."""
+
+    layer: str
+    gpus: int
+    ranks: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    comp_us: float
+    comm_us: float
+    sync_us: float
+    amp: float
+    parallel: bool = False
+
+
+@dataclass(frozen=True)
+class BurstPlan(Plan):
+    """A burst-parallel plan: per-layer placement, predicted iteration time and GPU-sec, and the
+    data-parallel baseline under the same cost model. ``parallel_branches`` lists the
+    ``(join layer, branch index)`` of branches run on GPUs of their own."""
+
+    world: int
+    batch: int
+    amp_limit: float
+    algorithm: str
+    layers: tuple[LayerPlacement, ...]
+    parallel_branches: tuple[tuple[str, int], ...]
+    time_us: float
+    gpu_sec_us: float
+    dp_time_us: float
+    dp_gpu_sec_us: float
+    single_gpu_us: float
+    fallback: bool = False
+
+    @property
+    def is_data_parallel(self) -> bool:
+        """Every layer on all GPUs."""
+        return all(l.gpus == self.world for l in self.layers)
+
+    def layer(self, name: str) -> LayerPlacement:
+        """The placement of layer ``name``."""
+        for l in self.layers:
+            if l.layer == name:
+                return l
+        raise KeyError(f"BurstPlan has no layer {name!r}")
+
+    def summary(self) -> str:
+        kind = "data parallel" if self.is_data_parallel else "burst"
+        speed = self.dp_time_us / self.time_us if self.time_us > 0 else 1.0
+        return (f"{kind} on {self.world} GPUs, batch {self.batch}: predicted "
+                f"{self.time_us / 1e3:.3g} ms vs DP {self.dp_time_us / 1e3:.3g} ms "
+                f"({speed:.2f}x), GPU-sec amp {self.amplification:.2f} (limit {self.amp_limit:g})")
+
+    @property
+    def amplification(self) -> float:
+        """GPU-sec of the plan over the single-GPU iteration time."""
+        return self.gpu_sec_us / self.single_gpu_us if self.single_gpu_us > 0 else 1.0
+
+    def table(self) -> str:
+        """Per-layer GPUs, ranks, comp/comm/sync µs and amplification, then the totals."""
+        from tidal.compiler.table import format_table
+
+        rows = [[l.layer, l.gpus, f"{l.ranks[0]}-{l.ranks[-1]}", round(l.comp_us, 1),
+                 round(l.comm_us, 1), round(l.sync_us, 1), round(l.amp, 2),
+                 "yes" if l.parallel else ""] for l in self.layers]
+        text = format_table(["layer", "GPUs", "ranks", "comp us", "comm us", "sync us", "amp",
+                             "parallel"], rows)
+        dp_amp = self.dp_gpu_sec_us / self.single_gpu_us if self.single_gpu_us > 0 else 1.0
+        lines = [text,
+                 f"predicted iteration: {self.time_us:.1f} us (GPU-sec amp "
+                 f"{self.amplification:.2f}, limit {self.amp_limit:g}, {self.algorithm} search)",
+                 f"data parallel:       {self.dp_time_us:.1f} us (GPU-sec amp {dp_amp:.2f}); "
+                 f"speedup {self.dp_time_us / max(self.time_us, 1e-12):.3f}x"]
+        if self.fallback:
+            lines.append("the search could not beat data parallelism: plan is data parallel")
+        return "\n".join(lines)
+
+    def svg(self, width: int = 720) -> str:
+        """A bar chart of GPUs per layer (DeepPool's Figure 5 view) as SVG text."""
+        n = len(self.layers)
+        h, top, left = 220, 20, 40
+        bar = max(1.0, (width - left - 10) / max(n, 1))
+        scale = (h - top - 30) / max(self.world, 1)
+        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+                 f'font-family="sans-serif" font-size="10">',
+                 f'<text x="{left}" y="12">GPUs per layer (of {self.world}); predicted '
+                 f'{self.time_us:.0f} us vs DP {self.dp_time_us:.0f} us</text>',
+                 f'<line x1="{left}" y1="{h - 30}" x2="{width - 10}" y2="{h - 30}" stroke="#000"/>',
+                 f'<text x="2" y="{top + 8}">{self.world}</text>',
+                 f'<text x="2" y="{h - 32}">0</text>']
+        for k, l in enumerate(self.layers):
+            bh = l.gpus * scale
+            color = "#d95f02" if l.parallel else "#1b9e77"
+            parts.append(f'<rect x="{left + k * bar:.2f}" y="{h - 30 - bh:.2f}" '
+                         f'width="{max(bar - 1, 0.5):.2f}" height="{bh:.2f}" fill="{color}">'
+                         f'<title>{html.escape(l.layer)}: {l.gpus} GPUs</title></rect>')
+        parts.append(f'<text x="{left}" y="{h - 12}">layers in execution order '
+                     f'(orange: branch on GPUs of its own)</text></svg>')
+        return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _amp(p: BurstProblem, i: int, k: int, t: float, amp_min_us: float) -> float:
+    c1 = p.comp[i, 0]
+    return 0.0 if c1 <= amp_min_us else t * p.counts[k] / max(c1, 1e-12)
+
+
+@dataclass
+class _Eval:
+    counts: np.ndarray
+    parallel: set
+    comm: np.ndarray
+    time: float = 0.0
+
+
+def _eval_chain(p: BurstProblem, chain: _Chain, ev: _Eval, entry) -> float:
+    t = 0.0
+    prev = None
+    for pos, i in enumerate(chain.layers):
+        k = ev.counts[i]
+        if pos == 0:
+            comm = 0.0 if entry is None else p.comm(entry[0], entry[2])[entry[1], k]
+        elif i in chain.blocks:
+            comm = 0.0
+            t += _eval_block(p, chain.blocks[i], ev)
+        else:
+            comm = p.comm(prev)[ev.counts[prev], k]
+        ev.comm[i] = comm
+        t += comm + p.comp[i, k] + p.sync[i, k]
+        prev = i
+    return t
+
+
+def _eval_block(p: BurstProblem, blk: _Block, ev: _Eval) -> float:
+    kf, kj = ev.counts[blk.fork], ev.counts[blk.join]
+    serial, par = 0.0, 0.0
+    for b, br in enumerate(blk.branches):
+        if br is None:
+            serial += p.comm(blk.fork)[kf, kj]
+            continue
+        kind = "disjoint" if (blk.join, b) in ev.parallel else "overlap"
+        t = _eval_chain(p, br, ev, (blk.fork, kf, kind))
+        t += p.comm(br.layers[-1], kind)[ev.counts[br.layers[-1]], kj]
+        if kind == "disjoint":
+            par = max(par, t)
+        else:
+            serial += t
+    return max(serial, par)
+
+
+def evaluate(problem: BurstProblem, counts: Sequence[int],
+             parallel: Iterable[tuple[int, int]] = ()) -> tuple[float, np.ndarray]:
+    """Predicted iteration time (µs) of a plan given as count *indices* per layer and the
+    ``(join index, branch index)`` pairs run on GPUs of their own, and each layer's incoming
+    communication time. An independent re-computation of the time model the search uses."""
+    ev = _Eval(np.asarray(counts, dtype=np.int64), set(parallel), np.zeros(len(problem.names)))
+    return _eval_chain(problem, problem.top, ev, None), ev.comm
+
+
+def _assign(p: BurstProblem, counts: np.ndarray, parallel: set) -> np.ndarray:
+    """First rank of each layer: serial layers start at their parent's offset; the branches of a
+    block on GPUs of their own come after the GPUs the branches that stay use."""
+    offset = np.zeros(len(p.names), dtype=np.int64)
+
+    def walk(chain: _Chain, base: int) -> int:
+        """Place ``chain`` from rank ``base``; return how many GPUs it spans."""
+        span = 0
+        for i in chain.layers:
+            offset[i] = base
+            span = max(span, int(p.counts[counts[i]]))
+        for blk in chain.blocks.values():
+            used = 0  # GPUs of the branches that run one after another (fork/join run apart)
+            for b, br in enumerate(blk.branches):
+                if br is not None and (blk.join, b) not in parallel:
+                    used = max(used, walk(br, base))
+            nxt = base + used
+            for b, br in enumerate(blk.branches):
+                if br is not None and (blk.join, b) in parallel:
+                    nxt += walk(br, nxt)
+            span = max(span, nxt - base)
+        return span
+
+    walk(p.top, 0)
+    return offset
+
+
+def plan_from_counts(problem: BurstProblem, counts: Union[Mapping[str, int], Sequence[int]],
+                     parallel: Iterable[tuple[str, int]] = (), *, amp_limit: float = 2.0,
+                     algorithm: str = "given", amp_min_us: float = 0.0) -> BurstPlan:
+    """A :class:`BurstPlan` for GPU ``counts`` chosen by hand (per layer, by name or in layer
+    order; each one of ``problem.counts``) with the branches ``parallel`` (``(join name,
+    branch index)``) on GPUs of their own. Raises ``ValueError`` for a count that is not a
+    candidate or a placement that needs more than ``G`` GPUs."""
+    p = problem
+    if isinstance(counts, Mapping):
+        missing = [n for n in p.names if n not in counts]
+        if missing:
+            raise ValueError(f"plan_from_counts: no GPU count for layer {missing[0]!r}")
+        values = [counts[n] for n in p.names]
+    else:
+        values = list(counts)
+        if len(values) != len(p.names):
+            raise ValueError(f"plan_from_counts: {len(values)} counts for {len(p.names)} layers")
+    index = {int(c): k for k, c in enumerate(p.counts)}
+    ks = []
+    for n, v in zip(p.names, values):
+        if v not in index:
+            raise ValueError(f"plan_from_counts: layer {n!r} on {v!r} GPUs; candidates are "
+                             f"{tuple(index)}")
+        ks.append(index[v])
+    joins = {p.names[j]: (j, blk) for j, blk in _all_blocks(p.top)}
+    par = set()
+    for name, b in parallel:
+        if name not in joins or not 0 <= b < len(joins[name][1].branches) \
+                or joins[name][1].branches[b] is None:
+            raise ValueError(f"plan_from_counts: parallel branch ({name!r}, {b}) is not a "
+                             f"non-empty branch of a block joining at {name!r}")
+        par.add((joins[name][0], b))
+    return _make_plan(p, np.array(ks), par, amp_limit, algorithm, amp_min_us)
+
+
+def _all_blocks(chain: _Chain):
+    for j, blk in chain.blocks.items():
+        yield j, blk
+        for br in blk.branches:
+            if br is not None:
+                yield from _all_blocks(br)
+
+
+def _make_plan(p: BurstProblem, ks: np.ndarray, par: set, amp_limit: float, algorithm: str,
+               amp_min_us: float, fallback: bool = False) -> BurstPlan:
+    time, comm = evaluate(p, ks, par)
+    offset = _assign(p, ks, par)
+    G, B = p.gpus, p.batch
+    in_parallel = _parallel_layers(p, par)
+    layers = []
+    gpu_sec = 0.0
+    splits: dict[int, tuple[tuple[int, int], ...]] = {}
+    for i, name in enumerate(p.names):
+        g = int(p.counts[ks[i]])
+        if offset[i] + g > G:
+            raise ValueError(f"layer {name!r}: placed on ranks {offset[i]}..{offset[i] + g - 1}, "
+                             f"beyond the {G} GPUs (too many branches in parallel)")
+        t = comm[i] + p.comp[i, ks[i]] + p.sync[i, ks[i]]
+        gpu_sec += t * g
+        layers.append(LayerPlacement(
+            layer=name, gpus=g, ranks=tuple(range(int(offset[i]), int(offset[i]) + g)),
+            ranges=splits[g] if g in splits else splits.setdefault(g, split_batch(B, g)),
+            comp_us=float(p.comp[i, ks[i]]), comm_us=float(comm[i]),
+            sync_us=float(p.sync[i, ks[i]]), amp=float(_amp(p, i, ks[i], t, amp_min_us)),
+            parallel=i in in_parallel))
+    dp_time, dp_comm = evaluate(p, np.full(len(p.names), len(p.counts) - 1))
+    dp_sec = float(np.sum((dp_comm + p.comp[:, -1] + p.sync[:, -1]) * G))
+    return BurstPlan(
+        world=G, batch=B, amp_limit=float(amp_limit), algorithm=algorithm, layers=tuple(layers),
+        parallel_branches=tuple(sorted((p.names[j], b) for j, b in par)),
+        time_us=float(time), gpu_sec_us=float(gpu_sec), dp_time_us=float(dp_time),
+        dp_gpu_sec_us=dp_sec, single_gpu_us=float(np.sum(p.comp[:, 0])), fallback=fallback)
+
+
+def _members(chain: _Chain) -> Iterable[int]:
+    yield from chain.layers
+    for blk in chain.blocks.values():
+        for br in blk.branches:
+            if br is not None:
+                yield from _members(br)
+
+
+def _parallel_layers(p: BurstProblem, par: set) -> set:
+    out: set = set()
+    for j, blk in _all_blocks(p.top):
+        for b, br in enumerate(blk.branches):
+            if (j, b) in par:
+                out |= set(_members(br))
+    return out
+
+
+# --------------------------------------------------------------------------- the search
+
+
+@dataclass(eq=False)
+class _Tables:
+    """A chain's DP over an outer index ``h`` (the fork's count, or one row at top level)."""
+
+    backs: list  # per position: (H, K) best previous count index (None at position 0)
+    S: np.ndarray  # (H, K) shortest time to finish the chain's last layer on counts[k]
+    amp: np.ndarray  # (H, K) amplification of the last layer's state (paper rule)
+    cap: int  # largest count index the chain may use
+    out_back: Optional[np.ndarray] = None  # (H, Kjoin) last layer's count into the join
+
+
+@dataclass(eq=False)
+class _BlockResult:
+    tr: np.ndarray  # (K, K) block time fork h -> join g
+    serial: dict  # (branch, cap) -> _Tables of the branch on the fork's GPUs
+    par: dict  # (branch, cap) -> _Tables of the branch on GPUs of its own
+    cap: np.ndarray  # (nb, K, K) cap index each branch was searched with
+    flags: np.ndarray  # (nb, K, K) branch b runs on GPUs of its own
+
+
+class _Search:
+    def __init__(self, p: BurstProblem, amp_limit: float, algorithm: str, amp_min_us: float,
+                 parallel_branches: bool):
+        self.p, self.limit, self.algo = p, amp_limit, algorithm
+        self.parallel = parallel_branches
+        c1 = p.comp[:, 0]
+        # per layer: factor turning T into Amp (0 where amplification is not checked)
+        self.ampf = np.where(c1[:, None] > amp_min_us,
+                             p.counts[None, :] / np.maximum(c1, 1e-12)[:, None], 0.0)
+        self.local = p.comp + p.sync
+        self.blocks: dict[tuple[int, int], _BlockResult] = {}
+
+    def step(self, S: np.ndarray, amp: np.ndarray, E: np.ndarray, C: Optional[np.ndarray],
+             i: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Best previous state per (h, g) over edges E (K', K): returns (best S, back)."""
+        if self.algo == "exact":
+            if i is not None and C is not None:
+                allowed = (C + self.local[i][None, :]) * self.ampf[i][None, :] <= self.limit
+                E = np.where(allowed, E, _INF)
+            cand = S[:, :, None] + E[None, :, :]
+            return cand.min(axis=1), cand.argmin(axis=1)
+        H, Kp = S.shape
+        Kn = E.shape[1]
+        bestS = np.full((H, Kn), _INF)
+        bestAmp = np.full((H, Kn), _INF)
+        back = np.zeros((H, Kn), dtype=np.int64)
+        for kp in range(Kp):  # Algorithm 1's scan over h, vectorised over (outer h, g)
+            s = S[:, kp, None] + E[None, kp, :]
+            a = amp[:, kp, None]
+            ok = (a <= np.maximum(bestAmp, self.limit)) & (s <= bestS)
+            bestS = np.where(ok, s, bestS)
+            back = np.where(ok, kp, back)
+            bestAmp = np.where(ok, np.minimum(bestAmp, a), bestAmp)
+        return bestS, back
+
+    def chain(self, chain: _Chain, entry: np.ndarray, cap: int) -> _Tables:
+        """DP over a chain whose first layer is reached by ``entry`` (H, K) comm times, using
+        counts up to index ``cap``."""
+        p = self.p
+        K = len(p.counts)
+        over = np.arange(K) > cap
+        backs: list = []
+        S = amp = None
+        prev = None
+        for pos, i in enumerate(chain.layers):
+            local = np.where(over, _INF, self.local[i])
+            if pos == 0:
+                C = entry
+                S = entry + local[None, :]
+                if self.algo == "exact":
+                    bad = (C + self.local[i][None, :]) * self.ampf[i][None, :] > self.limit
+                    S = np.where(bad, _INF, S)
+                backs.append(None)
+            else:
+                if i in chain.blocks:
+                    res = self.block(chain.blocks[i], cap)
+                    E, C = res.tr, np.zeros_like(res.tr)
+                else:
+                    E = C = p.comm(prev)
+                best, back = self.step(S, amp, E, C, i)
+                S = best + local[None, :]
+                C = C[back, np.arange(K)[None, :]]
+                backs.append(back)
+            amp = (C + self.local[i][None, :]) * self.ampf[i][None, :]
+            prev = i
+        return _Tables(backs, S, amp, cap)
+
+    def block(self, blk: _Block, cap: int) -> _BlockResult:
+        """Reduce a block to its transition matrix, using counts up to index ``cap``: the
+        branches that stay share up to counts[s] GPUs for s in (cap, cap-1, cap-2), each branch
+        moved to GPUs of its own gets up to counts[c] of the rest (c < cap)."""
+        key = (blk.join, cap)
+        if key not in self.blocks:
+            with np.errstate(invalid="ignore"):
+                self.blocks[key] = self._reduce(blk, cap)
+        return self.blocks[key]
+
+    def _branch(self, blk: _Block, b: int, cap: int, kind: str) -> tuple[_Tables, np.ndarray]:
+        p = self.p
+        br = blk.branches[b]
+        tab = self.chain(br, p.comm(blk.fork, kind), cap)
+        arrival, tab.out_back = self.step(tab.S, tab.amp, p.comm(br.layers[-1], kind), None, None)
+        return tab, arrival
+
+    def _reduce(self, blk: _Block, cap: int) -> _BlockResult:
+        p = self.p
+        K, counts = len(p.counts), p.counts
+        G = int(counts[cap])
+        nb = len(blk.branches)
+        caps = [c for c in (cap, cap - 1, cap - 2) if c >= 0] if self.parallel and nb > 1 \
+            else [cap]
+        serial: dict = {}
+        par: dict = {}
+        ts: dict = {}
+        tp: dict = {}
+        for b, br in enumerate(blk.branches):
+            for c in caps:
+                if br is None:
+                    ts[b, c] = p.comm(blk.fork)
+                    continue
+                serial[b, c], ts[b, c] = self._branch(blk, b, c, "overlap")
+                if c < cap:
+                    par[b, c], tp[b, c] = self._branch(blk, b, c, "disjoint")
+        best = np.full((K, K), _INF)
+        flags = np.zeros((nb, K, K), dtype=bool)
+        bcap = np.full((nb, K, K), cap)
+        for s in caps:  # GPUs the branches that stay may use
+            tsb = np.stack([ts[b, s] for b in range(nb)])
+            ser, pmax, pgpu = tsb.sum(axis=0), np.zeros((K, K)), np.zeros((K, K))
+            fl = np.zeros((nb, K, K), dtype=bool)
+            bc = np.full((nb, K, K), s)
+            order = np.argsort(-tsb, axis=0, kind="stable")
+            for pos in range(1, nb if s < cap else 1):  # the critical branch (pos 0) stays
+                b = order[pos]
+                t_ser = np.take_along_axis(tsb, b[None], 0)[0]
+                t_par, c_par = np.full((K, K), _INF), np.full((K, K), s)
+                for c in caps[1:]:  # branch on counts[c] GPUs of its own, if they fit
+                    cand = np.stack([tp.get((bb, c), np.full((K, K), _INF)) for bb in range(nb)])
+                    tc = np.take_along_axis(cand, b[None], 0)[0]
+                    tc = np.where(counts[s] + pgpu + counts[c] <= G, tc, _INF)
+                    better = tc < t_par
+                    t_par, c_par = np.where(better, tc, t_par), np.where(better, c, c_par)
+                new = np.maximum(ser - t_ser, np.maximum(pmax, t_par))
+                ok = np.isfinite(t_par) & (new < np.maximum(ser, pmax))
+                ser = np.where(ok, ser - t_ser, ser)
+                pmax = np.where(ok, np.maximum(pmax, t_par), pmax)
+                pgpu = np.where(ok, pgpu + counts[c_par], pgpu)
+                np.put_along_axis(fl, b[None], ok[None], axis=0)
+                np.put_along_axis(bc, b[None], np.where(ok, c_par, s)[None], axis=0)
+            total = np.maximum(ser, pmax)
+            better = total < best
+            best = np.where(better, total, best)
+            flags = np.where(better[None], fl, flags)
+            bcap = np.where(better[None], bc, bcap)
+        return _BlockResult(best, serial, par, bcap, flags)
+
+    # ---- backtracking
+
+    def backtrack(self, chain: _Chain, tab: _Tables, h: int, k: int, ks: np.ndarray,
+                  par: set) -> None:
+        for pos in range(len(chain.layers) - 1, -1, -1):
+            i = chain.layers[pos]
+            ks[i] = k
+            if pos == 0:
+                return
+            kp = int(tab.backs[pos][h, k])
+            if i in chain.blocks:
+                self.backtrack_block(chain.blocks[i], tab.cap, kp, k, ks, par)
+            k = kp
+
+    def backtrack_block(self, blk: _Block, cap: int, hf: int, gj: int, ks: np.ndarray,
+                        par: set) -> None:
+        res = self.blocks[blk.join, cap]
+        for b, br in enumerate(blk.branches):
+            if br is None:
+                continue
+            c = int(res.cap[b, hf, gj])
+            if res.flags[b, hf, gj]:
+                par.add((blk.join, b))
+                tab = res.par[b, c]
+            else:
+                tab = res.serial[b, c]
+            self.backtrack(br, tab, hf, int(tab.out_back[hf, gj]), ks, par)
+
+
+def plan_burst(problem: BurstProblem, amp_limit: float = 2.0, *, algorithm: str = "exact",
+               amp_min_us: float = 0.0, parallel_branches: bool = True) -> BurstPlan:
+    """The burst-parallel plan minimising predicted iteration time under ``amp_limit``.
+
+    ``algorithm``: ``"exact"`` (per-edge amplification check, an exact DP) or ``"paper"``
+    (Algorithm 1 as printed). ``amp_min_us``: layers whose single-GPU time is at most this are
+    not amplification-checked (DeepPool's code uses 300 µs). ``parallel_branches``: allow
+    branches on GPUs of their own. Falls back to data parallelism (``fallback=True``) when the
+    search does not beat it. Raises ``ValueError`` for ``amp_limit < 1`` or an unknown
+    algorithm."""
+    if isinstance(amp_limit, bool) or not isinstance(amp_limit, (int, float)) \
+            or not amp_limit >= 1:
+        raise ValueError(f"amp_limit={amp_limit!r}: the amplification limit must be >= 1")
+    if algorithm not in _ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r}: expected one of {_ALGORITHMS}")
+    p = problem
+    K = len(p.counts)
+    dp_ks = np.full(len(p.names), K - 1)
+    if K == 1:
+        return _make_plan(p, dp_ks, set(), amp_limit, algorithm, amp_min_us)
+    search = _Search(p, float(amp_limit), algorithm, float(amp_min_us), parallel_branches)
+    top = search.chain(p.top, np.zeros((1, K)), K - 1)
+    if algorithm == "exact":
+        final = top.S[0]
+        k = int(np.argmin(final))
+    else:  # check the last layer's amplification with a zero-cost step into a sink
+        _, back = search.step(top.S, top.amp, np.zeros((K, 1)), None, None)
+        final, k = top.S[0], int(back[0, 0])
+    ks = np.zeros(len(p.names), dtype=np.int64)
+    par: set = set()
+    if np.isfinite(final[k]):
+        search.backtrack(p.top, top, 0, k, ks, par)
+        dp_time, _ = evaluate(p, dp_ks)
+        if final[k] < dp_time * (1 - 1e-12):
+            return _make_plan(p, ks, par, amp_limit, algorithm, amp_min_us)
+    return _make_plan(p, dp_ks, set(), amp_limit, algorithm, amp_min_us, fallback=True)

@@ -1,0 +1,208 @@
+"""burst_parallel: the rewritten graph and its executor. In one process it is plain training;
+on 2 and 4 gloo ranks, for a chain and an Inception-style model and several plans (searched and
+hand-written), the loss and every parameter gradient equal the single-process global-batch run
+(float64, rtol=1e-5, atol=1e-6) and the parameters stay identical on every rank."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tidal
+from tidal.ir import collectives, cost, meta
+from tidal.ir.errors import PassError
+from tidal.passes.burst_parallel import BurstLayerMeta, BurstParallel, build_problem
+from tidal.passes.burst_planner import BurstPlan, plan_from_counts
+from tidal.runtime.distributed import spawn
+
+BATCH = 8
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc1 = nn.Linear(64, 32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = F.relu(self.c2(F.relu(self.c1(x))))
+        x = torch.flatten(self.pool(x), 1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class Branchy(nn.Module):
+    """Inception-style: a stem, a 3-branch block joined by cat, a residual block, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.b0 = nn.Conv2d(8, 4, 1)
+        self.b1_a = nn.Conv2d(8, 4, 1)
+        self.b1_b = nn.Conv2d(4, 6, 3, padding=1)
+        self.b2_pool = nn.MaxPool2d(3, stride=1, padding=1)
+        self.b2_conv = nn.Conv2d(8, 6, 1)
+        self.r = nn.Conv2d(16, 16, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        x = torch.cat([self.b0(x), self.b1_b(F.relu(self.b1_a(x))),
+                       self.b2_conv(self.b2_pool(x))], 1)
+        x = x + F.relu(self.r(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+MODELS = {"chain": Chain, "branchy": Branchy}
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(BATCH, 3, 6, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 10, (BATCH,), generator=g))
+
+
+def _cluster(gpus):
+    """A slow device, so the tiny test models' layers cost more than moving their samples."""
+    return tidal.Cluster(gpus=gpus, bandwidth_gbps=100, latency_us=5, peak_tflops=1e-4)
+
+
+def _hand_plan(model, x, gpus, spec):
+    """A plan written by hand: ``spec`` is ('cycle', counts) to give layers counts in turn, or
+    'branches' to run the branches of every block on GPUs of their own."""
+    gm = tidal.trace(model, (x,))
+    cost.annotate(gm, (x,))
+    problem = build_problem(gm, _cluster(gpus), BATCH)
+    if spec == "branches":  # branch 0 on half the GPUs, the others on one GPU each
+        counts = dict.fromkeys(problem.names, gpus)
+        parallel = []
+        for join, b in problem.branches():
+            if join.startswith("cat"):
+                for name in problem.branch_layers(join, b):
+                    counts[name] = max(1, gpus // 2) if b == 0 else 1
+                if 0 < b < gpus - gpus // 2 + 1:
+                    parallel.append((join, b))
+        return plan_from_counts(problem, counts, parallel)
+    cycle = [min(c, gpus) for c in spec[1]]
+    return plan_from_counts(problem, [cycle[i % len(cycle)] for i in range(len(problem.names))])
+
+
+def _compile(model, x, gpus, spec):
+    if spec == "auto":
+        p = BurstParallel(amp_limit=2.0, power_of_two=True)
+    else:
+        p = BurstParallel(plan=_hand_plan(model, x, gpus, spec).to_json())
+    return tidal.compile(model, (x,), passes=[p], cluster=_cluster(gpus), loss_fn=F.cross_entropy,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+
+
+def _equivalence(rank, size, cases):
+    torch.set_default_dtype(torch.float64)
+    out = []
+    for model_name, spec in cases:
+        torch.manual_seed(0)
+        model = MODELS[model_name]().double()
+        ref = copy.deepcopy(model)
+        x, y = _data()
+        compiled = _compile(model, x, size, spec)
+        plan = compiled.plan.get("burst_parallel")
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        for it in range(3):
+            loss = compiled.step((x,), y)
+            ref_opt.zero_grad()
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"{model_name} {spec} step {it}: loss")
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                           msg=f"{model_name} {spec} step {it}: grad of {name}")
+            ref_opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1)
+                                                    for p in ref.parameters()]),
+                                   rtol=1e-5, atol=1e-6)
+        out.append((flat.tolist(), [l.gpus for l in plan.layers], plan.parallel_branches))
+    return out
+
+
+CASES = [("chain", "auto"), ("chain", ("cycle", [4, 1, 2])), ("chain", ("cycle", [1, 4])),
+         ("branchy", "auto"), ("branchy", ("cycle", [2, 4, 1])), ("branchy", "branches")]
+
+
+def _check_ranks(size, cases):
+    results = spawn(_equivalence, size, cases, timeout_s=600)
+    for k, (model_name, spec) in enumerate(cases):
+        params = [r[k][0] for r in results]
+        for other in params[1:]:  # identical on every rank after 3 optimizer steps
+            assert other == params[0], (model_name, spec)
+        gpus = results[0][k][1]
+        if spec != "auto":  # hand-written plans really change the GPU count between layers
+            assert len(set(gpus)) > 1, (model_name, spec, gpus)
+        if spec == "branches":
+            assert results[0][k][2], "the branch plan runs branches on GPUs of their own"
+
+
+@pytest.mark.slow
+def test_two_ranks_match_single_process():
+    _check_ranks(2, [CASES[1], CASES[4], CASES[5]])
+
+
+@pytest.mark.slow
+def test_four_ranks_match_single_process():
+    _check_ranks(4, [CASES[0], CASES[1], CASES[4], CASES[5]])
+
+
+def test_one_process_is_plain_training_and_graph_is_rewritten():
+    torch.manual_seed(0)
+    model = Branchy().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    compiled = _compile(model, x, 4, ("cycle", [2, 4, 1]))
+    gm = compiled.graph_module
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert collectives.SCATTER in ops and collectives.GATHER in ops
+    marked = [meta.get_pass_meta(n, "burst_parallel") for n in gm.graph.nodes]
+    assert {m.gpus for m in marked if isinstance(m, BurstLayerMeta)} == {1, 2, 4}
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out_node.args[0].target == collectives.GATHER  # output gathered to every rank
+    assert torch.equal(compiled(x), ref(x))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(3):
+        loss = compiled.step((x,), y)
+        opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        opt.step()
+        assert torch.equal(loss, ref_loss.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_report_artifacts_replay_and_fallback():
+    torch.manual_seed(0)
+    model = Chain().double()
+    x, _ = _data()
+    compiled = tidal.compile(model, (x,), passes=[BurstParallel(amp_limit=1.0)],
+                             cluster=_cluster(4))  # forward-only compile still plans
+    plan = compiled.plan.get("burst_parallel")
+    assert isinstance(plan, BurstPlan) and plan.world == 4
+    record = compiled.records[-1]
+    assert record.artifacts["burst_plan.svg"].startswith("<svg")
+    assert "predicted iteration" in record.artifacts["burst_plan.txt"]
+    if plan.fallback:
+        assert any("running data parallel" in n for n in record.notes)
+    again = tidal.compile(model, (x,), passes=[BurstParallel(plan=plan)], cluster=_cluster(4))
+    assert again.plan.get("burst_parallel") == plan
+    with pytest.raises(PassError, match="saved plan is for 4 GPUs"):
+        tidal.compile(model, (x,), passes=[BurstParallel(plan=plan)], cluster=_cluster(2))
+    with pytest.raises(ValueError, match="amp_limit=0.5"):
+        BurstParallel(amp_limit=0.5)
+    with pytest.raises(PassError, match="not a power of two"):
+        tidal.compile(model, (x,), passes=[BurstParallel()], cluster=_cluster(6))
+    with pytest.raises(PassError, match="batch of 8.*smaller than the 16 GPUs|global batch"):
+        tidal.compile(model, (x,), passes=[BurstParallel()], cluster=_cluster(16))

@@ -1,0 +1,237 @@
+"""The burst-parallel planner: exact against exhaustive search, amplification limit respected,
+never worse than data parallelism, and bad input rejected. Pure numpy, no model, no device."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tidal.ir.plan import Plan
+from tidal.passes.burst_planner import (BurstPlan, BurstProblem, allreduce_us, candidate_counts,
+                                        evaluate, per_gpu_batch, plan_burst, plan_from_counts)
+
+BW, LAT = 2000.0, 5.0
+
+
+def _costs(rng, L, counts, batch, poor_scaling=False):
+    """Sublinear scaling: a per-sample part, a fixed part, and a ring all-reduce (with
+    ``poor_scaling``: large fixed parts and no parameters, so branches side by side pay)."""
+    per_sample = rng.uniform(5, 200, L)
+    fixed = rng.uniform(0, 150, L) * (10 if poor_scaling else 1)
+    params = rng.choice([0.0, 1e3, 1e5, 1e6], L) * (0 if poor_scaling else 1)
+    pb = np.array([per_gpu_batch(batch, c) for c in counts])
+    comp = per_sample[:, None] * pb[None, :] + fixed[:, None]
+    sync = np.array([[allreduce_us(b, c, BW, LAT) for c in counts] for b in params])
+    act = rng.choice([16.0, 1e3, 3e4], L)
+    return comp, sync, act
+
+
+def _chain(rng, L, gpus=4, batch=8):
+    counts = candidate_counts(gpus)
+    comp, sync, act = _costs(rng, L, counts, batch)
+    names = [f"l{i}" for i in range(L)]
+    preds = [()] + [(i - 1,) for i in range(1, L)]
+    return BurstProblem(names, preds, comp, sync, act, counts, batch, BW, LAT)
+
+
+def _branchy(rng, branch_lens, nested=False, gpus=4, batch=8, poor_scaling=False):
+    """stem -> fork -> branches (lengths, 0 = skip) -> join(cat) -> head; with ``nested`` the
+    first branch holds a fork/join block of its own."""
+    names, preds = ["stem"], [()]
+
+    def add(name, ps):
+        names.append(name)
+        preds.append(tuple(ps))
+        return len(names) - 1
+
+    fork = add("fork", [0])
+    ends = []
+    for b, n in enumerate(branch_lens):
+        prev = fork
+        for k in range(n):
+            prev = add(f"b{b}_{k}", [prev])
+            if nested and b == 0 and k == 0:
+                x = add("n_a", [prev])
+                y = add("n_b", [prev])
+                prev = add("n_join", [x, y])
+        ends.append(prev)
+    join = add("join", ends)
+    add("head", [join])
+    counts = candidate_counts(gpus)
+    comp, sync, act = _costs(rng, len(names), counts, batch, poor_scaling)
+    return BurstProblem(names, preds, comp, sync, act, counts, batch, BW, LAT)
+
+
+def _exhaustive(p, limit, parallel=frozenset()):
+    """Min predicted time over every assignment of counts whose layers all respect the limit."""
+    best = np.inf
+    for ks in itertools.product(range(len(p.counts)), repeat=len(p.names)):
+        t, comm = evaluate(p, ks, parallel)
+        amp = (comm + p.comp[np.arange(len(ks)), ks] + p.sync[np.arange(len(ks)), ks]) \
+            * p.counts[list(ks)] / p.comp[:, 0]
+        if np.all(amp <= limit) and t < best:
+            best = t
+    return best
+
+
+def _dp_time(p):
+    return evaluate(p, [len(p.counts) - 1] * len(p.names))[0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_chain_dp_equals_exhaustive_search(seed):
+    rng = np.random.default_rng(seed)
+    p = _chain(rng, L=int(rng.integers(2, 6)))
+    limit = float(rng.choice([1.0, 1.3, 2.0, 4.0]))
+    plan = plan_burst(p, limit)
+    expected = min(_exhaustive(p, limit), _dp_time(p))
+    assert plan.time_us == pytest.approx(expected, rel=1e-9)
+    assert plan.time_us <= plan.dp_time_us * (1 + 1e-12)
+    if not plan.fallback:
+        assert all(l.amp <= limit + 1e-9 for l in plan.layers)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_branchy_dp_equals_exhaustive_search_serial(seed):
+    rng = np.random.default_rng(100 + seed)
+    lens = [int(v) for v in rng.integers(0, 3, size=int(rng.integers(2, 4)))]
+    lens[0] = max(lens[0], 1)
+    nested = seed % 2 == 1
+    size = 3 + sum(lens) + 3 * nested
+    p = _branchy(rng, lens, nested=nested, gpus=4 if size <= 8 else 2)
+    limit = float(rng.choice([1.5, 2.0, 3.0]))
+    plan = plan_burst(p, limit, parallel_branches=False)
+    assert plan.parallel_branches == ()
+    expected = min(_exhaustive(p, limit), _dp_time(p))
+    assert plan.time_us == pytest.approx(expected, rel=1e-9)
+    if not plan.fallback:
+        assert all(l.amp <= limit + 1e-9 for l in plan.layers)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_parallel_branches_never_hurt_and_fit(seed):
+    _check_parallel(seed)
+
+
+def _check_parallel(seed):
+    rng = np.random.default_rng(200 + seed)
+    p = _branchy(rng, [3, 2, 2, 1], gpus=8, batch=16, poor_scaling=seed % 2 == 0)
+    serial = plan_burst(p, 3.0, parallel_branches=False)
+    plan = plan_burst(p, 3.0)
+    assert plan.time_us <= serial.time_us * (1 + 1e-12)
+    assert plan.time_us <= plan.dp_time_us * (1 + 1e-12)
+    assert all(l.ranks[-1] < p.gpus for l in plan.layers)
+    serial_ranks = {r for l in plan.layers if l.layer.startswith("b") and not l.parallel
+                    for r in l.ranks}
+    for l in plan.layers:
+        if l.parallel:  # a branch on GPUs of its own shares none with the branches that stay
+            assert serial_ranks.isdisjoint(l.ranks)
+        if not plan.fallback:
+            assert l.amp <= 3.0 + 1e-9
+    return bool(plan.parallel_branches)
+
+
+def test_parallel_branches_are_used_on_poorly_scaling_blocks():
+    assert sum(_check_parallel(s) for s in range(0, 10, 2)) >= 2
+
+
+def test_parallel_branch_chosen_when_it_pays():
+    # two equal heavy branches, cheap transfers: running them side by side halves the block
+    counts = candidate_counts(4)
+    names = ["stem", "fork", "a", "b", "join"]
+    preds = [(), (0,), (1,), (1,), (2, 3)]
+    comp = np.array([[10, 10, 10], [10, 10, 10], [1000, 500, 450], [1000, 500, 450],
+                     [10, 10, 10]], dtype=float)
+    sync = np.zeros((5, 3))
+    p = BurstProblem(names, preds, comp, sync, np.ones(5), counts, 8, 1e6, 0.0)
+    plan = plan_burst(p, 1.1)
+    assert plan.parallel_branches == (("join", 1),), plan.table()
+    assert [l.gpus for l in plan.layers if l.layer in "ab"] == [2, 2]
+    ranks = {l.layer: l.ranks for l in plan.layers}
+    assert set(ranks["a"]).isdisjoint(ranks["b"])
+    assert plan.time_us < plan_burst(p, 1.1, parallel_branches=False).time_us
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_paper_algorithm_matches_exact_when_limit_does_not_bind(seed):
+    rng = np.random.default_rng(300 + seed)
+    p = _chain(rng, L=4)
+    exact = plan_burst(p, 1e9)
+    paper = plan_burst(p, 1e9, algorithm="paper")
+    assert paper.time_us == pytest.approx(exact.time_us, rel=1e-9)
+    assert paper.time_us == pytest.approx(min(_exhaustive(p, np.inf), _dp_time(p)), rel=1e-9)
+    bound = plan_burst(p, 1.5, algorithm="paper")
+    assert bound.time_us >= plan_burst(p, 1.5).time_us * (1 - 1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), L=st.integers(1, 8), gpus=st.sampled_from([2, 4, 8]),
+       limit=st.floats(1.0, 5.0), algorithm=st.sampled_from(["exact", "paper"]))
+def test_plan_invariants(seed, L, gpus, limit, algorithm):
+    p = _chain(np.random.default_rng(seed), L, gpus=gpus, batch=16)
+    plan = plan_burst(p, limit, algorithm=algorithm)
+    assert plan.time_us <= plan.dp_time_us * (1 + 1e-12)
+    assert plan.time_us == pytest.approx(evaluate(p, [list(p.counts).index(l.gpus)
+                                                      for l in plan.layers])[0])
+    for l in plan.layers:
+        assert sum(hi - lo for lo, hi in l.ranges) == 16 and len(l.ranges) == l.gpus
+    if algorithm == "exact" and not plan.fallback:
+        assert all(l.amp <= limit + 1e-9 for l in plan.layers)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_one_gpu_and_no_amplification_give_data_parallelism():
+    rng = np.random.default_rng(7)
+    one = _chain(rng, 5, gpus=1, batch=4)
+    plan = plan_burst(one, 2.0)
+    assert plan.is_data_parallel and [l.gpus for l in plan.layers] == [1] * 5
+    # realistic scaling (data parallelism beats one GPU): amp_limit=1 leaves only DP
+    p = _chain(np.random.default_rng(8), 6, gpus=8, batch=32)
+    assert _dp_time(p) < evaluate(p, [0] * 6)[0]
+    plan = plan_burst(p, 1.0)
+    assert plan.is_data_parallel and plan.fallback
+    assert plan.time_us == plan.dp_time_us
+
+
+def test_plan_table_svg_and_hand_written_plan():
+    rng = np.random.default_rng(9)
+    p = _branchy(rng, [2, 1], gpus=4)
+    plan = plan_from_counts(p, {"stem": 4, "fork": 2, "b0_0": 2, "b0_1": 1, "b1_0": 2,
+                                "join": 4, "head": 1}, parallel=[("join", 1)])
+    assert plan.parallel_branches == (("join", 1),)
+    assert plan.layer("b1_0").ranks == (2, 3) and plan.layer("b0_0").ranks == (0, 1)
+    assert plan.layer("head").ranges == ((0, 8),)
+    text = plan.table()
+    assert "b1_0" in text and "data parallel" in text and "predicted iteration" in text
+    assert plan.svg().startswith("<svg") and plan.svg().count("<rect") == len(p.names)
+    assert isinstance(BurstPlan.from_json(plan.to_json()), BurstPlan)
+    assert "GPUs" in plan.summary()
+
+
+def test_bad_input_is_a_clear_value_error():
+    rng = np.random.default_rng(1)
+    p = _chain(rng, 3)
+    with pytest.raises(ValueError, match="amp_limit=0.5"):
+        plan_burst(p, 0.5)
+    with pytest.raises(ValueError, match="algorithm='greedy'"):
+        plan_burst(p, 2.0, algorithm="greedy")
+    with pytest.raises(ValueError, match="gpus=6: not a power of two"):
+        candidate_counts(6)
+    assert candidate_counts(6, power_of_two=False) == (1, 2, 3, 4, 5, 6)
+    comp, sync, act = _costs(rng, 3, (1, 2, 4), 8)
+    with pytest.raises(ValueError, match="batch=2"):
+        BurstProblem(["a", "b", "c"], [(), (0,), (1,)], comp, sync, act, (1, 2, 4), 2, BW, LAT)
+    with pytest.raises(ValueError, match="'a' reads 'c'.*cycle"):
+        BurstProblem(["a", "b", "c"], [(2,), (0,), (1,)], comp, sync, act, (1, 2, 4), 8, BW, LAT)
+    with pytest.raises(ValueError, match="2 output layers"):
+        BurstProblem(["a", "b", "c"], [(), (0,), (0,)], comp, sync, act, (1, 2, 4), 8, BW, LAT)
+    comp4, sync4, act4 = _costs(rng, 4, (1, 2, 4), 8)
+    with pytest.raises(ValueError, match="unsupported branch shape"):
+        # d reads a and c: a skip around two layers that is not one fork/join block of a chain
+        BurstProblem(list("abcd"), [(), (0,), (1,), (0, 2, 1)], comp4, sync4, act4, (1, 2, 4),
+                     8, BW, LAT)
+    with pytest.raises(ValueError, match="comp=.*shape"):
+        BurstProblem(["a", "b", "c"], [(), (0,), (1,)], comp[:2], sync, act, (1, 2, 4), 8, BW,
+                     LAT)
+    with pytest.raises(ValueError, match="layer 'l1' on 3 GPUs"):
+        plan_from_counts(p, [1, 3, 1])
