@@ -117,9 +117,33 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
         if needs:
             raise PassError(f"pass {needs[0]!r} transforms training: give loss_fn and optimizer")
     if isinstance(passes, str) and passes == "auto":
-        selected = [p for p in selected if p.applies(gm, ctx)]
+        selected = _first_of_each_exclusive([p for p in selected if p.applies(gm, ctx)])
+    _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
     return Compiled(model, gm, records + pass_records, ctx)
+
+
+def _first_of_each_exclusive(passes: Sequence[Pass]) -> list[Pass]:
+    """Keep, of passes sharing an ``exclusive`` tag, only the first."""
+    seen: set[str] = set()
+    out = []
+    for p in passes:
+        if p.exclusive and p.exclusive in seen:
+            continue
+        seen.add(p.exclusive)
+        out.append(p)
+    return out
+
+
+def _check_exclusive(passes: Sequence[Pass]) -> None:
+    """Raise ``PassError`` when two selected passes are alternatives to each other."""
+    by_tag: dict[str, str] = {}
+    for p in passes:
+        if p.exclusive and p.exclusive in by_tag:
+            raise PassError(f"passes {by_tag[p.exclusive]!r} and {p.name!r} are alternatives "
+                            f"({p.exclusive}); select one of them")
+        if p.exclusive:
+            by_tag[p.exclusive] = p.name
 
 
 def _cost_note(gm, batch: int) -> str:

@@ -93,13 +93,16 @@ class Pass:
 
     ``requires`` runs before the pass and ``ensures`` after it; each raises ``PassError`` (use
     ``self.fail(msg)``) when its condition does not hold. Constructor keyword arguments are the
-    pass's options.
+    pass's options. ``training_only`` passes need ``loss_fn``. Passes with the same non-empty
+    ``exclusive`` tag are alternatives (e.g. ways to parallelize the whole step): at most one
+    may be selected, and ``passes="auto"`` keeps the first that applies.
     """
 
     name: ClassVar[str] = ""
     after: ClassVar[tuple[str, ...]] = ()
     before: ClassVar[tuple[str, ...]] = ()
     training_only: ClassVar[bool] = False
+    exclusive: ClassVar[str] = ""
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         """Check the pass's preconditions on the incoming graph; default: none."""

@@ -15,8 +15,10 @@ from typing import Mapping
 
 from tidal.ir.pass_api import Pass
 from tidal.passes.burst_parallel import BurstParallel
+from tidal.passes.round_robin import RoundRobin
+from tidal.passes.tick_tock import TickTock
 
-_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel,)
+_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel, TickTock, RoundRobin)
 
 
 def registry() -> Mapping[str, type[Pass]]:

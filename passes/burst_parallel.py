@@ -151,6 +151,7 @@ class BurstParallel(Pass):
     where the count changes, per-layer gradient sync on the layer's ranks."""
 
     name = PASS_NAME
+    exclusive = "parallelism"
 
     def __init__(self, amp_limit: float = 2.0, power_of_two: bool = True,
                  plan: Union[BurstPlan, str, None] = None, algorithm: str = "exact",

@@ -113,3 +113,16 @@ def test_executor_of_a_pass_runs_forward_and_step():
     torch.testing.assert_close(compiled(x), 3 * model(x))
     compiled.step((x,), torch.tensor([0, 1]))
     assert calls == ["forward", "step"]
+
+
+def test_alternative_passes_cannot_be_combined_and_auto_keeps_the_first():
+    model = ZOO["vgg16_small"]()
+    x, y = model.example_inputs(8), model.example_targets(8)
+    kw = dict(loss_fn=model.default_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+              cluster=tidal.Cluster(gpus=2))
+    with pytest.raises(tidal.PassError, match="alternatives"):
+        tidal.compile(model, x, passes=["burst_parallel", "tick_tock"], **kw)
+    compiled = tidal.compile(model, x, passes="auto", **kw)
+    chosen = [r.name for r in compiled.records[2:]
+              if getattr(tidal.passes().get(r.name), "exclusive", "") == "parallelism"]
+    assert chosen == ["burst_parallel"]

@@ -1,0 +1,274 @@
+"""Schedules as explicit data: a list of actions per rank that a runtime executes.
+
+An ``Action`` is one thing a rank does in one lane (a stream, or a thread on the CPU backend):
+a forward ``F`` or backward ``B`` of a (partition, batch) in a wave, a weight switch ``S``
+(loading a partition), an activation transfer ``X``, an all-reduce ``A`` or an optimizer update
+``U``, each with a predicted start and duration. Actions print compactly: ``T:F0`` is the tick
+wave's forward of batch 0, ``K:B1`` the tock wave's backward of batch 1, ``F2,1`` the forward of
+partition 2 on batch 1, ``S2`` loading partition 2, ``A2`` all-reducing it.
+
+A ``Schedule`` is a ``Plan`` (exact JSON round trip) with checks: no rank does two things at
+once in one lane, every (partition, batch) is run exactly once forward and once backward, and
+dependencies hold (a partition's forward after the previous partition's forward of the same
+batch, backward after the next partition's backward and after its own forward).
+``gantt_svg()`` draws it per rank. ``split_batch`` cuts a global batch into the schedule's
+equal batches.
+
+Example:
+    >>> from tidal.ir.schedule import Action, Schedule
+    >>> s = Schedule(name="toy", ranks=((Action("F", 0, start_us=0, dur_us=1),
+    ...                                   Action("B", 0, start_us=1, dur_us=2)),),
+    ...              partitions=1, batches=1)
+    >>> print(s.table())
+    toy: 1 rank(s), 1 partition(s), 1 batch(es), makespan 3 us
+    rank 0: F0 B0
+    >>> s.check()
+    >>> Schedule.from_json(s.to_json()) == s
+    True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from tidal.ir.errors import PlanError
+from tidal.ir.plan import Plan
+
+_KINDS = ("F", "B", "S", "X", "A", "U")
+_COLORS = {"F": "#6baed6", "B": "#fd8d3c", "S": "#969696", "X": "#bcbddc", "A": "#74c476",
+           "U": "#fdd0a2"}
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank: ``kind`` in F/B/S/X/A/U, the ``batch`` (or iteration) and
+    ``partition`` it works on, the ``wave`` (``T`` tick, ``K`` tock, '' none), the ``lane`` it
+    runs in (concurrent lanes of one rank may overlap), and its predicted ``start_us`` and
+    ``dur_us``."""
+
+    kind: str
+    batch: int = 0
+    partition: int = 0
+    wave: str = ""
+    lane: str = ""
+    start_us: float = 0.0
+    dur_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise PlanError(f"Action(kind={self.kind!r}): kind must be one of {_KINDS}")
+        if self.dur_us < 0:
+            raise PlanError(f"Action {self.kind}: dur_us={self.dur_us!r} is negative")
+
+    @property
+    def end_us(self) -> float:
+        """When the action ends."""
+        return self.start_us + self.dur_us
+
+    def label(self, partitioned: bool) -> str:
+        """The short name: ``T:F0``, ``F2,1``, ``S2``, ``A2``."""
+        prefix = f"{self.wave}:" if self.wave else ""
+        if self.kind in ("F", "B", "X"):
+            body = f"{self.partition},{self.batch}" if partitioned else f"{self.batch}"
+        elif self.kind in ("S", "A"):
+            body = f"{self.partition}" if partitioned else f"{self.batch}"
+        else:
+            body = f"{self.batch}"
+        return f"{prefix}{self.kind}{body}"
+
+
+@dataclass(frozen=True)
+class Schedule(Plan):
+    """Actions per rank (``ranks[i]`` in execution order) for ``partitions`` model partitions
+    and ``batches`` batches (or iterations). ``data_parallel``: every rank runs every
+    (partition, batch) on its own shard, so coverage is checked per rank. ``notes`` are
+    key/value facts the builder recorded (predicted times, switch counts)."""
+
+    name: str
+    ranks: tuple[tuple[Action, ...], ...]
+    partitions: int = 1
+    batches: int = 1
+    notes: tuple[tuple[str, float], ...] = ()
+    data_parallel: bool = False
+
+    @property
+    def makespan_us(self) -> float:
+        """End of the last action on any rank."""
+        return max((a.end_us for acts in self.ranks for a in acts), default=0.0)
+
+    def note(self, key: str, default: float = 0.0) -> float:
+        """A recorded fact by name."""
+        return dict(self.notes).get(key, default)
+
+    def summary(self) -> str:
+        return (f"{self.name}: {len(self.ranks)} ranks, {self.partitions} partitions, "
+                f"{self.batches} batches, makespan {self.makespan_us:.3g} us")
+
+    def line(self, rank: int) -> str:
+        """Rank ``rank``'s actions as one line (``T:F0 T:B0 K:F1 ...``)."""
+        part = self.partitions > 1
+        return " ".join(a.label(part) for a in self.ranks[rank])
+
+    def table(self) -> str:
+        head = (f"{self.name}: {len(self.ranks)} rank(s), {self.partitions} partition(s), "
+                f"{self.batches} batch(es), makespan {self.makespan_us:.3g} us")
+        rows = [f"rank {i}: {self.line(i)}" for i in range(len(self.ranks))]
+        extra = [f"  {k} = {v:.4g}" for k, v in self.notes]
+        return "\n".join([head, *rows, *extra])
+
+    def for_rank(self, rank: int, lane: str | None = None) -> tuple[Action, ...]:
+        """Rank ``rank``'s actions (only those of ``lane`` when given)."""
+        if not 0 <= rank < len(self.ranks):
+            raise PlanError(f"schedule {self.name!r} has no rank {rank} "
+                            f"({len(self.ranks)} ranks)")
+        acts = self.ranks[rank]
+        return acts if lane is None else tuple(a for a in acts if a.lane == lane)
+
+    # -- checks -------------------------------------------------------------------------
+    def check_no_overlap(self) -> None:
+        """Raise ``PlanError`` if a rank does two things at once in one lane."""
+        for r, acts in enumerate(self.ranks):
+            lanes: dict[str, list[Action]] = {}
+            for a in acts:
+                lanes.setdefault(a.lane, []).append(a)
+            for lane, items in lanes.items():
+                items = sorted(items, key=lambda a: (a.start_us, a.end_us))
+                for prev, cur in zip(items, items[1:]):
+                    if cur.start_us < prev.end_us - _EPS and cur.dur_us > 0 and prev.dur_us > 0:
+                        raise PlanError(
+                            f"schedule {self.name!r}: rank {r} lane {lane!r} runs "
+                            f"{cur.label(self.partitions > 1)} at {cur.start_us:.3g} us while "
+                            f"{prev.label(self.partitions > 1)} runs until {prev.end_us:.3g} us")
+
+    def check_coverage(self) -> None:
+        """Raise ``PlanError`` unless every (partition, batch) is run exactly once forward and
+        once backward over all ranks (on every rank for a data-parallel schedule)."""
+        groups = ([[r] for r in range(len(self.ranks))] if self.data_parallel
+                  else [list(range(len(self.ranks)))])
+        want = {(p, b) for p in range(self.partitions) for b in range(self.batches)}
+        for group in groups:
+            seen: dict[tuple[str, int, int], int] = {}
+            for r in group:
+                for a in self.ranks[r]:
+                    if a.kind not in ("F", "B"):
+                        continue
+                    key = (a.kind, a.partition, a.batch)
+                    if key in seen:
+                        raise PlanError(
+                            f"schedule {self.name!r}: {a.label(self.partitions > 1)} runs "
+                            f"twice (ranks {seen[key]} and {r})")
+                    seen[key] = r
+            for kind in ("F", "B"):
+                got = {(p, b) for (k, p, b) in seen if k == kind}
+                if got != want:
+                    where = f" on rank {group[0]}" if self.data_parallel else ""
+                    raise PlanError(
+                        f"schedule {self.name!r}{where}: {kind} misses (partition, batch) "
+                        f"{sorted(want - got)[:3]} / has unexpected {sorted(got - want)[:3]}")
+
+    def check_dependencies(self) -> None:
+        """Raise ``PlanError`` if a forward starts before the previous partition's forward of
+        its batch ended, or a backward before the next partition's backward (or its own
+        forward) ended."""
+        end: dict[tuple, float] = {}
+        start: dict[tuple, float] = {}
+        for r, acts in enumerate(self.ranks):
+            tag = r if self.data_parallel else -1
+            for a in acts:
+                if a.kind in ("F", "B"):
+                    end[(a.kind, tag, a.partition, a.batch)] = a.end_us
+                    start[(a.kind, tag, a.partition, a.batch)] = a.start_us
+        for (kind, tag, p, b), t0 in start.items():
+            deps = ([("F", tag, p - 1, b)] if kind == "F"
+                    else [("B", tag, p + 1, b), ("F", tag, p, b)])
+            for d in deps:
+                if d in end and t0 < end[d] - _EPS:
+                    raise PlanError(f"schedule {self.name!r}: {kind}{p},{b} starts at "
+                                    f"{t0:.3g} us before {d[0]}{d[2]},{d[3]} ends at "
+                                    f"{end[d]:.3g} us")
+
+    def check(self) -> None:
+        """All checks: no overlap in a lane, exact coverage, dependencies."""
+        self.check_no_overlap()
+        self.check_coverage()
+        self.check_dependencies()
+
+    # -- drawing -------------------------------------------------------------------------
+    def gantt_svg(self, width: int = 900, row_h: int = 22) -> str:
+        """A per-rank (and per-lane) Gantt chart of the schedule as an SVG string."""
+        rows: list[tuple[str, list[Action]]] = []
+        for r, acts in enumerate(self.ranks):
+            lanes: dict[str, list[Action]] = {}
+            for a in acts:
+                lanes.setdefault(a.lane, []).append(a)
+            for lane, items in lanes.items():
+                rows.append((f"rank {r}" + (f" {lane}" if lane else ""), items))
+        span = self.makespan_us or 1.0
+        left, top = 110, 24
+        scale = (width - left - 10) / span
+        height = top + row_h * len(rows) + 24
+        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+               f'font-family="monospace" font-size="10">',
+               f'<text x="4" y="14" font-size="12">{_esc(self.summary())}</text>']
+        part = self.partitions > 1
+        for i, (name, items) in enumerate(rows):
+            y = top + i * row_h
+            out.append(f'<text x="4" y="{y + row_h * 0.65:.1f}">{_esc(name)}</text>')
+            for a in items:
+                x, w = left + a.start_us * scale, max(a.dur_us * scale, 1.0)
+                fill = _COLORS[a.kind]
+                opacity = "0.6" if a.wave == "K" else "1"
+                out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
+                           f'fill="{fill}" fill-opacity="{opacity}" stroke="#333" '
+                           f'stroke-width="0.5"><title>{_esc(a.label(part))} '
+                           f'{a.start_us:.3g}-{a.end_us:.3g} us</title></rect>')
+                if w > 26:
+                    out.append(f'<text x="{x + 2:.1f}" y="{y + row_h * 0.65:.1f}">'
+                               f'{_esc(a.label(part))}</text>')
+        out.append(f'<text x="{left}" y="{height - 6}">0 us</text>'
+                   f'<text x="{width - 80}" y="{height - 6}">{span:.4g} us</text></svg>')
+        return "\n".join(out)
+
+
+def _esc(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def split_batch(values: Any, parts: int, what: str = "batch") -> list[Any]:
+    """Cut every tensor in ``values`` (a tensor, tuple/list or dict of them) along dim 0 into
+    ``parts`` equal slices; non-tensors are repeated. Raises ``ValueError`` naming the batch
+    size when it is not divisible by ``parts``."""
+    if not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"split_batch(parts={parts!r}): must be a positive integer")
+    sizes = {v.shape[0] for v in _tensors(values) if v.dim() > 0}
+    if len(sizes) > 1:
+        raise ValueError(f"{what}: tensors disagree on the batch dimension: sizes {sorted(sizes)}")
+    size = sizes.pop() if sizes else None
+    if size is not None and size % parts:
+        raise ValueError(f"{what} size {size} is not divisible by {parts} (the schedule needs "
+                         f"{parts} equal shards); use a multiple of {parts}")
+    step = (size or 0) // parts
+
+    def cut(v: Any, i: int) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v[i * step:(i + 1) * step]
+        if isinstance(v, (tuple, list)):
+            return type(v)(cut(x, i) for x in v)
+        if isinstance(v, dict):
+            return {k: cut(x, i) for k, x in v.items()}
+        return v
+
+    return [cut(values, i) for i in range(parts)]
+
+
+def _tensors(v: Any) -> Sequence[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _tensors(x)]
+    if isinstance(v, dict):
+        return [t for x in v.values() for t in _tensors(x)]
+    return []

@@ -1,0 +1,141 @@
+"""round_robin: the exact partition DP against brute force, Figure 10's schedule, and each
+partition's gradient after a step equal to N-micro-batch accumulation (in one process and on
+2 and 4 gloo ranks)."""
+import copy
+import random
+
+import pytest
+import torch
+
+import tidal
+from examples.models import ZOO
+from tidal.ir.plan import Plan
+from tidal.passes.round_robin import (RoundRobin, balanced_partition, brute_force_partition,
+                                      partition_cost, round_robin_schedule)
+from tidal.runtime.distributed import spawn
+
+
+# -- planner ------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(40))
+def test_dp_matches_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 10)
+    parts = rng.randint(2, min(n, 5))
+    costs = [rng.choice([rng.random(), float(rng.randint(1, 4))]) for _ in range(n)]
+    allowed = sorted(rng.sample(range(1, n), rng.randint(parts - 1, n - 1)))
+    cut_bytes = [float(rng.randint(0, 9)) for _ in range(n)]
+    starts = balanced_partition(costs, parts, allowed, cut_bytes)
+    assert len(starts) == parts and starts[0] == 0
+    assert all(s in allowed for s in starts[1:]) and list(starts) == sorted(set(starts))
+    got = partition_cost(costs, starts, cut_bytes)
+    want = brute_force_partition(costs, parts, allowed, cut_bytes)
+    assert got[0] == pytest.approx(want[0], rel=1e-9)
+    assert got[1] == pytest.approx(want[1])
+
+
+def test_dp_bad_input_names_the_value():
+    with pytest.raises(ValueError, match="partitions=1"):
+        balanced_partition([1.0, 2.0], 1)
+    with pytest.raises(ValueError, match="3 layers, fewer than partitions=4"):
+        balanced_partition([1.0, 2.0, 3.0], 4)
+    with pytest.raises(ValueError, match="no way to cut"):
+        balanced_partition([1.0, 2.0, 3.0, 4.0], 3, allowed_cuts=[2])
+
+
+# -- schedule -----------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_schedule_is_figure_10(n):
+    s = round_robin_schedule([1.0 + p for p in range(n)], [2.0] * n, send_us=[0.5] * n,
+                             switch_us=[0.25] * n, allreduce_us=[0.3] * n)
+    s.check()  # no rank does two things at once, every (partition, batch) once, dependencies
+    for i in range(n):
+        fwd = [a for a in s.ranks[i] if a.kind == "F"]
+        bwd = [a for a in s.ranks[i] if a.kind == "B"]
+        assert [(a.partition, a.batch) for a in fwd] == [(c, (i - c) % n) for c in range(n)]
+        assert [(a.partition, a.batch) for a in bwd] == [(p, (i - p) % n)
+                                                         for p in reversed(range(n))]
+    # at every cycle all ranks hold the same partition
+    for k in range(len(s.ranks[0])):
+        assert len({(r[k].kind, r[k].partition) for r in s.ranks}) == 1
+    assert s.note("switches_per_rank") == 2 * n - 1
+    assert Plan.from_json(s.to_json()) == s
+
+
+# -- equivalence --------------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(8, 8), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(8, 3))
+
+
+def _accumulated(model, inputs, targets, n, loss_fn):
+    """Reference: N micro-batches, each loss / N, gradients accumulated in one process."""
+    ref = copy.deepcopy(model)
+    size = targets.shape[0] // n
+    for b in range(n):
+        xb = tuple(t[b * size:(b + 1) * size] for t in inputs)
+        (loss_fn(ref(*xb), targets[b * size:(b + 1) * size]) / n).backward()
+    return {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+
+
+def _step_and_grads(model, inputs, targets, n, loss_fn):
+    c = tidal.compile(model, inputs, passes=[RoundRobin(partitions=n)], loss_fn=loss_fn,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    c.step(inputs, targets)
+    return c, {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name,n", [("vgg16_small", 2), ("bert_small", 4)])
+def test_one_process_equals_micro_batch_accumulation(name, n):
+    torch.manual_seed(0)
+    model = ZOO[name]().eval()  # eval: no dropout randomness, gradients still flow
+    x, y = model.example_inputs(2 * n), model.example_targets(2 * n)
+    want = _accumulated(model, x, y, n, model.default_loss)
+    c, got = _step_and_grads(model, x, y, n, model.default_loss)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    plan = c.plan.get("round_robin")
+    assert sum(plan.layers_per_partition) >= n and len(plan.first_layers) == n
+    assert c.executor.stats["switches"] == 2 * n - 1
+    assert c.executor.stats["switch_bytes"] == plan.switch_bytes_per_step()
+
+
+def _run_rr(rank, world):
+    model = _mlp()
+    g = torch.Generator().manual_seed(7)
+    x, y = (torch.randn(2 * world, 8, generator=g),), torch.randint(0, 3, (2 * world,), generator=g)
+    loss_fn = torch.nn.functional.cross_entropy
+    want = _accumulated(model, x, y, world, loss_fn)
+    _, got = _step_and_grads(model, x, y, world, loss_fn)
+    return {k: float((got[k] - want[k]).abs().max()) for k in want}, sorted(got) == sorted(want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_ranks_equal_micro_batch_accumulation(world):
+    for errors, same_keys in spawn(_run_rr, world):
+        assert same_keys
+        assert max(errors.values()) < 1e-6, errors
+
+
+# -- bad input ----------------------------------------------------------------------------
+def test_bad_input_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    x = torch.randn(4, 4)
+    kw = dict(loss_fn=torch.nn.functional.cross_entropy,
+              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(ValueError, match="partitions=1"):
+        RoundRobin(partitions=1)
+    with pytest.raises(tidal.PassError, match="2 layers, fewer than partitions=4"):
+        tidal.compile(model, x, passes=[RoundRobin(partitions=4)], **kw)
+    with pytest.raises(tidal.PassError, match="batch size 3 is not divisible by partitions=2"):
+        tidal.compile(model, torch.randn(3, 4), passes=[RoundRobin(partitions=2)], **kw)
+    with pytest.raises(tidal.PassError, match="partitions=1"):
+        tidal.compile(model, x, passes=[RoundRobin()], cluster=tidal.Cluster(gpus=1), **kw)
+    c = tidal.compile(model, x, passes=[RoundRobin(partitions=2)], **kw)
+    with pytest.raises(ValueError, match="batch size 5 is not divisible by 2"):
+        c.step((torch.randn(5, 4),), torch.zeros(5, dtype=torch.long))
+    assert "partition 1" in c.plan.get("round_robin").table()

@@ -1,0 +1,166 @@
+"""tick_tock: the gradient each wave applies is Lemma 1's mean over 2N shards; both replicas
+match an independent simulation of the two waves; schedule, plan and bad input."""
+import copy
+
+import pytest
+import torch
+
+import tidal
+from tidal.ir.plan import Plan
+from tidal.passes.tick_tock import TickTock, tick_tock_schedule
+from tidal.runtime.distributed import spawn
+
+STEPS = 4
+BATCH = 8
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(BATCH, 6, generator=g),), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _opt(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _shard_grads(model, x, y, shards):
+    """Per-shard gradient of the mean loss, by parameter name."""
+    out = []
+    size = x.shape[0] // shards
+    for s in range(shards):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[s * size:(s + 1) * size]),
+                                          y[s * size:(s + 1) * size]).backward()
+        out.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    return out
+
+
+def _mean(grads):
+    return {k: sum(g[k] for g in grads) / len(grads) for k in grads[0]}
+
+
+def _reference(world):
+    """Lemma 1 simulated directly: G_m = mean of the 2N shard gradients of iterations m-1, m
+    (G_0: the N tick shards), each wave applying its G with its own optimizer."""
+    tick, tock = _model(), _model()
+    opts = {"T": _opt(tick.parameters()), "K": _opt(tock.parameters())}
+    prev_tock, applied = None, []
+    for step in range(STEPS):
+        (x,), y = _data(step)
+        n = BATCH // 2
+        g_tick = _shard_grads(tick, x[:n], y[:n], world)
+        g_tock = _shard_grads(tock, x[n:], y[n:], world)
+        G_tick = _mean(g_tick + (prev_tock or []))
+        G_tock = _mean(g_tock + g_tick)
+        for model, G, w in ((tick, G_tick, "T"), (tock, G_tock, "K")):
+            for k, p in model.named_parameters():
+                p.grad = G[k].clone()
+            opts[w].step()
+        prev_tock = g_tock
+        applied.append({"T": G_tick, "K": G_tock})
+    return applied, tick.state_dict(), tock.state_dict()
+
+
+def _run_tick_tock(rank, world):
+    model = _model()
+    x, y = _data(0)
+    c = tidal.compile(model, x, passes=[TickTock(ranks=world)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    applied = []
+    for step in range(STEPS):
+        x, y = _data(step)
+        c.step(x, y)
+        applied.append({w: dict(g) for w, g in c.executor.last_applied.items()})
+    return _plain((applied, model.state_dict(), c.executor.tock.state_dict()))
+
+
+def _plain(obj):
+    """Tensors as numpy arrays (results cross process boundaries by plain pickling)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
+def _tensors(obj):
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tensors(v) for v in obj)
+    return torch.as_tensor(obj)
+
+
+def _check(result, world):
+    applied, tick_sd, tock_sd = _tensors(result)
+    ref_applied, ref_tick, ref_tock = _reference(world)
+    for step, (got, want) in enumerate(zip(applied, ref_applied)):
+        for wave in ("T", "K"):
+            for k in want[wave]:
+                torch.testing.assert_close(got[wave][k], want[wave][k], **TOL,
+                                           msg=f"step {step} wave {wave} {k}")
+    for k in ref_tick:
+        torch.testing.assert_close(tick_sd[k], ref_tick[k], **TOL, msg=f"tick {k}")
+        torch.testing.assert_close(tock_sd[k], ref_tock[k], **TOL, msg=f"tock {k}")
+    assert not torch.equal(tick_sd["0.weight"], tock_sd["0.weight"])  # two real replicas
+
+
+def test_one_process_waves_follow_lemma_1():
+    _check(_run_tick_tock(0, 1), 1)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_waves_follow_lemma_1_and_replicas_match_reference():
+    results = spawn(_run_tick_tock, 2)
+    for r in results:
+        _check(r, 2)
+
+
+def test_schedule_lanes_offset_and_round_trip():
+    s = tick_tock_schedule(ranks=2, fwd_us=1.0, bwd_us=2.0, allreduce_us=0.5, steps=2)
+    s.check()
+    tick = s.for_rank(0, "T")
+    tock = s.for_rank(0, "K")
+    assert [a.label(False) for a in tick[:4]] == ["T:F0", "T:B0", "T:A0", "T:U0"]
+    assert tock[0].start_us == pytest.approx(1.0)  # one forward behind
+    # the tock forward overlaps the tick backward (two lanes)
+    assert tock[0].start_us < tick[1].end_us and tock[0].end_us > tick[1].start_us
+    assert Plan.from_json(s.to_json()) == s
+
+
+def test_plan_artifacts_and_report():
+    model = _model()
+    x, y = _data(0)
+    c = tidal.compile(model, x, passes=[TickTock(ranks=2)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    plan = c.plan.get("tick_tock")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.wave_batch == BATCH // 4 and plan.offset_us > 0
+    assert plan.offset_us < plan.iteration_us
+    assert "T:F0 T:B0" in plan.table()
+    record = next(r for r in c.records if r.name == "tick_tock")
+    assert record.artifacts["tick_tock_memory.svg"].startswith("<svg")
+    assert "rank 1" in record.artifacts["tick_tock_gantt.svg"]
+
+
+def test_bad_input_is_named():
+    model = _model()
+    x, y = _data(0)
+    with pytest.raises(tidal.PassError, match="batch size 8 is not divisible by 2 x ranks = 6"):
+        tidal.compile(model, x, passes=[TickTock(ranks=3)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    with pytest.raises(ValueError, match="ranks=0"):
+        TickTock(ranks=0)
+    c = tidal.compile(model, x, passes=[TickTock(ranks=1)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    with pytest.raises(ValueError, match="batch size 5 is not divisible by 2"):
+        c.step((torch.randn(5, 6),), torch.zeros(5, dtype=torch.long))
+    copy.deepcopy(c.plan)
