@@ -20,15 +20,18 @@ from examples.models import SMALL_MODELS, ZOO  # noqa: E402
 from tidal.compiler.viz import DumpSection, write_index  # noqa: E402
 
 
-def run_model(name: str, gpus: int, batch: int, out: Path) -> DumpSection:
-    """Compile one zoo model with passes='auto', print its report and dump it."""
+def run_model(name: str, gpus: int, batch: int, out: Path, passes="auto",
+              label: str = "") -> DumpSection:
+    """Compile one zoo model with ``passes`` (default: every pass that applies), print its
+    report, run one training step and dump it."""
     torch.manual_seed(0)
     model = ZOO[name]()
     inputs, targets = model.example_inputs(batch), model.example_targets(batch)
     compiled = tidal.compile(
-        model, inputs, passes="auto", cluster=tidal.Cluster(gpus=gpus),
+        model, inputs, passes=passes, cluster=tidal.Cluster(gpus=gpus),
         loss_fn=model.default_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
         example_targets=targets)
+    name = f"{name}{label}"
     print(f"\n=== {name} (batch {batch}, {gpus} GPUs planned) ===")
     print(compiled.report())
     for record in compiled.records:
@@ -59,6 +62,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     print(f"registered passes: {', '.join(tidal.passes()) or 'none yet'}")
     sections = [run_model(n, args.gpus, args.batch, out) for n in names]
+    # passes="auto" keeps one pass of each group of alternatives (e.g. one way to parallelize
+    # the step); show the others on the first model
+    alternatives = [cls.name for cls in tidal.passes().values() if cls.exclusive]
+    for alt in alternatives[1:]:
+        sections.append(run_model(names[0], args.gpus, args.batch, out, passes=[alt],
+                                  label=f"-{alt}"))
     index = write_index(out, "tidal demo", sections)
     print(f"\nall dumps: {index}")
     return 0
