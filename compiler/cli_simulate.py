@@ -1,12 +1,15 @@
 """Simulate one training iteration of MODEL on a model of a GPU cluster.
 
-    tidal simulate MODEL --gpus 8 --global-batch 32 --plan dp [--profile FILE]
-                         [--bandwidth-gbps G] [--latency-us L]
+    tidal simulate MODEL --gpus 8 --global-batch 32 --plan dp|burst|burst+bg [--profile FILE]
+                         [--bandwidth-gbps G] [--latency-us L] [--amp-limit A]
+                         [--bg-batch B] [--interference F]
 
 Layer times come from ``--profile`` (a DeepPool ``.prof``/``.txt`` file or a saved tidal
 ``DeviceProfile`` JSON) where it has the layer, else from FLOPs at ``--peak-tflops``. Prints the
 iteration time, throughput, GPU-seconds and busy fraction. These are simulated figures, not
-measurements.
+measurements. ``burst`` plans with the burst_parallel pass (DeepPool's planner) and simulates
+that plan; ``burst+bg`` also packs a background job — the same model at ``--bg-batch`` samples —
+into every GPU's idle time, with the foreground slowed by ``--interference``.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from tidal.compiler.cli_args import add_model_args, positive_float, positive_int
 
-PLANS = ("dp",)
+PLANS = ("dp", "burst", "burst+bg")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-layer device times: DeepPool .prof/.txt or a DeviceProfile JSON")
     p.add_argument("--peak-tflops", type=positive_float, default=100.0,
                    help="device throughput for layers the profile lacks (default 100)")
+    p.add_argument("--bg-batch", type=positive_int, default=8,
+                   help="burst+bg: batch of the background job (default 8)")
+    p.add_argument("--interference", type=positive_float, default=1.1,
+                   help="burst+bg: foreground slowdown while collocated (default 1.1)")
 
 
 def _load_profile(path: str):
@@ -53,19 +60,30 @@ def run(args: argparse.Namespace) -> int:
     if global_batch % gpus:
         raise ValueError(f"--global-batch {global_batch} is not divisible by --gpus {gpus}")
     model = build_model(args.model)
-    inputs = example_inputs_for(model, args.model, max(1, global_batch // gpus),
-                                args.input_shape)
+    inputs = example_inputs_for(model, args.model, global_batch, args.input_shape)
     cluster = tidal.Cluster(gpus=gpus, bandwidth_gbps=args.bandwidth_gbps,
                             latency_us=args.latency_us, peak_tflops=args.peak_tflops,
                             profile=_load_profile(args.profile) if args.profile else None)
     compiled = tidal.compile(model, inputs, cluster=cluster, leaf_modules=args.leaf)
     gm = compiled.graph_module
-    one = summarize(data_parallel(lambda b: layer_times(gm, cluster, b), 1, global_batch,
-                                  cluster), 1, global_batch)
-    result = summarize(data_parallel(lambda b: layer_times(gm, cluster, b), gpus, global_batch,
-                                     cluster), gpus, global_batch)
-    print(f"simulated (not measured): {args.model}, plan {args.plan}")
-    print(f"  1 GPU : {one.summary()}")
-    print(f"  {gpus} GPUs: {result.summary()}")
-    print(f"  speedup over 1 GPU: {one.iteration_us / result.iteration_us:.2f}x")
+    times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
+    one = summarize(data_parallel(times, 1, global_batch, cluster), 1, global_batch)
+    dp = summarize(data_parallel(times, gpus, global_batch, cluster), gpus, global_batch)
+    print(f"simulated (not measured): {args.model}, global batch {global_batch}")
+    print(f"  1 GPU            : {one.summary()}")
+    print(f"  data parallel    : {dp.summary()}  ({one.iteration_us / dp.iteration_us:.2f}x)")
+    if args.plan != "dp":
+        from tidal.compiler.cli_args import pass_options
+        from tidal.runtime.sim.scenarios import fig9_scenarios
+
+        s = fig9_scenarios(model, inputs, cluster, bg_batch=args.bg_batch,
+                           interference=args.interference, leaf_modules=args.leaf,
+                           **pass_options(args))
+        note = "  [planner fell back to data parallelism]" if s["fallback"] else ""
+        print(f"  burst parallel   : {s['bp']:.1f} samples/s ({s['bp'] / s['single']:.2f}x){note}")
+        if args.plan == "burst+bg":
+            c = s["bp_col"]
+            print(f"  burst + background: foreground {c['fg']:.1f}, background {c['bg']:.1f}, "
+                  f"cluster {c['cluster']:.1f} samples/s (background alone on every GPU: "
+                  f"{s['bg_only']:.1f})")
     return 0

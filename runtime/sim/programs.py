@@ -160,3 +160,32 @@ def summarize(tasks: Sequence[Task], gpus: int, global_batch: int) -> SimResult:
         if i.lane == "compute":
             busy[i.gpu] += i.end_us - i.start_us
     return SimResult(tuple(intervals), gpus, global_batch, end, tuple(busy))
+
+
+def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg") -> list[Task]:
+    """The tasks of one iteration of a burst-parallel plan (``tidal.passes.burst_planner``'s
+    ``BurstPlan``) under the planner's own cost model: per layer, in order, the transfer of
+    samples from its predecessors' GPUs (``comm_us``, on the links of both GPU sets), the
+    layer's forward+backward on each of its ranks (``comp_us``) and the all-reduce of its
+    gradients on its ranks (``sync_us``). Layers on disjoint ranks (parallel branches) overlap.
+    ``preds`` maps each layer to the layers whose output it reads."""
+    tasks: list[Task] = []
+    last: dict[str, tuple[int, ...]] = {}  # layer -> tasks that end it
+    ranks_of = {p.layer: p.ranks for p in plan.layers}
+    for p in plan.layers:
+        deps = tuple(d for q in preds.get(p.layer, ()) for d in last.get(q, ()))
+        if p.comm_us > 0:
+            gpus = tuple(sorted(set(p.ranks).union(*(ranks_of[q] for q in preds.get(p.layer, ())
+                                                      if q in ranks_of))))
+            tasks.append(Task(f"X:{p.layer}", job, "comm", gpus, p.comm_us, deps))
+            deps = (len(tasks) - 1,)
+        ends = []
+        for r in p.ranks:
+            tasks.append(Task(f"FB:{p.layer}", job, "compute", (r,), p.comp_us, deps))
+            ends.append(len(tasks) - 1)
+        if p.sync_us > 0 and len(p.ranks) > 1:
+            tasks.append(Task(f"AR:{p.layer}", job, "comm", tuple(p.ranks), p.sync_us,
+                              tuple(ends)))
+            ends = [len(tasks) - 1]
+        last[p.layer] = tuple(ends)
+    return tasks

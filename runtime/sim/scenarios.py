@@ -1,0 +1,53 @@
+"""DeepPool's Figure 9 scenarios for one model: data parallel (DP), burst parallel (BP) and
+burst parallel with a background job collocated on every GPU (BP+Col), all simulated.
+
+Example (tiny model, FLOP-derived times):
+    >>> import torch, tidal
+    >>> from tidal.runtime.sim.scenarios import fig9_scenarios
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    >>> s = fig9_scenarios(model, (torch.randn(8, 64),), tidal.Cluster(gpus=2, peak_tflops=0.001))
+    >>> sorted(s)
+    ['bg_only', 'bp', 'bp_col', 'dp', 'fallback', 'single']
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tidal.ir.cluster import Cluster
+
+
+def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster, *,
+                   bg_batch: int = 8, interference: float = 1.1, leaf_modules=(),
+                   **burst_options: Any) -> dict[str, Any]:
+    """Simulated throughputs (samples/s) of one iteration at the inputs' global batch:
+    ``single`` (one GPU), ``dp``, ``bp`` (the burst_parallel pass's plan), ``bp_col`` (a dict
+    with ``fg``, ``bg`` and ``cluster`` throughput when the same model at ``bg_batch`` runs in
+    every GPU's idle time, the foreground slowed by ``interference``) and ``bg_only`` (the
+    background alone on every GPU); ``fallback`` says whether the planner chose data
+    parallelism."""
+    import tidal
+    from tidal.ir import layer_graph
+    from tidal.ir.cost import example_batch
+    from tidal.runtime.sim.collocation import BackgroundJob, collocate
+    from tidal.runtime.sim.programs import burst_parallel, data_parallel, layer_times, summarize
+
+    batch = example_batch(inputs)
+    compiled = tidal.compile(model, inputs, passes=["burst_parallel"], cluster=cluster,
+                             leaf_modules=leaf_modules, **burst_options)
+    gm = compiled.graph_module
+    times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
+    single = summarize(data_parallel(times, 1, batch, cluster), 1, batch)
+    dp = summarize(data_parallel(times, cluster.gpus, batch, cluster), cluster.gpus, batch)
+    plan = compiled.plan.get("burst_parallel")
+    lg = layer_graph.build(gm)
+    tasks = burst_parallel(plan, {n: list(lg.predecessors(n)) for n in lg.nodes})
+    bp = summarize(tasks, cluster.gpus, batch)
+    bg_iter = summarize(data_parallel(times, 1, bg_batch, cluster), 1, bg_batch).iteration_us
+    bg = BackgroundJob(bg_iter, bg_batch)
+    col = collocate(tasks, cluster.gpus, batch, bg, interference)
+    return {"single": single.throughput, "dp": dp.throughput, "bp": bp.throughput,
+            "bp_col": {"fg": col.foreground.throughput, "bg": col.bg_throughput,
+                       "cluster": col.cluster_throughput},
+            "bg_only": bg.solo_throughput(cluster.gpus), "fallback": plan.fallback}
