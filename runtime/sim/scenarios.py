@@ -7,7 +7,7 @@ Example (tiny model, FLOP-derived times):
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     >>> s = fig9_scenarios(model, (torch.randn(8, 64),), tidal.Cluster(gpus=2, peak_tflops=0.001))
     >>> sorted(s)
-    ['bg_only', 'bp', 'bp_col', 'dp', 'fallback', 'single']
+    ['bg_only', 'bp', 'bp_col', 'dp', 'dp_planner', 'fallback', 'single']
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
                    bg_batch: int = 8, interference: float = 1.1, leaf_modules=(),
                    **burst_options: Any) -> dict[str, Any]:
     """Simulated throughputs (samples/s) of one iteration at the inputs' global batch:
-    ``single`` (one GPU), ``dp``, ``bp`` (the burst_parallel pass's plan), ``bp_col`` (a dict
+    ``single`` (one GPU), ``dp`` (DDP-style: bucketed all-reduces overlapping backward),
+    ``dp_planner`` (data parallelism under the planner's model, where each layer's
+    synchronization follows it without overlap, as DeepPool §4 assumes), ``bp`` (the burst_parallel pass's plan), ``bp_col`` (a dict
     with ``fg``, ``bg`` and ``cluster`` throughput when the same model at ``bg_batch`` runs in
     every GPU's idle time, the foreground slowed by ``interference``) and ``bg_only`` (the
     background alone on every GPU); ``fallback`` says whether the planner chose data
@@ -48,6 +50,7 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     bg = BackgroundJob(bg_iter, bg_batch)
     col = collocate(tasks, cluster.gpus, batch, bg, interference)
     return {"single": single.throughput, "dp": dp.throughput, "bp": bp.throughput,
+            "dp_planner": batch / plan.dp_time_us * 1e6,
             "bp_col": {"fg": col.foreground.throughput, "bg": col.bg_throughput,
                        "cluster": col.cluster_throughput},
             "bg_only": bg.solo_throughput(cluster.gpus), "fallback": plan.fallback}
