@@ -20,12 +20,13 @@ from tidal.ir.device_profile import DeviceProfile
 from tidal.ir.errors import PassError, PlanError, TidalError, TraceError
 from tidal.ir.pass_api import Executor, Pass, PassContext, PassResult
 from tidal.ir.plan import CompiledPlan, Plan
-from tidal.passes import registry as passes
+from tidal import passes  # noqa: F401  (tidal.passes.registry(): the registered passes)
+from tidal.runtime import ddp_hooks as hooks  # noqa: F401  (DDP communication hooks)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "compile", "trace", "capture_train_step", "Compiled", "Cluster", "DeviceProfile",
-    "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes",
+    "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes", "hooks",
     "TidalError", "TraceError", "PassError", "PlanError", "__version__",
 ]

@@ -27,6 +27,8 @@ _SUBCOMMANDS = (
     # (name, module, help): each module has add_arguments(parser) and run(args) -> int
     ("simulate", "tidal.compiler.cli_simulate", "simulate a training plan on a model of a GPU cluster"),
     ("run", "tidal.compiler.cli_run", "run a script on N local ranks through torchrun"),
+    ("whatif", "tidal.compiler.cli_whatif",
+     "predict whether gradient compression pays (the Eq. 4.1 performance model)"),
 )
 
 

@@ -14,7 +14,7 @@ import torch
 from tidal.ir.errors import TidalError
 
 
-class ModelSpecError(TidalError):
+class ModelSpecError(TidalError, ValueError):
     """A MODEL argument that names no model factory."""
 
 
@@ -26,10 +26,16 @@ def _zoo() -> dict[str, Callable[[], torch.nn.Module]] | None:
     return dict(ZOO)
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
-    """The factory that ``spec`` names. Raises ``ModelSpecError`` with one clear line."""
+def cwd_importable() -> None:
+    """Put the working directory on ``sys.path`` (as ``python -m`` does), so user modules and,
+    from a checkout, the in-repo zoo ``examples.models`` can be imported."""
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """The factory that ``spec`` names. Raises ``ModelSpecError`` with one clear line."""
+    cwd_importable()
     if ":" not in spec:
         zoo = _zoo()
         if zoo is not None and spec in zoo:

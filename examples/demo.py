@@ -60,11 +60,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown model {unknown[0]!r}; zoo: {', '.join(sorted(ZOO))}")
     out = Path(args.out)
-    print(f"registered passes: {', '.join(tidal.passes()) or 'none yet'}")
+    print(f"registered passes: {', '.join(tidal.passes.registry()) or 'none yet'}")
     sections = [run_model(n, args.gpus, args.batch, out) for n in names]
     # passes="auto" keeps one pass of each group of alternatives (e.g. one way to parallelize
     # the step); show the others on the first model
-    alternatives = [cls.name for cls in tidal.passes().values() if cls.exclusive]
+    alternatives = [cls.name for cls in tidal.passes.registry().values() if cls.exclusive]
     for alt in alternatives[1:]:
         sections.append(run_model(names[0], args.gpus, args.batch, out, passes=[alt],
                                   label=f"-{alt}"))

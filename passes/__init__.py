@@ -4,9 +4,9 @@
 ``passes/`` is registered by adding its class to ``_PASS_CLASSES``.
 
 Example:
-    >>> from tidal.passes import registry
-    >>> isinstance(dict(registry()), dict)
-    True
+    >>> import tidal
+    >>> sorted(tidal.passes.registry())[:2]
+    ['burst_parallel', 'compression']
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from typing import Mapping
 
 from tidal.ir.pass_api import Pass
 from tidal.passes.burst_parallel import BurstParallel
+from tidal.passes.compression import CompressionPass
 from tidal.passes.round_robin import RoundRobin
 from tidal.passes.tick_tock import TickTock
 
-_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel, TickTock, RoundRobin)
+_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel, TickTock, RoundRobin, CompressionPass)
 
 
 def registry() -> Mapping[str, type[Pass]]:

@@ -124,5 +124,5 @@ def test_alternative_passes_cannot_be_combined_and_auto_keeps_the_first():
         tidal.compile(model, x, passes=["burst_parallel", "tick_tock"], **kw)
     compiled = tidal.compile(model, x, passes="auto", **kw)
     chosen = [r.name for r in compiled.records[2:]
-              if getattr(tidal.passes().get(r.name), "exclusive", "") == "parallelism"]
+              if getattr(tidal.passes.registry().get(r.name), "exclusive", "") == "parallelism"]
     assert chosen == ["burst_parallel"]

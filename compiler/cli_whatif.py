@@ -1,0 +1,265 @@
+"""``tidal whatif``: does gradient compression pay for this model on that cluster?
+
+    tidal whatif --model resnet101 --batch 64 --gpus 64 --bandwidth 10Gbps --compressor powersgd:4
+
+prints the predicted iteration time of sync SGD (DDP) and of the compressor from the
+performance model (:mod:`tidal.ir.perf_model`, dissertation Eq. 4.1), the speedup, the crossover
+bandwidth, and the compression ratio needed for near-linear scaling.
+
+Inputs of the model, all stated in the output:
+
+- the model's parameter shapes and FLOPs come from the in-repo zoo built on the meta device (no
+  memory), traced and costed by :mod:`tidal.ir.cost`; ``resnet101`` is the zoo's torchvision-
+  layout ``ResNet`` with layers ``[3, 4, 23, 3]`` (44,549,160 parameters);
+- compute time is FLOPs at an effective V100 FP32 training throughput of 9.0 TFLOPS, derived
+  from NVIDIA's published 367 img/s for ResNet-50 v1.5 training on one V100 16GB in FP32
+  (NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README, DGX-1 table) times the cost
+  model's 24.5 GFLOP per image for forward + backward (``--tflops`` to change it);
+- encode+decode time is the dissertation's Table 4.1 (ResNet-50 on V100) scaled by the
+  parameter count (PowerSGD also by rank / 4) unless ``--encode-ms`` is given.
+
+Wire it into the CLI with ``add_arguments(subparsers.add_parser("whatif"))`` and ``run(args)``.
+
+Example:
+    >>> import argparse
+    >>> from tidal.compiler import cli_whatif
+    >>> p = argparse.ArgumentParser(); cli_whatif.add_arguments(p)
+    >>> args = p.parse_args(["--model", "resnet50", "--gpus", "8", "--compressor", "signsgd"])
+    >>> (args.bandwidth, args.compressor.spec(), cli_whatif.parse_bandwidth("800Mbps"))
+    (10.0, 'signsgd', 0.8)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from tidal.compiler.cli_args import positive_int
+from tidal.ir import cost, perf_model
+from tidal.ir.cluster import Cluster
+from tidal.passes.compressors import Compressor, make_compressor
+from tidal.passes.compressors.modeling import compressor_cost
+
+V100_FP32_TFLOPS = 9.0
+"""Effective V100 FP32 training throughput: 367 img/s (NVIDIA, ResNet-50 v1.5, 1x V100 16GB,
+FP32) x 24.5 GFLOP per image (forward + backward from the cost model)."""
+
+TABLE_4_1_PARAMS = 25_557_032
+"""Parameters of ResNet-50, the model Table 4.1 timed."""
+
+_TABLE_4_1_KEY = {"powersgd": "PowerSGD-Rank4", "topk": "TopK-1%", "randomk": "RandomK-1%",
+                  "signsgd": "SignSGD", "qsgd": "QSGD-2bit"}
+
+_UNITS = {"gbps": 1.0, "gb/s": 1.0, "gbit/s": 1.0, "mbps": 1e-3, "mb/s": 1e-3,
+          "mbit/s": 1e-3, "tbps": 1e3, "": 1.0}
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"10Gbps"``, ``"100 Mbps"``, ``"25Gb/s"`` or ``"10"`` (Gb/s) -> Gb/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: expected a number with "
+                                          "Gbps/Mbps (e.g. 10Gbps)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: must be > 0")
+    return value
+
+
+def _compressor(text: str) -> Compressor:
+    try:
+        return make_compressor(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def resnet101(num_classes: int = 1000) -> torch.nn.Module:
+    """ResNet-101: the zoo's bottleneck ResNet with layers [3, 4, 23, 3]."""
+    from examples.models.resnet import ResNet
+
+    return ResNet([3, 4, 23, 3], num_classes=num_classes)
+
+
+def model_factory(name: str):
+    """``resnet101`` or any MODEL spec (``module:factory``, ``file.py:factory``, a zoo name)
+    -> its factory; ``ModelSpecError`` naming an unknown one."""
+    from tidal.compiler.model_spec import cwd_importable, load_factory
+
+    cwd_importable()
+    return resnet101 if name == "resnet101" else load_factory(name)
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the performance model needs of a model: per-sample FLOPs and gradient shapes in
+    backward (reverse registration) order."""
+
+    name: str
+    params: int
+    fwd_flops_per_sample: float
+    bwd_flops_per_sample: float
+    grad_shapes: tuple[tuple[int, ...], ...]
+
+
+def model_stats(name: str) -> ModelStats:
+    """Build ``name`` on the meta device, trace it and read its FLOPs and parameter shapes."""
+    from tidal.compiler.capture import trace
+
+    with torch.device("meta"):
+        model = model_factory(name)()
+    inputs = model.example_inputs(2)
+    gm = trace(model, inputs)
+    cost.annotate(gm, inputs)
+    one = cost.total_cost(gm, 1)
+    shapes = tuple(tuple(p.shape) for p in reversed(list(model.parameters())) if p.requires_grad)
+    return ModelStats(name, sum(p.numel() for p in model.parameters()), one["fwd_flops"],
+                      one["bwd_flops"], shapes)
+
+
+def table_4_1_encode_s(compressor: Compressor, params: int) -> float:
+    """Table 4.1's V100 encode+decode time for this kind of compressor, scaled linearly by
+    parameter count from ResNet-50 (and by rank / 4 for PowerSGD)."""
+    if compressor.name not in _TABLE_4_1_KEY:
+        return 0.0
+    ms = perf_model.PAPER_TABLE_4_1_MS[_TABLE_4_1_KEY[compressor.name]][0]
+    if compressor.name == "powersgd":
+        ms *= compressor.level("") / 4
+    return ms * 1e-3 * params / TABLE_4_1_PARAMS
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The model's verdict for one setting."""
+
+    workload: perf_model.Workload
+    comp: perf_model.CompressorCost
+    cluster: Cluster
+    gamma: float
+    sync: perf_model.StepTime
+    compressed: perf_model.StepTime
+    crossover_gbps: Optional[float]
+    required_ratio: Optional[float]
+
+    @property
+    def speedup(self) -> float:
+        """Sync SGD step over compressed step."""
+        return self.sync.total_s / self.compressed.total_s
+
+
+def what_if(stats: ModelStats, batch: int, cluster: Cluster, compressor: Compressor, *,
+            tflops: float = V100_FP32_TFLOPS, encode_s: Optional[float] = None,
+            bucket_bytes: float = perf_model.DDP_BUCKET_BYTES,
+            gamma: float = perf_model.DEFAULT_GAMMA, tolerance: float = 0.05) -> WhatIf:
+    """Predict sync SGD and ``compressor`` for ``stats`` at per-GPU ``batch`` on ``cluster``."""
+    rate = tflops * 1e12
+    sizes = [4 * math.prod(s) for s in stats.grad_shapes]
+    parts = perf_model.bucket_partition(sizes, bucket_bytes)
+    work = perf_model.Workload(stats.fwd_flops_per_sample * batch / rate,
+                               stats.bwd_flops_per_sample * batch / rate,
+                               tuple(float(sum(sizes[i] for i in b)) for b in parts))
+    enc = table_4_1_encode_s(compressor, stats.params) if encode_s is None else encode_s
+    comp = compressor_cost(compressor, [[stats.grad_shapes[i] for i in b] for b in parts], enc)
+    return WhatIf(work, comp, cluster, gamma, perf_model.sync_sgd_step(work, cluster, gamma),
+                  perf_model.compressed_step(work, comp, cluster),
+                  perf_model.crossover_bandwidth_gbps(work, comp, cluster, gamma),
+                  perf_model.required_compression(work, cluster, gamma, tolerance))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``whatif`` options."""
+    p.add_argument("--model", default="resnet101",
+                   help="resnet101 or a zoo model name (default resnet101)")
+    p.add_argument("--batch", type=positive_int, default=64, help="batch per GPU (default 64)")
+    p.add_argument("--gpus", type=positive_int, default=64, help="GPUs (default 64)")
+    p.add_argument("--bandwidth", type=parse_bandwidth, default=10.0,
+                   help="per-GPU bandwidth, e.g. 10Gbps or 800Mbps (default 10Gbps)")
+    p.add_argument("--latency-us", type=float, default=10.0,
+                   help="latency alpha per collective step, microseconds (default 10)")
+    p.add_argument("--compressor", type=_compressor, default="powersgd:4",
+                   help="powersgd:RANK, topk:FRACTION, randomk:FRACTION, signsgd, qsgd:LEVELS")
+    p.add_argument("--encode-ms", type=float, default=None,
+                   help="encode+decode ms per step (default: Table 4.1 scaled)")
+    p.add_argument("--tflops", type=float, default=V100_FP32_TFLOPS,
+                   help=f"effective training TFLOPS per GPU (default {V100_FP32_TFLOPS}, V100)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket MiB (default 25)")
+    p.add_argument("--gamma", type=float, default=perf_model.DEFAULT_GAMMA,
+                   help=f"backward slowdown under overlap (default {perf_model.DEFAULT_GAMMA})")
+    p.add_argument("--sweep", default=None, metavar="G1,G2,..",
+                   help="also print speedups at these bandwidths (Gb/s)")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def report(w: WhatIf, stats: ModelStats, batch: int, tflops: float, encode_given: bool) -> str:
+    """The text ``tidal whatif`` prints."""
+    c, work, comp = w.cluster, w.workload, w.comp
+    ratio = work.total_bytes / max(1.0, comp.total_payload)
+    lines = [
+        f"what-if: {stats.name} ({stats.params:,} parameters), batch {batch} per GPU, "
+        f"{c.gpus} GPUs, {c.bandwidth_gbps:g} Gb/s, alpha {c.latency_us:g} us, "
+        f"{len(work.bucket_bytes)} buckets, gamma {w.gamma:g}",
+        f"compute at {tflops:g} TFLOPS: forward {_ms(work.fwd_s)} ms, backward "
+        f"{_ms(work.bwd_s)} ms; gradient {work.total_bytes / perf_model.MIB:.1f} MiB",
+        f"{comp.name}: {ratio:.1f}x fewer bytes, "
+        f"{'all-reduce' if comp.all_reduce else 'all-gather'} x{comp.rounds}, encode+decode "
+        f"{_ms(comp.encode_decode_s)} ms ({'given' if encode_given else 'Table 4.1, scaled'})",
+        "",
+        f"{'':<14}{'step ms':>10}{'comm ms':>10}",
+        f"{'sync SGD':<14}{_ms(w.sync.total_s):>10}{_ms(w.sync.comm_s):>10}",
+        f"{comp.name:<14}{_ms(w.compressed.total_s):>10}{_ms(w.compressed.comm_s):>10}",
+        "",
+        f"speedup of {comp.name} over sync SGD: {w.speedup:.2f}x",
+        "crossover bandwidth: " + (f"{w.crossover_gbps:.2f} Gb/s (sync SGD is faster above)"
+                                   if w.crossover_gbps is not None
+                                   else "none in 0.001-100000 Gb/s"),
+        "compression needed for near-linear scaling (within 5% of forward + gamma x "
+        "backward): " + (f"{w.required_ratio:.2f}x" if w.required_ratio is not None
+                         else "unreachable (latency-bound)"),
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tidal whatif``; bad input is one line on stderr and status 2."""
+    try:
+        stats = model_stats(args.model)
+        cluster = Cluster(gpus=args.gpus, bandwidth_gbps=args.bandwidth,
+                          latency_us=args.latency_us)
+        compressor = args.compressor if isinstance(args.compressor, Compressor) \
+            else make_compressor(args.compressor)
+        common = dict(tflops=args.tflops,
+                      encode_s=None if args.encode_ms is None else args.encode_ms * 1e-3,
+                      bucket_bytes=args.bucket_mb * perf_model.MIB, gamma=args.gamma)
+        w = what_if(stats, args.batch, cluster, compressor, **common)
+        sweep = [parse_bandwidth(s) for s in args.sweep.split(",")] if args.sweep else []
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        print(f"tidal whatif: error: {e}", file=sys.stderr)
+        return 2
+    print(report(w, stats, args.batch, args.tflops, args.encode_ms is not None))
+    if sweep:
+        print(f"\n{'Gb/s':>8}{'sync ms':>10}{compressor.spec() + ' ms':>18}{'speedup':>9}")
+        for g in sweep:
+            c = Cluster(gpus=args.gpus, bandwidth_gbps=g, latency_us=args.latency_us)
+            s = what_if(stats, args.batch, c, compressor, **common)
+            print(f"{g:>8g}{_ms(s.sync.total_s):>10}{_ms(s.compressed.total_s):>18}"
+                  f"{s.speedup:>9.2f}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Stand-alone entry point (``python -m tidal.compiler.cli_whatif``)."""
+    p = argparse.ArgumentParser(prog="tidal whatif", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

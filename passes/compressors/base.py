@@ -1,0 +1,213 @@
+"""The compressor interface: ``encode`` -> the collective -> ``decode``, with checkpointable state.
+
+A compressor turns one local gradient tensor into a :class:`Message` (the tensors to put on the
+wire and which collective they need: ``"all_reduce"`` (sum) or ``"all_gather"``). The driver
+(:func:`tidal.passes.compressors.comm.synchronize`) runs the collective and hands the result to
+``decode``, which returns either the synchronized tensor (the average over ranks, or the majority
+vote for signSGD) or another :class:`Message` for a further round (PowerSGD's P then Q).
+
+Error feedback (``error_feedback=True``) adds the residual of the previous step to the gradient
+before compressing and keeps ``M - local_approximation`` as the new residual, so that
+``local_approximation + residual == M`` exactly.
+
+Randomness never comes from a shared sequential generator: each draw is seeded from
+``(seed, key, step[, rank])``, so results do not depend on bucket order and the only random
+state to checkpoint is the per-key step counter.
+
+Example:
+    >>> import torch
+    >>> from tidal.passes.compressors import make_compressor, synchronize
+    >>> c = make_compressor("topk:0.5")
+    >>> out = synchronize(c, {"w": torch.tensor([1.0, -4.0, 0.5, 3.0])})
+    >>> out["w"].tolist(), c.residual("w").tolist()
+    ([0.0, -4.0, 0.0, 3.0], [1.0, 0.0, 0.5, 0.0])
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional, Union
+
+import torch
+
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's index and the number of ranks taking part."""
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(frozen=True)
+class Message:
+    """Tensors to send and the collective they need. ``ctx`` is private to the compressor and
+    comes back to ``decode`` unchanged (shapes, the local matrix, ...)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    op: str = ALL_REDUCE
+    ctx: Any = None
+
+    def __post_init__(self) -> None:
+        if self.op not in (ALL_REDUCE, ALL_GATHER):
+            raise ValueError(f"Message(op={self.op!r}): must be {ALL_REDUCE!r} or {ALL_GATHER!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank puts into the collective."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def stable_seed(*parts: Union[int, str]) -> int:
+    """A 63-bit seed from ints and strings that is the same in every process."""
+    text = "\x1f".join(str(p) for p in parts)
+    return (zlib.crc32(text.encode()) << 31 | zlib.crc32(text[::-1].encode())) & (2**63 - 1)
+
+
+def seeded_generator(*parts: Union[int, str]) -> torch.Generator:
+    """A CPU generator seeded with :func:`stable_seed` of ``parts``."""
+    return torch.Generator().manual_seed(stable_seed(*parts))
+
+
+class Compressor:
+    """Base class. Subclasses set ``name``, ``all_reduce_compatible`` and implement ``encode``,
+    ``decode`` and ``payload_bytes``; ``level`` is the knob Accordion turns (PowerSGD rank,
+    Top-K/random-K fraction, QSGD levels), settable per key with ``set_level``."""
+
+    name: ClassVar[str] = ""
+    all_reduce_compatible: ClassVar[bool] = True
+    rounds: ClassVar[int] = 1
+
+    def __init__(self, *, error_feedback: bool, seed: int = 0):
+        self.error_feedback = bool(error_feedback)
+        self.seed = int(seed)
+        self._errors: dict[str, torch.Tensor] = {}
+        self._steps: dict[str, int] = {}
+        self._levels: dict[str, Any] = {}
+
+    # -- the knob ----------------------------------------------------------------------------
+    @property
+    def default_level(self) -> Any:
+        """The level used for keys with no override (None for compressors with no knob)."""
+        return None
+
+    def check_level(self, level: Any) -> Any:
+        """Validate ``level``; raise ``ValueError`` naming it when it is out of range."""
+        raise ValueError(f"compressor {self.name!r} has no compression level to set "
+                         f"(got {level!r})")
+
+    def level(self, key: str) -> Any:
+        """The level in force for ``key``."""
+        return self._levels.get(key, self.default_level)
+
+    def set_level(self, key: str, level: Any) -> None:
+        """Use ``level`` for ``key`` from the next step on."""
+        self._levels[key] = self.check_level(level)
+
+    def spec(self) -> str:
+        """``name:level`` as :func:`make_compressor` parses it."""
+        lvl = self.default_level
+        return self.name if lvl is None else f"{self.name}:{lvl:g}"
+
+    # -- the protocol ------------------------------------------------------------------------
+    def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
+        """The first message for ``tensor`` (the local gradient of parameter ``key``)."""
+        raise NotImplementedError
+
+    def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
+               world: World) -> Union[torch.Tensor, Message]:
+        """The synchronized tensor from the collective's result (``reduced``: summed tensors
+        for all-reduce, ``[world, ...]``-stacked tensors for all-gather), or the next message."""
+        raise NotImplementedError
+
+    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
+        """Bytes one rank sends for a tensor of ``shape`` per step, summed over rounds."""
+        raise NotImplementedError
+
+    def uncompressed(self, shape: tuple[int, ...], level: Any = None) -> bool:
+        """Whether a tensor of ``shape`` is sent as is (too small to be worth compressing)."""
+        return False
+
+    # -- helpers for subclasses --------------------------------------------------------------
+    def _with_error(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` plus the stored residual (a fresh float tensor either way)."""
+        m = tensor.detach().to(torch.float32, copy=True)
+        if self.error_feedback and key in self._errors:
+            err = self._errors[key]
+            if err.shape != m.shape:
+                raise ValueError(f"compressor {self.name!r}: key {key!r} changed shape from "
+                                 f"{tuple(err.shape)} to {tuple(m.shape)}")
+            m += err
+        return m
+
+    def _keep_error(self, key: str, m: torch.Tensor, approx: torch.Tensor,
+                    shape: tuple[int, ...]) -> None:
+        """Keep ``m - approx`` (in the gradient's ``shape``) as ``key``'s residual."""
+        if self.error_feedback:
+            self._errors[key] = (m - approx).reshape(shape)
+
+    def _next_step(self, key: str) -> int:
+        step = self._steps.get(key, 0)
+        self._steps[key] = step + 1
+        return step
+
+    def residual(self, key: str) -> Optional[torch.Tensor]:
+        """The error-feedback residual kept for ``key`` (None before its first step)."""
+        return self._errors.get(key)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit for bit: residuals, step counters, levels."""
+        return {"name": self.name, "errors": {k: v.clone() for k, v in self._errors.items()},
+                "steps": dict(self._steps), "levels": dict(self._levels)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state.get("name") != self.name:
+            raise ValueError(f"state of compressor {state.get('name')!r} loaded into "
+                             f"{self.name!r}")
+        self._errors = {k: v.clone() for k, v in state["errors"].items()}
+        self._steps = dict(state["steps"])
+        self._levels = {k: self.check_level(v) for k, v in state["levels"].items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec()!r}, error_feedback={self.error_feedback})"
+
+
+def plain_message(tensor: torch.Tensor) -> Message:
+    """A tensor sent uncompressed (all-reduce of the float32 values)."""
+    return Message((tensor.detach().to(torch.float32).reshape(-1).clone(),), ALL_REDUCE,
+                   ctx=("plain", tuple(tensor.shape)))
+
+
+def plain_decode(message: Message, reduced: tuple[torch.Tensor, ...], world: World
+                 ) -> torch.Tensor:
+    """The average of an uncompressed all-reduce."""
+    return (reduced[0] / world.size).reshape(message.ctx[1])
+
+
+class NoCompression(Compressor):
+    """Plain averaging all-reduce (sync SGD): the baseline the others are measured against."""
+
+    name = "none"
+    all_reduce_compatible = True
+
+    def __init__(self, *, seed: int = 0):
+        super().__init__(error_feedback=False, seed=seed)
+
+    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
+        return 4 * math.prod(shape)
+
+    def uncompressed(self, shape: tuple[int, ...], level: Any = None) -> bool:
+        return True
+
+    def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
+        return plain_message(tensor)
+
+    def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
+               world: World) -> torch.Tensor:
+        return plain_decode(message, reduced, world)

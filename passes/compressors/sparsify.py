@@ -1,0 +1,112 @@
+"""Sparsification: Top-K (largest magnitudes, all-gather) and random-K (shared random
+coordinates, all-reduce), both with error feedback.
+
+``fraction`` is K as a fraction of the tensor's elements, in (0, 1]; ``K = ceil(fraction n)``.
+Top-K's coordinates differ by rank, so each rank sends (values, int32 indices) and the ranks'
+sparse vectors are summed after an all-gather. Random-K draws the same coordinates on every
+rank (seeded by ``(seed, key, step)``), so only the values are all-reduced. Both return the
+average over ranks of the sparse vectors; the rest stays in the residual.
+
+Example:
+    >>> import torch
+    >>> from tidal.passes.compressors import TopK, synchronize
+    >>> c = TopK(0.25)
+    >>> synchronize(c, {"g": torch.tensor([0.1, -2.0, 0.3, 1.0])})["g"].tolist()
+    [0.0, -2.0, 0.0, 0.0]
+    >>> c.payload_bytes((100,))       # 25 float32 values + 25 int32 indices
+    200
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tidal.passes.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message, World,
+                                           seeded_generator)
+
+
+class _Sparsifier(Compressor):
+    """Shared parts of Top-K and random-K: the fraction knob and ``K``."""
+
+    def __init__(self, fraction: float = 0.01, *, error_feedback: bool = True, seed: int = 0):
+        super().__init__(error_feedback=error_feedback, seed=seed)
+        self.fraction = self.check_level(fraction)
+
+    @property
+    def default_level(self) -> float:
+        return self.fraction
+
+    def check_level(self, level: Any) -> float:
+        if isinstance(level, bool) or not isinstance(level, (int, float)) \
+                or not 0 < level <= 1:
+            raise ValueError(f"{type(self).__name__} fraction {level!r}: K must be a fraction "
+                             "in (0, 1]")
+        return float(level)
+
+    def k(self, numel: int, level: Any = None) -> int:
+        """How many coordinates are kept of ``numel``."""
+        frac = self.fraction if level is None else level
+        return max(1, min(numel, math.ceil(frac * numel)))
+
+
+class TopK(_Sparsifier):
+    """Top-K sparsification with error feedback; all-gather of values and indices."""
+
+    name = "topk"
+    all_reduce_compatible = False
+
+    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
+        return 8 * self.k(math.prod(shape), level)
+
+    def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
+        m = self._with_error(key, tensor).reshape(-1)
+        idx = torch.topk(m.abs(), self.k(m.numel(), self.level(key)), sorted=False).indices
+        vals = m[idx]
+        approx = torch.zeros_like(m)
+        approx[idx] = vals
+        self._keep_error(key, m, approx, tuple(tensor.shape))
+        self._next_step(key)
+        return Message((vals, idx.to(torch.int32)), ALL_GATHER, ctx=tuple(tensor.shape))
+
+    def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
+               world: World) -> torch.Tensor:
+        vals, idx = reduced
+        out = torch.zeros(math.prod(message.ctx), dtype=torch.float32)
+        for r in range(world.size):                       # in rank order: deterministic sums
+            out.index_add_(0, idx[r].long(), vals[r])
+        return (out / world.size).reshape(message.ctx)
+
+
+class RandomK(_Sparsifier):
+    """Random-K sparsification with error feedback; the coordinates are shared by all ranks, so
+    the values are all-reduced."""
+
+    name = "randomk"
+    all_reduce_compatible = True
+
+    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
+        return 4 * self.k(math.prod(shape), level)
+
+    def indices(self, key: str, step: int, numel: int, k: int) -> torch.Tensor:
+        """The ``k`` coordinates of ``key`` at ``step`` (the same on every rank)."""
+        gen = seeded_generator(self.seed, key, step)
+        return torch.randperm(numel, generator=gen)[:k]
+
+    def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
+        m = self._with_error(key, tensor).reshape(-1)
+        idx = self.indices(key, self._next_step(key), m.numel(), self.k(m.numel(),
+                                                                         self.level(key)))
+        vals = m[idx]
+        approx = torch.zeros_like(m)
+        approx[idx] = vals
+        self._keep_error(key, m, approx, tuple(tensor.shape))
+        return Message((vals,), ALL_REDUCE, ctx=(tuple(tensor.shape), idx))
+
+    def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
+               world: World) -> torch.Tensor:
+        shape, idx = message.ctx
+        out = torch.zeros(math.prod(shape), dtype=torch.float32)
+        out[idx] = reduced[0] / world.size
+        return out.reshape(shape)

@@ -1,0 +1,211 @@
+"""The ``compression`` pass: data-parallel steps on gloo ranks; compression off (or effectively
+off) equals eager training on the global batch; the DDP-hook path and the compile path give the
+same parameters; the executor's state (residuals, warm-start Q, Accordion) checkpoints bit for
+bit; ``mode="auto"`` follows the performance model."""
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tidal
+from tidal.ir.plan import Plan
+from tidal.passes.compression import CompressionPass, CompressionPlan
+from tidal.passes.compressors import NoCompression, PowerSGD, make_compressor
+from tidal.runtime import ddp_hooks
+from tidal.runtime.distributed import spawn
+
+BATCH = 8
+LR = 0.1
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 6, 3), nn.ReLU(), nn.Flatten(), nn.Linear(54, 10),
+                         nn.ReLU(), nn.Linear(10, 3))
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 2, 5, 5, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def _loss(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _compressor(spec):
+    opts = {"min_compression_rate": 0} if spec.startswith("powersgd") else {}
+    return make_compressor(spec, **opts)
+
+
+def _compiled(model, spec, **kw):
+    x, _ = _data(0)
+    return tidal.compile(model, x, passes=[CompressionPass(compressor=_compressor(spec), **kw)],
+                         loss_fn=_loss, optimizer=_sgd)
+
+
+def _hook_state(spec, module):
+    name, level = spec.split(":") if ":" in spec else (spec, None)
+    opts = {"min_compression_rate": 0} if name == "powersgd" else {}
+    ctor = getattr(ddp_hooks, f"{name}_state")
+    args = () if level is None else ((float(level) if name in ("topk", "randomk")
+                                      else int(level)),)
+    return ctor(module, *args, **opts), getattr(ddp_hooks, name)
+
+
+def _assert_params(a, b, msg, exact=False):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        if exact:
+            assert torch.equal(p, q), f"{msg}: {n}"
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{msg}: {n}")
+
+
+def _check_off_equals_eager(rank, size):
+    """Plain all-reduce, PowerSGD at full rank and Top-K 100 %: two steps equal eager steps on
+    the global batch."""
+    for spec, kw in (("powersgd:4", {"mode": "off"}), ("powersgd:10", {}), ("topk:1.0", {}),
+                     ("randomk:1.0", {})):
+        ref = _model()
+        opt = _sgd(ref.parameters())
+        compiled = _compiled(_model(), spec, **kw)
+        for step in range(2):
+            x, y = _data(step)
+            loss = compiled.step((x,), y)
+            opt.zero_grad()
+            ref_loss = _loss(ref(x), y)
+            ref_loss.backward()
+            opt.step()
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+            _assert_params(compiled.model, ref, f"{spec} {kw} step {step}")
+    return True
+
+
+def _check_hooks_equal_compile(rank, size):
+    per = BATCH // size
+    for spec in ("powersgd:2", "topk:0.2", "randomk:0.3", "signsgd", "qsgd:4"):
+        a = _model()
+        ddp = DDP(a)
+        state, hook = _hook_state(spec, a)
+        ddp.register_comm_hook(state, hook)
+        opt = _sgd(ddp.parameters())
+        compiled = _compiled(_model(), spec)
+        for step in range(3):
+            x, y = _data(step)
+            opt.zero_grad()
+            _loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+            opt.step()
+            compiled.step((x,), y)
+            _assert_params(compiled.model, a, f"{spec} step {step}")
+    return True
+
+
+def _check_checkpoint(rank, size):
+    """Stop after 3 steps, save the executor, model and optimizer, restore into a fresh
+    compile, and continue: identical to not stopping."""
+    for spec, kw in (("powersgd:3", {"accordion": (3, 1), "accordion_interval": 1}),
+                     ("topk:0.2", {"accordion": (0.5, 0.1), "accordion_interval": 2}),
+                     ("qsgd:4", {})):
+        a = _compiled(_model(), spec, **kw)
+        for step in range(3):
+            a.step(*_pair(step))
+        buf = io.BytesIO()
+        torch.save({"exec": a.executor.state_dict(), "model": a.model.state_dict(),
+                    "opt": a.optimizer.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf)
+        b = _compiled(_model(), spec, **kw)
+        b.model.load_state_dict(saved["model"])
+        b.optimizer.load_state_dict(saved["opt"])
+        b.executor.load_state_dict(saved["exec"])
+        if "accordion" in kw:
+            assert b.executor.accordion.history == a.executor.accordion.history
+            assert len(a.executor.accordion.history) >= 1
+        for step in range(3, 6):
+            la, lb = a.step(*_pair(step)), b.step(*_pair(step))
+            assert torch.equal(la, lb), f"{spec} loss step {step}"
+            _assert_params(a.model, b.model, f"{spec} step {step}", exact=True)
+    return True
+
+
+def _pair(step):
+    x, y = _data(step)
+    return (x,), y
+
+
+def _check_uneven_batch_is_an_error(rank, size):
+    compiled = _compiled(_model(), "topk:0.5")
+    x, y = _data(0)
+    with pytest.raises(ValueError, match=f"global batch 7 does not split evenly over {size}"):
+        compiled.step((x[:7],), y[:7])
+    return True
+
+
+def _all(rank, size):
+    return [f(rank, size) for f in (_check_off_equals_eager, _check_hooks_equal_compile,
+                                    _check_checkpoint, _check_uneven_batch_is_an_error)]
+
+
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_compression_pass_on_gloo_ranks(size):
+    assert spawn(_all, size) == [[True] * 4] * size
+
+
+def test_one_process_step_equals_eager_with_compression_off():
+    assert _check_off_equals_eager(0, 1)
+
+
+def test_plan_round_trips_and_buckets_respect_the_cap():
+    compiled = _compiled(_model(), "powersgd:2", bucket_mb=600 * 4 / 2**20)
+    plan = compiled.plan.get("compression")
+    assert isinstance(plan, CompressionPlan) and plan.enabled
+    assert Plan.from_json(plan.to_json()) == plan
+    names = [n for n, _ in compiled.model.named_parameters()]
+    assert [n for b in plan.buckets for n in b] == names[::-1]       # reverse order, all once
+    sizes = dict((n, p.numel()) for n, p in compiled.model.named_parameters())
+    assert len(plan.buckets) > 1
+    assert all(sum(sizes[n] for n in b) <= 600 or len(b) == 1 for b in plan.buckets)
+    assert plan.payload_bytes == sum(PowerSGD(2, min_compression_rate=0).payload_bytes(
+        tuple(p.shape)) for p in compiled.model.parameters())
+
+
+def test_auto_mode_follows_the_performance_model():
+    x, _ = _data(0)
+
+    def run(gbps):
+        c = tidal.compile(_model(), x, passes=[CompressionPass(
+            compressor="powersgd:1", mode="auto", encode_decode_ms=0.01)],
+            cluster=tidal.Cluster(gpus=8, bandwidth_gbps=gbps, latency_us=1),
+            loss_fn=_loss, optimizer=_sgd)
+        return c.plan.get("compression"), c.report(), c.executor.compressor
+
+    plan, report, comp = run(1e-4)
+    assert plan.enabled and plan.predicted_compressed_ms < plan.predicted_sync_ms
+    assert isinstance(comp, PowerSGD) and "compression on" in report
+    plan, report, comp = run(1e5)
+    assert not plan.enabled and plan.predicted_compressed_ms >= plan.predicted_sync_ms
+    assert isinstance(comp, NoCompression) and "off (no predicted speedup)" in report
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"mode": "sometimes"}, "mode 'sometimes'"),
+    ({"compressor": "zip"}, "unknown compressor 'zip'"),
+    ({"compressor": "powersgd:2", "accordion": (0, 1)}, "rank 0"),
+    ({"compressor": "topk:0.1", "accordion": (0.5, 1.5)}, "fraction 1.5"),
+    ({"bucket_mb": 0}, "bucket_mb=0"),
+    ({"accordion_interval": 0}, "accordion_interval=0"),
+])
+def test_bad_options_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CompressionPass(**kw)
+
+
+def test_hook_rejects_a_mismatched_state():
+    with pytest.raises(TypeError, match="powersgd hook needs a HookState with a PowerSGD"):
+        ddp_hooks.powersgd(ddp_hooks.topk_state(_model(), 0.1), None)
