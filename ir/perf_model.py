@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Optional, Sequence
 
+from tidal.ir import comm_cost
 from tidal.ir.cluster import Cluster
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 
 MIB = 2 ** 20
-DDP_BUCKET_BYTES = 25 * MIB
-"""PyTorch DDP's default bucket cap (``bucket_cap_mb=25``)."""
 
 DEFAULT_GAMMA = 1.05
 """Backward slowdown under overlapped all-reduce; the paper observes 1.04 to 1.1."""
@@ -56,41 +56,19 @@ PAPER_TABLE_4_1_MS = MappingProxyType({
 is all-reduce compatible."""
 
 
-def _link(cluster: Cluster) -> tuple[int, float, float]:
-    return cluster.gpus, cluster.bandwidth_gbps * 1e9 / 8, cluster.latency_us * 1e-6
-
-
 def ring_all_reduce_s(nbytes: float, cluster: Cluster) -> float:
     """Eq. 4.1: ``2 alpha (p - 1) + 2 b (p - 1) / (p BW)`` (0 with one GPU or no bytes)."""
-    p, bw, alpha = _link(cluster)
-    if p == 1 or nbytes <= 0:
-        return 0.0
-    return 2 * alpha * (p - 1) + 2 * nbytes * (p - 1) / (p * bw)
+    return comm_cost.ring_allreduce_us(nbytes, cluster.gpus, cluster.bytes_per_us,
+                                       cluster.latency_us) / 1e6
 
 
 def all_gather_s(nbytes: float, cluster: Cluster) -> float:
     """Ring all-gather of ``nbytes`` per rank: ``alpha (p - 1) + b (p - 1) / BW``."""
-    p, bw, alpha = _link(cluster)
-    if p == 1 or nbytes <= 0:
-        return 0.0
-    return alpha * (p - 1) + nbytes * (p - 1) / bw
+    return comm_cost.all_gather_us(nbytes, cluster.gpus, cluster.bytes_per_us,
+                                   cluster.latency_us) / 1e6
 
 
-def bucket_partition(sizes: Sequence[int], cap_bytes: float = DDP_BUCKET_BYTES
-                     ) -> tuple[tuple[int, ...], ...]:
-    """Indices of ``sizes`` (bytes, in the order gradients become ready) grouped greedily into
-    buckets of at most ``cap_bytes`` (a tensor larger than the cap gets a bucket of its own)."""
-    if not cap_bytes > 0:
-        raise ValueError(f"bucket cap {cap_bytes!r} bytes: must be > 0")
-    buckets: list[list[int]] = []
-    filled = 0.0
-    for i, size in enumerate(sizes):
-        if not buckets or filled + size > cap_bytes:
-            buckets.append([])
-            filled = 0.0
-        buckets[-1].append(i)
-        filled += size
-    return tuple(tuple(b) for b in buckets)
+bucket_partition = comm_cost.bucket_partition
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import html
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
@@ -53,6 +52,7 @@ import networkx as nx
 import numpy as np
 
 from tidal.ir import layer_graph
+from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.ir.plan import Plan
 
 _INF = np.inf
@@ -93,11 +93,9 @@ def split_batch(batch: int, gpus: int) -> tuple[tuple[int, int], ...]:
 
 
 def allreduce_us(nbytes: float, gpus: int, bytes_per_us: float, latency_us: float) -> float:
-    """Gradient all-reduce time: a ring's bandwidth term ``2 (g-1)/g * bytes / bw`` plus a
-    latency per step of recursive halving-doubling (``2 log2 g``); 0 on one GPU or no bytes."""
-    if gpus <= 1 or nbytes <= 0:
-        return 0.0
-    return 2.0 * (gpus - 1) / gpus * nbytes / bytes_per_us + 2.0 * math.log2(gpus) * latency_us
+    """sync(i, g): ring all-reduce of a layer's gradients on ``gpus`` GPUs
+    (``tidal.ir.comm_cost.ring_allreduce_us``); 0 on one GPU or no bytes."""
+    return ring_allreduce_us(nbytes, gpus, bytes_per_us, latency_us)
 
 
 # --------------------------------------------------------------------------- the problem

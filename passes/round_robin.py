@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.ir import cost, layer_graph, meta
 from tidal.ir.plan import Plan
 from tidal.ir.pass_api import Pass, PassContext, PassResult
@@ -362,7 +363,8 @@ class RoundRobin(Pass):
         schedule = round_robin_schedule(
             fwd, bwd, send_us=[cl.transfer_us(c) for c in cuts],
             switch_us=[cl.transfer_us(b) for b in pbytes],
-            allreduce_us=[2 * (n - 1) / n * cl.transfer_us(b) for b in pbytes])
+            allreduce_us=[ring_allreduce_us(b, n, cl.bytes_per_us, cl.latency_us)
+                          for b in pbytes])
         plan = RoundRobinPlan(
             partitions=n, micro_batch=micro, first_layers=tuple(layers[s] for s in starts),
             layers_per_partition=tuple(b - a for a, b in zip(bounds, bounds[1:])),

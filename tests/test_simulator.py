@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tidal
-from tidal.runtime.sim.collectives import all_to_all_us, ring_allreduce_us
+from tidal.ir.comm_cost import all_to_all_us, ring_allreduce_us
 from tidal.runtime.sim.engine import Task, simulate
 from tidal.runtime.sim.programs import LayerTimes, data_parallel, layer_times, summarize
 
@@ -57,7 +57,7 @@ def test_no_gpu_runs_two_pieces_of_one_job_at_once():
 def test_allreduce_overlaps_backward_and_waits_for_all_gpus():
     lt = LayerTimes(("a", "b"), (10.0, 10.0), (10.0, 10.0), (10 ** 6, 10 ** 6))
     cluster = tidal.Cluster(gpus=2, bandwidth_gbps=8, latency_us=0)  # 1000 bytes/us
-    tasks = data_parallel(lambda b: lt, 2, 4, cluster, bucket_bytes=0)  # one bucket per layer
+    tasks = data_parallel(lambda b: lt, 2, 4, cluster, bucket_bytes=1)  # one bucket per layer
     iv = {(i.name, i.gpu): i for i in simulate(tasks)}
     # layer b's gradients are ready after its backward (t=30) and all-reduced while a's
     # backward runs; a's all-reduce waits for the link

@@ -23,7 +23,7 @@ import torch.fx as fx
 from tidal.ir import cost
 from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS
-from tidal.runtime.sim.collectives import ring_allreduce_us
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us
 from tidal.runtime.sim.engine import Interval, Task, simulate
 
 
@@ -60,32 +60,17 @@ def layer_times(gm: fx.GraphModule, cluster: Cluster, batch: int) -> LayerTimes:
     return LayerTimes(tuple(names), tuple(fwd), tuple(bwd), tuple(pbytes))
 
 
-DDP_BUCKET_BYTES = 25 * 1024 * 1024
-"""PyTorch DDP's default gradient bucket size."""
-
-
-def gradient_buckets(lt: LayerTimes, bucket_bytes: int) -> list[list[int]]:
-    """Layers with parameters grouped as DDP does: in backward (reverse) order, a bucket closes
-    once it holds at least ``bucket_bytes`` (0: one bucket per layer)."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i in reversed(range(len(lt.names))):
-        if not lt.param_bytes[i]:
-            continue
-        current.append(i)
-        size += lt.param_bytes[i]
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+def gradient_buckets(lt: LayerTimes, bucket_bytes: float) -> list[list[int]]:
+    """Layers with parameters grouped into DDP-style buckets of ``bucket_bytes`` in backward
+    (reverse) order (``tidal.ir.comm_cost.bucket_partition``)."""
+    order = [i for i in reversed(range(len(lt.names))) if lt.param_bytes[i]]
+    parts = bucket_partition([lt.param_bytes[i] for i in order], bucket_bytes)
+    return [[order[k] for k in part] for part in parts]
 
 
 def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch: int,
                   cluster: Cluster | None = None, job: str = "fg",
-                  bucket_bytes: int = DDP_BUCKET_BYTES) -> list[Task]:
+                  bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
     """One data-parallel training iteration on ``gpus`` GPUs: every GPU runs all layers
     forward then backward on ``global_batch / gpus`` samples; gradients are all-reduced (ring)
     in DDP-style buckets of ``bucket_bytes``, each as soon as every GPU finished the backward of

@@ -1,13 +1,20 @@
-"""Textbook times of collectives on p GPUs with per-GPU link bandwidth and latency.
+"""Communication cost model shared by planners, the performance model and the simulator:
+textbook times of collectives on p GPUs with per-GPU link bandwidth and latency, and DDP-style
+gradient buckets.
 
 Times are in microseconds; ``bytes_per_us`` is the per-GPU link bandwidth.
 
 Example:
-    >>> from tidal.runtime.sim.collectives import ring_allreduce_us
+    >>> from tidal.ir.comm_cost import ring_allreduce_us
     >>> ring_allreduce_us(4e6, p=4, bytes_per_us=1e4, latency_us=10)  # 2(p-1)a + 2(p-1)/p * b/BW
     660.0
 """
 from __future__ import annotations
+
+from typing import Sequence
+
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""PyTorch DDP's default gradient bucket size."""
 
 
 def _check(p: int, bytes_per_us: float) -> None:
@@ -39,3 +46,28 @@ def scatter_us(total_bytes: float, p: int, bytes_per_us: float, latency_us: floa
     """One GPU sends ``(p-1)/p`` of ``total_bytes`` to the others over its own link:
     ``(p-1)·α + (p-1)/p · b/BW``. Gather is the mirror image and costs the same."""
     return all_to_all_us(total_bytes, p, bytes_per_us, latency_us)
+
+
+def all_gather_us(nbytes_per_gpu: float, p: int, bytes_per_us: float, latency_us: float) -> float:
+    """Ring all-gather of ``nbytes_per_gpu`` from every GPU: ``(p-1)·α + (p-1) · b/BW``."""
+    _check(p, bytes_per_us)
+    if p == 1 or nbytes_per_gpu <= 0:
+        return 0.0
+    return (p - 1) * latency_us + (p - 1) * nbytes_per_gpu / bytes_per_us
+
+
+def bucket_partition(sizes: Sequence[float], cap_bytes: float = DDP_BUCKET_BYTES
+                     ) -> tuple[tuple[int, ...], ...]:
+    """Indices of ``sizes`` (bytes, in the order gradients become ready) grouped greedily into
+    buckets of at most ``cap_bytes`` (a tensor larger than the cap gets a bucket of its own)."""
+    if not cap_bytes > 0:
+        raise ValueError(f"bucket cap {cap_bytes!r} bytes: must be > 0")
+    buckets: list[list[int]] = []
+    filled = 0.0
+    for i, size in enumerate(sizes):
+        if not buckets or filled + size > cap_bytes:
+            buckets.append([])
+            filled = 0.0
+        buckets[-1].append(i)
+        filled += size
+    return tuple(tuple(b) for b in buckets)
