@@ -71,7 +71,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
             loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
             optimizer: OptimizerSpec = None, example_targets: Any = None,
             leaf_modules: Iterable[LeafSpec] = (), verbose: bool = False,
-            **options: Any) -> Compiled:
+            lower: Optional[str] = None, **options: Any) -> Compiled:
     """Trace ``model``, annotate per-node costs and run ``passes`` on the graph.
 
     ``example_inputs``: a tuple of inputs (a single tensor is accepted; a dict for Hugging Face
@@ -79,7 +79,9 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     pass objects, or ``"auto"``. ``cluster``: the machine to plan for (default
     ``Cluster()``: the world size under torchrun, else 1 GPU). ``loss_fn(outputs, targets)`` and
     ``optimizer`` (a factory ``params -> Optimizer`` or an instance) enable ``Compiled.step``.
-    ``leaf_modules`` keeps modules (paths or classes) whole when tracing. Other keyword
+    ``leaf_modules`` keeps modules (paths or classes) whole when tracing. ``lower``:
+    ``"graphs"`` runs the graph lowered into captured segments (``tidal.runtime.lower``),
+    ``"none"`` runs it as is; default ``"graphs"`` on a CUDA model, else ``"none"``. Other keyword
     ``options`` go to every selected pass whose constructor takes them.
 
     Example:
@@ -120,7 +122,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
         selected = _first_of_each_exclusive([p for p in selected if p.applies(gm, ctx)])
     _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
-    return Compiled(model, gm, records + pass_records, ctx)
+    return Compiled(model, gm, records + pass_records, ctx, lower=lower)
 
 
 def _first_of_each_exclusive(passes: Sequence[Pass]) -> list[Pass]:

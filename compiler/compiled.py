@@ -30,7 +30,7 @@ class Compiled:
     """
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, records: Sequence[PassRecord],
-                 ctx: PassContext):
+                 ctx: PassContext, lower: Optional[str] = None):
         self.model = model
         self.graph_module = gm
         self.records = tuple(records)
@@ -38,12 +38,13 @@ class Compiled:
         self._optimizer: Optional[torch.optim.Optimizer] = None
         executors = [r.executor for r in self.records if r.executor is not None]
         self.executor: Optional[Executor] = executors[-1] if executors else None
+        self.lowered = _lowered(gm, ctx, lower) if self.executor is None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the compiled forward (through the executor of a pass that set one)."""
         if self.executor is not None:
             return self.executor.forward(self.graph_module, *args, **kwargs)
-        return self.graph_module(*args, **kwargs)
+        return (self.lowered or self.graph_module)(*args, **kwargs)
 
     @property
     def plan(self) -> CompiledPlan:
@@ -78,7 +79,7 @@ class Compiled:
             return self.executor.step(self.graph_module, self.model, inputs, targets,
                                       self.context.loss_fn, opt)
         opt.zero_grad(set_to_none=True)
-        loss = self.context.loss_fn(self.graph_module(*inputs), targets)
+        loss = self.context.loss_fn((self.lowered or self.graph_module)(*inputs), targets)
         loss.backward()
         opt.step()
         return loss.detach()
@@ -102,3 +103,17 @@ class Compiled:
 
         return write_dump(Path(out_dir), type(self.model).__name__, self.records,
                           self.context.batch_size)
+
+
+def _lowered(gm: fx.GraphModule, ctx: PassContext, lower: Optional[str]):
+    """The lowered form of ``gm`` for ``compile(lower=...)`` (None when not lowering)."""
+    if lower is None:
+        params = list(gm.parameters())
+        lower = "graphs" if params and params[0].device.type == "cuda" else "none"
+    if lower not in ("graphs", "none"):
+        raise ValueError(f"compile(lower={lower!r}): use 'graphs' (captured segments) or 'none'")
+    if lower == "none":
+        return None
+    from tidal.runtime.lower import lower as lower_graph
+
+    return lower_graph(gm, ctx.example_inputs)

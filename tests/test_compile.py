@@ -126,3 +126,15 @@ def test_alternative_passes_cannot_be_combined_and_auto_keeps_the_first():
     chosen = [r.name for r in compiled.records[2:]
               if getattr(tidal.passes.registry().get(r.name), "exclusive", "") == "parallelism"]
     assert chosen == ["burst_parallel"]
+
+
+@pytest.mark.parametrize("name", ["resnet50_small", "llama_small"])
+def test_lowered_compile_equals_eager(name):
+    model = ZOO[name]().eval()
+    x = model.example_inputs(2)
+    compiled = tidal.compile(model, x, lower="graphs")
+    assert compiled.lowered is not None
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*x), model(*x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="lower="):
+        tidal.compile(model, x, lower="cuda-graphs")

@@ -1,0 +1,86 @@
+"""Per-step host overhead of the lowered (captured) form vs eager, on the CPU backend.
+
+Models with many small ops at batch 1, where a step's time is almost all host-side dispatch:
+a deep narrow MLP (200 Linear(16, 16) + GELU + LayerNorm blocks) and the zoo's llama_small and
+bert_small. For each: the median forward time of eager ``model(x)``, of the fx graph module
+``gm(x)`` (what ``Compiled`` runs today) and of ``lower(gm, x)(x)`` (one captured segment),
+measured interleaved under ``torch.no_grad``; printed as ratios (lowered / eager: < 1 means less
+host overhead per step).
+
+    python benchmarks/replay_overhead.py [--repeats 200]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tidal  # noqa: E402
+from examples.models import ZOO  # noqa: E402
+from tidal.compiler.table import format_table  # noqa: E402
+from tidal.runtime.lower import lower  # noqa: E402
+
+
+class DeepNarrowMLP(torch.nn.Module):
+    """Many tiny blocks: every op takes microseconds, so host dispatch dominates."""
+
+    def __init__(self, blocks: int = 200, width: int = 16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.LayerNorm(width))
+            for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def measure(name: str, model: torch.nn.Module, inputs: tuple, repeats: int) -> list:
+    """Median µs per forward for eager, fx and lowered, and the ratios."""
+    model.eval()
+    gm = tidal.trace(model, inputs)
+    lowered = lower(gm, inputs)
+    fns = {"eager": lambda: model(*inputs), "fx": lambda: gm(*inputs),
+           "lowered": lambda: lowered(*inputs)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.no_grad():
+        torch.testing.assert_close(lowered(*inputs), model(*inputs), rtol=0, atol=0)
+        for fn in fns.values():
+            fn()
+        for _ in range(repeats):  # interleaved, so host noise hits all three alike
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    nodes = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
+    return [name, nodes, round(med["eager"], 1), round(med["fx"], 1), round(med["lowered"], 1),
+            round(med["lowered"] / med["eager"], 3), round(med["lowered"] / med["fx"], 3)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = [measure("deep_narrow_mlp b1", DeepNarrowMLP(), (torch.randn(1, 16),), args.repeats)]
+    for name in ("llama_small", "bert_small"):
+        model = ZOO[name]()
+        rows.append(measure(f"{name} b1", model, model.example_inputs(1), args.repeats // 2))
+    print(format_table(["model", "ops", "eager us", "fx us", "lowered us", "lowered/eager",
+                        "lowered/fx"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

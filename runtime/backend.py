@@ -1,0 +1,500 @@
+"""Runtime backends: priority streams, events, synchronize, capture/replay of a static segment.
+
+One interface, three implementations selected by :func:`backend_for`:
+
+- ``CudaBackend`` (a CUDA device): ``torch.cuda.Stream(priority=...)``, ``torch.cuda.Event``,
+  ``torch.cuda.CUDAGraph`` capture after a warm-up on a side stream, static input buffers copied
+  in before each replay, one memory pool shared by every capture. Small and never run here.
+- ``CpuBackend`` (the CPU): the same semantics emulated. A stream is a FIFO worker thread; work
+  that occupies the device passes a gate with ``slots`` places (default 1: one device) that is
+  granted to the most urgent ready stream first and is never preempted (as a GPU's block
+  scheduler); ``slots=None`` lets streams run freely (naive co-running). A captured segment is a
+  straight-line program (``tidal.runtime.lower`` compiles one per segment) bound to static input
+  slots; it replays with no re-tracing.
+- ``LogicalBackend``: streams on a logical clock with scripted durations, so scheduling policies
+  are tested deterministically (no wall-clock timing in tests).
+
+Priorities follow CUDA: a lower number is more urgent (``HIGH = -1``, ``LOW = 0``). Launches
+run the host side of a piece at once (CUDA: enqueue; CPU: hand to the stream worker) and return
+a :class:`Launch` whose ``ready_us``/``start_us``/``end_us`` are device-side times.
+
+Example:
+    >>> import torch
+    >>> from tidal.runtime.backend import backend_for, HIGH
+    >>> be = backend_for("cpu")
+    >>> s = be.stream(priority=HIGH)
+    >>> seg = be.capture(lambda x: (x * 2 + 1,), (torch.ones(3),))
+    >>> be.launch(s, seg.replay, torch.arange(3.0)).wait()[0].tolist()
+    [1.0, 3.0, 5.0]
+    >>> be.close()
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+HIGH = -1
+"""Stream priority of foreground work (CUDA convention: lower is more urgent)."""
+LOW = 0
+"""Stream priority of background work."""
+
+
+def _tensor_sig(values: Sequence[Any]) -> tuple:
+    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+                 for v in values)
+
+
+class Launch:
+    """A unit of work enqueued on a stream. ``done()`` polls; ``wait()`` blocks and returns the
+    result or re-raises the error. Device times (µs on the backend clock) once done:
+    ``ready_us`` (it could start: the stream reached it), ``start_us``, ``end_us``."""
+
+    __slots__ = ("label", "result", "error", "ready_us", "start_us", "end_us", "_done")
+
+    def __init__(self, label: str = ""):
+        self.label = label
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+        self.ready_us = self.start_us = self.end_us = 0.0
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        """Whether the work has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        """Block until done; return the result or raise the work's exception."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Captured:
+    """A captured static segment: ``replay(*inputs)`` runs it on inputs of the captured
+    shapes/dtypes and returns its outputs (on CUDA, static buffers overwritten by the next
+    replay). ``signature`` is the (shape, dtype) of each input."""
+
+    def __init__(self, program: Callable, static_inputs: Sequence[Any]):
+        self.program = program
+        self.signature = _tensor_sig(static_inputs)
+
+    def replay(self, *inputs: Any) -> Any:
+        """Run the segment on ``inputs`` (bound to the static input slots by reference: the
+        stream reads them when it runs, as a CUDA copy-in enqueued on the same stream would)."""
+        return self.program(*inputs)
+
+
+class Backend:
+    """Interface of a runtime backend (see the module docstring)."""
+
+    device: torch.device
+
+    def stream(self, priority: int = LOW) -> Any:
+        """A new stream; work on it runs in FIFO order; ``priority`` lower = more urgent."""
+        raise NotImplementedError
+
+    def launch(self, stream: Any, fn: Callable, *args: Any, uses_device: bool = True,
+               label: str = "") -> Launch:
+        """Enqueue ``fn(*args)`` on ``stream``. ``uses_device=False``: host-side waiting (e.g.
+        for peers) that does not occupy the device."""
+        raise NotImplementedError
+
+    def wait_any(self, launches: Sequence[Launch], timeout_us: Optional[float] = None) -> None:
+        """Block until one of ``launches`` is done or ``timeout_us`` passes."""
+        raise NotImplementedError
+
+    def now_us(self) -> float:
+        """The backend clock in microseconds."""
+        raise NotImplementedError
+
+    def capture(self, program: Callable, static_inputs: Sequence[Any]) -> Captured:
+        """Capture ``program`` (a straight-line segment) for replay on inputs shaped like
+        ``static_inputs``."""
+        return Captured(program, static_inputs)
+
+    def synchronize(self) -> None:
+        """Wait until every stream is drained."""
+
+    def close(self) -> None:
+        """Release worker threads (a closed backend takes no more work)."""
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Gate:
+    """The device: ``slots`` places granted to the waiting stream with the lowest
+    (priority, arrival); non-preemptive. ``slots=None``: no gate."""
+
+    def __init__(self, slots: Optional[int]):
+        self.slots = slots
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[int, int]] = []
+        self._seq = itertools.count()
+
+    def acquire(self, priority: int) -> None:
+        if self.slots is None:
+            return
+        with self._cond:
+            ticket = (priority, next(self._seq))
+            heapq.heappush(self._waiting, ticket)
+            while not (self.slots > 0 and self._waiting[0] == ticket):
+                self._cond.wait()
+            heapq.heappop(self._waiting)
+            self.slots -= 1
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        if self.slots is None:
+            return
+        with self._cond:
+            self.slots += 1
+            self._cond.notify_all()
+
+
+class Event:
+    """A marker recorded on a stream; done when the stream reaches it. ``time_us`` is then the
+    backend time it completed."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.time_us = 0.0
+
+    def query(self) -> bool:
+        """Whether the stream has reached the event."""
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        """Block until the stream reaches the event."""
+        self._done.wait()
+
+
+class CpuStream:
+    """A FIFO worker thread (see ``CpuBackend``)."""
+
+    def __init__(self, backend: "CpuBackend", priority: int):
+        self.backend, self.priority = backend, priority
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=f"tidal-stream{priority}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("stream is closed (backend.close() was called)")
+            self._items.append(item)
+            self._cond.notify()
+
+    def record(self, event: Event) -> None:
+        """Complete ``event`` when the stream reaches this point."""
+        self._put(("record", event))
+
+    def wait_event(self, event: Event) -> None:
+        """Later work on this stream waits for ``event``."""
+        self._put(("wait", event))
+
+    def synchronize(self) -> None:
+        """Block until everything enqueued so far has run."""
+        ev = Event()
+        self.record(ev)
+        ev.synchronize()
+
+    def _work(self) -> None:
+        be = self.backend
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                if not self._items:
+                    return
+                kind, *rest = self._items.popleft()
+            if kind == "record":
+                rest[0].time_us = be.now_us()
+                rest[0]._done.set()
+            elif kind == "wait":
+                rest[0].synchronize()
+            else:
+                fn, args, uses_device, launch = rest
+                launch.ready_us = be.now_us()
+                if uses_device:
+                    be.gate.acquire(self.priority)
+                launch.start_us = be.now_us()
+                try:
+                    launch.result = fn(*args)
+                except BaseException as e:  # reported through the Launch, the stream goes on
+                    launch.error = e
+                finally:
+                    launch.end_us = be.now_us()
+                    if uses_device:
+                        be.gate.release()
+                    launch._done.set()
+                    be._notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+
+class CpuBackend(Backend):
+    """The CPU emulation of the GPU runtime (see the module docstring). ``slots``: how many
+    pieces occupy the device at once (None: unlimited, no priority dispatch)."""
+
+    def __init__(self, slots: Optional[int] = 1):
+        self.device = torch.device("cpu")
+        self.gate = _Gate(slots)
+        self._t0 = time.perf_counter()
+        self._streams: list[CpuStream] = []
+        self._done = threading.Condition()
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def stream(self, priority: int = LOW) -> CpuStream:
+        s = CpuStream(self, int(priority))
+        self._streams.append(s)
+        return s
+
+    def event(self) -> Event:
+        """A new event (record it with ``stream.record(event)``)."""
+        return Event()
+
+    def launch(self, stream: CpuStream, fn: Callable, *args: Any, uses_device: bool = True,
+               label: str = "") -> Launch:
+        launch = Launch(label)
+        stream._put(("work", fn, args, uses_device, launch))
+        return launch
+
+    def _notify(self) -> None:
+        with self._done:
+            self._done.notify_all()
+
+    def wait_any(self, launches: Sequence[Launch], timeout_us: Optional[float] = None) -> None:
+        deadline = None if timeout_us is None else time.perf_counter() + timeout_us * 1e-6
+        with self._done:
+            while not any(l.done() for l in launches):
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    return
+                self._done.wait(left)
+
+    def capture(self, program: Callable, static_inputs: Sequence[Any]) -> Captured:
+        """Warm the program up once on ``static_inputs`` (it must run) and bind it."""
+        with torch.no_grad():
+            program(*static_inputs)
+        return Captured(program, static_inputs)
+
+    def synchronize(self) -> None:
+        for s in self._streams:
+            s.synchronize()
+
+    def close(self) -> None:
+        for s in self._streams:
+            s.close()
+        self._streams.clear()
+
+
+class _LogicalStream:
+    def __init__(self, priority: int):
+        self.priority = priority
+        self.pending: collections.deque = collections.deque()
+        self.running: Optional[tuple[Launch, bool]] = None
+
+
+class LogicalBackend(Backend):
+    """Streams on a logical clock, for deterministic scheduler tests and what-if runs.
+
+    The host side of a launch runs at once (errors and results are real); its device duration
+    is ``duration_us(label, collocated)``, where ``collocated`` tells whether another stream
+    had a piece on the device when it started (a scripted slowdown). ``slots=1`` serializes the
+    device with priority dispatch; ``slots=None`` runs streams concurrently.
+    """
+
+    def __init__(self, duration_us: Callable[[str, bool], float], slots: Optional[int] = None):
+        self.device = torch.device("cpu")
+        self.duration_us = duration_us
+        self.slots = slots
+        self._now = 0.0
+        self._streams: list[_LogicalStream] = []
+        self._arrivals = itertools.count()
+        self._ends: list[tuple[float, int, _LogicalStream]] = []
+
+    def now_us(self) -> float:
+        return self._now
+
+    def stream(self, priority: int = LOW) -> _LogicalStream:
+        s = _LogicalStream(int(priority))
+        self._streams.append(s)
+        return s
+
+    def launch(self, stream: _LogicalStream, fn: Callable, *args: Any, uses_device: bool = True,
+               label: str = "") -> Launch:
+        launch = Launch(label)
+        try:
+            launch.result = fn(*args)
+        except BaseException as e:
+            launch.error = e
+        if stream.running is None and not stream.pending:
+            launch.ready_us = self._now
+        stream.pending.append((launch, uses_device, next(self._arrivals)))
+        self._start_ready()
+        return launch
+
+    def _busy(self) -> int:
+        return sum(1 for s in self._streams if s.running is not None and s.running[1])
+
+    def _start_ready(self) -> None:
+        while True:
+            heads = [s for s in self._streams if s.running is None and s.pending]
+            if self.slots is not None:
+                free = self.slots - self._busy()
+                heads = [s for s in heads if not s.pending[0][1] or free > 0]
+            if not heads:
+                return
+            s = min(heads, key=lambda st: (st.priority, st.pending[0][2]))
+            launch, uses_device, _ = s.pending.popleft()
+            collocated = uses_device and self._busy() > 0
+            launch.start_us = self._now
+            launch.end_us = self._now + float(self.duration_us(launch.label, collocated))
+            s.running = (launch, uses_device)
+            heapq.heappush(self._ends, (launch.end_us, next(self._arrivals), s))
+
+    def wait_any(self, launches: Sequence[Launch], timeout_us: Optional[float] = None) -> None:
+        limit = None if timeout_us is None else self._now + timeout_us
+        while not any(l.done() for l in launches) and self._ends:
+            t, _, s = self._ends[0]
+            if limit is not None and t > limit:
+                self._now = limit
+                return
+            heapq.heappop(self._ends)
+            self._now = max(self._now, t)
+            s.running[0]._done.set()
+            s.running = None
+            if s.pending:  # the stream's next piece became ready now
+                s.pending[0][0].ready_us = self._now
+            self._start_ready()
+        if limit is not None and not any(l.done() for l in launches):
+            self._now = max(self._now, limit)
+
+    def synchronize(self) -> None:
+        while self._ends:
+            self.wait_any([self._ends[0][2].running[0]])
+
+
+class CudaBackend(Backend):  # pragma: no cover - needs a GPU
+    """CUDA streams with priorities, CUDA events, CUDA-graph capture into a shared pool."""
+
+    def __init__(self, device: torch.device, warmup: int = 3):
+        self.device = device
+        self.warmup = warmup
+        self._pool = torch.cuda.graph_pool_handle()
+        self._ref = torch.cuda.Event(enable_timing=True)
+        self._ref.record()
+        self._t0 = time.perf_counter()
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def stream(self, priority: int = LOW) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device, priority=int(priority))
+
+    def event(self) -> torch.cuda.Event:
+        """A timing CUDA event."""
+        return torch.cuda.Event(enable_timing=True)
+
+    def launch(self, stream, fn, *args, uses_device=True, label=""):
+        launch = _CudaLaunch(label, self._ref)
+        with torch.cuda.stream(stream):
+            launch.start_ev.record()
+            try:
+                launch.result = fn(*args)
+            except BaseException as e:
+                launch.error = e
+            launch.end_ev.record()
+        return launch
+
+    def wait_any(self, launches, timeout_us=None):
+        deadline = None if timeout_us is None else time.perf_counter() + timeout_us * 1e-6
+        while not any(l.done() for l in launches):
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            time.sleep(20e-6)
+
+    def capture(self, program, static_inputs):
+        static = [v.clone() if isinstance(v, torch.Tensor) else v for v in static_inputs]
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(self.warmup):
+                program(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+            outputs = program(*static)
+        return _CudaCaptured(program, static, graph, outputs)
+
+    def synchronize(self):
+        torch.cuda.synchronize(self.device)
+
+
+class _CudaLaunch(Launch):  # pragma: no cover - needs a GPU
+    __slots__ = ("start_ev", "end_ev", "ref")
+
+    def __init__(self, label, ref):
+        super().__init__(label)
+        self.ref = ref
+        self.start_ev = torch.cuda.Event(enable_timing=True)
+        self.end_ev = torch.cuda.Event(enable_timing=True)
+
+    def done(self):
+        if not self._done.is_set() and self.end_ev.query():
+            self.ready_us = self.start_us = self.ref.elapsed_time(self.start_ev) * 1e3
+            self.end_us = self.ref.elapsed_time(self.end_ev) * 1e3
+            self._done.set()
+        return self._done.is_set()
+
+    def wait(self):
+        self.end_ev.synchronize()
+        self.done()
+        return super().wait()
+
+
+class _CudaCaptured(Captured):  # pragma: no cover - needs a GPU
+    def __init__(self, program, static, graph, outputs):
+        super().__init__(program, static)
+        self.static, self.graph, self.outputs = static, graph, outputs
+
+    def replay(self, *inputs):
+        for buf, x in zip(self.static, inputs):
+            if isinstance(buf, torch.Tensor) and buf is not x:
+                buf.copy_(x)
+        self.graph.replay()
+        return self.outputs
+
+
+def backend_for(device: Any = "cpu", **options: Any) -> Backend:
+    """The backend for ``device``: ``CudaBackend`` for a CUDA device, else ``CpuBackend``
+    (``options`` go to its constructor)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend_for({device!r}): CUDA is not available on this machine")
+        return CudaBackend(dev, **options)
+    if dev.type != "cpu":
+        raise ValueError(f"backend_for({device!r}): no runtime backend for device type "
+                         f"{dev.type!r} (cpu and cuda are supported)")
+    return CpuBackend(**options)

@@ -1,0 +1,508 @@
+"""Multi-job runtime: one foreground job and background jobs sharing a device (DeepPool §5).
+
+Each job is a virtual queue of *pieces* (a lowered forward's steps, a training step, a
+collective...). ``Runtime.run`` dispatches them onto one stream per job:
+
+- **priorities**: the foreground stream is high priority, background streams low;
+- **launch pacing**: at most ``fg_depth`` (2) foreground and ``be_depth`` (1) background pieces
+  outstanding per job, so little low-priority work queues ahead of foreground work;
+- **slowdown feedback**: every foreground piece's time is recorded in isolation (the first
+  ``calibrate`` foreground iterations run alone). A foreground piece that later runs
+  ``target_slowdown`` (1.1x) slower than that while background work was on the device is marked
+  sensitive (all-reduce is the known case); background pieces are then dispatched only if they
+  are predicted to finish before the next sensitive piece starts;
+- **AntMan limits** of a background job (``handle.limits``): a memory cap checked against the
+  job's ``memory_bytes`` at each iteration boundary (above it the job is held until the cap is
+  raised), and a compute share (fraction of device time). Both can change between iterations
+  (``on_iteration`` callback or from another thread);
+- a piece that raises stops its job (reported in its stats) while the others keep running.
+
+Per-job statistics (throughput, iteration times, foreground slowdowns) and a trace of every
+piece (``tidal.runtime.trace_export``) come back from ``run``.
+
+Example:
+    >>> from tidal.runtime.scheduler import Runtime, step_job
+    >>> from tidal.runtime.backend import LogicalBackend
+    >>> rt = Runtime(backend=LogicalBackend(lambda name, collocated: 100.0))
+    >>> fg = rt.submit(step_job("train", lambda: None, iterations=3), priority="high")
+    >>> bg = rt.submit(step_job("extra", lambda: None), priority="low")
+    >>> stats = rt.run()
+    >>> stats["train"].iterations, stats["extra"].iterations > 0
+    (3, True)
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import statistics
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
+
+from tidal.compiler.table import format_table
+from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A unit of dispatch: ``fn()`` runs on the job's stream. ``kind`` names the operator class
+    (``"compute"``, ``"all_reduce"``...); ``uses_device=False`` marks host-side waiting (for
+    peers, for data) that leaves the device free; ``predicted_us`` is the cost model's guess."""
+
+    name: str
+    fn: Callable[[], Any]
+    kind: str = "compute"
+    uses_device: bool = True
+    predicted_us: float = 0.0
+
+
+class Job(Protocol):
+    """What ``Runtime.submit`` takes: a ``name``, ``memory_bytes`` it needs per iteration, and
+    ``iteration(i)`` returning the pieces of iteration ``i`` (None when the job is done)."""
+
+    name: str
+    memory_bytes: int
+
+    def iteration(self, index: int) -> Optional[Sequence[Piece]]: ...
+
+
+@dataclass
+class FunctionJob:
+    """A job whose iteration ``i`` is ``make_pieces(i)``, for ``iterations`` iterations (None:
+    until the runtime stops)."""
+
+    name: str
+    make_pieces: Callable[[int], Sequence[Piece]]
+    iterations: Optional[int] = None
+    memory_bytes: int = 0
+
+    def iteration(self, index: int) -> Optional[Sequence[Piece]]:
+        """The pieces of iteration ``index``, or None past the last iteration."""
+        if self.iterations is not None and index >= self.iterations:
+            return None
+        return self.make_pieces(index)
+
+
+def step_job(name: str, fn: Callable[[], Any], iterations: Optional[int] = None,
+             memory_bytes: int = 0, kind: str = "compute") -> FunctionJob:
+    """A job of one piece per iteration running ``fn()`` (e.g. ``lambda: compiled.step(x, y)``)."""
+    return FunctionJob(name, lambda i: [Piece(name, fn, kind=kind)], iterations, memory_bytes)
+
+
+def lowered_job(name: str, lowered: Any, inputs: Sequence[Any],
+                iterations: Optional[int] = None, memory_bytes: int = 0,
+                extra: Callable[[int], Sequence[Piece]] = lambda i: ()) -> FunctionJob:
+    """A job running the pieces of ``lowered`` (a ``LoweredModule``) on ``inputs`` each
+    iteration, followed by ``extra(i)`` pieces (e.g. a host-side wait for peers)."""
+    return FunctionJob(name, lambda i: list(lowered.pieces(*inputs).pieces) + list(extra(i)),
+                       iterations, memory_bytes)
+
+
+@dataclass
+class Limits:
+    """AntMan-style limits of a background job, read at each iteration boundary:
+    ``memory_bytes`` (None: no cap) and ``compute_share`` (fraction of device time, 1.0: any)."""
+
+    memory_bytes: Optional[int] = None
+    compute_share: float = 1.0
+
+
+@dataclass
+class JobStats:
+    """What a job did: iterations and pieces completed, device-busy µs, iteration times,
+    foreground slowdowns per piece (against isolated times), the error that stopped it."""
+
+    name: str
+    priority: str
+    iterations: int = 0
+    pieces: int = 0
+    busy_us: float = 0.0
+    first_us: Optional[float] = None
+    last_us: Optional[float] = None
+    iteration_us: list[float] = field(default_factory=list)
+    slowdowns: list[float] = field(default_factory=list)
+    max_outstanding: int = 0
+    held: int = 0
+    feedback_pauses: int = 0
+    error: Optional[str] = None
+
+    @property
+    def throughput(self) -> float:
+        """Iterations per second over the job's active span (0 if none)."""
+        if not self.iterations or self.first_us is None or self.last_us <= self.first_us:
+            return 0.0
+        return self.iterations / ((self.last_us - self.first_us) * 1e-6)
+
+    @property
+    def mean_slowdown(self) -> float:
+        """Mean of the recorded per-piece slowdowns (1.0 if none)."""
+        return sum(self.slowdowns) / len(self.slowdowns) if self.slowdowns else 1.0
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One dispatched piece: when it was dispatched, became ready, started and ended (µs on
+    the backend clock), whether background work was on the device meanwhile (foreground
+    pieces), its slowdown against the isolated time, and its error."""
+
+    job: str
+    priority: str
+    piece: str
+    kind: str
+    iteration: int
+    dispatch_us: float
+    ready_us: float
+    start_us: float
+    end_us: float
+    collocated: bool = False
+    slowdown: Optional[float] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class _Queued:
+    piece: Piece
+    iteration: int
+    last: bool
+    dispatch_us: float = 0.0
+    launch: Optional[Launch] = None
+    seq: int = 0
+
+
+class JobHandle:
+    """A submitted job: its ``limits`` (adjustable), ``stats`` and ``finished`` state."""
+
+    def __init__(self, job: Job, foreground: bool, limits: Limits,
+                 on_iteration: Optional[Callable[["JobHandle", int], None]]):
+        self.job = job
+        self.name = job.name
+        self.foreground = foreground
+        self.limits = limits
+        self.on_iteration = on_iteration
+        self.stats = JobStats(job.name, "high" if foreground else "low")
+        self.queue: collections.deque[_Queued] = collections.deque()
+        self.outstanding: collections.deque[_Queued] = collections.deque()
+        self.next_index = 0
+        self.exhausted = False
+        self.held = False
+        self.last_end_us = 0.0
+        self.iteration_start: Optional[float] = None
+        self.stream: Any = None
+
+    @property
+    def finished(self) -> bool:
+        """Done (no more iterations) or failed, with nothing outstanding."""
+        return (self.exhausted or self.stats.error is not None) and not self.outstanding
+
+    def mean_piece_us(self) -> float:
+        """Mean device time of this job's pieces so far (0 before the first)."""
+        return self.stats.busy_us / self.stats.pieces if self.stats.pieces else 0.0
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.name!r}, {'high' if self.foreground else 'low'})"
+
+
+_PRIORITIES = {"high": True, "foreground": True, "low": False, "background": False}
+
+
+class Runtime:
+    """Runs one foreground and several background jobs on ``device`` (see module docstring).
+
+    ``backend`` overrides the device's backend (e.g. ``LogicalBackend`` for scripted tests).
+    ``fg_depth``/``be_depth``: outstanding pieces per job (None: unbounded). ``priorities``:
+    use high/low stream priorities (False: all equal). ``feedback``: the slowdown feedback loop;
+    ``sensitive_kinds``: piece kinds treated as sensitive from the start. ``poll_us``: how
+    long the dispatcher sleeps when it waits for time to pass (compute shares).
+    """
+
+    def __init__(self, device: Any = "cpu", *, backend: Optional[Backend] = None,
+                 fg_depth: Optional[int] = 2, be_depth: Optional[int] = 1,
+                 target_slowdown: float = 1.1, feedback: bool = True, priorities: bool = True,
+                 calibrate: int = 1, sensitive_kinds: Sequence[str] = (),
+                 poll_us: float = 1000.0):
+        for name, depth in (("fg_depth", fg_depth), ("be_depth", be_depth)):
+            if depth is not None and (not isinstance(depth, int) or depth < 1):
+                raise ValueError(f"Runtime({name}={depth!r}): must be a positive int or None")
+        if not target_slowdown >= 1.0:
+            raise ValueError(f"Runtime(target_slowdown={target_slowdown!r}): must be >= 1")
+        self.backend = backend if backend is not None else backend_for(device)
+        self.fg_depth, self.be_depth = fg_depth, be_depth
+        self.target_slowdown = target_slowdown
+        self.feedback, self.priorities = feedback, priorities
+        self.calibrate = calibrate
+        self.sensitive_kinds = frozenset(sensitive_kinds)
+        self.poll_us = poll_us
+        self.handles: list[JobHandle] = []
+        self.isolated_us: dict[tuple[str, str], float] = {}
+        self._samples: dict[tuple[str, str], collections.deque] = {}
+        self.sensitive: set[tuple[str, str]] = set()
+        self.trace: list[TraceRecord] = []
+        self._bg_recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
+        self._seq = itertools.count()
+        self._paused = False
+
+    # -- submission -------------------------------------------------------------------------
+    def submit(self, job: Job, priority: Union[str, int] = "low", *,
+               memory_cap: Optional[int] = None, compute_share: float = 1.0,
+               on_iteration: Optional[Callable[[JobHandle, int], None]] = None) -> JobHandle:
+        """Add ``job`` as the foreground (``priority="high"``, or a negative int) or a
+        background job (``"low"``); background jobs may get a ``memory_cap`` (bytes) and a
+        ``compute_share``. ``on_iteration(handle, i)`` runs after each completed iteration."""
+        if isinstance(priority, str):
+            if priority not in _PRIORITIES:
+                raise ValueError(f"submit({job.name!r}): priority must be 'high' or 'low', "
+                                 f"got {priority!r}")
+            fg = _PRIORITIES[priority]
+        else:
+            fg = int(priority) < 0
+        if fg and self._foreground() is not None:
+            raise ValueError(f"submit({job.name!r}): there is already a foreground job "
+                             f"({self._foreground().name!r}); submit others with priority='low'")
+        if any(h.name == job.name for h in self.handles):
+            raise ValueError(f"submit: a job named {job.name!r} was already submitted")
+        if not 0 < compute_share <= 1:
+            raise ValueError(f"submit({job.name!r}): compute_share must be in (0, 1]")
+        h = JobHandle(job, fg, Limits(memory_cap, compute_share), on_iteration)
+        h.stream = self.backend.stream(HIGH if fg and self.priorities else LOW)
+        self.handles.append(h)
+        self.handles.sort(key=lambda x: not x.foreground)
+        return h
+
+    def _foreground(self) -> Optional[JobHandle]:
+        return next((h for h in self.handles if h.foreground), None)
+
+    # -- the dispatch loop ------------------------------------------------------------------
+    def run(self, until: str = "foreground", timeout_s: Optional[float] = None
+            ) -> dict[str, JobStats]:
+        """Dispatch until the foreground job finishes (``until="foreground"``; with no
+        foreground job: until every job finishes, as ``until="all"``) or ``timeout_s`` of
+        backend time pass; then wait for outstanding pieces and return the stats by job."""
+        if until not in ("foreground", "all"):
+            raise ValueError(f"run(until={until!r}): use 'foreground' or 'all'")
+        be = self.backend
+        t_end = None if timeout_s is None else be.now_us() + timeout_s * 1e6
+        stopping = False
+        while True:
+            now = be.now_us()
+            self._collect()
+            stopping = stopping or self._should_stop(until) or (t_end is not None
+                                                                and now >= t_end)
+            dispatched: set[str] = set()
+            if not stopping:
+                while (h := self._choose(now, dispatched)) is not None:
+                    self._dispatch(h, now)
+                    dispatched.add(h.name)
+            launches = [q.launch for h in self.handles for q in h.outstanding]
+            if not launches:
+                if stopping or self._stuck():
+                    break
+                if dispatched:
+                    continue
+            be.wait_any(launches, timeout_us=self.poll_us)
+        return {h.name: h.stats for h in self.handles}
+
+    def _should_stop(self, until: str) -> bool:
+        fg = self._foreground()
+        if until == "foreground" and fg is not None:
+            return fg.finished
+        return all(h.finished for h in self.handles)
+
+    def _stuck(self) -> bool:
+        """Nothing outstanding and no job can move without an outside change (all held)."""
+        live = [h for h in self.handles if not h.finished]
+        return all(h.held for h in live)
+
+    def _refill(self, h: JobHandle) -> bool:
+        if h.queue:
+            return True
+        if h.exhausted or h.stats.error is not None:
+            return False
+        cap = h.limits.memory_bytes
+        need = getattr(h.job, "memory_bytes", 0) or 0
+        if cap is not None and need > cap:
+            if not h.held:
+                h.stats.held += 1
+            h.held = True
+            return False
+        h.held = False
+        try:
+            pieces = h.job.iteration(h.next_index)
+            if pieces is not None and not pieces:
+                raise ValueError(f"iteration {h.next_index} has no pieces")
+        except Exception as e:  # a job that cannot even produce its pieces fails alone
+            self._fail(h, e)
+            return False
+        if pieces is None:
+            h.exhausted = True
+            return False
+        pieces = list(pieces)
+        for i, p in enumerate(pieces):
+            h.queue.append(_Queued(p, h.next_index, i == len(pieces) - 1))
+        h.next_index += 1
+        return True
+
+    def _choose(self, now: float, dispatched: set[str]) -> Optional[JobHandle]:
+        for h in self.handles:
+            depth = self.fg_depth if h.foreground else self.be_depth
+            if depth is None and h.name in dispatched:
+                continue  # unpaced: one launch per dispatcher round (the host's launch rate)
+            full = depth is not None and len(h.outstanding) >= depth
+            if full and not h.foreground:
+                continue  # background iterations (and their memory check) start when dispatched
+            if not self._refill(h) or full:
+                continue  # the foreground queue is refilled early: feedback looks ahead
+            if h.foreground or self._bg_allowed(h, now):
+                return h
+        return None
+
+    def _bg_allowed(self, h: JobHandle, now: float) -> bool:
+        if h.limits.compute_share < 1.0 and h.stats.first_us is not None:
+            if h.stats.busy_us > h.limits.compute_share * (now - h.stats.first_us):
+                return False
+        fg = self._foreground()
+        if not self.feedback or fg is None or fg.finished:
+            return True
+        if fg.stats.iterations < self.calibrate and fg.stats.error is None:
+            return False  # the foreground's isolated times are being recorded
+        est = self.isolated_us.get((h.name, h.queue[0].piece.name), h.mean_piece_us()) \
+            or h.queue[0].piece.predicted_us
+        allowed = now + est <= self._next_sensitive_start(fg, now)
+        if not allowed and not self._paused:
+            h.stats.feedback_pauses += 1
+        self._paused = not allowed
+        return allowed
+
+    def _iso(self, h: JobHandle, p: Piece) -> float:
+        return self.isolated_us.get((h.name, p.name), p.predicted_us)
+
+    def is_sensitive(self, h: JobHandle, p: Piece) -> bool:
+        """Whether foreground piece ``p`` of job ``h`` pauses background dispatch."""
+        return p.kind in self.sensitive_kinds or (h.name, p.name) in self.sensitive
+
+    def _next_sensitive_start(self, fg: JobHandle, now: float) -> float:
+        """Predicted start of the foreground's next sensitive piece (inf if none is queued)."""
+        if fg.outstanding:
+            t = max(fg.last_end_us, fg.outstanding[0].dispatch_us)
+            for q in fg.outstanding:
+                if self.is_sensitive(fg, q.piece):
+                    return t
+                t += self._iso(fg, q.piece)
+            t = max(t, now)
+        else:
+            t = now
+        for q in fg.queue:
+            if self.is_sensitive(fg, q.piece):
+                return t
+            t += self._iso(fg, q.piece)
+        return math.inf
+
+    def _dispatch(self, h: JobHandle, now: float) -> None:
+        q = h.queue.popleft()
+        q.dispatch_us, q.seq = now, next(self._seq)
+        if h.stats.first_us is None:
+            h.stats.first_us = now
+        if h.iteration_start is None:
+            h.iteration_start = now
+        q.launch = self.backend.launch(h.stream, q.piece.fn, uses_device=q.piece.uses_device,
+                                       label=f"{h.name}/{q.piece.name}")
+        h.outstanding.append(q)
+        h.stats.max_outstanding = max(h.stats.max_outstanding, len(h.outstanding))
+
+    def _collect(self) -> None:
+        done = [(q.launch.end_us, q.seq, h, q) for h in self.handles for q in h.outstanding
+                if q.launch.done()]
+        for _, _, h, q in sorted(done, key=lambda d: d[:2]):
+            h.outstanding.remove(q)
+            self._finish(h, q)
+
+    def _collocated(self, ready: float, end: float) -> bool:
+        for h in self.handles:
+            if not h.foreground and any(q.dispatch_us < end and q.piece.uses_device
+                                        for q in h.outstanding):
+                return True
+        return any(s < end and e > ready for s, e in self._bg_recent)
+
+    def _finish(self, h: JobHandle, q: _Queued) -> None:
+        lh, p = q.launch, q.piece
+        err = None if lh.error is None else f"{type(lh.error).__name__}: {lh.error}"
+        collocated, slowdown = False, None
+        key = (h.name, p.name)
+        if h.foreground and err is None:
+            took = lh.end_us - lh.ready_us
+            collocated = p.uses_device and self._collocated(lh.ready_us, lh.end_us)
+            if not collocated:
+                self._observe(key, took)
+            if p.uses_device and self.isolated_us.get(key, 0) > 0:
+                slowdown = took / self.isolated_us[key]
+                h.stats.slowdowns.append(slowdown)
+                if collocated and self.feedback and slowdown > self.target_slowdown:
+                    self.sensitive.add(key)
+        elif not h.foreground and p.uses_device:
+            self._bg_recent.append((lh.start_us, lh.end_us))
+            if err is None:
+                self._observe(key, lh.end_us - lh.start_us)
+        h.last_end_us = max(h.last_end_us, lh.end_us)
+        self.trace.append(TraceRecord(h.name, h.stats.priority, p.name, p.kind, q.iteration,
+                                      q.dispatch_us, lh.ready_us, lh.start_us, lh.end_us,
+                                      collocated, slowdown, err))
+        if err is not None:
+            if h.stats.error is None:
+                self._fail(h, lh.error)
+            return
+        if h.stats.error is not None:
+            return
+        st = h.stats
+        st.pieces += 1
+        if p.uses_device:
+            st.busy_us += lh.end_us - lh.start_us
+        st.last_us = max(st.last_us or 0.0, lh.end_us)
+        if q.last:
+            st.iterations += 1
+            st.iteration_us.append(lh.end_us - (h.iteration_start or lh.start_us))
+            h.iteration_start = lh.end_us if (h.queue or h.outstanding) else None
+            if h.on_iteration is not None:
+                h.on_iteration(h, q.iteration)
+
+    def _observe(self, key: tuple[str, str], took: float) -> None:
+        """Record an isolated duration; the estimate is the median of the last few (robust
+        to a noisy host)."""
+        samples = self._samples.setdefault(key, collections.deque(maxlen=5))
+        samples.append(took)
+        self.isolated_us[key] = statistics.median(samples)
+
+    def _fail(self, h: JobHandle, error: BaseException) -> None:
+        h.stats.error = "".join(traceback.format_exception_only(type(error), error)).strip()
+        h.queue.clear()
+        h.exhausted = True
+
+    # -- reporting --------------------------------------------------------------------------
+    def summary(self) -> str:
+        """Per-job table: iterations, throughput, mean iteration ms, device-busy share,
+        foreground slowdown, feedback pauses, errors."""
+        rows = []
+        for h in self.handles:
+            s = h.stats
+            span = (s.last_us - s.first_us) if s.first_us is not None and s.last_us else 0.0
+            mean_it = sum(s.iteration_us) / len(s.iteration_us) / 1e3 if s.iteration_us else 0
+            rows.append([s.name, s.priority, s.iterations, s.pieces, round(s.throughput, 2),
+                         round(mean_it, 3), round(100 * s.busy_us / span, 1) if span else 0.0,
+                         round(s.mean_slowdown, 3) if h.foreground else "-",
+                         s.max_outstanding, s.feedback_pauses, s.held, s.error or "-"])
+        table = format_table(["job", "prio", "iters", "pieces", "iters/s", "iter ms",
+                              "busy %", "fg slowdown", "max out", "pauses", "held", "error"],
+                             rows)
+        if self.sensitive:
+            table += "\nsensitive pieces: " + ", ".join(f"{j}/{p}" for j, p in
+                                                        sorted(self.sensitive))
+        return table
+
+    def close(self) -> None:
+        """Release the backend's workers."""
+        self.backend.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

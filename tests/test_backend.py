@@ -1,0 +1,119 @@
+"""Runtime backends: stream FIFO order, priority dispatch on the device gate, events, errors,
+capture/replay; the logical-clock backend; CUDA (skipped without a GPU)."""
+import threading
+
+import pytest
+import torch
+
+from tidal.runtime.backend import (HIGH, LOW, CpuBackend, LogicalBackend, backend_for)
+
+
+def _wait_until(pred):
+    ev = threading.Event()
+    while not pred():
+        ev.wait(0.001)
+
+
+def test_cpu_stream_is_fifo_and_returns_results():
+    with CpuBackend() as be:
+        s, seen = be.stream(), []
+        launches = [be.launch(s, lambda i=i: seen.append(i) or i * i) for i in range(20)]
+        assert [l.wait() for l in launches] == [i * i for i in range(20)]
+        assert seen == list(range(20))
+        assert all(l.ready_us <= l.start_us <= l.end_us for l in launches)
+
+
+def test_gate_dispatches_the_high_priority_stream_first():
+    with CpuBackend(slots=1) as be:
+        hold, started, order = threading.Event(), threading.Event(), []
+        blocker = be.launch(be.stream(LOW), lambda: started.set() or hold.wait())
+        started.wait()  # the blocker holds the device
+        low = be.launch(be.stream(LOW), lambda: order.append("low"))
+        high = be.launch(be.stream(HIGH), lambda: order.append("high"))
+        _wait_until(lambda: len(be.gate._waiting) == 2)  # both wait behind the blocker
+        hold.set()
+        low.wait(), high.wait(), blocker.wait()
+        assert order == ["high", "low"]
+        assert high.start_us > high.ready_us  # it was blocked (non-preemptive device)
+
+
+def test_ungated_streams_run_concurrently():
+    with CpuBackend(slots=None) as be:
+        ev = threading.Event()
+        a = be.launch(be.stream(), lambda: ev.wait(30))  # finishes only if b runs meanwhile
+        be.launch(be.stream(), ev.set).wait()
+        assert a.wait() is True
+
+
+def test_events_order_work_across_streams_and_errors_do_not_stop_a_stream():
+    with CpuBackend(slots=None) as be:
+        s1, s2, seen = be.stream(), be.stream(), []
+        hold = threading.Event()
+        be.launch(s1, hold.wait)
+        be.launch(s1, lambda: seen.append("s1"))
+        ev = be.event()
+        s1.record(ev)
+        s2.wait_event(ev)
+        after = be.launch(s2, lambda: seen.append("s2"))
+        assert not ev.query()
+        hold.set()
+        after.wait()
+        assert seen == ["s1", "s2"] and ev.query()
+        bad = be.launch(s1, lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            bad.wait()
+        assert be.launch(s1, lambda: 7).wait() == 7
+        be.synchronize()
+
+
+def test_cpu_capture_replays_the_program_on_static_shapes():
+    with CpuBackend() as be:
+        calls = []
+
+        def program(x, y):
+            calls.append(1)
+            return (x @ y + 1,)
+        x, y = torch.randn(3, 4), torch.randn(4, 2)
+        seg = be.capture(program, (x, y))
+        assert seg.signature == (((3, 4), torch.float32), ((4, 2), torch.float32))
+        assert len(calls) == 1  # the warm-up run
+        x2 = torch.randn(3, 4)
+        torch.testing.assert_close(seg.replay(x2, y)[0], x2 @ y + 1, rtol=0, atol=0)
+
+
+def test_logical_backend_priorities_and_scripted_collocation():
+    durations = {"a": 10.0, "b": 5.0, "c": 7.0}
+    be = LogicalBackend(lambda name, coll: durations[name] * (3 if coll else 1), slots=1)
+    lo, hi = be.stream(LOW), be.stream(HIGH)
+    a = be.launch(lo, lambda: "A", label="a")
+    b = be.launch(lo, lambda: "B", label="b")
+    c = be.launch(hi, lambda: "C", label="c")
+    be.synchronize()
+    assert (a.start_us, a.end_us) == (0, 10)
+    assert (c.ready_us, c.start_us, c.end_us) == (0, 10, 17)  # priority beats b at t=10
+    assert (b.start_us, b.end_us) == (17, 22) and b.wait() == "B"
+    shared = LogicalBackend(lambda name, coll: durations[name] * (3 if coll else 1))
+    x = shared.launch(shared.stream(), lambda: None, label="a")
+    y = shared.launch(shared.stream(), lambda: None, label="b")
+    shared.synchronize()
+    assert (x.end_us, y.end_us) == (10, 15)  # y started while x ran: 3x slower
+
+
+def test_backend_for_selects_by_device():
+    assert isinstance(backend_for("cpu"), CpuBackend)
+    with pytest.raises(ValueError, match="meta"):
+        backend_for("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            backend_for("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_backend_capture_replay_and_priority_streams():  # pragma: no cover
+    be = backend_for("cuda")
+    x = torch.randn(8, 8, device="cuda")
+    seg = be.capture(lambda t: (torch.relu(t @ t) + 1,), (x,))
+    y = torch.randn(8, 8, device="cuda")
+    out = be.launch(be.stream(HIGH), seg.replay, y).wait()
+    be.synchronize()
+    torch.testing.assert_close(out[0], torch.relu(y @ y) + 1)

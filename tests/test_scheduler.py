@@ -1,0 +1,200 @@
+"""Multi-job runtime: pacing bounds, the slowdown feedback loop under a scripted slowdown,
+failure isolation, AntMan limits, lowered jobs, trace export. Durations are scripted on the
+logical-clock backend (no wall-clock timing); the threaded CPU backend is used only for
+properties that do not depend on timing."""
+import json
+import threading
+
+import pytest
+import torch
+
+import tidal
+from examples.models import ZOO
+from tidal.runtime.backend import CpuBackend, LogicalBackend
+from tidal.runtime.lower import lower
+from tidal.runtime.scheduler import FunctionJob, Piece, Runtime, lowered_job, step_job
+from tidal.runtime.trace_export import chrome_trace, summary_table, write_chrome_trace
+
+_TIMES = {"fg/c0": 100.0, "fg/ar": 50.0, "fg/c1": 100.0, "bg/b": 37.0}
+
+
+def _scripted(label, collocated):
+    """All-reduce is 3x slower when background work shares the device (the injected slowdown)."""
+    return _TIMES[label] * (3 if collocated and label == "fg/ar" else 1)
+
+
+def _jobs(rt, iterations=8):
+    rt.submit(FunctionJob("fg", lambda i: [Piece(n, lambda: None, kind="all_reduce" if n == "ar"
+                                                 else "compute") for n in ("c0", "ar", "c1")],
+                          iterations), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)]), priority="low")
+
+
+def _max_outstanding(trace, job):
+    events = sorted([(r.dispatch_us, 1) for r in trace if r.job == job]
+                    + [(r.end_us, -1) for r in trace if r.job == job])
+    level = peak = 0
+    for _, d in events:  # ends sort before dispatches at the same instant
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.parametrize("fg_depth,be_depth", [(2, 1), (3, 2), (1, 1)])
+def test_pacing_bounds_outstanding_pieces(fg_depth, be_depth):
+    rt = Runtime(backend=LogicalBackend(_scripted), fg_depth=fg_depth, be_depth=be_depth,
+                 feedback=False)
+    _jobs(rt)
+    stats = rt.run()
+    assert stats["fg"].iterations == 8 and stats["bg"].iterations > 0
+    assert _max_outstanding(rt.trace, "fg") == stats["fg"].max_outstanding == fg_depth
+    assert _max_outstanding(rt.trace, "bg") == stats["bg"].max_outstanding == be_depth
+
+
+def test_unbounded_depth_lets_background_queue_up():
+    rt = Runtime(backend=LogicalBackend(_scripted), fg_depth=None, be_depth=None,
+                 feedback=False, poll_us=10)
+    _jobs(rt, iterations=3)
+    rt.run()
+    assert _max_outstanding(rt.trace, "bg") > 5
+
+
+def test_feedback_pauses_background_around_a_slowed_operator():
+    with_fb = Runtime(backend=LogicalBackend(_scripted))
+    _jobs(with_fb)
+    stats = with_fb.run()
+    assert with_fb.sensitive == {("fg", "ar")}
+    ar = [r for r in with_fb.trace if r.piece == "ar"]
+    first = next(i for i, r in enumerate(ar) if r.collocated)
+    assert ar[first].slowdown == pytest.approx(3.0)
+    assert not any(r.collocated for r in ar[first + 1:])  # background paused around it
+    assert all(r.end_us - r.ready_us == 50.0 for r in ar[first + 1:])
+    assert stats["bg"].iterations > 10 and stats["bg"].feedback_pauses > 0
+    # calibration: the first foreground iteration ran alone
+    bg_first = min(r.start_us for r in with_fb.trace if r.job == "bg")
+    assert bg_first >= max(r.end_us for r in with_fb.trace if r.job == "fg" and r.iteration == 0)
+
+    without = Runtime(backend=LogicalBackend(_scripted), feedback=False)
+    _jobs(without)
+    without.run()
+    slowed = [r for r in without.trace if r.piece == "ar" and r.end_us - r.ready_us == 150.0]
+    assert len(slowed) >= 4 and not without.sensitive
+
+
+def test_declared_sensitive_kinds_pause_from_the_start():
+    rt = Runtime(backend=LogicalBackend(_scripted), sensitive_kinds=("all_reduce",))
+    _jobs(rt)
+    rt.run()
+    assert not any(r.collocated for r in rt.trace if r.piece == "ar")
+
+
+def test_a_failing_background_job_does_not_stop_the_others():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    x = torch.randn(4, 6)
+    lowered = lower(tidal.trace(model, (x,)), (x,))
+    results, counts = [], {"bad": 0}
+    failed, after = threading.Event(), threading.Event()
+
+    def bad():
+        counts["bad"] += 1
+        if counts["bad"] == 3:
+            failed.set()
+            raise RuntimeError("background exploded")
+
+    def good():
+        if failed.is_set():
+            after.set()  # the other background job still runs after the failure
+
+    def fg_pieces(i):
+        run = lowered.pieces(x)
+        pieces = list(run.pieces) + [Piece("collect", lambda: results.append(run.result()))]
+        if i == 5:  # host-side wait (leaves the device free) until both happened
+            pieces.append(Piece("wait", lambda: failed.wait(60) and after.wait(60),
+                                uses_device=False))
+        return pieces
+
+    with Runtime(backend=CpuBackend(slots=1)) as rt:
+        rt.submit(FunctionJob("fg", fg_pieces, iterations=6), priority="high")
+        rt.submit(step_job("bad", bad), priority="low")
+        rt.submit(step_job("good", good), priority="low")
+        stats = rt.run()
+    assert stats["fg"].iterations == 6 and stats["fg"].error is None and after.is_set()
+    assert len(results) == 6
+    with torch.no_grad():
+        for r in results:
+            torch.testing.assert_close(r, model(x), rtol=0, atol=0)
+    assert "RuntimeError: background exploded" in stats["bad"].error
+    assert stats["bad"].iterations == 2 and counts["bad"] == 3
+    assert "background exploded" in rt.summary()
+
+
+def test_a_failing_foreground_job_is_reported():
+    rt = Runtime(backend=LogicalBackend(lambda label, c: 10.0))
+    rt.submit(step_job("fg", lambda: 1 / 0, iterations=3), priority="high")
+    rt.submit(step_job("bg", lambda: None), priority="low")
+    stats = rt.run()
+    assert stats["fg"].error.startswith("ZeroDivisionError") and stats["fg"].iterations == 0
+
+
+def test_memory_cap_holds_a_job_between_iterations_until_raised():
+    def adjust(handle, i):
+        if i == 1:
+            handle.limits.memory_bytes = 100  # lowered between iterations: the job is held
+    rt = Runtime(backend=LogicalBackend(lambda label, c: 10.0), feedback=False)
+    fg = rt.submit(step_job("fg", lambda: None, iterations=20), priority="high")
+    bg = rt.submit(step_job("bg", lambda: None, memory_bytes=1000), priority="low",
+                   memory_cap=2000, on_iteration=adjust)
+    rt.run()
+    assert bg.stats.iterations == 2 and bg.stats.held == 1 and fg.stats.iterations == 20
+    rt.run(until="all")  # returns at once: the only live job is held
+    assert bg.stats.iterations == 2
+    bg.limits.memory_bytes = None  # raised: the job resumes
+    rt.run(until="all", timeout_s=100e-6)
+    assert bg.stats.iterations > 2
+
+
+def test_compute_share_limits_background_device_time():
+    rt = Runtime(backend=LogicalBackend(lambda label, c: 20.0), feedback=False, poll_us=5)
+    rt.submit(FunctionJob("fg", lambda i: [Piece("wait", lambda: None, uses_device=False)], 50),
+              priority="high")
+    bg = rt.submit(step_job("bg", lambda: None), priority="low", compute_share=0.25)
+    rt.run()
+    span = bg.stats.last_us - bg.stats.first_us
+    assert 0.15 < bg.stats.busy_us / span <= 0.25 + 20.0 / span
+
+
+def test_lowered_job_on_the_threaded_backend_equals_eager_and_exports_a_trace(tmp_path):
+    torch.manual_seed(0)
+    model = ZOO["resnet50_small"]().eval()
+    x = model.example_inputs(2)
+    gm = tidal.compile(model, x).graph_module
+    lowered = lower(gm, x, time_us=lambda n: 1.0, piece_us=20)
+    out = {}
+    with Runtime(backend=CpuBackend(slots=1)) as rt:
+        job = lowered_job("fg", lowered, x, iterations=2)
+        rt.submit(job, priority="high")
+        run = lowered.pieces(*x)
+        rt.submit(FunctionJob("bg", lambda i: run.pieces if i == 0 else [
+            Piece("keep", lambda: out.setdefault("bg", run.result()))], 2), priority="low")
+        rt.run(until="all")
+    with torch.no_grad():
+        torch.testing.assert_close(out["bg"], model(*x), rtol=0, atol=0)
+    path = write_chrome_trace(rt.trace, tmp_path / "trace.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    rows = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert rows == {"fg (high)", "bg (low)"}
+    assert sum(1 for e in events if e["ph"] == "X" and e.get("cat") != "wait") == len(rt.trace)
+    assert "fg" in summary_table(rt) and chrome_trace([])["traceEvents"] == []
+
+
+def test_submit_errors_are_clear():
+    rt = Runtime(backend=LogicalBackend(lambda label, c: 1.0))
+    rt.submit(step_job("a", lambda: None, iterations=1), priority="high")
+    with pytest.raises(ValueError, match="already a foreground job"):
+        rt.submit(step_job("b", lambda: None), priority="high")
+    with pytest.raises(ValueError, match="priority must be"):
+        rt.submit(step_job("c", lambda: None), priority="urgent")
+    with pytest.raises(ValueError, match="already submitted"):
+        rt.submit(step_job("a", lambda: None))
+    with pytest.raises(ValueError, match="fg_depth"):
+        Runtime(backend=LogicalBackend(lambda label, c: 1.0), fg_depth=0)
