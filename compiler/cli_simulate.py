@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-layer device times: DeepPool .prof/.txt or a DeviceProfile JSON")
     p.add_argument("--peak-tflops", type=positive_float, default=100.0,
                    help="device throughput for layers the profile lacks (default 100)")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write the data-parallel timeline as a Chrome trace (Perfetto) JSON")
     p.add_argument("--bg-batch", type=positive_int, default=8,
                    help="burst+bg: batch of the background job (default 8)")
     p.add_argument("--interference", type=positive_float, default=1.1,
@@ -72,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"simulated (not measured): {args.model}, global batch {global_batch}")
     print(f"  1 GPU            : {one.summary()}")
     print(f"  data parallel    : {dp.summary()}  ({one.iteration_us / dp.iteration_us:.2f}x)")
+    if args.trace:
+        import json
+
+        from tidal.runtime.sim.engine import chrome_trace
+
+        Path(args.trace).write_text(json.dumps(chrome_trace(dp.intervals, "data parallel")))
+        print(f"  timeline: {args.trace}")
     if args.plan != "dp":
         from tidal.compiler.cli_args import pass_options
         from tidal.runtime.sim.scenarios import fig9_scenarios

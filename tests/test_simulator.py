@@ -107,9 +107,12 @@ def test_simulate_cli_prints_simulated_summary_and_rejects_bad_batch():
     root = Path(__file__).resolve().parents[1]
     run = lambda *a: subprocess.run([sys.executable, "-m", "tidal", "simulate", *a], cwd=root,
                                     capture_output=True, text=True, timeout=300)
-    r = run("vgg16_small", "--gpus", "4", "--global-batch", "16")
+    trace = Path(__import__("tempfile").mkdtemp()) / "t.json"
+    r = run("vgg16_small", "--gpus", "4", "--global-batch", "16", "--trace", str(trace))
     assert r.returncode == 0, r.stderr
     assert "simulated (not measured)" in r.stdout and "4 GPUs" in r.stdout
+    events = __import__("json").loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1, 2, 3}
     r = run("vgg16_small", "--gpus", "3", "--global-batch", "16")
     assert r.returncode == 2 and "not divisible" in r.stderr
 

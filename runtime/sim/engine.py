@@ -76,3 +76,21 @@ def simulate(tasks: Sequence[Task]) -> list[Interval]:
             out.append(Interval(g, lane, t.job, t.name, start, end))
         ends.append(end)
     return out
+
+
+def chrome_trace(intervals: Sequence[Interval], label: str = "") -> dict:
+    """Chrome trace-event JSON for simulated intervals: one process per GPU, one row per lane
+    (compute, link); loads in chrome://tracing and Perfetto."""
+    events: list[dict] = []
+    seen: set[tuple[int, str]] = set()
+    for iv in intervals:
+        tid = 0 if iv.lane == "compute" else 1
+        if (iv.gpu, iv.lane) not in seen:
+            seen.add((iv.gpu, iv.lane))
+            events.append({"ph": "M", "name": "process_name", "pid": iv.gpu, "tid": tid,
+                           "args": {"name": f"{label} GPU {iv.gpu}".strip()}})
+            events.append({"ph": "M", "name": "thread_name", "pid": iv.gpu, "tid": tid,
+                           "args": {"name": iv.lane}})
+        events.append({"ph": "X", "name": iv.name, "cat": iv.job, "pid": iv.gpu, "tid": tid,
+                       "ts": iv.start_us, "dur": iv.end_us - iv.start_us})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
