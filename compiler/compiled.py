@@ -84,6 +84,14 @@ class Compiled:
         opt.step()
         return loss.detach()
 
+    def cold_start(self, path: Union[str, Path], *inputs: Any, **kwargs: Any) -> Any:
+        """The first output while the weights stream in, group by group, from the store at
+        ``path`` (written by ``tidal.runtime.weight_loader.write_groups``; needs the
+        ``layer_groups`` pass). Inputs default to the compile-time example inputs."""
+        from tidal.runtime.weight_loader import cold_start
+
+        return cold_start(self, path, *inputs, **kwargs)
+
     def report(self) -> str:
         """A table of the compile stages and passes: wall time, node counts, what was added
         and removed, and each plan's summary, followed by the passes' notes."""

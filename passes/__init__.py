@@ -15,11 +15,14 @@ from typing import Mapping
 
 from tidal.ir.pass_api import Pass
 from tidal.passes.burst_parallel import BurstParallel
+from tidal.passes.clustered_attention import ClusteredAttention
 from tidal.passes.compression import CompressionPass
+from tidal.passes.layer_groups import LayerGroups
 from tidal.passes.round_robin import RoundRobin
 from tidal.passes.tick_tock import TickTock
 
-_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel, TickTock, RoundRobin, CompressionPass)
+_PASS_CLASSES: tuple[type[Pass], ...] = (BurstParallel, TickTock, RoundRobin, CompressionPass,
+                                         LayerGroups, ClusteredAttention)
 
 
 def registry() -> Mapping[str, type[Pass]]:

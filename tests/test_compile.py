@@ -138,3 +138,11 @@ def test_lowered_compile_equals_eager(name):
         torch.testing.assert_close(compiled(*x), model(*x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="lower="):
         tidal.compile(model, x, lower="cuda-graphs")
+
+
+def test_an_option_two_selected_passes_take_is_ambiguous():
+    model = ZOO["bert_small"]()
+    x = model.example_inputs(4)
+    with pytest.raises(tidal.PassError, match="'mode' is taken by passes"):
+        tidal.compile(model, x, passes=["compression", "clustered_attention"], mode="static",
+                      loss_fn=model.default_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))

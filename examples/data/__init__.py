@@ -1,0 +1,39 @@
+"""Offline English text for calibration and evaluation (the GPL-3 licence, kept verbatim).
+
+The file is split at the blank line nearest its middle: the first half calibrates, the
+second half evaluates (see README.md in this folder for the source).
+
+Example:
+    >>> from tidal.examples.data import calibration_text, evaluation_text
+    >>> "GNU GENERAL PUBLIC LICENSE" in calibration_text()
+    True
+    >>> evaluation_text().lstrip().startswith("7. Additional Terms.")
+    True
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("GPL-3.txt")
+
+
+def _halves() -> tuple[str, str]:
+    """The text cut after the first blank line at or past its middle character."""
+    text = _SOURCE.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    seen = 0
+    for i, line in enumerate(lines):
+        seen += len(line)
+        if seen >= len(text) // 2 and not line.strip():
+            return "".join(lines[: i + 1]), "".join(lines[i + 1:])
+    raise ValueError(f"{_SOURCE} has no blank line past its middle to split at")
+
+
+def calibration_text() -> str:
+    """The first half of the text (for choosing cluster counts)."""
+    return _halves()[0]
+
+
+def evaluation_text() -> str:
+    """The second half of the text (held out; for measuring only)."""
+    return _halves()[1]

@@ -1,0 +1,398 @@
+"""CHAI's offline phase: how many clusters each attention layer gets, and online membership.
+
+Pure functions over tensors of attention probabilities (no model here; the glue that runs a
+model lives in ``clustered_attention``):
+
+- ``HeadStats`` accumulates, per layer and per calibration sequence, the k-means clustering error
+  of the layer's heads for k = 1..H (the elbow plot, dissertation §6.2.2, Fig. 6.5) and the mean
+  head-to-head cosine similarity (for CHAI-static's fixed membership).
+- ``elbow(errors)``: the elbow rule. The error curve is normalised to [0, 1] on both axes and the
+  elbow is the k farthest below the straight line from (1, e(1)) to (H, e(H)) (the "kneedle"
+  rule of Satopää et al. 2011); a curve with no point below the line (no plateau: heads are not
+  redundant) gives k = H.
+- ``membership(features, k, kv_of_head)``: which heads share scores. Average-linkage
+  agglomerative clustering on cosine distance (as CHAI's public code does, rather than the
+  K-Means the text mentions): deterministic (no random restarts, so a sequence always gets the
+  same membership), and cosine ignores the scale of a head's score rows. Each cluster's
+  representative is the member most similar on average to the others; under grouped-query
+  attention it is chosen among members whose KV head is already needed, when possible, so that
+  whole KV heads drop out of the K cache.
+- ``choose_counts``: the accuracy-budgeted choice. Layers are tried from the most redundant
+  (lowest area under the normalised error curve); for each, the smallest k whose metric stays
+  within the budget (default: perplexity +3 % relative, or embedding cosine >= 0.99) is kept
+  together with the layers already accepted; a layer for which even k = H - 1 breaks the budget
+  stays unclustered (``None``).
+- ``ChaiPlan``: the per-layer choices (chosen k, elbow k, the error curve, CHAI-static
+  membership) with an exact JSON round trip.
+
+Example:
+    >>> import torch
+    >>> from tidal.passes.chai_calibrate import membership, kmeans_errors, elbow
+    >>> f = torch.tensor([[1., 0, 0], [0.9, 0.1, 0], [0, 1, 0], [0, 0.95, 0.05]])
+    >>> m = membership(f, 2, kv_of_head=(0, 1, 2, 3))
+    >>> m.labels, m.representatives
+    ((0, 0, 1, 1), (0, 2))
+    >>> elbow(kmeans_errors(f))
+    2
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from tidal.ir.plan import Plan
+
+FIRST_TOKENS = 5
+"""Tokens processed with full multi-head attention before membership is fixed (§6.2.3)."""
+
+
+def check_count(k: int, num_heads: int, where: str = "") -> None:
+    """Raise ``ValueError`` unless ``1 <= k <= num_heads``."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_heads:
+        raise ValueError(f"{where + ': ' if where else ''}cluster count {k!r} is outside "
+                         f"1..{num_heads} (the layer has {num_heads} heads)")
+
+
+def cosine_similarity(features: torch.Tensor) -> torch.Tensor:
+    """``[H, H]`` cosine similarity of the rows of ``features`` ``[H, F]`` (float64)."""
+    f = features.reshape(features.shape[0], -1).double()
+    f = f / f.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return f @ f.T
+
+
+def average_linkage(sim: torch.Tensor, k: int) -> tuple[int, ...]:
+    """Cluster labels (numbered by first member) from average-linkage agglomeration of the
+    similarity matrix ``sim`` ``[H, H]`` into ``k`` clusters."""
+    n = sim.shape[0]
+    check_count(k, n)
+    clusters: list[list[int]] = [[h] for h in range(n)]
+    s = sim.double()
+    while len(clusters) > k:
+        best, pair = -math.inf, (0, 1)
+        for a, b in combinations(range(len(clusters)), 2):
+            link = s[clusters[a]][:, clusters[b]].mean().item()
+            if link > best:
+                best, pair = link, (a, b)
+        a, b = pair
+        clusters[a] = sorted(clusters[a] + clusters[b])
+        del clusters[b]
+    clusters.sort(key=lambda c: c[0])
+    labels = [0] * n
+    for i, members in enumerate(clusters):
+        for h in members:
+            labels[h] = i
+    return tuple(labels)
+
+
+def _kv_cover(groups_per_cluster: list[set[int]]) -> set[int]:
+    """A smallest set of KV heads meeting every cluster (exact up to 12 KV heads, else greedy)."""
+    universe = sorted(set().union(*groups_per_cluster))
+    if len(universe) <= 12:
+        for size in range(1, len(universe) + 1):
+            for subset in combinations(universe, size):
+                if all(g & set(subset) for g in groups_per_cluster):
+                    return set(subset)
+    chosen: set[int] = set()
+    uncovered = list(range(len(groups_per_cluster)))
+    while uncovered:
+        best = max(universe, key=lambda u: sum(u in groups_per_cluster[c] for c in uncovered))
+        chosen.add(best)
+        uncovered = [c for c in uncovered if best not in groups_per_cluster[c]]
+    return chosen
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Cluster ``labels`` per head and each cluster's ``representatives`` (a head index)."""
+
+    labels: tuple[int, ...]
+    representatives: tuple[int, ...]
+
+    @property
+    def rep_of_head(self) -> tuple[int, ...]:
+        """For every head, the head whose scores it uses."""
+        return tuple(self.representatives[c] for c in self.labels)
+
+
+def representatives(labels: Sequence[int], sim: torch.Tensor,
+                    kv_of_head: Sequence[int]) -> tuple[int, ...]:
+    """Per cluster, the member with the highest mean similarity to its cluster, restricted to a
+    smallest set of KV heads that meets every cluster (so the most KV heads can be dropped)."""
+    k = max(labels) + 1
+    members = [[h for h, c in enumerate(labels) if c == i] for i in range(k)]
+    keep = _kv_cover([{kv_of_head[h] for h in m} for m in members])
+    reps = []
+    for m in members:
+        allowed = [h for h in m if kv_of_head[h] in keep]
+        reps.append(max(allowed, key=lambda h: (sim[h, m].mean().item(), -h)))
+    return tuple(reps)
+
+
+def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
+    """Cluster the heads (rows of ``features`` ``[H, ...]``) into ``k`` clusters on cosine
+    distance and pick representatives (see the module docstring)."""
+    sim = cosine_similarity(features)
+    labels = average_linkage(sim, k)
+    return Membership(labels, representatives(labels, sim, kv_of_head))
+
+
+def static_membership(sim: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
+    """Membership from an (averaged) similarity matrix: CHAI-static's fixed clusters."""
+    labels = average_linkage(sim, k)
+    return Membership(labels, representatives(labels, sim, kv_of_head))
+
+
+def kmeans_sse(points: torch.Tensor, k: int, *, restarts: int = 3, iters: int = 30,
+               seed: int = 0) -> float:
+    """Smallest within-cluster sum of squared distances of k-means (k-means++ seeding, Lloyd
+    iterations) over ``restarts`` seeded runs, on the rows of ``points`` ``[N, F]``."""
+    x = points.reshape(points.shape[0], -1).double()
+    n = x.shape[0]
+    check_count(k, n)
+    if k == n:
+        return 0.0
+    gen = torch.Generator().manual_seed(seed)
+    best = math.inf
+    for _ in range(restarts):
+        centres = x[torch.randint(n, (1,), generator=gen)]
+        while centres.shape[0] < k:
+            d2 = torch.cdist(x, centres).min(dim=1).values.square()
+            probs = d2 / d2.sum() if d2.sum() > 0 else torch.full((n,), 1.0 / n)
+            centres = torch.cat((centres, x[torch.multinomial(probs, 1, generator=gen)]))
+        for _ in range(iters):
+            assign = torch.cdist(x, centres).argmin(dim=1)
+            new = torch.stack([x[assign == c].mean(0) if (assign == c).any() else centres[c]
+                               for c in range(k)])
+            if torch.equal(new, centres):
+                break
+            centres = new
+        sse = torch.cdist(x, centres).min(dim=1).values.square().sum().item()
+        best = min(best, sse)
+    return best
+
+
+def kmeans_errors(points: torch.Tensor) -> tuple[float, ...]:
+    """Clustering error (k-means SSE) of the rows of ``points`` for k = 1..N."""
+    return tuple(kmeans_sse(points, k) for k in range(1, points.shape[0] + 1))
+
+
+def elbow(errors: Sequence[float]) -> int:
+    """The elbow of an error curve ``errors[k-1]`` for k = 1..H (kneedle rule, module doc)."""
+    h = len(errors)
+    if h <= 2:
+        return h
+    span = errors[0] - errors[-1]
+    if span <= 0:           # flat curve: the heads are all alike
+        return 1
+    e = [(x - errors[-1]) / span for x in errors]
+    gaps = [(1 - (k / (h - 1))) - e[k] for k in range(h)]   # chord minus curve
+    best = max(range(h), key=lambda k: (gaps[k], -k))
+    return best + 1 if gaps[best] > 0 else h
+
+
+def redundancy(errors: Sequence[float]) -> float:
+    """Mean normalised clustering error over k = 1..H-1 (lower: more redundant heads)."""
+    if len(errors) < 2 or errors[0] <= 0:
+        return 0.0
+    return sum(errors[:-1]) / errors[0] / (len(errors) - 1)
+
+
+def head_features(probs: torch.Tensor, first: int = FIRST_TOKENS) -> torch.Tensor:
+    """Per batch element and head, the attention rows of the first ``first`` query tokens:
+    ``probs`` ``[B, H, Tq, Tk]`` -> ``[B, H, first * Tk]``."""
+    return probs[:, :, :first].flatten(2)
+
+
+class HeadStats:
+    """Accumulates per-layer clustering-error curves and head similarity over calibration
+    sequences: ``add(layer, probs)`` with ``probs`` ``[B, H, Tq, Tk]``.
+
+    A sequence's heads are compared on a sample of ``rows`` query rows spread over the sequence
+    (their full attention rows), which is what the heads would share after token 5.
+    """
+
+    def __init__(self, rows: int = 32) -> None:
+        self.rows = rows
+        self.sse: dict[int, list[float]] = {}
+        self.sim: dict[int, torch.Tensor] = {}
+        self.count: dict[int, int] = {}
+
+    def add(self, layer: int, probs: torch.Tensor) -> None:
+        """Add one batch of attention probabilities of ``layer``."""
+        t = probs.shape[2]
+        idx = torch.linspace(min(FIRST_TOKENS, t - 1), t - 1, min(self.rows, t)).long()
+        for seq in probs[:, :, idx].detach().double():
+            points = seq.flatten(1)
+            curve = kmeans_errors(points)
+            acc = self.sse.setdefault(layer, [0.0] * len(curve))
+            for i, v in enumerate(curve):
+                acc[i] += v
+            sim = cosine_similarity(points)
+            self.sim[layer] = self.sim.get(layer, torch.zeros_like(sim)) + sim
+            self.count[layer] = self.count.get(layer, 0) + 1
+
+    def errors(self, layer: int) -> tuple[float, ...]:
+        """Mean clustering error for k = 1..H of ``layer``."""
+        return tuple(v / self.count[layer] for v in self.sse[layer])
+
+    def similarity(self, layer: int) -> torch.Tensor:
+        """Mean head-to-head cosine similarity ``[H, H]`` of ``layer``."""
+        return self.sim[layer] / self.count[layer]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """An accuracy budget: ``metric`` is "perplexity" (lower is better; allowed up to
+    ``baseline * (1 + tolerance)``) or "cosine" (higher is better; allowed down to
+    ``min_cosine``)."""
+
+    metric: str = "perplexity"
+    tolerance: float = 0.03
+    min_cosine: float = 0.99
+
+    def allows(self, value: float, baseline: float) -> bool:
+        """Whether ``value`` is within budget of ``baseline``."""
+        if self.metric == "perplexity":
+            return value <= baseline * (1 + self.tolerance)
+        if self.metric == "cosine":
+            return value >= self.min_cosine
+        raise ValueError(f"unknown budget metric {self.metric!r}: use 'perplexity' or 'cosine'")
+
+    def describe(self) -> str:
+        """E.g. ``perplexity within +3.0%``."""
+        if self.metric == "perplexity":
+            return f"perplexity within +{self.tolerance:.1%}"
+        return f"embedding cosine >= {self.min_cosine}"
+
+
+def choose_counts(errors: Mapping[int, Sequence[float]],
+                  evaluate: Callable[[Mapping[int, int]], float], budget: Budget,
+                  baseline: float, log: Callable[[str], None] = lambda m: None
+                  ) -> tuple[dict[int, Optional[int]], float, int]:
+    """Each layer's cluster count under ``budget`` (see the module docstring).
+
+    ``errors[layer]`` is the layer's error curve (k = 1..H); ``evaluate(counts)`` the metric
+    with ``counts`` (layer -> k) clustered and the other layers intact. Returns the counts
+    (None: unclustered), the final metric and the number of evaluations. Assumes the metric
+    is monotone in k within a layer (binary search).
+    """
+    chosen: dict[int, int] = {}
+    final, evals = baseline, 0
+    for layer in sorted(errors, key=lambda l: (redundancy(errors[l]), l)):
+        h = len(errors[layer])
+        if h < 2:
+            continue
+        cache: dict[int, float] = {}
+
+        def ok(k: int) -> bool:
+            nonlocal evals
+            if k not in cache:
+                cache[k] = evaluate({**chosen, layer: k})
+                evals += 1
+            return budget.allows(cache[k], baseline)
+
+        if not ok(h - 1):
+            log(f"layer {layer}: unclustered (k={h - 1} gives {cache[h - 1]:.4g})")
+            continue
+        lo, hi = 1, h - 1      # hi is within budget
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        chosen[layer] = hi
+        final = cache[hi]
+        log(f"layer {layer}: k={hi} ({final:.4g})")
+    return {l: chosen.get(l) for l in sorted(errors)}, final, evals
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One attention layer's calibration result: ``chosen_k`` (None: left unclustered),
+    ``elbow_k``, the clustering ``errors`` for k = 1..H, and CHAI-static's ``static_labels`` /
+    ``static_reps`` at the chosen k (empty when unclustered)."""
+
+    layer: int
+    scope: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    chosen_k: Optional[int]
+    elbow_k: int
+    errors: tuple[float, ...] = ()
+    static_labels: tuple[int, ...] = ()
+    static_reps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.chosen_k is not None:
+            check_count(self.chosen_k, self.num_heads, f"layer {self.layer} ({self.scope})")
+
+    @property
+    def kv_of_head(self) -> tuple[int, ...]:
+        """The KV head each query head reads."""
+        group = self.num_heads // self.num_kv_heads
+        return tuple(h // group for h in range(self.num_heads))
+
+
+@dataclass(frozen=True)
+class ChaiPlan(Plan):
+    """Per-layer cluster counts for ``clustered_attention``; ``mode`` "online" (membership from
+    each sequence's first ``first_tokens`` tokens) or "static" (the offline membership)."""
+
+    layers: tuple[LayerChoice, ...]
+    mode: str = "online"
+    first_tokens: int = FIRST_TOKENS
+    budget: str = ""
+    baseline_metric: float = 0.0
+    final_metric: float = 0.0
+    verdict: str = ""
+
+    def counts(self) -> dict[int, Optional[int]]:
+        """Layer index -> chosen k (None: unclustered)."""
+        return {c.layer: c.chosen_k for c in self.layers}
+
+    def clustered_layers(self) -> int:
+        """How many layers are clustered with fewer clusters than heads."""
+        return sum(c.chosen_k is not None and c.chosen_k < c.num_heads for c in self.layers)
+
+    def summary(self) -> str:
+        ks = ",".join("-" if c.chosen_k is None else str(c.chosen_k) for c in self.layers)
+        return (f"{self.clustered_layers()}/{len(self.layers)} layers clustered "
+                f"(k per layer: {ks}; {self.mode})" + (f"; {self.verdict}" if self.verdict else ""))
+
+    def table(self) -> str:
+        lines = [f"{'layer':>5}  {'scope':<34} {'H':>3} {'KV':>3} {'elbow':>5} {'chosen':>6}  "
+                 f"error curve k=1..H (normalised)"]
+        for c in self.layers:
+            e0 = c.errors[0] if c.errors and c.errors[0] > 0 else 1.0
+            curve = " ".join(f"{v / e0:.2f}" for v in c.errors)
+            lines.append(f"{c.layer:>5}  {c.scope:<34} {c.num_heads:>3} {c.num_kv_heads:>3} "
+                         f"{c.elbow_k:>5} {'-' if c.chosen_k is None else c.chosen_k:>6}  {curve}")
+        if self.budget:
+            lines.append(f"budget: {self.budget}; metric {self.baseline_metric:.4g} -> "
+                         f"{self.final_metric:.4g}")
+        if self.verdict:
+            lines.append(self.verdict)
+        return "\n".join(lines)
+
+
+def verdict(plan_layers: Sequence[LayerChoice], model_name: str = "the model") -> str:
+    """A plain statement of how much redundancy the calibration found."""
+    clustered = [c for c in plan_layers if c.chosen_k is not None and c.chosen_k < c.num_heads]
+    heads = sum(c.num_heads for c in plan_layers)
+    kept = sum(c.num_heads if c.chosen_k is None else c.chosen_k for c in plan_layers)
+    if not clustered:
+        return (f"{model_name} has too little head redundancy to gain: no layer can be "
+                f"clustered within the budget, so it is left unchanged")
+    share = 1 - kept / heads
+    if share < 0.1:
+        return (f"{model_name} has little head redundancy: within the budget only "
+                f"{len(clustered)} of {len(plan_layers)} layers cluster, removing {share:.1%} "
+                f"of score computations; expect little gain")
+    return (f"{len(clustered)} of {len(plan_layers)} layers clustered, {share:.1%} of score "
+            f"computations removed")

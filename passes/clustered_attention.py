@@ -1,0 +1,454 @@
+"""Pass ``clustered_attention``: CHAI, clustered head attention (dissertation ch. 6).
+
+Every attention layer the matcher finds (``attention_match``) gets a ``ClusteredHeads`` module
+with that layer's cluster count k:
+
+- eager attention: the module is inserted after the softmax and shares probabilities;
+- ``scaled_dot_product_attention``: the call becomes a ``ClusteredSDPA`` module that computes
+  the probabilities explicitly and shares them;
+- ``nn.MultiheadAttention``: the module is replaced by ``ClusteredMultiheadAttention``.
+
+Reference semantics (what the rewritten graph computes, and what ``runtime.chai_decode``
+computes faster): the first ``first_tokens`` (5) query tokens use every head's own attention;
+from them the heads are clustered into k clusters (online membership, ``chai_calibrate.
+membership``; or the fixed offline membership in "static" mode, CHAI-static); every later query
+token of a head uses the attention probabilities of its cluster's representative head. V stays
+per head. Sharing probabilities is sharing scores (softmax of the representative's Q·Kᵀ), so
+with k = H (one head per cluster) the output equals multi-head attention exactly. The graph
+rewrite still computes all heads' scores (it is the accuracy reference); the score skipping and
+the smaller K cache are realised in ``tidal.runtime.chai_decode``.
+
+``calibrate(model, batches)`` runs the offline phase (elbow + accuracy budget) and returns a
+``ChaiPlan`` to give back as ``plan=``.
+
+Example:
+    >>> import torch, tidal
+    >>> from tidal.examples.models import llama_small
+    >>> from tidal.passes.clustered_attention import ClusteredAttention
+    >>> model = llama_small().eval()
+    >>> ids = model.example_inputs(2)
+    >>> same = tidal.compile(model, ids, passes=[ClusteredAttention(clusters=4)])  # k = H
+    >>> torch.testing.assert_close(same(*ids), model(*ids))
+    >>> fewer = tidal.compile(model, ids, passes=[ClusteredAttention(clusters=2)])
+    >>> fewer.plan.get("clustered_attention").summary()
+    '2/2 layers clustered (k per layer: 2,2; online)'
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from tidal.compiler.capture import trace
+from tidal.ir import meta
+from tidal.ir.pass_api import Pass, PassContext, PassResult
+from tidal.passes.attention_match import AttentionMatch, find_attention, no_attention_message
+from tidal.passes.chai_calibrate import (FIRST_TOKENS, Budget, ChaiPlan, HeadStats, LayerChoice,
+                                         Membership, check_count, choose_counts, elbow,
+                                         head_features, membership, static_membership, verdict)
+
+PASS_NAME = "clustered_attention"
+
+
+def share_rows(probs: torch.Tensor, rep_of_head: torch.Tensor, first: int) -> torch.Tensor:
+    """Rows ``first:`` of every head replaced by its representative's: ``probs`` ``[B, H, Tq,
+    Tk]``, ``rep_of_head`` ``[B, H]`` (long)."""
+    tail = probs[:, :, first:]
+    index = rep_of_head[:, :, None, None].expand_as(tail)
+    return torch.cat((probs[:, :, :first], torch.gather(tail, 1, index)), dim=2)
+
+
+class ClusteredHeads(torch.nn.Module):
+    """Shares attention probabilities ``[B, H, Tq, Tk]`` between the heads of one layer.
+
+    ``k`` None leaves the layer as it is. ``static`` (a ``Membership``) fixes the clusters
+    (CHAI-static); otherwise each batch element is clustered from its first ``first`` tokens.
+    ``observer(layer, probs)``, when set, sees the unshared probabilities (calibration).
+    ``last_membership`` holds the memberships of the last call (for inspection).
+    """
+
+    def __init__(self, layer: int, num_heads: int, num_kv_heads: int, k: Optional[int] = None,
+                 first: int = FIRST_TOKENS, static: Optional[Membership] = None) -> None:
+        super().__init__()
+        self.layer, self.num_heads, self.num_kv_heads = layer, num_heads, num_kv_heads
+        self.first, self.static = first, static
+        self.k = k
+        self.observer: Optional[Callable[[int, torch.Tensor], None]] = None
+        self.last_membership: tuple[Membership, ...] = ()
+
+    @property
+    def k(self) -> Optional[int]:
+        """Cluster count (None: unclustered)."""
+        return self._k
+
+    @k.setter
+    def k(self, value: Optional[int]) -> None:
+        if value is not None:
+            check_count(value, self.num_heads, f"attention layer {self.layer}")
+        self._k = value
+
+    @property
+    def kv_of_head(self) -> tuple[int, ...]:
+        """The KV head each query head reads."""
+        group = self.num_heads // self.num_kv_heads
+        return tuple(h // group for h in range(self.num_heads))
+
+    def memberships(self, probs: torch.Tensor) -> tuple[Membership, ...]:
+        """One membership per batch element (static, or from the first tokens)."""
+        if self.static is not None:
+            return (self.static,) * probs.shape[0]
+        feats = head_features(probs, self.first)
+        return tuple(membership(f, self.k, self.kv_of_head) for f in feats)
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        if self.observer is not None:
+            self.observer(self.layer, probs)
+        if self.k is None or probs.shape[2] <= self.first:
+            return probs
+        if probs.shape[1] != self.num_heads:
+            raise ValueError(f"attention layer {self.layer}: expected {self.num_heads} heads in "
+                             f"the probabilities, got shape {tuple(probs.shape)}")
+        self.last_membership = self.memberships(probs)
+        rep = torch.tensor([m.rep_of_head for m in self.last_membership], device=probs.device)
+        return share_rows(probs, rep, self.first)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, heads={self.num_heads}, k={self.k}, first={self.first}"
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+class ClusteredSDPA(ClusteredHeads):
+    """``F.scaled_dot_product_attention`` spelled out, with the probabilities shared."""
+
+    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                scale=None, enable_gqa=False):  # type: ignore[override]
+        heads = query.shape[-3]
+        key, value = _repeat_kv(key, heads), _repeat_kv(value, heads)
+        scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+        scores = query @ key.transpose(-1, -2) * scale
+        if is_causal:
+            tq, tk = scores.shape[-2:]
+            causal = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).tril(tk - tq)
+            scores = scores.masked_fill(~causal, float("-inf"))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) \
+                if attn_mask.dtype == torch.bool else scores + attn_mask
+        probs = super().forward(scores.softmax(dim=-1))
+        if dropout_p and self.training:
+            probs = F.dropout(probs, dropout_p)
+        return probs @ value
+
+
+class ClusteredMultiheadAttention(ClusteredHeads):
+    """``nn.MultiheadAttention`` (packed in-projection, no bias_k/zero-attn) with the
+    probabilities shared; same call signature and outputs."""
+
+    def __init__(self, mha: torch.nn.MultiheadAttention, layer: int, **kw: Any) -> None:
+        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(f"attention layer {layer}: nn.MultiheadAttention with separate "
+                             f"kdim/vdim, bias_k/bias_v or add_zero_attn is not supported")
+        super().__init__(layer, mha.num_heads, mha.num_heads, **kw)
+        self.mha = mha
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True, is_causal=False):  # type: ignore[override]
+        m = self.mha
+        if m.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        tq, b, e = query.shape
+        w, bias = m.in_proj_weight, m.in_proj_bias
+        bq, bk, bv = bias.chunk(3) if bias is not None else (None, None, None)
+        wq, wk, wv = w.chunk(3)
+        heads, d = m.num_heads, m.head_dim
+
+        def split(x, wt, bs):
+            return F.linear(x, wt, bs).reshape(x.shape[0], b, heads, d).permute(1, 2, 0, 3)
+
+        q, k, v = split(query, wq, bq), split(key, wk, bk), split(value, wv, bv)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        if attn_mask is not None:
+            mask = attn_mask.reshape(-1, heads, *attn_mask.shape[-2:]) if attn_mask.dim() == 3 \
+                else attn_mask
+            scores = scores.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool \
+                else scores + mask
+        if key_padding_mask is not None:
+            kpm = key_padding_mask[:, None, None, :]
+            scores = scores.masked_fill(kpm, float("-inf")) if kpm.dtype == torch.bool \
+                else scores + kpm
+        probs = ClusteredHeads.forward(self, scores.softmax(dim=-1))
+        if m.dropout and self.training:
+            probs = F.dropout(probs, m.dropout)
+        out = (probs @ v).permute(2, 0, 1, 3).reshape(tq, b, e)
+        out = m.out_proj(out)
+        if m.batch_first:
+            out = out.transpose(0, 1)
+        weights = None
+        if need_weights:
+            weights = probs.mean(dim=1) if average_attn_weights else probs
+        return out, weights
+
+
+@dataclass(frozen=True)
+class ChaiNodeMeta:
+    """What the pass recorded on a rewritten node: the attention layer and its cluster count."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    k: Optional[int]
+
+
+def _unique_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def _rewrite(gm: fx.GraphModule, match: AttentionMatch, module: ClusteredHeads) -> fx.Node:
+    """Install ``module`` for ``match`` in ``gm``; returns the node that calls it."""
+    node = next(n for n in gm.graph.nodes if n.name == match.node)
+    if match.kind == "module":
+        orig = gm.get_submodule(node.target)
+        wrapped = ClusteredMultiheadAttention(orig, match.index, k=module.k, first=module.first,
+                                              static=module.static)
+        gm.add_submodule(node.target, wrapped)
+        return node
+    target = _unique_name(gm, f"chai_attention_{match.index}")
+    gm.add_submodule(target, module)
+    if match.kind == "sdpa":
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module(target, node.args, node.kwargs)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        return new
+    with gm.graph.inserting_after(node):
+        new = gm.graph.call_module(target, (node,))
+    node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+    return new
+
+
+def chai_modules(gm: torch.nn.Module) -> list[ClusteredHeads]:
+    """The ``ClusteredHeads`` modules of a rewritten model, by layer."""
+    return sorted((m for m in gm.modules() if isinstance(m, ClusteredHeads)),
+                  key=lambda m: m.layer)
+
+
+def set_counts(gm: torch.nn.Module, counts: dict[int, Optional[int]]) -> None:
+    """Set each layer's cluster count (missing layers: unclustered)."""
+    for m in chai_modules(gm):
+        m.k = counts.get(m.layer)
+
+
+def _membership_text(gm: fx.GraphModule) -> str:
+    lines = ["layer  k  membership of a sample sequence (cluster per head; *representative)"]
+    for m in chai_modules(gm):
+        if not m.last_membership:
+            lines.append(f"{m.layer:>5}  -  unclustered")
+            continue
+        mem = m.last_membership[0]
+        heads = " ".join(f"{c}{'*' if mem.representatives[c] == h else ''}"
+                         for h, c in enumerate(mem.labels))
+        lines.append(f"{m.layer:>5} {m.k:>2}  {heads}")
+    return "\n".join(lines)
+
+
+def elbow_svg(plan: ChaiPlan) -> str:
+    """A small SVG chart of every layer's normalised clustering-error curve, its elbow (circle)
+    and chosen k (square)."""
+    w, h, pad = 480, 300, 30
+    layers = [c for c in plan.layers if c.errors and c.errors[0] > 0]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">',
+             f'<text x="{pad}" y="18" font-size="12">clustering error vs k (normalised), '
+             f'o elbow, [] chosen</text>']
+    for c in layers:
+        n = len(c.errors)
+        pts = [(pad + (w - 2 * pad) * i / max(n - 1, 1),
+                h - pad - (h - 2 * pad) * v / c.errors[0]) for i, v in enumerate(c.errors)]
+        hue = int(300 * c.layer / max(len(plan.layers) - 1, 1))
+        color = f"hsl({hue},70%,40%)"
+        parts.append(f'<polyline fill="none" stroke="{color}" points="'
+                     + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
+        ex, ey = pts[c.elbow_k - 1]
+        parts.append(f'<circle cx="{ex:.1f}" cy="{ey:.1f}" r="3" fill="{color}"/>')
+        if c.chosen_k is not None:
+            cx, cy = pts[c.chosen_k - 1]
+            parts.append(f'<rect x="{cx - 3:.1f}" y="{cy - 3:.1f}" width="6" height="6" '
+                         f'fill="none" stroke="{color}"/>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+class ClusteredAttention(Pass):
+    """CHAI: heads clustered per layer, scores shared within a cluster after the first tokens.
+
+    Options: ``clusters`` (one k for every layer, or one k or None per layer), or ``plan`` (a
+    ``ChaiPlan`` from :func:`calibrate`); ``mode`` "online" (membership from each sequence's
+    first ``first_tokens`` tokens) or "static" (the plan's offline membership). With neither
+    ``clusters`` nor ``plan`` the layers are installed unclustered (k = None).
+    """
+
+    name = PASS_NAME
+
+    def __init__(self, clusters: Union[int, Sequence[Optional[int]], None] = None,
+                 plan: Optional[ChaiPlan] = None, mode: str = "online",
+                 first_tokens: int = FIRST_TOKENS) -> None:
+        if mode not in ("online", "static"):
+            raise ValueError(f"clustered_attention: mode must be 'online' or 'static', "
+                             f"got {mode!r}")
+        if mode == "static" and plan is None:
+            raise ValueError("clustered_attention: mode='static' needs a plan with the offline "
+                             "membership (from calibrate())")
+        if first_tokens < 1:
+            raise ValueError(f"clustered_attention: first_tokens must be >= 1, got {first_tokens}")
+        self.clusters, self.plan, self.mode, self.first = clusters, plan, mode, first_tokens
+
+    def _choices(self, matches: list[AttentionMatch]) -> list[LayerChoice]:
+        if self.plan is not None:
+            if len(self.plan.layers) != len(matches):
+                self.fail(f"the plan has {len(self.plan.layers)} layers but the graph has "
+                          f"{len(matches)} attention layers")
+            return list(self.plan.layers)
+        ks: list[Optional[int]]
+        if self.clusters is None or isinstance(self.clusters, int):
+            ks = [self.clusters] * len(matches)
+        else:
+            ks = list(self.clusters)
+            if len(ks) != len(matches):
+                raise ValueError(f"clustered_attention: clusters has {len(ks)} entries but the "
+                                 f"graph has {len(matches)} attention layers")
+        return [LayerChoice(m.index, m.scope, m.num_heads, m.num_kv_heads, m.head_dim, k, 0)
+                for m, k in zip(matches, ks)]
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        matches = find_attention(gm, ctx.model)
+        if not matches:
+            message = no_attention_message(gm) + "; the model is left unchanged"
+            ctx.log(f"{self.name}: {message}")
+            return PassResult(gm, notes=(message,))
+        choices = self._choices(matches)
+        for m, c in zip(matches, choices):
+            static = None
+            if self.mode == "static" and c.chosen_k is not None:
+                static = Membership(c.static_labels, c.static_reps)
+            mod_cls = ClusteredSDPA if m.kind == "sdpa" else ClusteredHeads
+            module = mod_cls(m.index, m.num_heads, m.num_kv_heads, c.chosen_k, self.first,
+                             static)
+            node = _rewrite(gm, m, module)
+            meta.set_pass_meta(node, self.name,
+                               ChaiNodeMeta(m.index, m.num_heads, m.num_kv_heads, c.chosen_k))
+        gm.graph.lint()
+        gm.recompile()
+        plan = self.plan or ChaiPlan(tuple(choices), mode=self.mode, first_tokens=self.first)
+        if plan.mode != self.mode:
+            plan = replace(plan, mode=self.mode)
+        artifacts = {"chai_clusters.txt": plan.table(), "chai_elbow.svg": elbow_svg(plan)}
+        try:
+            with torch.no_grad():
+                gm(*ctx.example_inputs)
+            artifacts["chai_membership.txt"] = _membership_text(gm)
+        except Exception as e:  # inspection only: never fail the pass for it
+            artifacts["chai_membership.txt"] = f"sample run failed: {type(e).__name__}: {e}"
+        kinds = sorted({m.kind for m in matches})
+        return PassResult(gm, plan=plan, artifacts=artifacts,
+                          notes=(f"{len(matches)} attention layers ({', '.join(kinds)}): "
+                                 f"{plan.summary()}",))
+
+
+# --- offline calibration glue (model runs; the planning itself is in chai_calibrate) ---
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return out["logits"]
+    return out[0]
+
+
+def perplexity(run: Callable[..., Any], batches: Sequence[tuple]) -> float:
+    """Token-level perplexity of a causal LM ``run(*batch) -> logits`` on ``batches`` of
+    ``(input_ids,)``."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            ids = batch[0]
+            logits = _logits(run(*batch))[:, :-1].float()
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                  reduction="sum")
+            total, count = total + nll.item(), count + ids[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def clustered_graph(model: torch.nn.Module, example_inputs: Any,
+                    pass_: Optional[ClusteredAttention] = None) -> fx.GraphModule:
+    """``model`` traced and rewritten by ``pass_`` (default: every layer unclustered)."""
+    gm = trace(model, example_inputs)
+    inputs = tuple(example_inputs.values()) if isinstance(example_inputs, dict) \
+        else tuple(example_inputs)
+    result = (pass_ or ClusteredAttention())(gm, PassContext.for_inputs(inputs, model=model))
+    if not chai_modules(result.gm):
+        raise ValueError(result.notes[0] if result.notes else no_attention_message(gm))
+    return result.gm
+
+
+def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
+              budget: Budget = Budget(),
+              embed: Optional[Callable[[Any, tuple], torch.Tensor]] = None,
+              model_name: str = "the model", log: Callable[[str], None] = lambda m: None
+              ) -> ChaiPlan:
+    """CHAI's offline phase on ``batches`` (tuples of positional inputs, e.g. ``(ids,)``).
+
+    Collects every layer's clustering-error curve (k = 1..H) and elbow, then chooses each
+    layer's k under ``budget`` (``chai_calibrate.choose_counts``). With ``budget.metric ==
+    "cosine"``, ``embed(outputs, batch)`` gives the embeddings compared with the original's.
+    """
+    gm = clustered_graph(model, batches[0])
+    modules = chai_modules(gm)
+    stats = HeadStats()
+    for m in modules:
+        m.observer = stats.add
+    with torch.no_grad():
+        for batch in batches:
+            gm(*batch)
+    for m in modules:
+        m.observer = None
+    if budget.metric == "cosine":
+        if embed is None:
+            raise ValueError("calibrate: budget metric 'cosine' needs embed(outputs, batch)")
+        with torch.no_grad():
+            reference = [embed(gm(*b), b) for b in batches]
+
+        def metric(counts: dict) -> float:
+            set_counts(gm, counts)
+            with torch.no_grad():
+                sims = [F.cosine_similarity(embed(gm(*b), b), r, dim=-1)
+                        for b, r in zip(batches, reference)]
+            return torch.cat(sims).mean().item()
+    else:
+        def metric(counts: dict) -> float:
+            set_counts(gm, counts)
+            return perplexity(gm, batches)
+
+    baseline = metric({})
+    errors = {m.layer: stats.errors(m.layer) for m in modules}
+    counts, final, evals = choose_counts(errors, metric, budget, baseline, log)
+    set_counts(gm, {})
+    log(f"{evals} evaluations; {budget.metric} {baseline:.4g} -> {final:.4g}")
+    layers = []
+    for m, match in zip(modules, find_attention(trace(model, batches[0]), model)):
+        k = counts[m.layer]
+        static = static_membership(stats.similarity(m.layer), k, m.kv_of_head) if k else None
+        layers.append(LayerChoice(
+            m.layer, match.scope, m.num_heads, m.num_kv_heads, match.head_dim, k,
+            elbow(errors[m.layer]), errors[m.layer],
+            static.labels if static else (), static.representatives if static else ()))
+    return ChaiPlan(tuple(layers), budget=budget.describe(), baseline_metric=baseline,
+                    final_metric=final, verdict=verdict(layers, model_name))

@@ -1,0 +1,316 @@
+"""tidal's own decode step for Llama-architecture LMs, with CHAI clustered attention.
+
+``ChaiDecoder(model, plan=...)`` reads the weights of the zoo ``LlamaForCausalLM`` or Hugging
+Face's ``LlamaForCausalLM`` (same parameter names) and runs greedy generation with a static,
+preallocated KV cache: fused QKV and gate/up projections, no per-step allocation of the cache.
+
+Layers with a cluster count k (from a ``ChaiPlan`` or ``counts``) follow the
+``clustered_attention`` semantics: the first ``first_tokens`` (5) prompt tokens use every head;
+their attention (5×5 per head) decides the membership (online; or the plan's offline
+membership in static mode, CHAI-static), fixed for the rest of the sequence; after that, scores
+are computed only for each cluster's representative head and shared with its members, V is kept
+for every head, and the K cache holds only the KV heads that representatives read (under
+grouped-query attention, a KV head is dropped when no representative uses it). With k = H (or no
+plan) the logits equal the original model's.
+
+Online membership is per sequence, so clustered online decoding takes one sequence at a time
+(batch 1); static mode and unclustered decoding take any batch.
+
+Example:
+    >>> import torch
+    >>> from tidal.examples.models import llama_small
+    >>> from tidal.runtime.chai_decode import ChaiDecoder
+    >>> model = llama_small().eval()
+    >>> ids = torch.randint(0, 256, (1, 12))
+    >>> full = ChaiDecoder(model)
+    >>> out = full.generate(ids, 4)
+    >>> torch.equal(out, __import__("tidal").examples.models.generate(model, ids, 4))
+    True
+    >>> chai = ChaiDecoder(model, counts=1)   # one cluster per layer
+    >>> state = chai.prefill(ids)[1]
+    >>> chai.k_cache_bytes(state) * 2 == full.k_cache_bytes(full.prefill(ids)[1])
+    True
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from tidal.passes.chai_calibrate import (FIRST_TOKENS, ChaiPlan, Membership, check_count,
+                                         membership)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights (fused where it helps)."""
+
+    ln1: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass
+class _Clusters:
+    """A layer's fixed membership, as index tensors for the decode step."""
+
+    membership: Membership
+    kv_keep: torch.Tensor        # kept KV heads (sorted)
+    q_index: torch.Tensor        # [G', r] representative query heads per kept KV head (padded)
+    slot_of_head: torch.Tensor   # [H] row of q_index.flatten() whose scores head h uses
+
+
+@dataclass
+class DecodeState:
+    """The static KV cache of one generation: per layer K (only kept KV heads once clustered)
+    and V ``[B, KV, max_len, D]``, the filled length, and each layer's clusters."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+    clusters: list[Optional[_Clusters]] = field(default_factory=list)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class ChaiDecoder:
+    """Greedy decoding for a Llama-architecture LM with optional clustered attention.
+
+    ``plan`` (a ``ChaiPlan``) or ``counts`` (one k, or one k/None per layer) give the clusters;
+    ``mode`` "online" or "static" (the plan's offline membership).
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Optional[ChaiPlan] = None,
+                 counts: Union[int, Sequence[Optional[int]], None] = None,
+                 mode: Optional[str] = None) -> None:
+        cfg = model.config
+        if getattr(cfg, "rope_scaling", None):
+            raise ValueError("ChaiDecoder: rope_scaling is not supported")
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.theta = float(getattr(cfg, "rope_theta", 10000.0))
+        self.max_positions = cfg.max_position_embeddings
+        inner = model.model
+        self.embed = inner.embed_tokens.weight.detach()
+        self.norm = inner.norm.weight.detach()
+        self.lm_head = model.lm_head.weight.detach()
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight.detach(),
+                torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)).detach(),
+                a.o_proj.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                torch.cat((m.gate_proj.weight, m.up_proj.weight)).detach(),
+                m.down_proj.weight.detach()))
+        self.first = plan.first_tokens if plan is not None else FIRST_TOKENS
+        self.mode = mode or (plan.mode if plan is not None else "online")
+        self.static: list[Optional[Membership]] = [None] * len(self.layers)
+        if plan is not None:
+            if len(plan.layers) != len(self.layers):
+                raise ValueError(f"ChaiDecoder: plan has {len(plan.layers)} layers, the model "
+                                 f"{len(self.layers)}")
+            self.counts = [c.chosen_k for c in plan.layers]
+            if self.mode == "static":
+                self.static = [Membership(c.static_labels, c.static_reps) if c.chosen_k else None
+                               for c in plan.layers]
+        elif counts is None or isinstance(counts, int):
+            self.counts = [counts] * len(self.layers)
+        else:
+            self.counts = list(counts)
+            if len(self.counts) != len(self.layers):
+                raise ValueError(f"ChaiDecoder: {len(self.counts)} counts for "
+                                 f"{len(self.layers)} layers")
+        for i, k in enumerate(self.counts):
+            if k is not None:
+                check_count(k, self.heads, f"layer {i}")
+        group = self.heads // self.kv_heads
+        self.kv_of_head = tuple(h // group for h in range(self.heads))
+        inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        self.inv_freq = inv
+
+    # --- helpers ---
+    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + n, dtype=torch.float32)
+        ang = torch.outer(pos, self.inv_freq)
+        ang = torch.cat((ang, ang), dim=-1)
+        return ang.cos().to(self.embed.dtype), ang.sin().to(self.embed.dtype)
+
+    def _clusters(self, mem: Membership) -> _Clusters:
+        keep = sorted({self.kv_of_head[r] for r in mem.representatives})
+        per_kv = [[r for r in mem.representatives if self.kv_of_head[r] == g] for g in keep]
+        width = max(len(p) for p in per_kv)
+        rows = [p + [p[0]] * (width - len(p)) for p in per_kv]
+        slot = {r: i * width + j for i, p in enumerate(per_kv) for j, r in enumerate(p)}
+        return _Clusters(mem, torch.tensor(keep), torch.tensor(rows),
+                         torch.tensor([slot[r] for r in mem.rep_of_head]))
+
+    def new_state(self, batch: int, max_len: int) -> DecodeState:
+        """An empty static cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        if max_len > self.max_positions:
+            raise ValueError(f"ChaiDecoder: max_len {max_len} exceeds the model's "
+                             f"{self.max_positions} positions")
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        return DecodeState([self.embed.new_zeros(shape) for _ in self.layers],
+                           [self.embed.new_zeros(shape) for _ in self.layers], 0,
+                           [None] * len(self.layers))
+
+    def k_cache_bytes(self, state: DecodeState) -> int:
+        """Bytes of the K cache as held (all positions allocated)."""
+        return sum(k.numel() * k.element_size() for k in state.keys)
+
+    # --- attention ---
+    def _prefill_attention(self, i: int, q, k, v, state: DecodeState) -> torch.Tensor:
+        """Causal attention over the prompt; fixes layer ``i``'s clusters when it has a count."""
+        b, t = q.shape[0], q.shape[2]
+        group = self.heads // self.kv_heads
+        k_count = self.counts[i]
+        if k_count is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+        if t <= self.first:
+            raise ValueError(f"ChaiDecoder: clustered layers need a prompt longer than "
+                             f"{self.first} tokens (got {t})")
+        if self.static[i] is None and b != 1:
+            raise ValueError("ChaiDecoder: online membership is per sequence; decode one "
+                             "sequence at a time (batch 1) or use mode='static'")
+        scale = 1 / math.sqrt(self.head_dim)
+        f = self.first
+        kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        head = torch.ones(f, f, dtype=torch.bool).tril()
+        p5 = (q[:, :, :f] @ kf[:, :, :f].transpose(-1, -2) * scale).masked_fill(~head, -math.inf)
+        p5 = p5.softmax(-1)
+        mem = self.static[i] or membership(p5[0].flatten(1), k_count, self.kv_of_head)
+        cl = self._clusters(mem)
+        state.clusters[i] = cl
+        out_head = p5 @ vf[:, :, :f]
+        reps = torch.tensor(mem.representatives)
+        q_rep = q[:, reps, f:]                                   # [B, k, T-f, D]
+        k_rep = k[:, [self.kv_of_head[r] for r in mem.representatives]]
+        causal = torch.ones(t - f, t, dtype=torch.bool).tril(f)
+        p = (q_rep @ k_rep.transpose(-1, -2) * scale).masked_fill(~causal, -math.inf).softmax(-1)
+        out_tail = q.new_empty(b, self.heads, t - f, self.head_dim)
+        for c in range(len(mem.representatives)):
+            members = [h for h, lab in enumerate(mem.labels) if lab == c]
+            kvs = sorted({self.kv_of_head[h] for h in members})
+            res = p[:, c:c + 1] @ v[:, kvs]                      # [B, |kvs|, T-f, D]
+            for h in members:
+                out_tail[:, h] = res[:, kvs.index(self.kv_of_head[h])]
+        return torch.cat((out_head, out_tail), dim=2)
+
+    def _step_attention(self, i: int, q, state: DecodeState, n: int) -> torch.Tensor:
+        """One query token ``q`` ``[B, H, 1, D]`` over the ``n`` cached positions."""
+        b = q.shape[0]
+        group = self.heads // self.kv_heads
+        keys, values = state.keys[i][:, :, :n], state.values[i][:, :, :n]
+        scale = 1 / math.sqrt(self.head_dim)
+        cl = state.clusters[i]
+        if cl is None:
+            qg = q.view(b, self.kv_heads, group, self.head_dim)
+            probs = (qg @ keys.transpose(-1, -2) * scale).softmax(-1)
+            return (probs @ values).reshape(b, self.heads, 1, self.head_dim)
+        qr = q[:, :, 0][:, cl.q_index]                           # [B, G', r, D]
+        scores = (qr @ keys.transpose(-1, -2) * scale).softmax(-1)   # [B, G', r, n]
+        probs = scores.flatten(1, 2)[:, cl.slot_of_head]         # [B, H, n]
+        out = probs.view(b, self.kv_heads, group, n) @ values
+        return out.reshape(b, self.heads, 1, self.head_dim)
+
+    # --- model ---
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos, sin):
+        b, t, _ = x.shape
+        h, g, d = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(_rms(x, layer.ln1, self.eps), layer.wqkv)
+        q, k, v = qkv.split((h * d, g * d, g * d), dim=-1)
+        q = _rotate(q.view(b, t, h, d).transpose(1, 2), cos, sin)
+        k = _rotate(k.view(b, t, g, d).transpose(1, 2), cos, sin)
+        return q, k, v.view(b, t, g, d).transpose(1, 2)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(_rms(x, layer.ln2, self.eps), layer.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.w_down)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms(x, self.norm, self.eps), self.lm_head)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, max_len: Optional[int] = None
+                ) -> tuple[torch.Tensor, DecodeState]:
+        """Run the prompt; returns the logits of every prompt position and the cache (sized
+        ``max_len``, default the prompt length + 64)."""
+        b, t = input_ids.shape
+        state = self.new_state(b, max_len or min(t + 64, self.max_positions))
+        cos, sin = self._rope(0, t)
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            attn = self._prefill_attention(i, q, k, v, state)
+            cl = state.clusters[i]
+            if cl is not None:   # keep only the KV heads representatives read
+                state.keys[i] = state.keys[i][:, cl.kv_keep].contiguous()
+                k = k[:, cl.kv_keep]
+            state.keys[i][:, :, :t] = k
+            state.values[i][:, :, :t] = v
+            x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.wo)
+            x = self._mlp(layer, x)
+        state.length = t
+        return self._logits(x), state
+
+    @torch.inference_mode()
+    def step(self, token: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """Feed one token per sequence ``[B, 1]``; returns its logits ``[B, 1, vocab]``."""
+        b = token.shape[0]
+        pos = state.length
+        if pos >= state.values[0].shape[2]:
+            raise ValueError(f"ChaiDecoder: the cache is full ({pos} positions)")
+        cos, sin = self._rope(pos, 1)
+        x = F.embedding(token, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            cl = state.clusters[i]
+            state.keys[i][:, :, pos:pos + 1] = k if cl is None else k[:, cl.kv_keep]
+            state.values[i][:, :, pos:pos + 1] = v
+            attn = self._step_attention(i, q, state, pos + 1)
+            x = x + F.linear(attn.transpose(1, 2).reshape(b, 1, -1), layer.wo)
+            x = self._mlp(layer, x)
+        state.length = pos + 1
+        return self._logits(x)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedily append ``max_new_tokens`` tokens to ``input_ids`` ``[B, T]``."""
+        if max_new_tokens <= 0:
+            return input_ids
+        logits, state = self.prefill(input_ids, input_ids.shape[1] + max_new_tokens)
+        tokens = [input_ids]
+        for n in range(max_new_tokens):
+            nxt = logits[:, -1:].argmax(-1)
+            tokens.append(nxt)
+            if n + 1 < max_new_tokens:
+                logits = self.step(nxt, state)
+        return torch.cat(tokens, dim=1)
+
+    def memberships(self, state: DecodeState) -> list[Optional[Membership]]:
+        """Each layer's fixed membership in ``state`` (None: unclustered)."""
+        return [None if c is None else c.membership for c in state.clusters]
+
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
+             plan: Optional[ChaiPlan] = None,
+             counts: Union[int, Sequence[Optional[int]], None] = None,
+             mode: Optional[str] = None) -> torch.Tensor:
+    """Greedy generation with CHAI for the zoo LM or Hugging Face Llama (see ``ChaiDecoder``)."""
+    return ChaiDecoder(model, plan, counts, mode).generate(input_ids, max_new_tokens)

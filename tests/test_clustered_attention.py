@@ -1,0 +1,184 @@
+"""clustered_attention: with one head per cluster the model is unchanged; membership is fixed
+after the first 5 tokens; the decode runtime matches the graph semantics and keeps K only for
+the KV heads representatives read."""
+import dataclasses
+
+import pytest
+import torch
+
+import tidal
+from tidal.passes.clustered_attention import ClusteredAttention, ClusteredHeads, chai_modules
+from tidal.runtime.chai_decode import ChaiDecoder
+from examples.models import LlamaConfig, LlamaForCausalLM, bert_small, generate, llama_small
+
+from test_attention_match import MHA, SDPA, hf_gpt2, hf_llama
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def compiled(model, inputs, **kw):
+    return tidal.compile(model, inputs, passes=[ClusteredAttention(**kw)])
+
+
+def _logits(out):
+    return out if isinstance(out, torch.Tensor) else out["logits"]
+
+
+@pytest.mark.parametrize("name", ["zoo_llama", "zoo_bert", "hf_llama", "hf_gpt2", "mha", "sdpa"])
+def test_one_head_per_cluster_equals_original(name):
+    torch.manual_seed(0)
+    if name == "zoo_llama":
+        model, inputs, heads = llama_small().eval(), (torch.randint(0, 256, (2, 12)),), 4
+    elif name == "zoo_bert":
+        model, inputs, heads = bert_small().eval(), (torch.randint(0, 1000, (2, 12)),), 4
+    elif name == "hf_llama":
+        model, inputs, heads = hf_llama(), {"input_ids": torch.randint(0, 128, (2, 12))}, 4
+    elif name == "hf_gpt2":
+        model, inputs, heads = hf_gpt2(), {"input_ids": torch.randint(0, 100, (2, 12))}, 4
+    elif name == "mha":
+        model, inputs, heads = MHA().eval(), (torch.randn(2, 9, 16),), None
+    else:
+        model, inputs, heads = SDPA().eval(), (torch.randn(2, 9, 16),), 4
+    args = tuple(inputs.values()) if isinstance(inputs, dict) else inputs
+    counts = heads if heads else [4, 2]
+    c = compiled(model, inputs, clusters=counts)
+    mods = chai_modules(c.graph_module)
+    assert mods and all(m.k == m.num_heads for m in mods)
+    with torch.no_grad():
+        ref = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        ref = ref[0] if isinstance(ref, tuple) else _logits(ref)
+        out = c(*args)
+        out = out[0] if isinstance(out, tuple) else _logits(out)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert all(len(m.last_membership) == args[0].shape[0] for m in mods)  # the path really ran
+
+
+def test_fewer_clusters_change_only_tokens_after_the_first_five():
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        ref = model(ids)
+        out = compiled(model, (ids,), clusters=1)(ids)
+    torch.testing.assert_close(out[:, :5], ref[:, :5], **TOL)
+    assert not torch.allclose(out[:, 5:], ref[:, 5:], atol=1e-4)
+
+
+def test_membership_depends_only_on_the_first_five_tokens():
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    a = torch.randint(0, 256, (1, 16))
+    b = torch.cat((a[:, :5], torch.randint(0, 256, (1, 11))), dim=1)
+    c = compiled(model, (a,), clusters=2)
+    with torch.no_grad():
+        c(a)
+        first = [m.last_membership for m in chai_modules(c.graph_module)]
+        c(b)
+        second = [m.last_membership for m in chai_modules(c.graph_module)]
+    assert first == second
+
+
+def test_decoder_membership_fixed_after_token_five():
+    torch.manual_seed(0)
+    dec = ChaiDecoder(llama_small().eval(), counts=2)
+    logits, state = dec.prefill(torch.randint(0, 256, (1, 5 + 1)), max_len=20)
+    fixed = dec.memberships(state)
+    assert all(m is not None and len(set(m.labels)) == 2 for m in fixed)
+    for _ in range(8):
+        logits = dec.step(logits[:, -1:].argmax(-1), state)
+        assert dec.memberships(state) == fixed
+
+
+@pytest.mark.parametrize("source", ["zoo", "hf"])
+def test_decoder_unclustered_equals_model(source):
+    torch.manual_seed(0)
+    model = llama_small().eval() if source == "zoo" else hf_llama()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 10))
+    dec = ChaiDecoder(model, counts=model.config.num_attention_heads)  # one head per cluster
+    with torch.no_grad():
+        full = model(ids) if source == "zoo" else model(input_ids=ids).logits
+    logits, state = dec.prefill(ids[:1, :8])
+    steps = [logits] + [dec.step(ids[:1, t:t + 1], state) for t in (8, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full[:1], **TOL)
+    plain = ChaiDecoder(model)
+    torch.testing.assert_close(plain.prefill(ids)[0], full, **TOL)
+    if source == "zoo":
+        assert torch.equal(plain.generate(ids, 5), generate(model, ids, 5))
+
+
+def test_decoder_clustered_matches_graph_semantics():
+    """Prefill and every decode step give the clustered graph's full-sequence logits."""
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    ids = torch.randint(0, 256, (1, 14))
+    with torch.no_grad():
+        graph = compiled(model, (ids,), clusters=[2, 1])(ids)
+    dec = ChaiDecoder(model, counts=[2, 1])
+    logits, state = dec.prefill(ids[:, :9])
+    steps = [logits] + [dec.step(ids[:, t:t + 1], state) for t in range(9, 14)]
+    torch.testing.assert_close(torch.cat(steps, 1), graph, **TOL)
+
+
+def test_k_cache_shrinks_by_exactly_the_dropped_heads():
+    cfg = dataclasses.replace(LlamaConfig(), vocab_size=64, hidden_size=48, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
+                              max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, example_seq_len=16).eval()
+    ids = torch.randint(0, 64, (1, 10))
+    full = ChaiDecoder(model)
+    chai = ChaiDecoder(model, counts=[2, None])
+    _, s_full = full.prefill(ids, max_len=32)
+    _, s_chai = chai.prefill(ids, max_len=32)
+    per_head = 1 * 32 * cfg.head_dim * 4           # batch x positions x head_dim x fp32
+    assert full.k_cache_bytes(s_full) - chai.k_cache_bytes(s_chai) == (6 - 2) * per_head
+    assert [v.shape for v in s_chai.values] == [v.shape for v in s_full.values]  # V kept
+
+
+def test_gqa_k_cache_keeps_kv_heads_of_representatives():
+    torch.manual_seed(0)
+    dec = ChaiDecoder(llama_small().eval(), counts=1)       # 4 heads, 2 KV heads
+    _, state = dec.prefill(torch.randint(0, 256, (1, 8)), max_len=16)
+    for mem, keys in zip(dec.memberships(state), state.keys):
+        kept = {dec.kv_of_head[r] for r in mem.representatives}
+        assert keys.shape[1] == len(kept) == 1
+
+
+def test_static_mode_uses_the_plan_membership():
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    ids = (torch.randint(0, 256, (2, 12)),)
+    plan = compiled(model, ids, clusters=2).plan.get("clustered_attention")
+    layers = tuple(dataclasses.replace(c, static_labels=(0, 1, 1, 1), static_reps=(0, 1))
+                   for c in plan.layers)
+    plan = dataclasses.replace(plan, layers=layers)
+    c = compiled(model, ids, plan=plan, mode="static")
+    with torch.no_grad():
+        c(*ids)
+    assert all(m.last_membership[0].labels == (0, 1, 1, 1) for m in chai_modules(c.graph_module))
+    dec = ChaiDecoder(model, plan, mode="static")
+    logits, _ = dec.prefill(ids[0])                          # static: any batch
+    with torch.no_grad():
+        torch.testing.assert_close(logits, c(*ids), **TOL)
+
+
+def test_no_attention_leaves_model_unchanged():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    x = torch.randn(2, 4)
+    c = compiled(model, (x,), clusters=2)
+    torch.testing.assert_close(c(x), model(x))
+    (record,) = [r for r in c.records if r.name == "clustered_attention"]
+    assert "looked for" in record.notes[0] and "scaled_dot_product_attention" in record.notes[0]
+    assert record.added == () and record.nodes_before == record.nodes_after
+
+
+@pytest.mark.parametrize("k", [0, 5, -1])
+def test_cluster_count_outside_range_is_value_error(k):
+    model = llama_small().eval()
+    with pytest.raises(ValueError, match="outside 1..4"):
+        compiled(model, model.example_inputs(1), clusters=k)
+    with pytest.raises(ValueError, match="outside 1..4"):
+        ClusteredHeads(0, 4, 2, k)
+    with pytest.raises(ValueError, match="outside 1..4"):
+        ChaiDecoder(model, counts=k)

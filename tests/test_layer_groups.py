@@ -1,0 +1,229 @@
+"""The layer_groups pass, the grouped weight store and the pipelined loader."""
+import os
+
+import pytest
+import torch
+
+import tidal
+from examples.models import ZOO
+from tidal.ir import ops
+from tidal.ir.plan import Plan
+from tidal.passes.group_planner import LayerGroupPlan
+from tidal.passes.layer_groups import LayerGroups
+from tidal.runtime.weight_loader import (
+    cold_start, group_tensors, run_pipelined, write_groups,
+)
+from tidal.runtime.weight_store import WeightStoreError, write_store
+
+# a slow device and link so that the optimal grouping has several groups
+CLUSTER = tidal.Cluster(gpus=1, bandwidth_gbps=1.0, latency_us=20.0, peak_tflops=0.005)
+MODELS = ["resnet50_small", "inception_small", "bert_small"]
+
+
+def _compile(name, **options):
+    torch.manual_seed(0)
+    model = ZOO[name]().eval()
+    x = model.example_inputs(2)
+    compiled = tidal.compile(model, x, cluster=CLUSTER, passes=[LayerGroups(**options)])
+    return model, x, compiled
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def grouped(request):
+    return (request.param,) + _compile(request.param)
+
+
+def _scramble(model):
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.is_floating_point():
+                t.normal_()
+
+
+def test_markers_number_the_groups_and_change_nothing(grouped):
+    name, model, x, compiled = grouped
+    plan = compiled.plan.get("layer_groups")
+    assert len(plan.groups) >= 2, plan.summary()
+    marks = [n for n in compiled.graph_module.graph.nodes if n.target is ops.GROUP_BOUNDARY]
+    assert [m.args[0] for m in marks] == list(range(len(plan.groups)))
+    with torch.no_grad():
+        assert torch.equal(compiled(*x), model(*x))
+
+
+def test_grouped_tensors_cover_the_model_once(grouped):
+    name, model, x, compiled = grouped
+    groups = group_tensors(compiled.graph_module)
+    names = [n for g in groups for n, _ in g]
+    assert sorted(names) == sorted(dict(list(model.named_parameters())
+                                        + list(model.named_buffers())))
+    plan = compiled.plan.get("layer_groups")
+    assert len(groups) == len(plan.groups)
+    # the planner's bytes per group are the weights the loader moves for that group
+    moved = [sum(t.numel() * t.element_size() for _, t in g) for g in groups]
+    assert moved == list(plan.group_bytes)
+
+
+def test_pipelined_loading_gives_the_plain_outputs(grouped, tmp_path):
+    name, model, x, compiled = grouped
+    with torch.no_grad():
+        expected = model(*x)
+    path = tmp_path / f"{name}.safetensors"
+    write_groups(compiled.graph_module, path)
+    _scramble(model)
+    with torch.no_grad():
+        assert not torch.equal(model(*x), expected)
+    out, tl = run_pipelined(compiled.graph_module, path, x)
+    assert torch.equal(out, expected)
+    with torch.no_grad():  # the model's own parameters now hold the stored weights
+        assert torch.equal(model(*x), expected)
+    for k, ((t0, t1), (e0, e1)) in enumerate(zip(tl.transfer, tl.execute)):
+        assert e0 >= t1, f"group {k} executed before its weights arrived"
+
+
+def test_loading_overlaps_execution(tmp_path):
+    model, x, compiled = _compile("resnet50_small")
+    with torch.no_grad():
+        expected = model(*x)
+    path = tmp_path / "w.safetensors"
+    write_groups(compiled.graph_module, path)
+    # an emulated 0.2 GB/s link with 200 us per transfer keeps the loader busy
+    out, tl = run_pipelined(compiled.graph_module, path, x, link_bytes_per_us=200.0,
+                            link_overhead_us=200.0)
+    assert torch.equal(out, expected)
+    assert len(tl.transfer) >= 2
+    assert tl.execute[0][0] < tl.transfer[-1][1], tl
+    assert tl.overlaps()
+    for prev, cur in zip(tl.transfer, tl.transfer[1:]):
+        assert cur[0] >= prev[1]  # one link: transfers run one after another
+
+
+def test_store_is_a_safetensors_file_in_512_byte_groups(tmp_path):
+    safetensors = pytest.importorskip("safetensors")
+    model, x, compiled = _compile("bert_small")
+    path = tmp_path / "w.safetensors"
+    write_groups(compiled.graph_module, path)
+    state = model.state_dict()
+    with safetensors.safe_open(str(path), "pt") as f:
+        names = [k for k in f.keys() if not k.startswith("__pad__")]
+        assert sorted(names) == sorted(state)
+        for k in names:
+            assert torch.equal(f.get_tensor(k), state[k]), k
+        import json
+        ranges = json.loads(f.metadata()["tidal.groups"])
+    assert len(ranges) == len(compiled.plan.get("layer_groups").groups)
+    assert all(b % 512 == 0 and e % 512 == 0 for b, e in ranges)
+
+
+def _counting_hook(model):
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def test_truncated_missing_and_foreign_stores_fail_before_running(tmp_path):
+    model, x, compiled = _compile("resnet50_small")
+    gm = compiled.graph_module
+    path = tmp_path / "w.safetensors"
+    write_groups(gm, path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first_conv = next(n.target for n in gm.graph.nodes if n.op == "call_module")
+    calls = []
+    gm.get_submodule(first_conv).register_forward_pre_hook(lambda *a: calls.append(1))
+
+    size = os.path.getsize(path)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:size // 2])
+    with pytest.raises(WeightStoreError, match=r"truncated: tensor '[\w.]+' needs"):
+        run_pipelined(gm, cut, x)
+    with pytest.raises(WeightStoreError, match="does not exist"):
+        run_pipelined(gm, tmp_path / "nope.safetensors", x)
+    tiny = tmp_path / "tiny.safetensors"
+    tiny.write_bytes(b"\x01\x02")
+    with pytest.raises(WeightStoreError, match="truncated"):
+        run_pipelined(gm, tiny, x)
+
+    # a store of another model: the first tensor the plan expects is missing or different
+    groups = group_tensors(gm)
+    first_name, first_t = groups[0][0]
+    other = [[(n, t) for n, t in g] for g in groups]
+    other[0][0] = (first_name, torch.zeros(first_t.numel() + 1))
+    foreign = tmp_path / "foreign.safetensors"
+    write_store(foreign, other)
+    with pytest.raises(WeightStoreError, match=f"tensor '{first_name}' is F32\\["):
+        run_pipelined(gm, foreign, x)
+    other[0][0] = ("renamed.weight", first_t)
+    write_store(foreign, other)
+    with pytest.raises(WeightStoreError, match=f"tensor '{first_name}' is missing"):
+        run_pipelined(gm, foreign, x)
+    assert calls == []  # nothing ran
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_executor_and_cold_start_stream_from_a_store(tmp_path):
+    model, x, compiled = _compile("resnet50_small")
+    path = tmp_path / "w.safetensors"
+    write_groups(compiled.graph_module, path)
+    with torch.no_grad():
+        expected = model(*x)
+    _scramble(model)
+    assert torch.equal(cold_start(compiled, path), expected)  # example inputs by default
+
+    c2 = tidal.compile(model, x, cluster=CLUSTER,
+                       passes=[LayerGroups(weight_store=str(path))])
+    _scramble(model)
+    with torch.no_grad():
+        assert torch.equal(c2(*x), expected)
+        assert c2.executor.last_timeline is not None
+        assert torch.equal(c2(*x), expected)  # resident now
+
+
+def test_strategies_plan_json_table_and_svg():
+    for grouping, count in (("per_layer", None), ("single", 1)):
+        _, _, c = _compile("resnet50_small", grouping=grouping)
+        plan = c.plan.get("layer_groups")
+        assert len(plan.groups) == (count or len(plan.layers))
+    _, _, fast = _compile("resnet50_small")
+    _, _, c = _compile("resnet50_small", group_algorithm="dp")
+    plan = c.plan.get("layer_groups")
+    assert plan.total_us == pytest.approx(fast.plan.get("layer_groups").total_us, rel=1e-9)
+    assert len(plan.layers) == 59  # one layer per module call of resnet50_small
+    assert plan.total_us <= min(plan.per_layer_us, plan.single_group_us)
+    again = Plan.from_json(plan.to_json())
+    assert isinstance(again, LayerGroupPlan) and again == plan
+    assert "group  layers" in plan.table()
+    record = next(r for r in c.records if r.name == "layer_groups")
+    svg = record.artifacts["layer_groups_timeline.svg"]
+    assert svg.startswith("<svg") and svg.count(">transfer<") == 3
+    assert svg.count("<title>group") == 2 * (len(plan.groups) + len(plan.layers) + 1)
+
+
+def test_bad_options_are_value_errors():
+    with pytest.raises(ValueError, match="group_bandwidth_gbps"):
+        LayerGroups(group_bandwidth_gbps=0)
+    with pytest.raises(ValueError, match="group_bandwidth_gbps"):
+        LayerGroups(group_bandwidth_gbps=-3.0)
+    with pytest.raises(ValueError, match="grouping"):
+        LayerGroups(grouping="greedy")
+    with pytest.raises(ValueError, match="link_bytes_per_us"):
+        from tidal.runtime.weight_loader import WeightLoader
+        WeightLoader(None, [], link_bytes_per_us=0)
+
+
+def test_compiled_cold_start_streams_weights_from_the_store(tmp_path):
+    import tidal
+    from examples.models import ZOO
+    from tidal.runtime.weight_loader import write_groups
+
+    model = ZOO["resnet50_small"]().eval()
+    x = model.example_inputs(2)
+    with torch.no_grad():
+        expected = model(*x)
+    compiled = tidal.compile(model, x, passes=["layer_groups"])
+    store = tmp_path / "w.safetensors"
+    write_groups(compiled.graph_module, store)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.0)  # the weights now come only from the store
+        out = compiled.cold_start(store)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
