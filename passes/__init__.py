@@ -6,7 +6,7 @@
 Example:
     >>> import tidal
     >>> sorted(tidal.passes.registry())[:2]
-    ['burst_parallel', 'compression']
+    ['burst_parallel', 'clustered_attention']
 """
 from __future__ import annotations
 
