@@ -27,11 +27,11 @@ def _option_names(cls: type) -> set[str]:
 
 
 def resolve_passes(passes: Union[str, Sequence[PassSpec]], options: Mapping[str, Any],
-                   ctx: Optional[PassContext] = None, gm=None) -> list[Pass]:
+                   ctx: Optional[PassContext] = None) -> list[Pass]:
     """Turn pass names (or ``"auto"``: every registered pass that applies) and pass objects
     into pass instances, giving each named pass the ``options`` its constructor accepts.
-    Raises ``PassError`` for an unknown pass name and ``TypeError`` for an option no selected
-    pass takes."""
+    Raises ``PassError`` for an unknown pass name or an option two named passes take, and
+    ``TypeError`` for an option no selected pass takes."""
     reg = registry()
     if isinstance(passes, str):
         if passes != "auto":
@@ -63,7 +63,7 @@ def resolve_passes(passes: Union[str, Sequence[PassSpec]], options: Mapping[str,
         out.append(cls(**{k: options[k] for k in accepted}))
     unused = sorted(set(options) - used)
     if unused:
-        takes = {p.name: sorted(_option_names(type(p))) for p in out if not isinstance(p, str)}
+        takes = {p.name: sorted(_option_names(type(p))) for p in out}
         raise TypeError(f"unknown option {unused[0]!r}: no selected pass takes it "
                         f"(options by pass: {takes or 'no passes selected'})")
     return out
@@ -120,7 +120,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     ctx = PassContext(example_inputs=positional, batch_size=cost.example_batch(positional),
                       cluster=cluster or Cluster(), model=model, loss_fn=loss_fn,
                       optimizer=optimizer, example_targets=example_targets, log=log)
-    selected = resolve_passes(passes, options, ctx, gm)
+    selected = resolve_passes(passes, options, ctx)
     if loss_fn is None:
         needs = [p.name for p in selected if p.training_only]
         if needs:
