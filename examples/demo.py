@@ -20,6 +20,12 @@ from examples.models import SMALL_MODELS, ZOO  # noqa: E402
 from tidal.compiler.viz import DumpSection, write_index  # noqa: E402
 
 
+def demo_cluster(gpus: int) -> tidal.Cluster:
+    """The machine the demo plans for: ``gpus`` devices about as fast as this CPU (20 GFLOP/s)
+    on 10 Gb/s links with 50 us latency, so the small zoo models have plans worth showing."""
+    return tidal.Cluster(gpus=gpus, bandwidth_gbps=10, latency_us=50, peak_tflops=0.02)
+
+
 def run_model(name: str, gpus: int, batch: int, out: Path, passes="auto",
               label: str = "") -> DumpSection:
     """Compile one zoo model with ``passes`` (default: every pass that applies), print its
@@ -28,7 +34,7 @@ def run_model(name: str, gpus: int, batch: int, out: Path, passes="auto",
     model = ZOO[name]()
     inputs, targets = model.example_inputs(batch), model.example_targets(batch)
     compiled = tidal.compile(
-        model, inputs, passes=passes, cluster=tidal.Cluster(gpus=gpus),
+        model, inputs, passes=passes, cluster=demo_cluster(gpus),
         loss_fn=model.default_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
         example_targets=targets)
     name = f"{name}{label}"
@@ -61,6 +67,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown model {unknown[0]!r}; zoo: {', '.join(sorted(ZOO))}")
     out = Path(args.out)
     print(f"registered passes: {', '.join(tidal.passes.registry()) or 'none yet'}")
+    print(f"planning for: {demo_cluster(args.gpus)}")
     sections = [run_model(n, args.gpus, args.batch, out) for n in names]
     # passes="auto" keeps one pass of each group of alternatives (e.g. one way to parallelize
     # the step); show the others on the first model
