@@ -121,8 +121,8 @@ def main(argv=None) -> int:
     for name, w, p, m, e in rows:
         print(f"{name:16s} {w:5d} {p:13.2f} {m:12.2f} {e:+7.1%}")
     med = statistics.median(abs(r[4]) for r in rows)
-    print(f"median absolute error: {med:.1%} (goal <= 15 %); data parallelism only so far — "
-          "burst plans join when the burst_parallel pass lands")
+    print(f"median absolute error: {med:.1%} (goal <= 15 %); data parallelism only so far "
+          "(burst plans not yet compared)")
     return 0
 
 
