@@ -9,7 +9,9 @@ Layer times come from ``--profile`` (a DeepPool ``.prof``/``.txt`` file or a sav
 iteration time, throughput, GPU-seconds and busy fraction. These are simulated figures, not
 measurements. ``burst`` plans with the burst_parallel pass (DeepPool's planner) and simulates
 that plan; ``burst+bg`` also packs a background job — the same model at ``--bg-batch`` samples —
-into every GPU's idle time, with the foreground slowed by ``--interference``.
+into every GPU's idle time, with the foreground slowed by ``--interference``. ``tick_tock`` and
+``round_robin`` plan with Wavelet's passes and show their schedules' predicted timelines (these
+need a model with ``default_loss`` and ``example_targets``, as the zoo models have).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from tidal.compiler.cli_args import add_model_args, positive_float, positive_int
 
-PLANS = ("dp", "burst", "burst+bg")
+PLANS = ("dp", "burst", "burst+bg", "tick_tock", "round_robin")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
         Path(args.trace).write_text(json.dumps(chrome_trace(dp.intervals, "data parallel")))
         print(f"  timeline: {args.trace}")
-    if args.plan != "dp":
+    if args.plan in ("tick_tock", "round_robin"):
+        _simulate_wavelet(args, model, inputs, cluster, global_batch, one)
+    elif args.plan != "dp":
         from tidal.compiler.cli_args import pass_options
         from tidal.runtime.sim.scenarios import fig9_scenarios
 
@@ -96,3 +100,30 @@ def run(args: argparse.Namespace) -> int:
                   f"cluster {c['cluster']:.1f} samples/s (background alone on every GPU: "
                   f"{s['bg_only']:.1f})")
     return 0
+
+
+def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
+    import tidal
+    from tidal.compiler.cli_args import pass_options
+    from tidal.runtime.sim.programs import schedule_result
+
+    loss_fn, targets = getattr(model, "default_loss", None), getattr(model, "example_targets", None)
+    if loss_fn is None or targets is None:
+        raise ValueError(f"--plan {args.plan} plans a training step: MODEL {args.model!r} needs "
+                         "default_loss and example_targets(batch) methods")
+    compiled = tidal.compile(model, inputs, passes=[args.plan], cluster=cluster,
+                             loss_fn=loss_fn, optimizer=lambda ps: None,
+                             example_targets=targets(global_batch), leaf_modules=args.leaf,
+                             **pass_options(args))
+    plan = compiled.plan.get(args.plan)
+    # a tick_tock schedule runs `batches` wave iterations of half the global batch each; a
+    # round_robin cycle runs the whole global batch as N micro-batches
+    waves = plan.schedule.batches if args.plan == "tick_tock" else 2
+    r = schedule_result(plan.schedule, global_batch * waves // 2)
+    print(f"  {args.plan:17s}: {r.summary()} ({one.iteration_us / r.iteration_us * r.global_batch / global_batch:.2f}x"
+          f" samples/s of 1 GPU)")
+    print("\n".join("    " + line for line in plan.schedule.table().splitlines()[1:5]))
+    if args.plan == "tick_tock":
+        print("    (the schedule's timing lets one wave's forward overlap the other's backward at "
+              "full speed on a rank: Wavelet's premise that one wave leaves a GPU underused; "
+              "an upper bound where a device is already saturated)")

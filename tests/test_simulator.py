@@ -153,3 +153,30 @@ def test_burst_plan_simulation_matches_the_planner_on_a_chain():
     # GPUs outside a layer's set are idle during it: busy time is the plan's GPU time
     busy = sum(p.comp_us * p.gpus for p in plan.layers)
     assert sum(r.busy_us) == pytest.approx(busy)
+
+
+def test_wavelet_schedules_become_timelines():
+    from tidal.ir.schedule import Action, Schedule
+    from tidal.runtime.sim.programs import schedule_result
+
+    acts = (Action("F", 0, wave="T", lane="T", start_us=0, dur_us=10),
+            Action("F", 1, wave="K", lane="K", start_us=10, dur_us=10),
+            Action("B", 0, wave="T", lane="T", start_us=10, dur_us=20),
+            Action("A", 0, wave="T", lane="T", start_us=30, dur_us=5))
+    r = schedule_result(Schedule("toy", ranks=(acts, acts), batches=2, data_parallel=True), 8)
+    assert r.iteration_us == 35.0
+    assert r.busy_us == (30.0, 30.0)  # overlapping waves count once
+    assert {i.lane for i in r.intervals if i.name.endswith("A0")} == {"link"}
+
+
+@pytest.mark.parametrize("plan", ["round_robin", "tick_tock"])
+def test_simulate_cli_wavelet_plans(plan):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--gpus", "2",
+                        "--global-batch", "8", "--plan", plan], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"  {plan}" in r.stdout and "rank 1:" in r.stdout

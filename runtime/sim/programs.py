@@ -174,3 +174,38 @@ def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg") -> li
             ends = [len(tasks) - 1]
         last[p.layer] = tuple(ends)
     return tasks
+
+
+_LINK_KINDS = ("X", "A", "S")  # transfers, all-reduces and weight switches use the link
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``spans``."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def schedule_result(schedule, samples: int, job: str = "fg") -> SimResult:
+    """A Wavelet schedule (``tidal.ir.schedule.Schedule``, from the tick_tock or round_robin
+    pass) that processes ``samples`` samples, as simulated timelines: each action becomes an
+    interval on its rank's compute lane (forward, backward, update) or link lane (transfer,
+    all-reduce, weight switch) at the start and duration the schedule's builder predicted from
+    the cost model. A rank is busy while any of its waves computes."""
+    intervals = []
+    busy = []
+    part = schedule.partitions > 1
+    for rank, actions in enumerate(schedule.ranks):
+        spans = []
+        for a in actions:
+            lane = "link" if a.kind in _LINK_KINDS else "compute"
+            intervals.append(Interval(rank, lane, f"{job}:{a.wave or '-'}", a.label(part),
+                                      a.start_us, a.end_us))
+            if lane == "compute":
+                spans.append((a.start_us, a.end_us))
+        busy.append(_covered(spans))
+    return SimResult(tuple(intervals), len(schedule.ranks), samples, schedule.makespan_us,
+                     tuple(busy))
