@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device throughput for layers the profile lacks (default 100)")
     p.add_argument("--trace", metavar="FILE",
                    help="write the data-parallel timeline as a Chrome trace (Perfetto) JSON")
+    p.add_argument("--scaling", metavar="CSV",
+                   help="statistical-efficiency table (global_batch,steps to the target "
+                        "accuracy): also simulate weak, strong and batch-optimal scaling over "
+                        "1, 2, 4, ... --gpus GPUs (DeepPool Figure 1)")
+    p.add_argument("--scaling-svg", metavar="FILE", default="tidal-scaling.svg",
+                   help="where --scaling writes its chart (default tidal-scaling.svg)")
     p.add_argument("--bg-batch", type=positive_int, default=8,
                    help="burst+bg: batch of the background job (default 8)")
     p.add_argument("--interference", type=positive_float, default=1.1,
@@ -83,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
         Path(args.trace).write_text(json.dumps(chrome_trace(dp.intervals, "data parallel")))
         print(f"  timeline: {args.trace}")
+    if args.scaling:
+        _simulate_scaling(args, gm, cluster, global_batch)
     if args.plan in ("tick_tock", "round_robin"):
         _simulate_wavelet(args, model, inputs, cluster, global_batch, one)
     elif args.plan != "dp":
@@ -127,3 +135,32 @@ def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
         print("    (the schedule's timing lets one wave's forward overlap the other's backward at "
               "full speed on a rank: Wavelet's premise that one wave leaves a GPU underused; "
               "an upper bound where a device is already saturated)")
+
+
+def _simulate_scaling(args, gm, cluster, global_batch: int) -> None:
+    from dataclasses import replace
+
+    from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
+    from tidal.runtime.sim.scaling import StepsTable, scaling_speedups, scaling_svg
+
+    table = StepsTable.load(args.scaling)
+    gpus = [1 << k for k in range(cluster.gpus.bit_length()) if 1 << k <= cluster.gpus]
+    cache: dict[int, object] = {}
+
+    def times(b: int):
+        if b not in cache:
+            cache[b] = layer_times(gm, cluster, b)
+        return cache[b]
+
+    def iteration(g: int, b: int) -> float:
+        c = replace(cluster, gpus=g)
+        return summarize(data_parallel(times, g, b, c), g, b).iteration_us
+
+    per_gpu = max(1, global_batch // cluster.gpus)
+    s = scaling_speedups(iteration, table, gpus, per_gpu, global_batch)
+    print(f"  scaling (speedup in time to accuracy; weak: {per_gpu}/GPU, strong: "
+          f"{global_batch} global)")
+    for mode, vals in s.items():
+        print(f"    {mode:14s}" + " ".join(f"{g}:{v:.2f}x" for g, v in zip(gpus, vals)))
+    Path(args.scaling_svg).write_text(scaling_svg(gpus, s, f"{args.model}: simulated scaling"))
+    print(f"  scaling chart: {args.scaling_svg}")

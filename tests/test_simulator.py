@@ -180,3 +180,40 @@ def test_simulate_cli_wavelet_plans(plan):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"  {plan}" in r.stdout and "rank 1:" in r.stdout
+
+
+def test_scaling_strategies_and_steps_table(tmp_path):
+    from tidal.runtime.sim.scaling import StepsTable, scaling_speedups
+
+    f = tmp_path / "steps.csv"
+    f.write_text("global_batch,steps\n8,1000\n64,200\n512,100\n")
+    table = StepsTable.load(f)
+    assert table.steps(8) == 1000 and table.steps(4096) == 100
+    assert table.steps(16) == pytest.approx(1000 * (200 / 1000) ** (1 / 3))  # log-log
+    lt = _random_layers(random.Random(3), 10)
+    cluster = tidal.Cluster(gpus=8, bandwidth_gbps=10, latency_us=20)
+
+    def iteration(g, b):
+        return summarize(data_parallel(lambda per_gpu: lt, g, b, cluster), g, b).iteration_us
+
+    s = scaling_speedups(iteration, table, (1, 2, 4, 8), per_gpu_batch=8, global_batch=64)
+    assert s["batch-optimal"][0] == pytest.approx(1.0)
+    for k in range(4):
+        assert s["batch-optimal"][k] >= max(s["weak"][k], s["strong"][k]) - 1e-9
+    f.write_text("global_batch,steps\n8,1000\n64,oops\n")
+    with pytest.raises(ValueError, match="steps.csv:3"):
+        StepsTable.load(f)
+
+
+def test_simulate_cli_scaling_chart(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "steps.csv").write_text("8,1000\n64,200\n512,100\n")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--gpus", "4",
+                        "--global-batch", "16", "--scaling", str(tmp_path / "steps.csv"),
+                        "--scaling-svg", str(tmp_path / "s.svg")], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "batch-optimal" in r.stdout and "<polyline" in (tmp_path / "s.svg").read_text()
