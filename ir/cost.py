@@ -239,14 +239,35 @@ def node_time_us(gm: fx.GraphModule, n: fx.Node, batch: int, cluster) -> tuple[f
     From ``cluster.profile`` when it has the node (a measured profile keyed by
     ``tidal.ir.profiler.node_signature``, or a DeepPool profile keyed by
     ``tidal.ir.device_profile.layer_signature`` for module calls), else the annotated FLOPs at
-    ``cluster.peak_tflops``. Nodes with no cost annotation take no time.
+    ``cluster.peak_tflops``. Nodes with no cost annotation take no time. For every node of a
+    graph at once, use :func:`node_times_us`.
     """
-    profile = cluster.profile
-    if profile is not None and n.op in COMPUTE_OPS:
-        from tidal.ir.device_profile import layer_signature
+    signature = None
+    if cluster.profile is not None and n.op in COMPUTE_OPS:
         from tidal.ir.profiler import node_signature
 
-        hit = profile.lookup(node_signature(gm, n, batch))
+        signature = node_signature(gm, n, batch)
+    return _time_us(gm, n, batch, cluster, signature)
+
+
+def node_times_us(gm: fx.GraphModule, batch: int, cluster) -> dict[str, tuple[float, float]]:
+    """:func:`node_time_us` of every node, by node name, analysing the graph once."""
+    signatures: dict[str, str] = {}
+    if cluster.profile is not None:
+        from tidal.ir.profiler import node_signatures
+
+        signatures = node_signatures(gm, batch)
+    return {n.name: _time_us(gm, n, batch, cluster, signatures.get(n.name))
+            for n in gm.graph.nodes}
+
+
+def _time_us(gm: fx.GraphModule, n: fx.Node, batch: int, cluster,
+             signature: str | None) -> tuple[float, float]:
+    profile = cluster.profile
+    if profile is not None and signature is not None:
+        from tidal.ir.device_profile import layer_signature
+
+        hit = profile.lookup(signature)
         if hit is None and n.op == "call_module" and n.all_input_nodes:
             shapes = meta.get_tensors(n.all_input_nodes[0])
             if shapes:

@@ -108,6 +108,16 @@ def node_signature(gm: fx.GraphModule, node: fx.Node, batch: int) -> str:
     return _signature(gm, node, batch, _example_batch(gm), _batched_nodes(gm))
 
 
+def node_signatures(gm: fx.GraphModule, batch: int) -> dict[str, str]:
+    """:func:`node_signature` of every compute node at ``batch``, by node name, analysing the
+    graph once (rather than once per node)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"node_signatures(batch={batch!r}): must be a positive int")
+    b0, batched = _example_batch(gm), _batched_nodes(gm)
+    return {n.name: _signature(gm, n, batch, b0, batched)
+            for n in gm.graph.nodes if n.op in COMPUTE_OPS}
+
+
 def _signature(gm: fx.GraphModule, node: fx.Node, batch: int, b0: int,
                batched: set[fx.Node]) -> str:
     if node.op == "call_module":

@@ -74,6 +74,7 @@ def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
     nodes = {n.name: n for n in gm.graph.nodes}
     L, K = len(names), len(counts)
     comp, sync, act = np.zeros((L, K)), np.zeros((L, K)), np.zeros(L)
+    times = {g: cost.node_times_us(gm, per_gpu_batch(batch, g), cluster) for g in counts}
     for i, name in enumerate(names):
         node = nodes[name]
         tensors = meta.get_tensors(node)
@@ -86,7 +87,7 @@ def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
         c = meta.get_cost(node)
         pbytes = c.param_bytes if c is not None else 0
         for k, g in enumerate(counts):
-            comp[i, k] = sum(cost.node_time_us(gm, node, per_gpu_batch(batch, g), cluster))
+            comp[i, k] = sum(times[g][name])
             sync[i, k] = allreduce_us(pbytes, g, cluster.bytes_per_us, cluster.latency_us)
     return BurstProblem(names, preds, comp, sync, act, counts, batch, cluster.bytes_per_us,
                         cluster.latency_us)

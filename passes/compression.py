@@ -263,8 +263,7 @@ class CompressionPass(Pass):
         cluster = ctx.cluster
         per_gpu = max(1, ctx.batch_size // cluster.gpus)
         fwd = bwd = 0.0
-        for n in gm.graph.nodes:
-            f, b = cost.node_time_us(gm, n, per_gpu, cluster)
+        for f, b in cost.node_times_us(gm, per_gpu, cluster).values():
             fwd, bwd = fwd + f * 1e-6, bwd + b * 1e-6
         params = dict(trainable(ctx.model))
         shapes = [[tuple(params[n].shape) for n in b] for b in buckets]

@@ -74,6 +74,7 @@ def layer_costs(gm: fx.GraphModule, layers: list[list[fx.Node]], batch: int, clu
     """Name, weight bytes and forward time (us) of each layer; a module's or attribute's
     bytes count at its first use only."""
     names, nbytes, times, seen = [], [], [], set()
+    node_us = cost.node_times_us(gm, batch, cluster)
     for layer in layers:
         b = 0
         t = 0.0
@@ -82,7 +83,7 @@ def layer_costs(gm: fx.GraphModule, layers: list[list[fx.Node]], batch: int, clu
             if c is not None and n.op in ("call_module", "get_attr") and n.target not in seen:
                 seen.add(n.target)
                 b += c.param_bytes + c.buffer_bytes
-            t += cost.node_time_us(gm, n, batch, cluster)[0]
+            t += node_us[n.name][0]
         first = layer[0]
         names.append(str(first.target) if first.op in ("call_module", "get_attr") else first.name)
         nbytes.append(b)

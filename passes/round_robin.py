@@ -344,8 +344,8 @@ class RoundRobin(Pass):
         layers = layer_graph.chain_order(lg)
         if len(layers) < n:
             self.fail(f"the model has {len(layers)} layers, fewer than partitions={n}")
-        nodes = {x.name: x for x in gm.graph.nodes}
-        times = [cost.node_time_us(gm, nodes[name], micro, ctx.cluster) for name in layers]
+        node_us = cost.node_times_us(gm, micro, ctx.cluster)
+        times = [node_us[name] for name in layers]
         allowed, cut_bytes = _cut_info(gm, layers, micro)
         try:
             starts = balanced_partition([f + b for f, b in times], n, allowed, cut_bytes)

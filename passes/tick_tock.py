@@ -142,7 +142,7 @@ class TickTock(Pass):
             fwd, total = timeline.forward_us, timeline.iteration_us
             bwd = total - fwd
         else:
-            times = [cost.node_time_us(gm, x, batch, ctx.cluster) for x in gm.graph.nodes]
+            times = list(cost.node_times_us(gm, batch, ctx.cluster).values())
             fwd, bwd = sum(t[0] for t in times), sum(t[1] for t in times)
             notes.append("no example targets: the tock offset comes from the fx cost model "
                          "and no memory timeline is drawn")

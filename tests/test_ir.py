@@ -66,7 +66,11 @@ def test_node_time_uses_profile_then_flops():
     from tidal.ir.device_profile import LayerTime
     from tidal.ir.profiler import node_signature
     prof = tidal.DeviceProfile("toy", {node_signature(gm, lin, 4): LayerTime(7.0, 9.0)})
-    assert cost.node_time_us(gm, lin, 4, tidal.Cluster(gpus=1, profile=prof)) == (7.0, 9.0)
+    profiled = tidal.Cluster(gpus=1, profile=prof)
+    assert cost.node_time_us(gm, lin, 4, profiled) == (7.0, 9.0)
+    for cl_ in (cl, profiled):  # the whole-graph form gives the same times, node by node
+        assert cost.node_times_us(gm, 4, cl_) == {
+            n.name: cost.node_time_us(gm, n, 4, cl_) for n in gm.graph.nodes}
 
 
 def test_cluster_validates_and_defaults_to_world_size(monkeypatch):

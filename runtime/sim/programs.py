@@ -48,10 +48,11 @@ def layer_times(gm: fx.GraphModule, cluster: Cluster, batch: int) -> LayerTimes:
     from tidal.ir import meta
 
     names, fwd, bwd, pbytes = [], [], [], []
+    times = cost.node_times_us(gm, batch, cluster)
     for n in gm.graph.nodes:
         if n.op not in COMPUTE_OPS:
             continue
-        f, b = cost.node_time_us(gm, n, batch, cluster)
+        f, b = times[n.name]
         c = meta.get_cost(n)
         names.append(n.name)
         fwd.append(f)
