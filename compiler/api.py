@@ -1,6 +1,7 @@
 """``tidal.compile``: trace a model, annotate costs, run the selected passes."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import time
@@ -129,6 +130,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
         selected = _first_of_each_exclusive([p for p in selected if p.applies(gm, ctx)])
     _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
+    pass_records = _apply_grad_sync_requests(pass_records)
     return Compiled(model, gm, records + pass_records, ctx, lower=lower)
 
 
@@ -153,6 +155,27 @@ def _check_exclusive(passes: Sequence[Pass]) -> None:
                             f"({p.exclusive}); select one of them")
         if p.exclusive:
             by_tag[p.exclusive] = p.name
+
+
+def _apply_grad_sync_requests(records: Sequence[PassRecord]) -> list[PassRecord]:
+    """Hand each pass's ``GradSyncRequest`` (e.g. ``compression`` after ``tick_tock``) to the
+    executor of the latest earlier pass that takes one (``use_grad_sync``), and drop it from its
+    own record; ``PassError`` when no earlier executor syncs gradients that way."""
+    from tidal.runtime.grad_sync import GradSyncRequest
+
+    out: list[PassRecord] = []
+    for r in records:
+        if isinstance(r.executor, GradSyncRequest):
+            hosts = [h for h in reversed(out) if h.executor is not None]
+            if not hosts or not hasattr(hosts[0].executor, "use_grad_sync"):
+                where = (f"pass {hosts[0].name!r}'s executor does not take one"
+                         if hosts else "no earlier pass set an executor")
+                raise PassError(f"pass {r.name!r} wraps the gradient sync of a parallelism "
+                                f"pass, but {where}")
+            hosts[0].executor.use_grad_sync(r.executor.factory)
+            r = dataclasses.replace(r, executor=None)
+        out.append(r)
+    return out
 
 
 def _cost_note(gm, batch: int) -> str:

@@ -4,7 +4,12 @@
 
 prints the predicted iteration time of sync SGD (DDP) and of the compressor from the
 performance model (:mod:`tidal.ir.perf_model`, dissertation Eq. 4.1), the speedup, the crossover
-bandwidth, and the compression ratio needed for near-linear scaling.
+bandwidth, and the compression ratio needed for near-linear scaling (Figs. 4.8 and 4.11): the
+smallest ratio ``c`` by which an ideal compressor (all-reduce compatible, bucketed and
+overlapped like sync SGD, free to encode) must shrink the gradient so that a step on the GPUs
+takes at most ``--near-linear`` (10 %) longer than the step on one GPU, at this batch and at
+the batch sizes of ``--ratio-batches`` (the paper: ~4x at 10 Gb/s "even for quite small batch
+sizes").
 
 Inputs of the model, all stated in the output:
 
@@ -152,17 +157,38 @@ class WhatIf:
         return self.sync.total_s / self.compressed.total_s
 
 
-def what_if(stats: ModelStats, batch: int, cluster: Cluster, compressor: Compressor, *,
-            tflops: float = V100_FP32_TFLOPS, encode_s: Optional[float] = None,
-            bucket_bytes: float = perf_model.DDP_BUCKET_BYTES,
-            gamma: float = perf_model.DEFAULT_GAMMA, tolerance: float = 0.05) -> WhatIf:
-    """Predict sync SGD and ``compressor`` for ``stats`` at per-GPU ``batch`` on ``cluster``."""
+def workload(stats: ModelStats, batch: int, tflops: float = V100_FP32_TFLOPS,
+             bucket_bytes: float = perf_model.DDP_BUCKET_BYTES) -> perf_model.Workload:
+    """Forward/backward time at ``tflops`` and DDP buckets of ``stats`` at per-GPU ``batch``."""
     rate = tflops * 1e12
     sizes = [4 * math.prod(s) for s in stats.grad_shapes]
     parts = perf_model.bucket_partition(sizes, bucket_bytes)
-    work = perf_model.Workload(stats.fwd_flops_per_sample * batch / rate,
+    return perf_model.Workload(stats.fwd_flops_per_sample * batch / rate,
                                stats.bwd_flops_per_sample * batch / rate,
                                tuple(float(sum(sizes[i] for i in b)) for b in parts))
+
+
+def required_by_batch(stats: ModelStats, batches: Sequence[int], cluster: Cluster, *,
+                      tflops: float = V100_FP32_TFLOPS,
+                      bucket_bytes: float = perf_model.DDP_BUCKET_BYTES,
+                      gamma: float = perf_model.DEFAULT_GAMMA,
+                      tolerance: float = perf_model.NEAR_LINEAR_TOLERANCE
+                      ) -> list[tuple[int, Optional[float]]]:
+    """Fig. 4.8: the compression ratio needed for near-linear scaling at each per-GPU batch."""
+    return [(b, perf_model.required_compression(workload(stats, b, tflops, bucket_bytes),
+                                                cluster, gamma, tolerance)) for b in batches]
+
+
+def what_if(stats: ModelStats, batch: int, cluster: Cluster, compressor: Compressor, *,
+            tflops: float = V100_FP32_TFLOPS, encode_s: Optional[float] = None,
+            bucket_bytes: float = perf_model.DDP_BUCKET_BYTES,
+            gamma: float = perf_model.DEFAULT_GAMMA,
+            tolerance: float = perf_model.NEAR_LINEAR_TOLERANCE) -> WhatIf:
+    """Predict sync SGD and ``compressor`` for ``stats`` at per-GPU ``batch`` on ``cluster``;
+    ``tolerance``: how much slower than one GPU a step may be and still scale near-linearly."""
+    sizes = [4 * math.prod(s) for s in stats.grad_shapes]
+    parts = perf_model.bucket_partition(sizes, bucket_bytes)
+    work = workload(stats, batch, tflops, bucket_bytes)
     enc = table_4_1_encode_s(compressor, stats.params) if encode_s is None else encode_s
     comp = compressor_cost(compressor, [[stats.grad_shapes[i] for i in b] for b in parts], enc)
     return WhatIf(work, comp, cluster, gamma, perf_model.sync_sgd_step(work, cluster, gamma),
@@ -192,13 +218,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"backward slowdown under overlap (default {perf_model.DEFAULT_GAMMA})")
     p.add_argument("--sweep", default=None, metavar="G1,G2,..",
                    help="also print speedups at these bandwidths (Gb/s)")
+    p.add_argument("--near-linear", type=_percent, default=perf_model.NEAR_LINEAR_TOLERANCE,
+                   metavar="PERCENT",
+                   help="near-linear scaling: a step at most this much longer than the step on "
+                        "one GPU (default 10%%); the compression ratio needed for it is the "
+                        "smallest ratio by which an ideal compressor (all-reduce, bucketed and "
+                        "overlapped like sync SGD, free to encode) must shrink the gradient")
+    p.add_argument("--ratio-batches", type=_batches, default=(8, 16, 32, 64), metavar="B1,B2,..",
+                   help="per-GPU batch sizes to print that ratio for (Fig. 4.8; default "
+                        "8,16,32,64)")
+
+
+def _percent(text: str) -> float:
+    value = text.strip().rstrip("%")
+    try:
+        frac = float(value) / 100
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"near-linear tolerance {text!r}: expected a "
+                                         "percentage such as 10%") from None
+    if not frac >= 0:
+        raise argparse.ArgumentTypeError(f"near-linear tolerance {text!r}: must be >= 0")
+    return frac
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes {text!r}: expected positive integers "
+                                         "such as 16,32,64")
+    return out
+
+
+def _ratio(r: Optional[float]) -> str:
+    return f"{r:.2f}x" if r is not None else "unreachable"
 
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
 
-def report(w: WhatIf, stats: ModelStats, batch: int, tflops: float, encode_given: bool) -> str:
+def report(w: WhatIf, stats: ModelStats, batch: int, tflops: float, encode_given: bool,
+           tolerance: float = perf_model.NEAR_LINEAR_TOLERANCE,
+           by_batch: Sequence[tuple[int, Optional[float]]] = ()) -> str:
     """The text ``tidal whatif`` prints."""
     c, work, comp = w.cluster, w.workload, w.comp
     ratio = work.total_bytes / max(1.0, comp.total_payload)
@@ -220,10 +284,14 @@ def report(w: WhatIf, stats: ModelStats, batch: int, tflops: float, encode_given
         "crossover bandwidth: " + (f"{w.crossover_gbps:.2f} Gb/s (sync SGD is faster above)"
                                    if w.crossover_gbps is not None
                                    else "none in 0.001-100000 Gb/s"),
-        "compression needed for near-linear scaling (within 5% of forward + gamma x "
-        "backward): " + (f"{w.required_ratio:.2f}x" if w.required_ratio is not None
-                         else "unreachable (latency-bound)"),
+        f"compression needed for near-linear scaling (a step within {tolerance:.0%} of one "
+        "GPU's forward + backward; ideal compressor: all-reduce, bucketed and overlapped like "
+        f"sync SGD, free to encode): {_ratio(w.required_ratio)}",
     ]
+    if by_batch:
+        lines.append(f"  by batch per GPU at {c.bandwidth_gbps:g} Gb/s (Fig. 4.8: ~4x at 10 Gb/s "
+                     "for small batches): "
+                     + ", ".join(f"{b}: {_ratio(r)}" for b, r in by_batch))
     return "\n".join(lines)
 
 
@@ -237,13 +305,18 @@ def run(args: argparse.Namespace) -> int:
             else make_compressor(args.compressor)
         common = dict(tflops=args.tflops,
                       encode_s=None if args.encode_ms is None else args.encode_ms * 1e-3,
-                      bucket_bytes=args.bucket_mb * perf_model.MIB, gamma=args.gamma)
+                      bucket_bytes=args.bucket_mb * perf_model.MIB, gamma=args.gamma,
+                      tolerance=args.near_linear)
         w = what_if(stats, args.batch, cluster, compressor, **common)
+        by_batch = required_by_batch(stats, args.ratio_batches, cluster, tflops=args.tflops,
+                                     bucket_bytes=common["bucket_bytes"], gamma=args.gamma,
+                                     tolerance=args.near_linear)
         sweep = [parse_bandwidth(s) for s in args.sweep.split(",")] if args.sweep else []
     except (ValueError, argparse.ArgumentTypeError) as e:
         print(f"tidal whatif: error: {e}", file=sys.stderr)
         return 2
-    print(report(w, stats, args.batch, args.tflops, args.encode_ms is not None))
+    print(report(w, stats, args.batch, args.tflops, args.encode_ms is not None,
+                 args.near_linear, by_batch))
     if sweep:
         print(f"\n{'Gb/s':>8}{'sync ms':>10}{compressor.spec() + ' ms':>18}{'speedup':>9}")
         for g in sweep:

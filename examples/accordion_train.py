@@ -4,7 +4,8 @@ compression (rank 4), fixed high compression (rank 1), and Accordion switching b
 Synthetic 10-class data (a random two-layer ReLU teacher labels Gaussian inputs), an MLP student,
 SGD with a 10x learning-rate decay two thirds of the way. Each run uses the ``compression``
 pass (one process: the compressors still encode and decode, with error feedback); Accordion
-decides once per epoch, per tensor (eta 0.5; a learning-rate drop counts as critical).
+decides once per epoch, per tensor (eta 0.5); it is given the learning-rate schedule, so the
+epoch that starts at the decayed rate is critical (a decay ahead, not one window late).
 
     python examples/accordion_train.py [--epochs 12]
 """
@@ -42,6 +43,12 @@ def student() -> nn.Module:
                          nn.Linear(256, CLASSES))
 
 
+def lr_schedule(epochs: int):
+    """The learning rate of each optimizer step: 0.1, then 0.01 for the last third."""
+    steps = TRAIN // BATCH
+    return lambda step: 0.1 if step // steps < 2 * epochs // 3 else 0.01
+
+
 def train(label: str, epochs: int, **pass_options) -> tuple[str, float, float, list]:
     """Train one student; return (label, test accuracy, million floats sent, critical windows)."""
     (x, y), (xt, yt) = make_data()
@@ -51,9 +58,10 @@ def train(label: str, epochs: int, **pass_options) -> tuple[str, float, float, l
                              loss_fn=nn.functional.cross_entropy,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     opt = compiled.optimizer
+    schedule = lr_schedule(epochs)
     for epoch in range(epochs):
         for group in opt.param_groups:
-            group["lr"] = 0.1 if epoch < 2 * epochs // 3 else 0.01
+            group["lr"] = schedule(epoch * steps)
         perm = torch.randperm(TRAIN, generator=torch.Generator().manual_seed(epoch))
         for i in range(steps):
             idx = perm[i * BATCH:(i + 1) * BATCH]
@@ -74,7 +82,7 @@ def main() -> None:
     runs = [train("rank 4 (low compression)", args.epochs, compressor="powersgd:4"),
             train("rank 1 (high compression)", args.epochs, compressor="powersgd:1"),
             train("Accordion 4/1", args.epochs, compressor="powersgd:4", accordion=(4, 1),
-                  accordion_interval=steps),
+                  accordion_interval=steps, accordion_lr_schedule=lr_schedule(args.epochs)),
             train("no compression", args.epochs, compressor="powersgd:4", mode="off")]
     base = runs[0][2]
     print(f"{'run':<28}{'test acc':>9}{'M floats sent':>15}{'vs rank 4':>11}")

@@ -11,7 +11,8 @@ and a critical key gets ``low`` compression (e.g. PowerSGD rank 4), the others `
 The first window, with no previous one, is critical (early training is). The decision is made
 on rank 0 and broadcast, so all ranks switch together. :class:`AccordionBatch` is the batch-size
 variant: the whole model's norm picks ``B_low`` (critical) or ``B_high``, with the learning rate
-scaled linearly with the batch.
+scaled linearly with the batch. "A decay ahead" needs the schedule: :class:`LrLookahead` reads
+it from a function ``step -> lr`` or peeks a torch scheduler without advancing it.
 
 Example:
     >>> from tidal.passes.accordion import Accordion
@@ -23,9 +24,11 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +63,85 @@ def _broadcast_flags(flags: list[bool], group: Optional[dist.ProcessGroup]) -> l
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0,
                    group=group)
     return [bool(v) for v in t.tolist()]
+
+
+def peek_scheduler_lrs(scheduler: Any, calls: int) -> list[float]:
+    """The learning rate (first parameter group) after each of the next ``calls`` calls of
+    ``scheduler.step()``, found by stepping it and restoring its state and its optimizer's
+    parameter groups: the scheduler and the optimizer are left as they were. Raises
+    ``ValueError`` for ``ReduceLROnPlateau``, whose future depends on metrics not yet seen."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("Accordion cannot look ahead of ReduceLROnPlateau (its decays depend "
+                         "on future metrics); give a schedule function instead")
+    optimizer = getattr(scheduler, "optimizer", None)
+    if optimizer is None or not hasattr(scheduler, "state_dict"):
+        raise TypeError(f"Accordion lookahead: {type(scheduler).__name__} is not a torch "
+                        "learning-rate scheduler (no .optimizer / .state_dict)")
+    saved = copy.deepcopy(scheduler.state_dict())
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    lrs = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # "scheduler.step() before optimizer.step()"
+            for _ in range(calls):
+                scheduler.step()
+                lrs.append(float(optimizer.param_groups[0]["lr"]))
+    finally:
+        scheduler.load_state_dict(saved)
+        for g, kept in zip(optimizer.param_groups, groups):
+            g.update(kept)
+    return lrs
+
+
+class LrLookahead:
+    """Where Accordion learns of a learning-rate decay *ahead*: the lowest learning rate the
+    next window of ``interval`` optimizer steps will use. Built from a schedule function
+    ``step -> lr`` (``step``: the 0-based index of an optimizer step) with
+    :meth:`from_function`, or from a torch scheduler that is stepped once every
+    ``steps_per_call`` optimizer steps with :meth:`from_scheduler` (peeked without being
+    advanced, :func:`peek_scheduler_lrs`).
+
+    Example:
+        >>> ahead = LrLookahead.from_function(lambda step: 0.1 if step < 6 else 0.01)
+        >>> ahead.now_and_next(steps_done=3, interval=3, current_lr=0.1)
+        (0.1, 0.1)
+        >>> ahead.now_and_next(6, 3, 0.1)       # steps 6-8 run at 0.01: a decay ahead
+        (0.1, 0.01)
+    """
+
+    def __init__(self, ahead: Callable[[int, int], Sequence[float]],
+                 now: Optional[Callable[[int], float]] = None):
+        self._ahead, self._now = ahead, now
+
+    @classmethod
+    def from_function(cls, schedule: Callable[[int], float]) -> "LrLookahead":
+        """Look ahead in ``schedule(step) -> lr`` (which the training loop also applies)."""
+        if not callable(schedule):
+            raise TypeError(f"Accordion lr schedule must be callable step -> lr, got "
+                            f"{type(schedule).__name__}")
+        return cls(lambda done, n: [float(schedule(s)) for s in range(done, done + n)],
+                   lambda done: float(schedule(max(0, done - 1))))
+
+    @classmethod
+    def from_scheduler(cls, scheduler: Any, steps_per_call: int = 1) -> "LrLookahead":
+        """Look ahead in a torch scheduler stepped once per ``steps_per_call`` optimizer
+        steps (1: after every step; an epoch's steps for a per-epoch scheduler)."""
+        if isinstance(steps_per_call, bool) or not isinstance(steps_per_call, int) \
+                or steps_per_call < 1:
+            raise ValueError(f"Accordion lookahead: steps_per_call={steps_per_call!r} must be "
+                             "an integer >= 1")
+        peek_scheduler_lrs(scheduler, 0)      # type check now, not at the first window
+        return cls(lambda done, n: peek_scheduler_lrs(scheduler,
+                                                      max(1, math.ceil(n / steps_per_call))))
+
+    def now_and_next(self, steps_done: int, interval: int, current_lr: float
+                     ) -> tuple[float, float]:
+        """``(lr_now, lr_next)`` for Algorithm 1 at the end of a window: the rate of the last
+        step (the schedule's, else ``current_lr``, the optimizer's) and the lowest rate of
+        optimizer steps ``steps_done .. steps_done + interval - 1``."""
+        now = self._now(steps_done) if self._now is not None else float(current_lr)
+        return now, min(self._ahead(steps_done, interval))
 
 
 class WindowNorms:

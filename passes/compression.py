@@ -8,7 +8,14 @@ DDP) with the chosen compressor (PowerSGD, Top-K, random-K, signSGD, QSGD; see
 :mod:`tidal.passes.compressors`), after the backward (compression is not overlapped, §4.2.1).
 Parameters and buffers are broadcast from rank 0 like DDP. With ``accordion=(low, high)`` an
 :class:`~tidal.passes.accordion.Accordion` controller switches each tensor's level every
-``accordion_interval`` steps (a learning-rate drop since the last window counts as critical).
+``accordion_interval`` steps; a learning-rate decay within the next window counts as critical
+when the schedule is known (``accordion_lr_schedule=step -> lr``, or a torch scheduler given to
+``DataParallelExecutor.watch_scheduler`` after ``compile()``), else a drop is seen one window late.
+
+After a parallelism pass (``passes=["tick_tock", "compression"]``) the pass sets no executor of
+its own: it wraps that pass's gradient sync instead (a
+:class:`~tidal.runtime.grad_sync.GradSyncRequest` that ``compile()`` hands to the earlier
+executor's ``use_grad_sync``; ``tick_tock`` takes it, one compressor state per wave).
 
 ``mode``: ``"on"`` compresses; ``"off"`` runs plain all-reduce (sync SGD); ``"auto"`` asks the
 performance model (:mod:`tidal.ir.perf_model`, Eq. 4.1) for the cluster in the context and
@@ -41,11 +48,15 @@ import torch.fx as fx
 from tidal.ir import cost, perf_model
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plan import Plan
-from tidal.passes.accordion import Accordion
-from tidal.passes.compressors import Comm, Compressor, NoCompression, make_compressor, synchronize
+from tidal.passes.accordion import Accordion, LrLookahead
+from tidal.passes.compressors import Compressor, NoCompression, make_compressor
 from tidal.passes.compressors.modeling import compressor_cost, measure_encode_decode_s
+from tidal.runtime.grad_sync import GradSync, GradSyncRequest
 
 MODES = ("on", "off", "auto")
+HOSTS = ("tick_tock", "burst_parallel", "round_robin")
+"""Parallelism passes whose gradient sync this pass wraps when it runs after one of them
+(their executor must take ``use_grad_sync``; ``tick_tock``'s does)."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +126,23 @@ class DataParallelExecutor:
 
     def __init__(self, compressor: Compressor, buckets: Sequence[Sequence[str]], *,
                  accordion: Optional[Accordion] = None, accordion_interval: int = 100,
+                 lr_lookahead: Optional[LrLookahead] = None,
                  group: Optional[dist.ProcessGroup] = None):
         self.compressor = compressor
+        self.lr_lookahead = lr_lookahead
         self.buckets = tuple(tuple(b) for b in buckets)
         self.accordion = accordion
         self.accordion_interval = accordion_interval
-        self.comm = Comm(group)
-        self.comm.check(compressor)
+        self.grad_sync = GradSync(compressor, buckets=self.buckets, group=group)
+        self.comm = self.grad_sync.comm
         self.steps = 0
         self._window_lr: Optional[float] = None
+
+    def watch_scheduler(self, scheduler: Any, steps_per_call: int = 1) -> None:
+        """Let Accordion see learning-rate decays ahead in ``scheduler`` (a torch scheduler on
+        ``Compiled.optimizer``, stepped once per ``steps_per_call`` steps); it is peeked,
+        never advanced."""
+        self.lr_lookahead = LrLookahead.from_scheduler(scheduler, steps_per_call)
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """Inference is not distributed: every rank runs the whole batch."""
@@ -139,20 +158,16 @@ class DataParallelExecutor:
             dist.broadcast(t, src=0, group=self.comm.group)
 
     def sync_gradients(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Synchronize every parameter's ``.grad`` bucket by bucket through the compressor;
-        returns the synchronized gradients by name."""
+        """Synchronize every parameter's ``.grad`` bucket by bucket through the compressor
+        (:class:`~tidal.runtime.grad_sync.GradSync`); returns the synchronized gradients."""
         params = dict(trainable(model))
-        synced: dict[str, torch.Tensor] = {}
-        for bucket in self.buckets:
-            grads = {n: params[n].grad if params[n].grad is not None
-                     else torch.zeros_like(params[n]) for n in bucket}
-            out = synchronize(self.compressor, grads, self.comm)
-            for n, g in out.items():
-                p = params[n]
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(g.reshape(p.shape))
-            synced.update(out)
+        synced = self.grad_sync({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                                 for n, p in params.items()})
+        for n, g in synced.items():
+            p = params[n]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(g.reshape(p.shape))
         return synced
 
     def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
@@ -185,8 +200,13 @@ class DataParallelExecutor:
         self.accordion.accumulate(synced)
         if self.steps % self.accordion_interval == 0:
             lr = float(optimizer.param_groups[0]["lr"])
-            levels = self.accordion.decide(self._window_lr, lr)
+            if self.lr_lookahead is not None:      # a decay within the next window
+                lr_now, lr_next = self.lr_lookahead.now_and_next(
+                    self.steps, self.accordion_interval, lr)
+            else:                                  # unknown schedule: a drop seen after it
+                lr_now, lr_next = self._window_lr, lr
             self._window_lr = lr
+            levels = self.accordion.decide(lr_now, lr_next)
             self.accordion.apply(self.compressor, levels)
 
     def state_dict(self) -> dict[str, Any]:
@@ -211,19 +231,20 @@ class CompressionPass(Pass):
     Options: ``compressor`` (a spec like ``"powersgd:4"``/``"topk:0.01"`` or a
     :class:`Compressor`), ``mode`` (``"on"``, ``"off"``, ``"auto"``), ``bucket_mb`` (25),
     ``accordion`` (``(low, high)`` levels or None), ``accordion_eta`` (0.5),
-    ``accordion_interval`` (steps per window), ``gamma`` (backward slowdown under overlap),
+    ``accordion_interval`` (steps per window), ``accordion_lr_schedule`` (``step -> lr``, so
+    that a decay ahead is seen; a torch scheduler goes to the executor's ``watch_scheduler``
+    after compile), ``gamma`` (backward slowdown under overlap),
     ``encode_decode_ms`` (for ``auto``; default measured here on the model's gradient shapes).
     """
 
     name = "compression"
     training_only = True
-    # runs its own data-parallel executor; wrapping the sync of burst_parallel/tick_tock is
-    # not implemented yet, so for now it is an alternative to them
-    exclusive = "parallelism"
+    after = HOSTS
 
     def __init__(self, compressor: Union[str, Compressor] = "powersgd:4", *, mode: str = "on",
                  bucket_mb: float = 25.0, accordion: Optional[tuple[Any, Any]] = None,
                  accordion_eta: float = 0.5, accordion_interval: int = 100,
+                 accordion_lr_schedule: Optional[Callable[[int], float]] = None,
                  gamma: float = perf_model.DEFAULT_GAMMA,
                  encode_decode_ms: Optional[float] = None):
         self.compressor = make_compressor(compressor) if isinstance(compressor, str) \
@@ -248,8 +269,15 @@ class CompressionPass(Pass):
         self.accordion = accordion
         self.accordion_eta = accordion_eta
         self.accordion_interval = accordion_interval
+        self.lr_lookahead = None if accordion_lr_schedule is None \
+            else LrLookahead.from_function(accordion_lr_schedule)
         self.gamma = gamma
         self.encode_decode_ms = encode_decode_ms
+
+    def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
+        """Never chosen by ``passes="auto"``: compression changes the numerics, so it is only
+        applied when asked for."""
+        return False
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         if ctx.model is None:
@@ -303,8 +331,24 @@ class CompressionPass(Pass):
             notes.append(f"accordion: levels {self.accordion[0]} (critical) / "
                          f"{self.accordion[1]}, eta {self.accordion_eta}, window "
                          f"{self.accordion_interval} steps")
-        executor = DataParallelExecutor(copy.deepcopy(compressor), buckets, accordion=accordion,
-                                        accordion_interval=self.accordion_interval)
+        host = next((h for h in HOSTS if h in ctx.plans), None)
+        if host is None:
+            executor: Any = DataParallelExecutor(
+                copy.deepcopy(compressor), buckets, accordion=accordion,
+                accordion_interval=self.accordion_interval, lr_lookahead=self.lr_lookahead)
+        else:
+            if accordion is not None:
+                self.fail(f"accordion switching runs in this pass's own data-parallel "
+                          f"executor; it is not available on top of {host!r}")
+            bucket_bytes = self.bucket_bytes
+
+            def factory(group: Optional[dist.ProcessGroup]) -> GradSync:
+                return GradSync(copy.deepcopy(compressor), bucket_bytes=bucket_bytes,
+                                group=group)
+
+            executor = GradSyncRequest(self.name, factory)
+            notes.append(f"wraps the gradient sync of {host} ({compressor.spec()}, "
+                         f"{self.bucket_bytes / perf_model.MIB:g} MiB buckets)")
         plan = CompressionPlan(
             compressor=self.compressor.spec(), mode=self.mode, enabled=enabled,
             bucket_bytes=self.bucket_bytes, buckets=buckets, grad_bytes=grad_bytes,

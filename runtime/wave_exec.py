@@ -7,8 +7,9 @@ first step). Each wave runs on its own thread (the CPU stand-in for a CUDA strea
 lane of the plan's schedule: ``F`` forward (the tock waits for the tick's forward to end, the
 paper's ``F_end`` signal), ``B`` backward to the wave's raw local gradient ``g_m``, ``A`` the
 cross-wave average of Eq. 1, ``(g_m + g_{m-1}) / 2`` with the other wave's latest raw gradient,
-followed by the wave's own all-reduce (a process group per wave, so the two waves' collectives
-never interleave), and ``U`` the wave's optimizer step on its own replica. By Lemma 1 the
+followed by the wave's own gradient sync (a process group per wave, so the two waves'
+collectives never interleave; a :class:`~tidal.runtime.grad_sync.GradSync` per wave: a plain
+averaging all-reduce, or a compressor when the ``compression`` pass wraps it), and ``U`` the wave's optimizer step on its own replica. By Lemma 1 the
 gradient a wave applies is the mean over the 2N shards of iterations m−1 and m.
 
 Example:
@@ -35,6 +36,7 @@ import torch.fx as fx
 
 from tidal.ir.schedule import Action, split_batch
 from tidal.runtime.distributed import rank_and_size
+from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
 
 WAIT_TIMEOUT_S = 300.0
 
@@ -47,6 +49,7 @@ class _Wave:
     inputs: tuple
     targets: Any
     group: Any = None
+    sync: Optional[GradSync] = None
     names: tuple[str, ...] = ()
     params: tuple[torch.nn.Parameter, ...] = ()
     loss: Optional[torch.Tensor] = None
@@ -70,7 +73,8 @@ def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
 
 class TickTockExecutor:
     """Runs a tick-tock plan (see module doc). ``tock`` is the tock replica (after the first
-    step); ``last_applied[wave][name]`` the gradient each wave applied in the last step."""
+    step); ``last_applied[wave][name]`` the gradient each wave applied in the last step;
+    ``syncs[wave]`` the wave's gradient sync (after the first step)."""
 
     def __init__(self, plan: Any):
         self.plan = plan
@@ -78,7 +82,16 @@ class TickTockExecutor:
         self._tock_opt: Optional[torch.optim.Optimizer] = None
         self._prev_tock: Optional[list[torch.Tensor]] = None
         self._groups: Optional[tuple[Any, Any]] = None
+        self._sync_factory: GradSyncFactory = plain_sync
+        self.syncs: dict[str, GradSync] = {}
         self.last_applied: dict[str, dict[str, torch.Tensor]] = {}
+
+    def use_grad_sync(self, factory: GradSyncFactory) -> None:
+        """Sync each wave's gradients with ``factory(group)`` (e.g. a compressor's) instead of
+        the plain all-reduce; set before the first step."""
+        if self.syncs:
+            raise RuntimeError("tick_tock: the gradient sync is fixed after the first step")
+        self._sync_factory = factory
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """Inference runs the tick replica (the model's own parameters)."""
@@ -104,10 +117,12 @@ class TickTockExecutor:
             self._tock_opt = clone_optimizer(optimizer, mapping)
             if world > 1:
                 self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+            groups = self._groups or (None, None)
+            self.syncs = {"T": self._sync_factory(groups[0]), "K": self._sync_factory(groups[1])}
         groups = self._groups or (None, None)
-        waves = {"T": _Wave("T", gm, optimizer, xs[rank], ys[rank], groups[0]),
+        waves = {"T": _Wave("T", gm, optimizer, xs[rank], ys[rank], groups[0], self.syncs["T"]),
                  "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
-                            groups[1])}
+                            groups[1], self.syncs["K"])}
         for w in waves.values():
             named = [(k, p) for k, p in w.gm.named_parameters() if p.requires_grad]
             w.names, w.params = tuple(k for k, _ in named), tuple(p for _, p in named)
@@ -163,25 +178,13 @@ class TickTockExecutor:
                 avg = list(w.raw)  # the very first tick iteration has no predecessor
             else:
                 avg = [(g + h) / 2 for g, h in zip(w.raw, other)]  # Eq. 1
-            if world > 1:
-                flat = torch.cat([g.reshape(-1) for g in avg])
-                dist.all_reduce(flat, group=w.group)
-                flat /= world
-                avg = [flat[o:o + g.numel()].view_as(g)
-                       for o, g in zip(_offsets(avg), avg)]
+            synced = w.sync(dict(zip(w.names, avg)))      # the wave's all-reduce (or compressor)
+            avg = [synced[k] for k in w.names]
             for p, g, k in zip(w.params, avg, w.names):
                 p.grad = g.clone()
                 w.applied[k] = p.grad.detach().clone()
         elif a.kind == "U":
             w.optimizer.step()
-
-
-def _offsets(tensors: list[torch.Tensor]) -> list[int]:
-    out, o = [], 0
-    for t in tensors:
-        out.append(o)
-        o += t.numel()
-    return out
 
 
 def _wait(ev: threading.Event, what: str) -> None:

@@ -119,3 +119,72 @@ def _rank_zero_decides(rank, size):
 
 def test_decision_is_made_on_rank_zero_and_broadcast():
     assert spawn(_rank_zero_decides, 2) == [4, 4]
+
+
+# --- a learning-rate decay ahead (the schedule is known) ------------------------------------
+
+SCHEDULE = lambda step: 0.1 if step < 6 else 0.01  # noqa: E731   steps 0-5 at 0.1, then 0.01
+
+
+def _steps_until_decisions(lookahead, steps=12, interval=3):
+    """Run the compression executor on one process with a gradient that never changes (so
+    only the first window and a decay can be critical), the learning rate following SCHEDULE
+    (applied by MultiStepLR, milestone 6), and return per window whether it was critical, and
+    the learning rates the optimizer used. ``lookahead``: the schedule function, "scheduler"
+    (the executor peeks the MultiStepLR) or None (no lookahead)."""
+    import tidal
+    from tidal.passes.compression import CompressionPass
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2, bias=False)   # loss = sum of outputs: a constant rank-1
+    x = torch.ones(2, 4)                          # gradient, which rank-1 PowerSGD keeps exactly
+    sched_holder = {}
+    compiled = tidal.compile(
+        model, x, passes=[CompressionPass(
+            compressor=PowerSGD(2, min_compression_rate=0), accordion=(2, 1),
+            accordion_interval=interval,
+            accordion_lr_schedule=lookahead if callable(lookahead) else None)],
+        loss_fn=lambda out, y: out.sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sched_holder["s"] = torch.optim.lr_scheduler.MultiStepLR(compiled.optimizer, [6], 0.1)
+    if lookahead == "scheduler":
+        compiled.executor.watch_scheduler(sched_holder["s"])
+    used = []
+    for _ in range(steps):
+        used.append(compiled.optimizer.param_groups[0]["lr"])
+        compiled.step((x,), torch.zeros(2, 2))
+        sched_holder["s"].step()
+    return [bool(h) for h in compiled.executor.accordion.history], used
+
+
+def test_decay_ahead_is_critical_for_the_window_that_runs_at_the_new_rate():
+    # windows of 3 steps end after steps 3, 6, 9, 12; the decisions there set the level of
+    # the next window. After step 3: the first window (critical). After step 6: steps 6-8 run
+    # at the decayed rate, a decay ahead (critical). After 9 and 12: calm.
+    crit, used = _steps_until_decisions(SCHEDULE)
+    assert crit == [True, True, False, False]
+    assert used == pytest.approx([SCHEDULE(s) for s in range(12)])
+    # the scheduler route: the MultiStepLR peeked (never advanced: same rates used)
+    assert _steps_until_decisions("scheduler") == (crit, used)
+    # no lookahead: the drop is seen after step 9, when the window 6-8 already ran
+    assert _steps_until_decisions(None) == ([True, False, True, False], used)
+
+
+def test_peek_leaves_scheduler_and_optimizer_untouched():
+    from tidal.passes.accordion import LrLookahead, peek_scheduler_lrs
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt.step()
+    sched.step()
+    before = (sched.state_dict(), opt.param_groups[0]["lr"])
+    assert peek_scheduler_lrs(sched, 4) == [0.5, 0.5, 0.25, 0.25]
+    assert (sched.state_dict(), opt.param_groups[0]["lr"]) == before
+    ahead = LrLookahead.from_scheduler(sched, steps_per_call=2)   # a per-"epoch" scheduler
+    assert ahead.now_and_next(steps_done=0, interval=4, current_lr=0.5) == (0.5, 0.5)
+    assert ahead.now_and_next(0, 6, 0.5) == (0.5, 0.25)             # 3 calls ahead
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        LrLookahead.from_scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(ValueError, match="steps_per_call=0"):
+        LrLookahead.from_scheduler(sched, 0)
+    with pytest.raises(TypeError, match="callable"):
+        LrLookahead.from_function(0.1)

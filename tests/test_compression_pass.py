@@ -209,3 +209,23 @@ def test_bad_options_are_named(kw, match):
 def test_hook_rejects_a_mismatched_state():
     with pytest.raises(TypeError, match="powersgd hook needs a HookState with a PowerSGD"):
         ddp_hooks.powersgd(ddp_hooks.topk_state(_model(), 0.1), None)
+
+
+def test_after_tick_tock_the_pass_wraps_its_sync_and_refuses_accordion():
+    from tidal.passes.tick_tock import TickTock
+
+    x, y = _data(0)
+    kw = dict(loss_fn=_loss, optimizer=_sgd, example_targets=y)
+    c = tidal.compile(_model(), x, passes=[TickTock(ranks=1), CompressionPass("topk:0.5")], **kw)
+    assert type(c.executor).__name__ == "TickTockExecutor"          # not the DP executor
+    assert any("wraps the gradient sync of tick_tock" in n
+               for r in c.records for n in r.notes)
+    c.step((x,), y)
+    assert {w: s.compressor.spec() for w, s in c.executor.syncs.items()} == \
+        {"T": "topk:0.5", "K": "topk:0.5"}
+    assert c.executor.syncs["T"].compressor.residual("0.weight") is not None  # error feedback
+    with pytest.raises(tidal.PassError, match="accordion switching .* not available on top "
+                                              "of 'tick_tock'"):
+        tidal.compile(_model(), x, passes=[TickTock(ranks=1),
+                                           CompressionPass("powersgd:4", accordion=(4, 1))],
+                      **kw)

@@ -91,9 +91,9 @@ def test_crossover_bandwidth_is_where_the_times_meet():
 def test_required_compression_is_the_smallest_ratio_that_scales():
     work = pm.Workload.uniform(0.05, 0.1, 170 * 2**20)
     c = _cluster(64, 10, 10)
-    r = pm.required_compression(work, c, gamma=1.05, tolerance=0.05)
+    r = pm.required_compression(work, c, gamma=1.05, tolerance=0.1)
     assert r is not None and r > 1
-    target = 1.05 * (0.05 + 1.05 * 0.1)
+    target = 1.1 * (0.05 + 0.1)                   # 10 % over the single-GPU step
 
     def step(ratio):
         return pm.sync_sgd_step(pm.Workload(0.05, 0.1, tuple(b / ratio for b in
@@ -101,6 +101,30 @@ def test_required_compression_is_the_smallest_ratio_that_scales():
     assert step(r) <= target * (1 + 1e-9) and step(r * 0.99) > target
     assert pm.required_compression(work, _cluster(64, 1e5, 0)) == 1.0
     assert pm.required_compression(work, _cluster(64, 10, 1e5)) is None   # latency-bound
+    assert pm.required_compression(work, _cluster(64, 1e5, 0), gamma=1.2) is None  # gamma
+    with pytest.raises(ValueError, match="tolerance -0.1"):
+        pm.required_compression(work, c, tolerance=-0.1)
+
+
+def test_required_compression_on_a_constructed_case():
+    """2 GPUs, no latency, 4 equal buckets whose all-reduce takes t = b / BW = 0.2 s each;
+    forward 0.1 s, backward 0.3 s, gamma 1. Compressed c times, a step is
+    0.1 + max(0.3, 3 t / c) + t / c; within 10 % of one GPU's 0.4 s means 0.4 + 0.2 / c <=
+    0.44 (once 0.6 / c <= 0.3), so c = 5 exactly: the overlapped buckets are hidden from c = 2
+    on, and the exposed last bucket sets the ratio."""
+    b = 0.2 * 1e9 / 8                               # bytes a 1 Gb/s link moves in 0.2 s
+    work = pm.Workload(0.1, 0.3, (b,) * 4)
+    c = _cluster(2, 1, 0)
+    assert pm.ring_all_reduce_s(b, c) == pytest.approx(0.2)
+    assert pm.required_compression(work, c, gamma=1.0, tolerance=0.1) == pytest.approx(5.0)
+    # 20 %: 0.4 + 0.2 / c <= 0.48 gives 2.5; 0 %: only an infinite ratio, i.e. unreachable
+    assert pm.required_compression(work, c, gamma=1.0, tolerance=0.2) == pytest.approx(2.5)
+    assert pm.required_compression(work, c, gamma=1.0, tolerance=0.0) is None
+    # the CLI's Fig. 4.8 rows: smaller batches (less backward to hide behind) need more
+    stats = cli_whatif.model_stats("resnet101")
+    rows = cli_whatif.required_by_batch(stats, (16, 32, 64), _cluster(64, 10, 10))
+    assert [b for b, _ in rows] == [16, 32, 64]
+    assert rows[0][1] > rows[1][1] > rows[2][1] >= 1
 
 
 def test_compressor_cost_matches_payload_bytes():

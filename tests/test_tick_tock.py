@@ -164,3 +164,69 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="batch size 5 is not divisible by 2"):
         c.step((torch.randn(5, 6),), torch.zeros(5, dtype=torch.long))
     copy.deepcopy(c.plan)
+
+
+# --- the compression pass wraps the waves' gradient sync (runtime/grad_sync.py) -------------
+
+def _run_composed(rank, world):
+    """tick_tock alone, and tick_tock + compression off / Top-K 100 % / PowerSGD rank 1."""
+    from tidal.passes.compression import CompressionPass
+
+    out = {}
+    for tag, extra in (("plain", []), ("off", [CompressionPass(mode="off")]),
+                       ("topk1", [CompressionPass(compressor="topk:1.0")]),
+                       ("psgd1", [CompressionPass(compressor="powersgd:1")])):
+        model = _model()
+        x, y = _data(0)
+        c = tidal.compile(model, x, passes=[TickTock(ranks=world)] + extra, example_targets=y,
+                          loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+        applied = []
+        for step in range(STEPS):
+            x, y = _data(step)
+            c.step(x, y)
+            applied.append({w: dict(g) for w, g in c.executor.last_applied.items()})
+        specs = {w: s.compressor.spec() for w, s in c.executor.syncs.items()}
+        out[tag] = (_plain((applied, model.state_dict(), c.executor.tock.state_dict())), specs)
+    return out
+
+
+def test_compression_wraps_tick_tock_sync_and_off_equals_all_reduce():
+    for r in spawn(_run_composed, 2):
+        assert r["off"][1] == {"T": "none", "K": "none"}
+        assert r["topk1"][1] == {"T": "topk:1", "K": "topk:1"}
+        plain, off, topk, psgd = (_tensors(r[k][0]) for k in ("plain", "off", "topk1", "psgd1"))
+        for step in range(STEPS):
+            for wave in ("T", "K"):
+                for k, g in plain[0][step][wave].items():
+                    assert torch.equal(off[0][step][wave][k], g), (step, wave, k)  # bit for bit
+                    torch.testing.assert_close(topk[0][step][wave][k], g, **TOL)
+        for k, v in plain[1].items():                                   # parameters
+            assert torch.equal(off[1][k], v) and torch.allclose(topk[1][k], v, **TOL)
+        # and both match Lemma 1 simulated in one process (eager gradients, plain averages)
+        _check(r["off"][0], 2)
+        # PowerSGD rank 1 really runs: a 8x6 weight's gradient is not rank 1
+        assert not torch.allclose(psgd[0][0]["T"]["0.weight"], plain[0][0]["T"]["0.weight"])
+
+
+def test_compression_after_a_pass_without_grad_sync_hook_is_refused():
+    from tidal.compiler.api import _apply_grad_sync_requests
+    from tidal.compiler.pass_manager import PassRecord
+    from tidal.ir.errors import PassError
+    from tidal.runtime.grad_sync import GradSyncRequest, plain_sync
+
+    class NoHook:
+        def forward(self, gm, *a):
+            return None
+
+        def step(self, *a):
+            return None
+
+    req = PassRecord("compression", 0.0, 1, 1, executor=GradSyncRequest("compression",
+                                                                        plain_sync))
+    with pytest.raises(PassError, match="'burst_parallel''s executor does not take one"):
+        _apply_grad_sync_requests([PassRecord("burst_parallel", 0.0, 1, 1, executor=NoHook()),
+                                   req])
+    with pytest.raises(PassError, match="no earlier pass set an executor"):
+        _apply_grad_sync_requests([req])
+    with pytest.raises(RuntimeError, match="only changes the gradient sync"):
+        req.executor.step(None, None, (), None, None, None)

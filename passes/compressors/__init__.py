@@ -23,7 +23,7 @@ from typing import Any
 
 from tidal.passes.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message,
                                            NoCompression, World, seeded_generator, stable_seed)
-from tidal.passes.compressors.comm import Comm, synchronize
+from tidal.passes.compressors.comm import Comm, LocalComm, synchronize
 from tidal.passes.compressors.powersgd import PowerSGD, orthogonalize
 from tidal.passes.compressors.quantize import QSGD, SignSGD, pack_bits, unpack_bits
 from tidal.passes.compressors.sparsify import RandomK, TopK
@@ -32,7 +32,7 @@ COMPRESSORS = MappingProxyType({c.name: c for c in (PowerSGD, TopK, RandomK, Sig
                                                    NoCompression)})
 """Compressor classes by name (``none``: plain all-reduce, the sync SGD baseline)."""
 
-__all__ = ["ALL_GATHER", "ALL_REDUCE", "COMPRESSORS", "Comm", "Compressor", "Message",
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "COMPRESSORS", "Comm", "Compressor", "LocalComm", "Message",
            "NoCompression", "PowerSGD",
            "QSGD", "RandomK", "SignSGD", "TopK", "World", "make_compressor", "orthogonalize",
            "pack_bits", "parse_spec", "seeded_generator", "stable_seed", "synchronize",

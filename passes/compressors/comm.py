@@ -77,6 +77,16 @@ class Comm:
         return [tuple(r) for r in results]
 
 
+class LocalComm(Comm):
+    """A :class:`Comm` of one process whatever the process group: the collectives are the
+    identity, so :func:`synchronize` does all of a compressor's local work (encode, packing,
+    decode) and no communication. Used to time encode + decode."""
+
+    @property
+    def world(self) -> World:
+        return World(0, 1)
+
+
 def synchronize(compressor: Compressor, tensors: Mapping[str, torch.Tensor],
                 comm: Optional[Comm] = None) -> dict[str, torch.Tensor]:
     """Compress, communicate and decode ``tensors`` (name -> local gradient); returns name ->

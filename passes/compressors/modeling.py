@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from tidal.ir.perf_model import CompressorCost
-from tidal.passes.compressors.base import ALL_REDUCE, Compressor, World
+from tidal.passes.compressors.base import Compressor
+from tidal.passes.compressors.comm import LocalComm, synchronize
 
 Shape = tuple[int, ...]
 
@@ -35,30 +36,39 @@ def compressor_cost(compressor: Compressor, bucket_shapes: Sequence[Sequence[Sha
                           compressor.all_reduce_compatible, compressor.rounds)
 
 
+def encode_decode_fn(compressor: Compressor, shapes: Sequence[Shape], *,
+                     buckets: Optional[Sequence[Sequence[int]]] = None,
+                     device: Optional[torch.device] = None, seed: int = 0) -> Callable[[], None]:
+    """A function that runs one step of ``compressor``'s local work over random gradients of
+    ``shapes``: :func:`synchronize` bucket by bucket (``buckets``: indices into ``shapes``;
+    default one bucket) on a :class:`LocalComm`, i.e. encode, packing into one buffer per
+    round and decode, with no communication. Runs on a copy of ``compressor``."""
+    c = copy.deepcopy(compressor)
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(s, generator=gen).to(device or "cpu") for s in shapes]
+    parts = [list(range(len(shapes)))] if buckets is None else [list(b) for b in buckets]
+    comm = LocalComm()
+    cuda = device is not None and torch.device(device).type == "cuda"
+
+    def run() -> None:
+        for b in parts:
+            synchronize(c, {f"t{i}": grads[i] for i in b}, comm)
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    return run
+
+
 def measure_encode_decode_s(compressor: Compressor, shapes: Sequence[Shape], *,
                             repeats: int = 3, device: Optional[torch.device] = None,
                             seed: int = 0) -> float:
     """Median seconds of encode + decode of all ``shapes`` in one process, on a copy of
     ``compressor`` (its state is not touched); the first (warm-up) run is not counted."""
-    c = copy.deepcopy(compressor)
-    gen = torch.Generator().manual_seed(seed)
-    grads = {f"t{i}": torch.randn(s, generator=gen).to(device or "cpu")
-             for i, s in enumerate(shapes)}
-    world = World(0, 1)
+    run = encode_decode_fn(compressor, shapes, device=device, seed=seed)
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        for k, g in grads.items():
-            msg = c.encode(k, g, world)
-            while True:
-                reduced = tuple(t if msg.op == ALL_REDUCE else t.unsqueeze(0)
-                                for t in msg.tensors)
-                out = c.decode(k, msg, reduced, world)
-                if isinstance(out, torch.Tensor):
-                    break
-                msg = out
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+        run()
         times.append(time.perf_counter() - t0)
     times = sorted(times[1:])
     return times[len(times) // 2]

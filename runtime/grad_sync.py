@@ -1,0 +1,115 @@
+"""Gradient synchronization shared by the executors: plain averaging all-reduce or a compressor.
+
+An executor that trains data-parallel (the ``compression`` pass's own, ``tick_tock``'s waves)
+hands its gradients to a :class:`GradSync` for a process group. The gradients are bucketed like
+DDP (in backward order, i.e. the reverse of the order given, 25 MiB buckets) and each bucket
+goes through :func:`tidal.passes.compressors.synchronize`: encode, one collective per round
+for the whole bucket, decode (with error feedback when the compressor keeps it). With no
+compressor (:class:`~tidal.passes.compressors.NoCompression`) this is the plain averaging
+all-reduce, so an executor has one code path whether compression is on or off.
+
+The ``compression`` pass composes with a parallelism pass by returning a
+:class:`GradSyncRequest` instead of an executor; ``tidal.compile`` hands its factory to the
+earlier pass's executor (``use_grad_sync``), which builds one :class:`GradSync` per group.
+
+Example:
+    >>> import torch
+    >>> from tidal.runtime.grad_sync import GradSync
+    >>> sync = GradSync()                       # one process: plain averaging is the identity
+    >>> out = sync({"w": torch.ones(2, 2), "b": torch.zeros(2)})
+    >>> list(out), out["w"].tolist(), sync.buckets(out)
+    (['w', 'b'], [[1.0, 1.0], [1.0, 1.0]], (('b', 'w'),))
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
+from tidal.passes.compressors import Comm, Compressor, NoCompression, synchronize
+
+
+class GradSync:
+    """Average named gradients over ``group`` through ``compressor`` (default: none, a plain
+    all-reduce), bucket by bucket. ``buckets``: explicit buckets of names (default: DDP-like,
+    built from the first gradients seen). ``all_gather=False`` declares a group without
+    all-gather (a compressor that needs it is refused, naming it). ``state_dict`` checkpoints
+    the compressor (residuals, warm-start state)."""
+
+    def __init__(self, compressor: Optional[Compressor] = None, *,
+                 bucket_bytes: float = DDP_BUCKET_BYTES,
+                 buckets: Optional[Sequence[Sequence[str]]] = None,
+                 group: Optional[dist.ProcessGroup] = None, all_gather: bool = True):
+        if not bucket_bytes > 0:
+            raise ValueError(f"GradSync(bucket_bytes={bucket_bytes!r}): must be > 0")
+        self.compressor = compressor if compressor is not None else NoCompression()
+        self.comm = Comm(group, all_gather=all_gather)
+        self.comm.check(self.compressor)
+        self.bucket_bytes = bucket_bytes
+        self._buckets = None if buckets is None else tuple(tuple(b) for b in buckets)
+
+    def buckets(self, grads: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
+        """The buckets of ``grads``' names: reverse order (the backward's), at most
+        ``bucket_bytes`` each (fixed on first use; explicit ones as given)."""
+        if self._buckets is None:
+            names = list(reversed(list(grads)))
+            parts = bucket_partition([grads[n].numel() * 4 for n in names], self.bucket_bytes)
+            self._buckets = tuple(tuple(names[i] for i in b) for b in parts)
+        covered = {n for b in self._buckets for n in b}
+        if covered != set(grads):
+            missing = sorted(set(grads) ^ covered)
+            raise ValueError(f"GradSync: gradients {missing[:3]} do not match the buckets "
+                             "(every call must pass the same names)")
+        return self._buckets
+
+    def __call__(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The synchronized gradients (same names, order, shapes and dtypes). Collective: every
+        rank of the group calls it with the same names."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets(grads):
+            out.update(synchronize(self.compressor, {n: grads[n] for n in bucket}, self.comm))
+        return {n: out[n].to(g.dtype) for n, g in grads.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's checkpoint state."""
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the compressor's state."""
+        self.compressor.load_state_dict(state)
+
+
+GradSyncFactory = Callable[[Optional[dist.ProcessGroup]], GradSync]
+"""Builds a :class:`GradSync` for a process group (one per group an executor syncs on)."""
+
+
+def plain_sync(group: Optional[dist.ProcessGroup] = None) -> GradSync:
+    """The default factory: plain averaging all-reduce on ``group``."""
+    return GradSync(group=group)
+
+
+class GradSyncRequest:
+    """Returned as the ``executor`` of a pass that changes *how* gradients are synchronized
+    but not the parallelism (``compression`` after ``tick_tock``): ``tidal.compile`` passes
+    ``factory`` to the ``use_grad_sync`` of the executor an earlier pass set, and drops this
+    one. Running it as an executor is an error naming the pass."""
+
+    def __init__(self, pass_name: str, factory: GradSyncFactory):
+        self.pass_name = pass_name
+        self.factory = factory
+
+    def _fail(self) -> None:
+        raise RuntimeError(f"pass {self.pass_name!r} only changes the gradient sync of an "
+                           "earlier parallelism pass's executor; it cannot run a step itself")
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """Not an executor of its own (see class doc)."""
+        self._fail()
+
+    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Not an executor of its own (see class doc)."""
+        self._fail()
