@@ -10,7 +10,7 @@ this kind of machine on the same profiles (numbers given in issue 3; not re-meas
 1024 GPUs the global batch is smaller than G: counts above the batch are kept in the search
 space (those GPUs get at most one sample) so the search has the 11 counts of the paper's setting.
 
-    python benchmarks/burst_planner.py [--repeats 7]
+    python benchmarks/burst_planner.py [--repeats 15]
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _key(gm, node, batch):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -88,18 +88,20 @@ def main(argv=None) -> int:
                 plan = plan_burst(p, 2.0, amp_min_us=300.0)
                 times.append(time.perf_counter() - t0)
             med = statistics.median(times)
-            rows.append((name, batch, gpus, n, hits, med, PAPER[name][k], DEEPPOOL_HERE[name][k],
-                         plan))
+            rows.append((name, batch, gpus, n, hits, med, min(times), max(times),
+                         PAPER[name][k], DEEPPOOL_HERE[name][k], plan))
     print(f"{'model':18s} {'gb':>3s} {'GPUs':>5s} {'layers':>6s} {'prof':>5s} {'ours s':>9s} "
-          f"{'paper s':>8s} {'DeepPool s':>10s} {'ours/DP':>8s} {'pred ms':>8s} {'DP ms':>8s} "
-          f"{'speedup':>7s}")
-    for name, batch, gpus, n, hits, med, paper, dp_here, plan in rows:
-        print(f"{name:18s} {batch:3d} {gpus:5d} {n:6d} {hits:5d} {med:9.5f} {paper:8.2f} "
-              f"{dp_here:10.3f} {med / dp_here:8.3f} {plan.time_us / 1e3:8.3f} "
-              f"{plan.dp_time_us / 1e3:8.3f} {plan.dp_time_us / plan.time_us:7.3f}")
+          f"{'min-max s':>17s} {'paper s':>8s} {'DeepPool s':>10s} {'ours/DP':>8s} "
+          f"{'pred ms':>8s} {'DP ms':>8s} {'speedup':>7s}")
+    for name, batch, gpus, n, hits, med, lo, hi, paper, dp_here, plan in rows:
+        print(f"{name:18s} {batch:3d} {gpus:5d} {n:6d} {hits:5d} {med:9.5f} "
+              f"{lo:8.5f}-{hi:8.5f} {paper:8.2f} {dp_here:10.3f} {med / dp_here:8.3f} "
+              f"{plan.time_us / 1e3:8.3f} {plan.dp_time_us / 1e3:8.3f} "
+              f"{plan.dp_time_us / plan.time_us:7.3f}")
     print("ours/DP: our median search time over DeepPool's own planner's (goal <= 0.1 at 1024 "
-          "GPUs); prof: layers with an A100 profile row (others from the cost model); "
-          "pred/DP ms: predicted iteration time of our plan and of data parallelism")
+          "GPUs); min-max: spread of the repeats (a busy machine widens it); prof: layers with "
+          "an A100 profile row (others from the cost model); pred/DP ms: predicted iteration "
+          "time of our plan and of data parallelism")
     return 0
 
 

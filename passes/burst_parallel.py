@@ -105,13 +105,52 @@ def _holders(flat: list[int]) -> int:
 def rewrite(gm: fx.GraphModule, plan: BurstPlan) -> dict[str, tuple[int, ...]]:
     """Insert scatter/gather where a value changes GPU set, mark each layer node with its
     placement, and return the ranks of the layer that owns each parameter (all ranks for a
-    parameter used by layers on different sets)."""
+    parameter used by layers on different sets). A non-tensor node between layers (such as
+    ``x.size(0)`` in ``x.view(x.size(0), -1)``) is recomputed for each GPU set that reads it,
+    from the rows that set holds."""
     world, batch = plan.world, plan.batch
     placements = {l.layer: l for l in plan.layers}
     layouts = {name: _layout(l, world) for name, l in placements.items()}
     everyone = replicated(batch, world)
     made: dict[tuple[str, tuple[int, ...]], fx.Node] = {}
     owners: dict[str, tuple[int, ...]] = {}
+
+    def source(arg: fx.Node) -> Optional[list[int]]:
+        if arg.name in layouts:
+            return layouts[arg.name]
+        if arg.op == "placeholder":
+            t = meta.get_tensors(arg)
+            return everyone if t and t[0].shape and t[0].shape[0] == batch else None
+        return None
+
+    def value(arg: fx.Node, dst: list[int], before: fx.Node) -> fx.Node:
+        """``arg`` as seen by a layer on layout ``dst``."""
+        src = source(arg)
+        if src is None:
+            if arg.op not in ("call_function", "call_method", "call_module"):
+                return arg  # parameters, non-batch inputs
+            key = (arg.name, tuple(dst))
+            if key not in made:  # a looked-through node (size(), getattr): follow its inputs
+                inputs = {a: value(a, dst, before) for a in arg.all_input_nodes}
+                if all(v is a for a, v in inputs.items()):
+                    made[key] = arg
+                else:
+                    with gm.graph.inserting_before(before):
+                        made[key] = gm.graph.node_copy(arg, lambda a: inputs[a])
+            return made[key]
+        if src == dst:
+            return arg
+        key = (arg.name, tuple(dst))
+        if key not in made:
+            if dst == everyone or src == everyone:
+                op = GATHER if dst == everyone else SCATTER
+            else:
+                op = GATHER if _holders(dst) < _holders(src) else SCATTER
+            with gm.graph.inserting_before(before):
+                made[key] = gm.graph.call_function(op, (arg, list(src), list(dst)))
+            meta.set_tensors(made[key], meta.get_tensors(arg))
+        return made[key]
+
     for node in list(gm.graph.nodes):
         if node.name in layouts:
             dst = layouts[node.name]
@@ -127,22 +166,9 @@ def rewrite(gm: fx.GraphModule, plan: BurstPlan) -> dict[str, tuple[int, ...]]:
         else:
             continue
         for arg in list(node.all_input_nodes):
-            src = layouts.get(arg.name)
-            if src is None and arg.op == "placeholder":
-                t = meta.get_tensors(arg)
-                src = everyone if t and t[0].shape and t[0].shape[0] == batch else None
-            if src is None or src == dst:
-                continue
-            key = (arg.name, tuple(dst))
-            if key not in made:
-                if dst == everyone or src == everyone:
-                    op = GATHER if dst == everyone else SCATTER
-                else:
-                    op = GATHER if _holders(dst) < _holders(src) else SCATTER
-                with gm.graph.inserting_before(node):
-                    made[key] = gm.graph.call_function(op, (arg, list(src), list(dst)))
-                meta.set_tensors(made[key], meta.get_tensors(arg))
-            node.replace_input_with(arg, made[key])
+            new = value(arg, dst, node)
+            if new is not arg:
+                node.replace_input_with(arg, new)
     gm.recompile()
     return owners
 
@@ -206,6 +232,7 @@ class BurstParallel(Pass):
         if plan.fallback:
             notes.append(f"no burst plan beats data parallelism under amp_limit="
                          f"{plan.amp_limit:g}: running data parallel")
-        executor = BurstExecutor(plan.world, plan.batch, tuple(sorted(owners.items())))
+        executor = BurstExecutor(plan.world, plan.batch, tuple(sorted(owners.items())),
+                                 tuple((l.layer, l.ranks) for l in plan.layers))
         return PassResult(gm, plan=plan, notes=tuple(notes), executor=executor,
                           artifacts={"burst_plan.svg": plan.svg(), "burst_plan.txt": plan.table()})

@@ -17,7 +17,8 @@ latency. The time model (DeepPool §4.1):
 * a branch/join block (``tidal.ir.layer_graph.branch_blocks``) is reduced to one transition
   ``tr(fork, h) -> (join, g)``: each branch is searched with the fork fixed at ``h``, the
   critical (longest) branch stays on the fork's GPUs and each other branch moves to GPUs of its
-  own (after those the branches that stay use) when that shortens the block and the GPUs fit (DeepPool's multi-chain graph reduction);
+  own (after those the branches that stay use) when that shortens the block and the GPUs fit
+  (DeepPool's multi-chain graph reduction);
   branches on the same GPUs run one after another, branches on other GPUs overlap. Blocks
   nested inside a branch run serially. Communication into a join is charged to the block.
 
@@ -144,6 +145,15 @@ class BurstProblem:
         self.latency_us = float(latency_us)
         self._check()
         self.top = _parse(self.names, self.preds)
+        src, dst, self._branch_entries = [], [], []
+        for chain in _all_chains(self.top):
+            src += [a for a, b in zip(chain.layers, chain.layers[1:]) if b not in chain.blocks]
+            dst += [b for b in chain.layers[1:] if b not in chain.blocks]
+            for j, blk in chain.blocks.items():
+                self._branch_entries += [(br.layers[0], blk.fork, (j, b))
+                                         for b, br in enumerate(blk.branches) if br is not None]
+        # (previous layer, layer) of every step inside a chain, a join's block excluded
+        self._chain_edges = (np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64))
         pb = np.array([per_gpu_batch(batch, int(c)) for c in self.counts], dtype=np.float64)
         lo = np.minimum.outer(np.arange(len(pb)), np.arange(len(pb)))
         hi = np.maximum.outer(np.arange(len(pb)), np.arange(len(pb)))
@@ -151,7 +161,7 @@ class BurstProblem:
             "overlap": np.where(lo == hi, 0.0, np.maximum(pb[lo] - pb[hi], pb[hi])),
             "disjoint": pb[lo],
         }
-        self._edges: dict[tuple[int, str], np.ndarray] = {}
+        self._edges: dict[str, np.ndarray] = {}
 
     @property
     def gpus(self) -> int:
@@ -188,10 +198,12 @@ class BurstProblem:
         for i, ps in enumerate(self.preds):
             for p in ps:
                 if not 0 <= p < L:
-                    raise ValueError(f"layer {self.names[i]!r} reads layer index {p}: no such layer")
+                    raise ValueError(f"layer {self.names[i]!r} reads layer index {p}: "
+                                     f"no such layer")
                 if p >= i:
-                    raise ValueError(f"layer {self.names[i]!r} reads {self.names[p]!r}, which comes "
-                                     f"later: layers must be in topological order (a cycle?)")
+                    raise ValueError(f"layer {self.names[i]!r} reads {self.names[p]!r}, which "
+                                     f"comes later: layers must be in topological order "
+                                     f"(a cycle?)")
 
     def branches(self) -> tuple[tuple[str, int], ...]:
         """``(join layer, branch index)`` of every non-empty branch of every block (the names
@@ -211,13 +223,16 @@ class BurstProblem:
     def comm(self, layer: int, kind: str = "overlap") -> np.ndarray:
         """``(K, K)`` forward + backward time to move layer ``layer``'s output from ``counts[h]``
         GPUs (row) to ``counts[g]`` GPUs (column); ``kind`` ``"disjoint"`` for another GPU set."""
-        key = (layer, kind)
-        if key not in self._edges:
-            moved = self._moved[kind]
-            a = self.act_bytes[layer]
-            self._edges[key] = np.where(moved * a > 0, 2.0 * (moved * a / self.bytes_per_us
-                                                              + self.latency_us), 0.0)
-        return self._edges[key]
+        return self.comm_all(kind)[layer]
+
+    def comm_all(self, kind: str = "overlap") -> np.ndarray:
+        """``comm`` of every layer at once: an ``(L, K, K)`` array (computed once per kind)."""
+        if kind not in self._edges:
+            moved = self._moved[kind][None, :, :]
+            a = self.act_bytes[:, None, None]
+            self._edges[kind] = np.where(moved * a > 0, 2.0 * (moved * a / self.bytes_per_us
+                                                               + self.latency_us), 0.0)
+        return self._edges[kind]
 
 
 def _parse(names: tuple[str, ...], preds: tuple[tuple[int, ...], ...]) -> _Chain:
@@ -383,52 +398,30 @@ class BurstPlan(Plan):
 # --------------------------------------------------------------------------- evaluation
 
 
-def _amp(p: BurstProblem, i: int, k: int, t: float, amp_min_us: float) -> float:
-    c1 = p.comp[i, 0]
-    return 0.0 if c1 <= amp_min_us else t * p.counts[k] / max(c1, 1e-12)
-
-
-@dataclass
-class _Eval:
-    counts: np.ndarray
-    parallel: set
-    comm: np.ndarray
-    time: float = 0.0
-
-
-def _eval_chain(p: BurstProblem, chain: _Chain, ev: _Eval, entry) -> float:
+def _eval_chain(p: BurstProblem, chain: _Chain, ks: np.ndarray, par: set, terms: list) -> float:
     t = 0.0
-    prev = None
-    for pos, i in enumerate(chain.layers):
-        k = ev.counts[i]
-        if pos == 0:
-            comm = 0.0 if entry is None else p.comm(entry[0], entry[2])[entry[1], k]
-        elif i in chain.blocks:
-            comm = 0.0
-            t += _eval_block(p, chain.blocks[i], ev)
-        else:
-            comm = p.comm(prev)[ev.counts[prev], k]
-        ev.comm[i] = comm
-        t += comm + p.comp[i, k] + p.sync[i, k]
-        prev = i
+    for i in chain.layers:
+        if i in chain.blocks:
+            t += _eval_block(p, chain.blocks[i], ks, par, terms)
+        t += terms[i]
     return t
 
 
-def _eval_block(p: BurstProblem, blk: _Block, ev: _Eval) -> float:
-    kf, kj = ev.counts[blk.fork], ev.counts[blk.join]
-    serial, par = 0.0, 0.0
+def _eval_block(p: BurstProblem, blk: _Block, ks: np.ndarray, par: set, terms: list) -> float:
+    kf, kj = ks[blk.fork], ks[blk.join]
+    serial, par_t = 0.0, 0.0
     for b, br in enumerate(blk.branches):
         if br is None:
             serial += p.comm(blk.fork)[kf, kj]
             continue
-        kind = "disjoint" if (blk.join, b) in ev.parallel else "overlap"
-        t = _eval_chain(p, br, ev, (blk.fork, kf, kind))
-        t += p.comm(br.layers[-1], kind)[ev.counts[br.layers[-1]], kj]
+        kind = "disjoint" if (blk.join, b) in par else "overlap"
+        t = _eval_chain(p, br, ks, par, terms)
+        t += p.comm(br.layers[-1], kind)[ks[br.layers[-1]], kj]
         if kind == "disjoint":
-            par = max(par, t)
+            par_t = max(par_t, t)
         else:
             serial += t
-    return max(serial, par)
+    return max(serial, par_t)
 
 
 def evaluate(problem: BurstProblem, counts: Sequence[int],
@@ -436,21 +429,32 @@ def evaluate(problem: BurstProblem, counts: Sequence[int],
     """Predicted iteration time (µs) of a plan given as count *indices* per layer and the
     ``(join index, branch index)`` pairs run on GPUs of their own, and each layer's incoming
     communication time. An independent re-computation of the time model the search uses."""
-    ev = _Eval(np.asarray(counts, dtype=np.int64), set(parallel), np.zeros(len(problem.names)))
-    return _eval_chain(problem, problem.top, ev, None), ev.comm
+    p = problem
+    ks = np.asarray(counts, dtype=np.int64)
+    par = set(parallel)
+    comm = np.zeros(len(p.names))
+    src, dst = p._chain_edges
+    comm[dst] = p.comm_all()[src, ks[src], ks[dst]]
+    for first, fork, key in p._branch_entries:  # a branch's first layer reads the fork
+        comm[first] = p.comm(fork, "disjoint" if key in par else "overlap")[ks[fork], ks[first]]
+    ar = np.arange(len(ks))
+    terms = (comm + p.comp[ar, ks] + p.sync[ar, ks]).tolist()
+    return _eval_chain(p, p.top, ks, par, terms), comm
 
 
 def _assign(p: BurstProblem, counts: np.ndarray, parallel: set) -> np.ndarray:
     """First rank of each layer: serial layers start at their parent's offset; the branches of a
     block on GPUs of their own come after the GPUs the branches that stay use."""
-    offset = np.zeros(len(p.names), dtype=np.int64)
+    offset = [0] * len(p.names)
+    gpus = p.counts[np.asarray(counts)].tolist()
 
     def walk(chain: _Chain, base: int) -> int:
         """Place ``chain`` from rank ``base``; return how many GPUs it spans."""
         span = 0
         for i in chain.layers:
             offset[i] = base
-            span = max(span, int(p.counts[counts[i]]))
+            if gpus[i] > span:
+                span = gpus[i]
         for blk in chain.blocks.values():
             used = 0  # GPUs of the branches that run one after another (fork/join run apart)
             for b, br in enumerate(blk.branches):
@@ -464,7 +468,7 @@ def _assign(p: BurstProblem, counts: np.ndarray, parallel: set) -> np.ndarray:
         return span
 
     walk(p.top, 0)
-    return offset
+    return np.array(offset, dtype=np.int64)
 
 
 def plan_from_counts(problem: BurstProblem, counts: Union[Mapping[str, int], Sequence[int]],
@@ -511,34 +515,55 @@ def _all_blocks(chain: _Chain):
 
 
 def _make_plan(p: BurstProblem, ks: np.ndarray, par: set, amp_limit: float, algorithm: str,
-               amp_min_us: float, fallback: bool = False) -> BurstPlan:
+               amp_min_us: float, fallback: bool = False,
+               dp: Optional[tuple[float, np.ndarray]] = None) -> BurstPlan:
     time, comm = evaluate(p, ks, par)
     offset = _assign(p, ks, par)
     G, B = p.gpus, p.batch
-    in_parallel = _parallel_layers(p, par)
-    layers = []
+    ar = np.arange(len(p.names))
+    gpus = p.counts[ks]
+    beyond = np.nonzero(offset + gpus > G)[0]
+    if len(beyond):
+        i = int(beyond[0])
+        raise ValueError(f"layer {p.names[i]!r}: placed on ranks {offset[i]}.."
+                         f"{offset[i] + gpus[i] - 1}, beyond the {G} GPUs (too many branches "
+                         f"in parallel)")
+    comp, sync = p.comp[ar, ks], p.sync[ar, ks]
+    t = comm + comp + sync
     gpu_sec = 0.0
+    for x in (t * gpus).tolist():
+        gpu_sec += x
+    c1 = p.comp[:, 0]
+    amp = np.where(c1 <= amp_min_us, 0.0, t * gpus / np.maximum(c1, 1e-12))
+    in_parallel = _parallel_layers(p, par)
     splits: dict[int, tuple[tuple[int, int], ...]] = {}
-    for i, name in enumerate(p.names):
-        g = int(p.counts[ks[i]])
-        if offset[i] + g > G:
-            raise ValueError(f"layer {name!r}: placed on ranks {offset[i]}..{offset[i] + g - 1}, "
-                             f"beyond the {G} GPUs (too many branches in parallel)")
-        t = comm[i] + p.comp[i, ks[i]] + p.sync[i, ks[i]]
-        gpu_sec += t * g
-        layers.append(LayerPlacement(
-            layer=name, gpus=g, ranks=tuple(range(int(offset[i]), int(offset[i]) + g)),
-            ranges=splits[g] if g in splits else splits.setdefault(g, split_batch(B, g)),
-            comp_us=float(p.comp[i, ks[i]]), comm_us=float(comm[i]),
-            sync_us=float(p.sync[i, ks[i]]), amp=float(_amp(p, i, ks[i], t, amp_min_us)),
-            parallel=i in in_parallel))
-    dp_time, dp_comm = evaluate(p, np.full(len(p.names), len(p.counts) - 1))
+    ranks: dict[tuple[int, int], tuple[int, ...]] = {}
+    layers = []
+    for i, (name, g, o, cp, cm, sy, a) in enumerate(zip(
+            p.names, gpus.tolist(), offset.tolist(), comp.tolist(), comm.tolist(),
+            sync.tolist(), amp.tolist())):
+        if g not in splits:
+            splits[g] = split_batch(B, g)
+        if (o, g) not in ranks:
+            ranks[o, g] = tuple(range(o, o + g))
+        layers.append(LayerPlacement(name, g, ranks[o, g], splits[g], cp, cm, sy, a,
+                                     i in in_parallel))
+    dp_time, dp_comm = dp if dp is not None else evaluate(p, np.full(len(p.names),
+                                                                       len(p.counts) - 1))
     dp_sec = float(np.sum((dp_comm + p.comp[:, -1] + p.sync[:, -1]) * G))
     return BurstPlan(
         world=G, batch=B, amp_limit=float(amp_limit), algorithm=algorithm, layers=tuple(layers),
         parallel_branches=tuple(sorted((p.names[j], b) for j, b in par)),
         time_us=float(time), gpu_sec_us=float(gpu_sec), dp_time_us=float(dp_time),
         dp_gpu_sec_us=dp_sec, single_gpu_us=float(np.sum(p.comp[:, 0])), fallback=fallback)
+
+
+def _all_chains(chain: _Chain):
+    yield chain
+    for blk in chain.blocks.values():
+        for br in blk.branches:
+            if br is not None:
+                yield from _all_chains(br)
 
 
 def _members(chain: _Chain) -> Iterable[int]:
@@ -559,6 +584,97 @@ def _parallel_layers(p: BurstProblem, par: set) -> set:
 
 
 # --------------------------------------------------------------------------- the search
+
+
+def _block_caps(cap: int, multi: bool) -> list[int]:
+    """Count-index caps a block at ``cap`` is searched with: the branches that stay share up to
+    ``counts[s]`` GPUs for s in (cap, cap-1, cap-2) when branches may move (``multi``)."""
+    return [c for c in (cap, cap - 1, cap - 2) if c >= 0] if multi else [cap]
+
+
+def _rows(bcaps: Sequence[int], multi: bool) -> list[tuple[int, int]]:
+    """``(block cap c, stay cap s)`` pairs :func:`_combine` evaluates, grouped by ``c``."""
+    return [(c, s) for c in bcaps for s in _block_caps(c, multi)]
+
+
+def _combine_dicts(ts: dict, tp: dict, bcaps: Sequence[int], multi: bool, nb: int,
+                   counts: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`_combine` from ``ts[b, s]``/``tp[b, c]`` ``(K, K)`` arrays (missing: never)."""
+    K = len(counts)
+    rows = _rows(bcaps, multi)
+    none = np.full((K, K), _INF)
+    tsb = np.stack([ts[b, s] for _, s in rows for b in range(nb)]).reshape(-1, nb, K, K)
+    own = [np.stack([tp.get((b, c - j), none) for c, _ in rows for b in range(nb)])
+           .reshape(-1, nb, K, K) for j in (1, 2)]
+    return _combine(tsb, own, bcaps, multi, counts)[0]
+
+
+def _combine(tsb: np.ndarray, own: list[np.ndarray], bcaps: Sequence[int], multi: bool,
+             counts: np.ndarray) -> list[dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """DeepPool's multi-chain reduction of one block from its branches' arrival times, for each
+    block cap ``c`` in ``bcaps`` at once.
+
+    Row ``r`` of ``tsb`` (``(R, nb, K, K)``, rows ``_rows(bcaps, multi)`` = ``(c, s)``) holds
+    each branch's time (fork count h -> join count g) on the fork's GPUs with counts up to
+    index ``s``; row ``r`` of ``own[j - 1]`` its time on GPUs of its own with counts up to
+    ``c - j`` (inf where that is not searched). For each row the critical branch stays and the
+    others, longest first, move when that shortens the block and the GPUs fit in
+    ``counts[c]`` (never when ``s == c``); per ``c`` the best ``s`` wins (the first on a tie).
+    Several blocks with the same number of branches may be stacked (their rows one after the
+    other). Returns per block, per ``c``: the block time ``(K, K)`` and per-branch moved flags
+    and caps ``(nb, K, K)``."""
+    R, nb, K, _ = tsb.shape
+    one = _rows(bcaps, multi)
+    rows = one * (R // len(one))
+    cr = np.array([c for c, _ in rows])
+    sr = np.array([s for _, s in rows])
+    sv = sr[:, None, None]
+    ser, pmax, pgpu = tsb.sum(axis=1), np.zeros((R, K, K)), np.zeros((R, K, K))
+    ii = np.arange(K)[:, None]
+    jj = np.arange(K)
+    fl = np.zeros((R, nb, K, K), dtype=bool)
+    bc = np.broadcast_to(sv[:, None], (R, nb, K, K)).copy()
+    if nb > 1 and np.any(sr < cr):
+        order = np.argsort(-tsb, axis=1, kind="stable")  # branches longest first
+        # flat positions of (r, order[r, pos, h, g], h, g): gather/scatter in sorted order
+        flat = ((np.arange(R)[:, None, None, None] * nb + order) * K + ii) * K + jj
+        t_sorted = tsb.reshape(-1).take(flat)
+        may_move = (sr < cr)[:, None, None]  # with s == c every branch stays
+        # slot j: a moved branch on up to counts[c - j] GPUs of its own (j = 1, then 2), if
+        # they fit: GPUs left after it (exact in floats: small integers)
+        cj = np.stack([cr - 1, cr - 2])[:, :, None, None]
+        room = (counts[cr] - counts[sr] - counts[np.maximum(cj[:, :, 0, 0], 0)])[:, :, None, None]
+        tps = np.stack([tp.reshape(-1).take(flat) for tp in own])  # (2, R, nb, K, K)
+        fls = np.zeros((R, nb, K, K), dtype=bool)
+        bcs = bc.copy()
+        for pos in range(1, nb):  # the critical branch (pos 0) stays
+            t_ser = t_sorted[:, pos]
+            tc = np.where(pgpu <= room, tps[:, :, pos], _INF)
+            slot = tc.argmin(axis=0)  # the first best slot (its cap matters only if finite)
+            t_par = np.minimum(tc[0], tc[1])
+            c_par = np.where(slot == 0, cj[0], cj[1])
+            new = np.maximum(ser - t_ser, np.maximum(pmax, t_par))
+            ok = may_move & np.isfinite(t_par) & (new < np.maximum(ser, pmax))
+            ser = np.where(ok, ser - t_ser, ser)
+            pmax = np.where(ok, np.maximum(pmax, t_par), pmax)
+            pgpu = np.where(ok, pgpu + counts[c_par], pgpu)
+            fls[:, pos] = ok
+            bcs[:, pos] = np.where(ok, c_par, sv)
+        fl.reshape(-1)[flat] = fls
+        bc.reshape(-1)[flat] = bcs
+    total = np.maximum(ser, pmax)
+    out = []
+    r0 = 0
+    bi = np.arange(nb)[:, None, None]
+    for _ in range(R // len(one)):
+        res = {}
+        for c in bcaps:
+            r1 = r0 + len(_block_caps(c, multi))
+            pick = total[r0:r1].argmin(axis=0) + r0  # the first best s
+            res[c] = (total[pick, ii, jj], fl[pick, bi, ii, jj], bc[pick, bi, ii, jj])
+            r0 = r1
+        out.append(res)
+    return out
 
 
 @dataclass(eq=False)
@@ -667,11 +783,8 @@ class _Search:
 
     def _reduce(self, blk: _Block, cap: int) -> _BlockResult:
         p = self.p
-        K, counts = len(p.counts), p.counts
-        G = int(counts[cap])
         nb = len(blk.branches)
-        caps = [c for c in (cap, cap - 1, cap - 2) if c >= 0] if self.parallel and nb > 1 \
-            else [cap]
+        caps = _block_caps(cap, self.parallel and nb > 1)
         serial: dict = {}
         par: dict = {}
         ts: dict = {}
@@ -684,37 +797,8 @@ class _Search:
                 serial[b, c], ts[b, c] = self._branch(blk, b, c, "overlap")
                 if c < cap:
                     par[b, c], tp[b, c] = self._branch(blk, b, c, "disjoint")
-        best = np.full((K, K), _INF)
-        flags = np.zeros((nb, K, K), dtype=bool)
-        bcap = np.full((nb, K, K), cap)
-        for s in caps:  # GPUs the branches that stay may use
-            tsb = np.stack([ts[b, s] for b in range(nb)])
-            ser, pmax, pgpu = tsb.sum(axis=0), np.zeros((K, K)), np.zeros((K, K))
-            fl = np.zeros((nb, K, K), dtype=bool)
-            bc = np.full((nb, K, K), s)
-            order = np.argsort(-tsb, axis=0, kind="stable")
-            for pos in range(1, nb if s < cap else 1):  # the critical branch (pos 0) stays
-                b = order[pos]
-                t_ser = np.take_along_axis(tsb, b[None], 0)[0]
-                t_par, c_par = np.full((K, K), _INF), np.full((K, K), s)
-                for c in caps[1:]:  # branch on counts[c] GPUs of its own, if they fit
-                    cand = np.stack([tp.get((bb, c), np.full((K, K), _INF)) for bb in range(nb)])
-                    tc = np.take_along_axis(cand, b[None], 0)[0]
-                    tc = np.where(counts[s] + pgpu + counts[c] <= G, tc, _INF)
-                    better = tc < t_par
-                    t_par, c_par = np.where(better, tc, t_par), np.where(better, c, c_par)
-                new = np.maximum(ser - t_ser, np.maximum(pmax, t_par))
-                ok = np.isfinite(t_par) & (new < np.maximum(ser, pmax))
-                ser = np.where(ok, ser - t_ser, ser)
-                pmax = np.where(ok, np.maximum(pmax, t_par), pmax)
-                pgpu = np.where(ok, pgpu + counts[c_par], pgpu)
-                np.put_along_axis(fl, b[None], ok[None], axis=0)
-                np.put_along_axis(bc, b[None], np.where(ok, c_par, s)[None], axis=0)
-            total = np.maximum(ser, pmax)
-            better = total < best
-            best = np.where(better, total, best)
-            flags = np.where(better[None], fl, flags)
-            bcap = np.where(better[None], bc, bcap)
+        best, flags, bcap = _combine_dicts(ts, tp, [cap], self.parallel and nb > 1, nb,
+                                           p.counts)[cap]
         return _BlockResult(best, serial, par, bcap, flags)
 
     # ---- backtracking
@@ -746,16 +830,194 @@ class _Search:
             self.backtrack(br, tab, hf, int(tab.out_back[hf, gj]), ks, par)
 
 
+@dataclass(eq=False)
+class _Batch:
+    """A chain's DP for a batch of variants ``v`` (a count cap and, for a branch, whether it
+    runs on the fork's GPUs or GPUs of its own) over the fork's count index ``h``. States are
+    laid out ``(K, V, H)`` (count index first) so that a step's minimum runs over the outer
+    axis of a contiguous array."""
+
+    caps: np.ndarray  # (V,) largest count index variant v may use
+    index: dict  # (cap, kind) -> v
+    prev: list  # per position: (K, V, H) state before the step into it (None at position 0)
+    edges: list  # per position: (K, K, V or 1, 1) transition into it (None at position 0)
+    S: np.ndarray  # (K, V, H) shortest time to finish the last layer on counts[k]
+    exit: Optional[np.ndarray] = None  # (K, K, V, 1) last layer -> join transition
+    backs: Optional[list] = None  # one-row chains: per position, the best previous count
+
+
+class _FastSearch:
+    """``algorithm="exact"`` with the same result as :class:`_Search`, faster: every variant a
+    branch is searched with (count caps x same/own GPUs) runs as one batched numpy DP, nested
+    blocks are reduced for all the caps their branch needs at once, the amplification-masked
+    transitions of all layers are built in one vectorised step, and back pointers are not
+    stored but recomputed along the chosen path only (same sums, same first-minimum ties)."""
+
+    def __init__(self, p: BurstProblem, amp_limit: float, amp_min_us: float,
+                 parallel_branches: bool):
+        self.p, self.limit, self.parallel = p, amp_limit, parallel_branches
+        c1 = p.comp[:, 0]
+        self.ampf = np.where(c1[:, None] > amp_min_us,
+                             p.counts[None, :] / np.maximum(c1, 1e-12)[:, None], 0.0)
+        self.local = p.comp + p.sync
+        self.K = K = len(p.counts)
+        self.cols = np.arange(K)
+        self.blocks: dict[tuple[int, int], _BlockResult] = {}
+        self.tabs: dict[tuple[int, int], _Batch] = {}
+        # transition into each layer from the previous layer of its chain, masked where the
+        # layer would exceed the amplification limit (a join's block: only the mask `fits`)
+        src, dst = p._chain_edges
+        self.fits = self.local * self.ampf <= amp_limit
+        edge = np.empty((len(p.names), K, K))
+        C = p.comm_all()[src]
+        edge[dst] = np.where((C + self.local[dst, None, :]) * self.ampf[dst, None, :]
+                             <= amp_limit, C, _INF)
+        self.edge = edge[:, :, :, None, None]
+        self.moves: Optional[np.ndarray] = None  # (L, K, K, 2): both kinds of move, if blocks
+
+    def chain(self, chain: _Chain, entry: np.ndarray, caps: np.ndarray, index: dict) -> _Batch:
+        """DP over ``chain`` for the variants ``caps`` reached by ``entry`` (K, V, H)."""
+        limit, blocks, edge, reduce = self.limit, chain.blocks, self.edge, np.minimum.reduce
+        layers = chain.layers
+        over = np.arange(self.K)[:, None] > caps[None, :]  # (K, V)
+        local = self.local[layers][:, :, None, None]  # (n, K, 1, 1)
+        if over.any():
+            local = np.where(over[None, :, :, None], _INF, local)
+        if blocks:
+            self.reduce_blocks(list(blocks.values()), caps)
+        i = layers[0]
+        li, fi = self.local[i][:, None, None], self.ampf[i][:, None, None]
+        S = np.where((entry + li) * fi > limit, _INF, entry + local[0])
+        prev: list = [None]
+        edges: list = [None]
+        if S.shape[1] * S.shape[2] == 1:  # one row (the top chain): keep back pointers
+            return self._single(chain, S, local, caps, index)
+        for pos in range(1, len(layers)):
+            i = layers[pos]
+            if i in blocks:  # (V, K, K) -> (K, K, V, 1)
+                tr = np.stack([self.blocks[i, c].tr for c in caps.tolist()])
+                E = np.where(self.fits[i], tr, _INF).transpose(1, 2, 0)[:, :, :, None]
+            else:
+                E = edge[i]
+            prev.append(S)
+            edges.append(E)
+            S = reduce(S[:, None] + E, 0) + local[pos]
+        return _Batch(caps, index, prev, edges, S)
+
+    def _single(self, chain: _Chain, S: np.ndarray, local: np.ndarray, caps: np.ndarray,
+                index: dict) -> _Batch:
+        """:meth:`chain` for one variant and one row: the steps are small, so the back
+        pointers are kept (``argmin`` of the same sums) instead of recomputed."""
+        blocks, edge = chain.blocks, self.edge
+        backs: list = [None]
+        S = S[:, 0, 0]
+        for pos in range(1, len(chain.layers)):
+            i = chain.layers[pos]
+            if i in blocks:
+                E = np.where(self.fits[i], self.blocks[i, int(caps[0])].tr, _INF)
+            else:
+                E = edge[i, :, :, 0, 0]
+            cand = S[:, None] + E
+            back = cand.argmin(0)
+            backs.append(back.tolist())
+            S = cand[back, self.cols] + local[pos, :, 0, 0]
+        return _Batch(caps, index, [], [], S[:, None, None], backs=backs)
+
+    def reduce_blocks(self, blocks: list[_Block], caps: np.ndarray) -> None:
+        """Reduce ``blocks`` (those of one chain) for every cap in ``caps``: the branches of
+        each are searched, then the blocks with the same number of branches are combined in
+        one vectorised :func:`_combine`."""
+        bcaps = sorted({int(c) for c in caps})
+        if self.moves is None:
+            self.moves = np.stack([self.p.comm_all("overlap"), self.p.comm_all("disjoint")], -1)
+        groups: dict[int, list] = {}
+        with np.errstate(invalid="ignore"):
+            for blk in blocks:
+                groups.setdefault(len(blk.branches), []).append((blk, self._branches(blk, bcaps)))
+            multi = self.parallel
+            for nb, items in groups.items():
+                tsb = np.concatenate([t for _, (t, _) in items])
+                own = [np.concatenate([o[j] for _, (_, o) in items]) for j in range(2)]
+                for (blk, _), res in zip(items, _combine(tsb, own, bcaps, multi and nb > 1,
+                                                         self.p.counts)):
+                    for c, (best, flags, bcap) in res.items():
+                        self.blocks[blk.join, c] = _BlockResult(best, {}, {}, bcap, flags)
+
+    def _branches(self, blk: _Block, bcaps: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Search every branch of ``blk`` for all the variants ``bcaps`` need; return their
+        arrival times as :func:`_combine` rows."""
+        p, K = self.p, self.K
+        nb = len(blk.branches)
+        multi = self.parallel and nb > 1
+        rows = _rows(bcaps, multi)
+        serial = sorted({s for _, s in rows})
+        own = sorted({s for c in bcaps for s in _block_caps(c, multi)[1:]})
+        variants = [(c, "overlap") for c in serial] + [(c, "disjoint") for c in own]
+        index = {v: k for k, v in enumerate(variants)}
+        V = len(variants)
+        caps = np.array([c for c, _ in variants])
+        kinds = np.array([kind == "disjoint" for _, kind in variants], dtype=np.int64)
+        entry = self.moves[blk.fork].transpose(1, 2, 0)[:, kinds, :]  # (K, V, H)
+        # arrival[b, g, v, h]; variant V: never (a skip connection cannot move)
+        arrival = np.full((nb, K, V + 1, K), _INF)
+        for b, br in enumerate(blk.branches):
+            if br is None:
+                arrival[b, :, :len(serial)] = p.comm(blk.fork).T[:, None, :]
+                continue
+            tab = self.chain(br, entry, caps, index)
+            tab.exit = self.moves[br.layers[-1]][:, :, kinds, None]  # (K, K, V, 1)
+            arrival[b, :, :V] = np.minimum.reduce(tab.S[:, None] + tab.exit, 0)
+            self.tabs[blk.join, b] = tab
+        # rows (c, s): (R, nb, h, g)
+        tsb = arrival[:, :, [index[s, "overlap"] for _, s in rows]].transpose(2, 0, 3, 1)
+        moved = [arrival[:, :, [index.get((c - j, "disjoint"), V) for c, _ in rows]]
+                 .transpose(2, 0, 3, 1) for j in (1, 2)]
+        return tsb, moved
+
+    def backtrack(self, chain: _Chain, tab: _Batch, v: int, h: int, k: int, ks: np.ndarray,
+                  par: set) -> None:
+        for pos in range(len(chain.layers) - 1, -1, -1):
+            i = chain.layers[pos]
+            ks[i] = k
+            if pos == 0:
+                return
+            if tab.backs is not None:
+                kp = tab.backs[pos][k]
+            else:
+                E = tab.edges[pos]
+                kp = int((tab.prev[pos][:, v, h] + E[:, k, v if E.shape[2] > 1 else 0, 0])
+                         .argmin())
+            if i in chain.blocks:
+                self.backtrack_block(chain.blocks[i], int(tab.caps[v]), kp, k, ks, par)
+            k = kp
+
+    def backtrack_block(self, blk: _Block, cap: int, hf: int, gj: int, ks: np.ndarray,
+                        par: set) -> None:
+        res = self.blocks[blk.join, cap]
+        for b, br in enumerate(blk.branches):
+            if br is None:
+                continue
+            own = bool(res.flags[b, hf, gj])
+            if own:
+                par.add((blk.join, b))
+            tab = self.tabs[blk.join, b]
+            v = tab.index[int(res.cap[b, hf, gj]), "disjoint" if own else "overlap"]
+            last = int((tab.S[:, v, hf] + tab.exit[:, gj, v, 0]).argmin())
+            self.backtrack(br, tab, v, hf, last, ks, par)
+
+
 def plan_burst(problem: BurstProblem, amp_limit: float = 2.0, *, algorithm: str = "exact",
-               amp_min_us: float = 0.0, parallel_branches: bool = True) -> BurstPlan:
+               amp_min_us: float = 0.0, parallel_branches: bool = True,
+               fast: bool = True) -> BurstPlan:
     """The burst-parallel plan minimising predicted iteration time under ``amp_limit``.
 
     ``algorithm``: ``"exact"`` (per-edge amplification check, an exact DP) or ``"paper"``
     (Algorithm 1 as printed). ``amp_min_us``: layers whose single-GPU time is at most this are
     not amplification-checked (DeepPool's code uses 300 µs). ``parallel_branches``: allow
-    branches on GPUs of their own. Falls back to data parallelism (``fallback=True``) when the
-    search does not beat it. Raises ``ValueError`` for ``amp_limit < 1`` or an unknown
-    algorithm."""
+    branches on GPUs of their own. ``fast=False`` runs the straightforward (unbatched) search
+    of ``"exact"``, which gives the same plan more slowly. Falls back to data parallelism
+    (``fallback=True``) when the search does not beat it. Raises ``ValueError`` for
+    ``amp_limit < 1`` or an unknown algorithm."""
     if isinstance(amp_limit, bool) or not isinstance(amp_limit, (int, float)) \
             or not amp_limit >= 1:
         raise ValueError(f"amp_limit={amp_limit!r}: the amplification limit must be >= 1")
@@ -766,19 +1028,27 @@ def plan_burst(problem: BurstProblem, amp_limit: float = 2.0, *, algorithm: str 
     dp_ks = np.full(len(p.names), K - 1)
     if K == 1:
         return _make_plan(p, dp_ks, set(), amp_limit, algorithm, amp_min_us)
-    search = _Search(p, float(amp_limit), algorithm, float(amp_min_us), parallel_branches)
-    top = search.chain(p.top, np.zeros((1, K)), K - 1)
-    if algorithm == "exact":
-        final = top.S[0]
+    if algorithm == "exact" and fast:
+        search = _FastSearch(p, float(amp_limit), float(amp_min_us), parallel_branches)
+        top = search.chain(p.top, np.zeros((K, 1, 1)), np.array([K - 1]), {})
+        final = top.S[:, 0, 0]
         k = int(np.argmin(final))
-    else:  # check the last layer's amplification with a zero-cost step into a sink
-        _, back = search.step(top.S, top.amp, np.zeros((K, 1)), None, None)
-        final, k = top.S[0], int(back[0, 0])
+        walk = (p.top, top, 0, 0, k)
+    else:
+        search = _Search(p, float(amp_limit), algorithm, float(amp_min_us), parallel_branches)
+        top = search.chain(p.top, np.zeros((1, K)), K - 1)
+        if algorithm == "exact":
+            final = top.S[0]
+            k = int(np.argmin(final))
+        else:  # check the last layer's amplification with a zero-cost step into a sink
+            _, back = search.step(top.S, top.amp, np.zeros((K, 1)), None, None)
+            final, k = top.S[0], int(back[0, 0])
+        walk = (p.top, top, 0, k)
     ks = np.zeros(len(p.names), dtype=np.int64)
     par: set = set()
     if np.isfinite(final[k]):
-        search.backtrack(p.top, top, 0, k, ks, par)
-        dp_time, _ = evaluate(p, dp_ks)
-        if final[k] < dp_time * (1 - 1e-12):
-            return _make_plan(p, ks, par, amp_limit, algorithm, amp_min_us)
+        search.backtrack(*walk, ks, par)
+        dp = evaluate(p, dp_ks)
+        if final[k] < dp[0] * (1 - 1e-12):
+            return _make_plan(p, ks, par, amp_limit, algorithm, amp_min_us, dp=dp)
     return _make_plan(p, dp_ks, set(), amp_limit, algorithm, amp_min_us, fallback=True)

@@ -2,13 +2,17 @@
 on the gathered global output, backward, per-layer gradient all-reduce on the layer's subgroup,
 then the optimizer step.
 
-Every rank passes the same global batch. Each layer runs on its ranks' sample ranges (ranks
-outside its set hold zero rows, so they skip its work); the model output is gathered to every
-rank, so every rank computes the same global loss, and backward sends each row's gradient back
-to the rank that computed the row. A parameter's gradient is then summed over the ranks of its
-layer (a subgroup all-reduce) and broadcast to the other ranks, so every replica takes the same
-optimizer step and the parameters stay identical everywhere. Without a process group (one
-process) the ops are the identity and ``step`` is plain training.
+Every rank passes the same global batch. Each layer runs on its ranks' sample ranges; a rank
+outside a layer's set skips it: on its first distributed call the executor specialises the graph
+for its rank, replacing each such layer with an empty (zero-row) tensor of the layer's output
+shape, so code such as ``x.view(x.size(0), -1)`` never runs on zero rows. The empty tensor
+requires grad exactly when the layer's output would (its module has trainable parameters or an
+input requires grad), so every rank takes part in the same backward transfers. The model output
+is gathered to every rank, so every rank computes the same global loss, and backward sends each
+row's gradient back to the rank that computed the row. A parameter's gradient is then summed
+over the ranks of its layer (a subgroup all-reduce) and broadcast to the other ranks, so every
+replica takes the same optimizer step and the parameters stay identical everywhere. Without a
+process group (one process) the ops are the identity and ``step`` is plain training.
 
 Example:
     >>> import torch, torch.fx as fx
@@ -23,26 +27,84 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import operator
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from tidal.ir import meta
 from tidal.ir.collectives import SubgroupCache
 from tidal.runtime.distributed import is_distributed
 
+_NO_GRAD = (torch.detach, torch.Tensor.detach)
+
+
+def skipped_layer(tail: tuple[int, ...], dtype: torch.dtype, grad: bool, *inputs: Any
+                  ) -> torch.Tensor:
+    """What a rank outside a layer's set computes instead of the layer: zero rows of the
+    layer's output shape (``(0,) + tail``) on the inputs' device. It requires grad when grad is
+    enabled and ``grad`` (the layer's own parameters train) or an input requires grad, and it is
+    tied into autograd to every input that requires grad (adding their sums to no elements), so
+    backward still reaches the transfers that fed the layer, as on the layer's own ranks."""
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device = tensors[0].device if tensors else None
+    differentiable = dtype.is_floating_point or dtype.is_complex
+    out = torch.zeros((0,) + tuple(tail), dtype=dtype, device=device,
+                      requires_grad=differentiable and grad and torch.is_grad_enabled())
+    if differentiable and torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                out = out + t.sum().to(dtype)
+    return out
+
+
+def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]],
+               rank: int) -> fx.GraphModule:
+    """A copy of ``gm`` for ``rank`` in which every layer whose ranks exclude ``rank`` is
+    replaced by :func:`skipped_layer` (sharing ``gm``'s modules and parameters). A layer whose
+    output is not one tensor (a tuple read by ``getitem``) keeps running on zero rows."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, node in env.items():
+        ranks = layer_ranks.get(old.name)
+        if ranks is None or rank in ranks or node.op == "placeholder":
+            continue
+        tensors = meta.get_tensors(old)
+        if len(tensors) != 1 or any(u.target is operator.getitem for u in old.users):
+            continue
+        if node.target in _NO_GRAD or (node.op == "call_method" and node.target == "detach"):
+            grad, args = False, ()  # its output never requires grad
+        else:  # the inputs decide (parameters read by get_attr are inputs), and a module's own
+            grad = node.op == "call_module" and any(
+                p.requires_grad for p in gm.get_submodule(node.target).parameters())
+            args = tuple(node.all_input_nodes)
+        with graph.inserting_before(node):
+            new = graph.call_function(skipped_layer, (tuple(tensors[0].shape[1:]),
+                                                      tensors[0].dtype, grad) + args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    return fx.GraphModule(gm, graph)
+
 
 class BurstExecutor:
-    """The executor ``burst_parallel`` returns: ``world`` ranks, the plan's global ``batch`` and,
-    per parameter name of the graph module, the ranks of the layer that owns it."""
+    """The executor ``burst_parallel`` returns: ``world`` ranks, the plan's global ``batch``,
+    per parameter name of the graph module the ranks of the layer that owns it, and per layer
+    node name its ranks (``layer_ranks``; ranks outside a layer's set skip it)."""
 
-    def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, tuple[int, ...]], ...]):
+    def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, tuple[int, ...]], ...],
+                 layer_ranks: tuple[tuple[str, tuple[int, ...]], ...] = ()):
         self.world = world
         self.batch = batch
         self.param_ranks = dict(param_ranks)
+        self.layer_ranks = dict(layer_ranks)
         self.groups = SubgroupCache()
         self._ready = False
+        self._local: Optional[tuple[fx.GraphModule, fx.GraphModule]] = None
 
     def _check(self, inputs: tuple) -> None:
         size = dist.get_world_size()
@@ -57,10 +119,17 @@ class BurstExecutor:
             self.groups.create(r for r in self.param_ranks.values() if len(r) < size)
             self._ready = True
 
+    def local_module(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """``gm`` specialised for this rank (:func:`specialise`), built once per graph."""
+        if self._local is None or self._local[0] is not gm:
+            self._local = (gm, specialise(gm, self.layer_ranks, dist.get_rank()))
+        return self._local[1]
+
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """The global output on every rank."""
         if is_distributed():
             self._check(args)
+            return self.local_module(gm)(*args, **kwargs)
         return gm(*args, **kwargs)
 
     def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
@@ -70,7 +139,8 @@ class BurstExecutor:
         if distributed:
             self._check(inputs)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(gm(*inputs), targets)
+        run = self.local_module(gm) if distributed else gm
+        loss = loss_fn(run(*inputs), targets)
         loss.backward()
         if distributed:
             self.sync_gradients(gm)

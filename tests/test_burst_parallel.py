@@ -57,7 +57,23 @@ class Branchy(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-MODELS = {"chain": Chain, "branchy": Branchy}
+class Flat(nn.Module):
+    """Flattens with ``x.view(x.size(0), -1)``: the row count comes from the tensor itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc1 = nn.Linear(32, 16)
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.c1(x)))
+        x = x.view(x.size(0), -1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+MODELS = {"chain": Chain, "branchy": Branchy, "flat": Flat}
 
 
 def _data():
@@ -72,8 +88,9 @@ def _cluster(gpus):
 
 
 def _hand_plan(model, x, gpus, spec):
-    """A plan written by hand: ``spec`` is ('cycle', counts) to give layers counts in turn, or
-    'branches' to run the branches of every block on GPUs of their own."""
+    """A plan written by hand: ``spec`` is ('cycle', counts) to give layers counts in turn,
+    ('layers', {name: count}) for the named layers (the others on every GPU), or 'branches' to
+    run the branches of every block on GPUs of their own."""
     gm = tidal.trace(model, (x,))
     cost.annotate(gm, (x,))
     problem = build_problem(gm, _cluster(gpus), BATCH)
@@ -87,6 +104,8 @@ def _hand_plan(model, x, gpus, spec):
                 if 0 < b < gpus - gpus // 2 + 1:
                     parallel.append((join, b))
         return plan_from_counts(problem, counts, parallel)
+    if spec[0] == "layers":
+        return plan_from_counts(problem, {n: spec[1].get(n, gpus) for n in problem.names})
     cycle = [min(c, gpus) for c in spec[1]]
     return plan_from_counts(problem, [cycle[i % len(cycle)] for i in range(len(problem.names))])
 
@@ -150,6 +169,14 @@ def _check_ranks(size, cases):
 @pytest.mark.slow
 def test_two_ranks_match_single_process():
     _check_ranks(2, [CASES[1], CASES[4], CASES[5]])
+
+
+def test_ranks_outside_a_layers_set_skip_it():
+    # rank 1 holds none of view/fc1's rows (it skips them: view(0, -1) would fail), and
+    # view's size(0) must count the rows view gets, not those of pool's GPU set
+    cases = [("flat", ("layers", {"view": 1, "fc1": 1})),
+             ("flat", ("layers", {"pool": 1, "relu_1": 1}))]
+    _check_ranks(2, cases)
 
 
 @pytest.mark.slow

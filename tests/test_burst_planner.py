@@ -26,6 +26,18 @@ def _costs(rng, L, counts, batch, poor_scaling=False):
     return comp, sync, act
 
 
+def _varied_costs(rng, L, counts, batch, poor_scaling=False):
+    """Costs under which burst plans (and branches on GPUs of their own) often win: fixed parts
+    from 0 to 30 ms, parameters up to 10 MB."""
+    per_sample = rng.uniform(1, 200, L)
+    fixed = rng.uniform(0, 3000, L) * rng.choice([0.01, 1, 10], L)
+    params = rng.choice([0.0, 1e4, 1e6, 1e7], L)
+    pb = np.array([per_gpu_batch(batch, c) for c in counts])
+    comp = per_sample[:, None] * pb[None, :] + fixed[:, None]
+    sync = np.array([[allreduce_us(b, c, BW, LAT) for c in counts] for b in params])
+    return comp, sync, rng.choice([16.0, 1e3, 3e4], L)
+
+
 def _chain(rng, L, gpus=4, batch=8):
     counts = candidate_counts(gpus)
     comp, sync, act = _costs(rng, L, counts, batch)
@@ -34,7 +46,8 @@ def _chain(rng, L, gpus=4, batch=8):
     return BurstProblem(names, preds, comp, sync, act, counts, batch, BW, LAT)
 
 
-def _branchy(rng, branch_lens, nested=False, gpus=4, batch=8, poor_scaling=False):
+def _branchy(rng, branch_lens, nested=False, gpus=4, batch=8, poor_scaling=False,
+             costs=_costs):
     """stem -> fork -> branches (lengths, 0 = skip) -> join(cat) -> head; with ``nested`` the
     first branch holds a fork/join block of its own."""
     names, preds = ["stem"], [()]
@@ -58,7 +71,7 @@ def _branchy(rng, branch_lens, nested=False, gpus=4, batch=8, poor_scaling=False
     join = add("join", ends)
     add("head", [join])
     counts = candidate_counts(gpus)
-    comp, sync, act = _costs(rng, len(names), counts, batch, poor_scaling)
+    comp, sync, act = costs(rng, len(names), counts, batch, poor_scaling)
     return BurstProblem(names, preds, comp, sync, act, counts, batch, BW, LAT)
 
 
@@ -150,6 +163,27 @@ def test_parallel_branch_chosen_when_it_pays():
     ranks = {l.layer: l.ranks for l in plan.layers}
     assert set(ranks["a"]).isdisjoint(ranks["b"])
     assert plan.time_us < plan_burst(p, 1.1, parallel_branches=False).time_us
+
+
+def test_fast_search_gives_the_reference_plan():
+    # the batched search (default) against the straightforward one (fast=False) on seeded
+    # random branchy graphs, nested blocks included: the same plan, bit for bit
+    found = {"burst": 0, "parallel": 0}
+    for seed in range(16):
+        rng = np.random.default_rng(500 + seed)
+        lens = [int(v) for v in rng.integers(0, 5, size=int(rng.integers(2, 5)))]
+        lens[0] = max(lens[0], 1)
+        p = _branchy(rng, lens, nested=seed % 2 == 1, gpus=int(rng.choice([8, 32])), batch=32,
+                     poor_scaling=seed % 3 == 0, costs=_varied_costs)
+        for limit, amp_min, parallel in ((1.5, 0.0, True), (3.0, 300.0, True),
+                                         (100.0, 0.0, True), (3.0, 0.0, False)):
+            kw = dict(amp_min_us=amp_min, parallel_branches=parallel)
+            fast = plan_burst(p, limit, **kw)
+            assert fast.to_json() == plan_burst(p, limit, fast=False, **kw).to_json(), \
+                (seed, limit, amp_min, parallel)
+            found["burst"] += not fast.fallback
+            found["parallel"] += bool(fast.parallel_branches)
+    assert found["burst"] >= 40 and found["parallel"] >= 20, found  # the cases are not trivial
 
 
 @pytest.mark.parametrize("seed", range(6))
