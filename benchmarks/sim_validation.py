@@ -1,10 +1,25 @@
-"""Simulator vs measurement: data-parallel step time on 2 and 4 gloo ranks on this machine.
+"""Simulator vs measurement: step time of data parallelism and a burst plan on 2 and 4 gloo ranks.
 
-For each model, the per-layer CPU profile is measured once with tidal's profiler (1 thread), the
-gloo link is fitted from all-reduce timings (latency + bytes/bandwidth) for each world size, and
-the simulator predicts one data-parallel iteration; the same step (DDP over gloo, SGD) is then
-measured on real ranks. Ranks beyond the machine's cores share them, so the prediction is scaled by
-max(1, ranks / cores) — an input to the comparison, stated here, not fitted.
+Inputs of the prediction, all measured before and apart from the runs being predicted:
+
+* a per-layer CPU profile (tidal's profiler, 1 thread) at the per-rank batches the plans use,
+  calibrated in context: per batch, the profile is scaled so that its layers add up to a whole
+  forward + backward step of the model timed on one process (``ir.profiler.time_training_step``
+  and ``calibrate_profile``); the optimizer step timed there is an ``update`` task on every rank;
+* the gloo link of each world size (``runtime.link_fit.measure_ring_link``, ring all-reduce
+  latency and bandwidth);
+* the machine's core count: ranks beyond it share the cores, simulated as processor sharing of
+  all compute lanes (``simulate(..., cores=...)``), not as a factor on the result.
+
+Data parallelism is DDP (bucketed all-reduces overlapping backward) and simulated as such. The
+burst plan is hand-written (the first half of the layers on all ranks, the second half on half of
+them: the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
+this profile and link (which on this CPU often puts every layer on one rank); it is run through
+``tidal.compile(..., passes=[BurstParallel(plan=...)])`` and ``Compiled.step`` and simulated as
+``runtime.burst_exec`` runs it (``runtime.sim.programs.burst_execution``). CPU numbers only;
+timings are noisy on a shared machine: every step time (one-process and multi-rank alike)
+is the minimum over ``--steps`` steps by default (``--stat median`` for the median); the
+multi-rank time is the median over ranks.
 
     python benchmarks/sim_validation.py [--models vgg16_small,resnet50_small] [--global-batch 32]
 """
@@ -26,43 +41,40 @@ if str(ROOT) not in sys.path:
 
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
-from tidal.ir.profiler import profile_layers  # noqa: E402
+from tidal.ir import layer_graph, meta  # noqa: E402
+from tidal.ir.profiler import calibrate_profile, profile_layers, time_training_step  # noqa: E402
+from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E402
+from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
-from tidal.runtime.sim.programs import data_parallel, layer_times, summarize  # noqa: E402
+from tidal.runtime.link_fit import measure_ring_link  # noqa: E402
+from tidal.runtime.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
+                                        summarize)
 
-SIZES = (1 << 12, 1 << 22)
+WORLDS = (2, 4)
+STATS = {"median": statistics.median, "min": min}
 
 
-def _allreduce_worker(rank: int, size: int, repeats: int) -> list[float]:
+def _link_worker(rank: int, size: int):
+    return measure_ring_link()
+
+
+def _timed(step, steps: int, stat) -> float:
     import torch.distributed as dist
 
-    out = []
-    for nbytes in SIZES:
-        t = torch.zeros(nbytes // 4)
-        for _ in range(2):
-            dist.all_reduce(t)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
+    times = []
+    for i in range(steps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if i >= 2:
             times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times) * 1e6)
-    return out
+    return STATS[stat](times) * 1e6
 
 
-def fit_link(world: int, repeats: int = 15) -> tuple[float, float]:
-    """(latency_us, bytes_per_us) of a ring all-reduce fitted to gloo timings on ``world``
-    local ranks, from t = 2(p-1)a + 2(p-1)/p * b/BW at two sizes."""
-    small, large = spawn(_allreduce_worker, world, repeats)[0]
-    steps = 2 * (world - 1)
-    per_byte = (large - small) / (SIZES[1] - SIZES[0]) / (steps / world)
-    latency = max(0.0, (small - steps / world * SIZES[0] * per_byte) / steps)
-    return latency, 1.0 / per_byte
-
-
-def _dp_worker(rank: int, size: int, name: str, global_batch: int, steps: int) -> float:
-    import torch.distributed as dist
+def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: int, cluster,
+                    plan, stat: str) -> tuple[float, float]:
+    """Step time (us, ``stat`` over ``steps``) of DDP data parallelism and of ``plan`` on this
+    rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -70,59 +82,127 @@ def _dp_worker(rank: int, size: int, name: str, global_batch: int, steps: int) -
     inputs, targets = model.example_inputs(global_batch), model.example_targets(global_batch)
     shard = global_batch // size
     sl = slice(rank * shard, (rank + 1) * shard)
-    compiled = tidal.compile(model, tuple(x[sl] for x in inputs))
-    ddp = DDP(compiled.graph_module)
+    ddp = DDP(tidal.compile(model, tuple(x[sl] for x in inputs)).graph_module)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    times = []
-    for i in range(steps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def dp_step():
         opt.zero_grad()
-        loss = model.default_loss(ddp(*(x[sl] for x in inputs)), targets[sl])
-        loss.backward()
+        model.default_loss(ddp(*(x[sl] for x in inputs)), targets[sl]).backward()
         opt.step()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+
+    dp = _timed(dp_step, steps, stat)
+    torch.manual_seed(0)
+    model = ZOO[name]()
+    c = tidal.compile(model, inputs, passes=[BurstParallel(plan=plan)], cluster=cluster,
+                      loss_fn=model.default_loss,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
+    burst = _timed(lambda: c.step(inputs, targets), steps, stat)
+    return dp, burst
+
+
+def _half_plan(problem, world: int, amp_limit: float):
+    """Hand-written burst plan: the first half of the layers (in layer order) on all ranks, the
+    second half on half of them."""
+    n = len(problem.names)
+    counts = [world if i < n // 2 else world // 2 for i in range(n)]
+    return plan_from_counts(problem, counts, amp_limit=amp_limit, algorithm="hand-written")
+
+
+def _runs(plan) -> str:
+    """The plan's GPU counts in layer order, run-length encoded: ``20x2 20x1`` is 20 layers on
+    2 ranks, then 20 on 1."""
+    out: list[list[int]] = []
+    for l in plan.layers:
+        if out and out[-1][1] == l.gpus:
+            out[-1][0] += 1
+        else:
+            out.append([1, l.gpus])
+    text = " ".join(f"{n}x{g}" for n, g in out)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def _output_bytes(gm) -> float:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return float(sum(t.nbytes for a in out.all_input_nodes for t in meta.get_tensors(a)))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="vgg16_small,resnet50_small")
     parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--stat", choices=tuple(STATS), default="min",
+                        help="estimator of every step time, one-process calibration and "
+                             "multi-rank runs alike (default min: least disturbed by other "
+                             "processes on a shared machine)")
+    parser.add_argument("--amp-limit", type=float, default=2.0)
+    parser.add_argument("--plan", choices=("half", "planner"), default="half",
+                        help="burst plan: hand-written, the second half of the layers on half "
+                             "the ranks (default, the same plan on every run), or the planner's "
+                             "for the measured profile and link (the half plan when it keeps "
+                             "data parallelism)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
-    worlds = (2, 4)
-    links = {w: fit_link(w) for w in worlds}
-    for w, (lat, bw) in links.items():
-        print(f"gloo link fitted on {w} ranks: latency {lat:.1f} us, {bw * 8 / 1e3:.2f} Gb/s")
+    gb = args.global_batch
+    links = {w: spawn(_link_worker, w)[0] for w in WORLDS}
+    for w, link in links.items():
+        print(f"gloo link fitted on {w} ranks: latency {link.latency_us:.1f} us, "
+              f"{link.bandwidth_gbps:.2f} Gb/s")
+    print(f"{cores} cores: compute of ranks beyond them is simulated as processor sharing; "
+          f"load average at start {os.getloadavg()[0]:.1f} (other processes are not modelled: "
+          "compare on a quiet machine)")
     rows = []
     for name in args.models.split(","):
         model = ZOO[name]()
-        gb = args.global_batch
-        inputs = model.example_inputs(gb // worlds[0])
-        compiled = tidal.compile(model, inputs)
-        gm = compiled.graph_module
-        prof = profile_layers(gm, inputs, [gb // w for w in worlds], repeats=5,
-                              cache_dir=tempfile.mkdtemp(), progress=False)
-        for w in worlds:
-            lat, bw = links[w]
-            cluster = tidal.Cluster(gpus=w, bandwidth_gbps=bw * 8 / 1e3, latency_us=lat,
-                                    profile=prof)
-            sim = summarize(data_parallel(lambda b: layer_times(gm, cluster, b), w, gb, cluster),
-                            w, gb)
-            predicted = sim.iteration_us * max(1.0, w / cores)
-            measured = statistics.median(spawn(_dp_worker, w, name, gb, args.steps))
-            rows.append((name, w, predicted / 1e3, measured / 1e3,
-                         (predicted - measured) / measured))
-    print(f"\n{'model':16s} {'ranks':>5s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}")
-    for name, w, p, m, e in rows:
-        print(f"{name:16s} {w:5d} {p:13.2f} {m:12.2f} {e:+7.1%}")
-    med = statistics.median(abs(r[4]) for r in rows)
-    print(f"median absolute error: {med:.1%} (goal <= 15 %); data parallelism only so far "
-          "(burst plans not yet compared)")
+        inputs = model.example_inputs(gb)
+        gm = tidal.compile(model, inputs).graph_module
+        batches = sorted({-(-gb // g) for g in (1,) + WORLDS})
+        prof = profile_layers(gm, inputs, batches, repeats=5, cache_dir=tempfile.mkdtemp(),
+                              progress=False)
+        steps = {}
+        for b in batches:
+            steps[b] = time_training_step(gm, model.example_inputs(b), model.example_targets(b),
+                                          model.default_loss, repeats=args.steps,
+                                          stat=args.stat)
+            prof = calibrate_profile(prof, gm, b, steps[b].fwd_bwd_us)
+        print(f"{name}: one-process step (fwd+bwd / optimizer) " + ", ".join(
+            f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
+            for b, s in steps.items()))
+        lg = layer_graph.build(gm)
+        preds = {n: list(lg.predecessors(n)) for n in lg.nodes}
+        update = steps[gb].update_us
+        for w in WORLDS:
+            link = links[w]
+            cluster = tidal.Cluster(gpus=w, bandwidth_gbps=link.bandwidth_gbps,
+                                    latency_us=link.latency_us, profile=prof)
+            times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
+            dp_sim = summarize(data_parallel(times, w, gb, cluster, update_us=update), w, gb,
+                               cores=cores).iteration_us
+            problem = build_problem(gm, cluster, gb)
+            plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
+            if plan is None or plan.is_data_parallel:
+                plan = _half_plan(problem, w, args.amp_limit)
+            tasks = burst_execution(plan, preds, times, cluster, _output_bytes(gm), update)
+            bp_sim = summarize(tasks, w, gb, cores=cores).iteration_us
+            measured = spawn(_measure_worker, w, name, gb, args.steps, cluster, plan,
+                             args.stat, timeout_s=900)
+            dp_meas = statistics.median(m[0] for m in measured)
+            bp_meas = statistics.median(m[1] for m in measured)
+            rows.append((name, w, "data parallel", dp_sim, dp_meas))
+            rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
+    print(f"\n{'model':15s} {'ranks':>5s} {'plan':44s} {'predicted ms':>12s} "
+          f"{'measured ms':>11s} {'error':>7s}")
+    errors = []
+    for name, w, label, p, m in rows:
+        errors.append(abs(p - m) / m)
+        print(f"{name:15s} {w:5d} {label:44s} {p / 1e3:12.2f} {m / 1e3:11.2f} "
+              f"{(p - m) / m:+7.1%}")
+    med = statistics.median(errors)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    print(f"median absolute error: {med:.1%} over {len(rows)} runs (goal <= 15 %: "
+          f"{'met' if med <= 0.15 else 'NOT met'}); burst plans as (layers)x(GPUs) "
+          "in layer order")
     return 0
 
 

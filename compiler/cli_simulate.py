@@ -1,17 +1,20 @@
 """Simulate one training iteration of MODEL on a model of a GPU cluster.
 
-    tidal simulate MODEL --gpus 8 --global-batch 32 --plan dp|burst|burst+bg [--profile FILE]
+    tidal simulate MODEL --gpus 8 --global-batch 32 --plan dp|burst|burst+bg [--profile FILE|a100]
                          [--bandwidth-gbps G] [--latency-us L] [--amp-limit A]
-                         [--bg-batch B] [--interference F]
+                         [--bg-batch B] [--interference F] [--trace FILE]
+                         [--scaling CSV [--scaling-svg FILE]] [--dump DIR]
 
-Layer times come from ``--profile`` (a DeepPool ``.prof``/``.txt`` file or a saved tidal
-``DeviceProfile`` JSON) where it has the layer, else from FLOPs at ``--peak-tflops``. Prints the
+Layer times come from ``--profile`` (a DeepPool ``.prof``/``.txt`` file, a saved tidal
+``DeviceProfile`` JSON, or ``a100``: DeepPool's published A100 profiles with its A100 link) where
+it has the layer, else from FLOPs at ``--peak-tflops``. Prints the
 iteration time, throughput, GPU-seconds and busy fraction. These are simulated figures, not
 measurements. ``burst`` plans with the burst_parallel pass (DeepPool's planner) and simulates
 that plan; ``burst+bg`` also packs a background job — the same model at ``--bg-batch`` samples —
 into every GPU's idle time, with the foreground slowed by ``--interference``. ``tick_tock`` and
-``round_robin`` plan with Wavelet's passes and show their schedules' predicted timelines (these
-need a model with ``default_loss`` and ``example_targets``, as the zoo models have).
+``round_robin`` plan with Wavelet's passes and show their schedules' predicted timelines, as the
+schedule's builder timed them and re-run by the engine with contention (these need a model with
+``default_loss`` and ``example_targets``, as the zoo models have).
 """
 from __future__ import annotations
 
@@ -30,10 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="global batch of the simulated job (default: --batch)")
     p.add_argument("--plan", choices=PLANS, default="dp",
                    help="execution strategy to simulate (default dp: data parallelism)")
-    p.add_argument("--profile", metavar="FILE",
-                   help="per-layer device times: DeepPool .prof/.txt or a DeviceProfile JSON")
-    p.add_argument("--peak-tflops", type=positive_float, default=100.0,
-                   help="device throughput for layers the profile lacks (default 100)")
+    p.add_argument("--profile", metavar="FILE|a100",
+                   help="per-layer device times: DeepPool .prof/.txt, a DeviceProfile JSON, or "
+                        "'a100' for DeepPool's published A100 profiles (vgg16, "
+                        "wide_resnet101_2, inception_v3, ...; per-GPU batches 1-128), which "
+                        "also sets DeepPool's A100 link (2.66e5 bytes/us, 40 us) and 312 TFLOPS "
+                        "unless given")
+    p.add_argument("--peak-tflops", type=positive_float, default=None,
+                   help="device throughput for layers the profile lacks (default 100; 312 "
+                        "with --profile a100)")
+    p.set_defaults(bandwidth_gbps=None, latency_us=None)  # filled in by _link_defaults
     p.add_argument("--trace", metavar="FILE",
                    help="write the data-parallel timeline as a Chrome trace (Perfetto) JSON")
     p.add_argument("--scaling", metavar="CSV",
@@ -42,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1, 2, 4, ... --gpus GPUs (DeepPool Figure 1)")
     p.add_argument("--scaling-svg", metavar="FILE", default="tidal-scaling.svg",
                    help="where --scaling writes its chart (default tidal-scaling.svg)")
+    p.add_argument("--dump", metavar="DIR",
+                   help="also write the compile's dump to DIR; with --scaling its index shows "
+                        "the scaling chart")
     p.add_argument("--bg-batch", type=positive_int, default=8,
                    help="burst+bg: batch of the background job (default 8)")
     p.add_argument("--interference", type=positive_float, default=1.1,
@@ -49,8 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_profile(path: str):
-    from tidal.ir.device_profile import DeviceProfile
+    from tidal.ir.device_profile import DeviceProfile, deeppool_a100
 
+    if path.lower() == "a100":
+        try:
+            return deeppool_a100()
+        except FileNotFoundError as e:
+            raise ValueError(f"--profile a100: {e}") from None
     f = Path(path)
     if not f.is_file():
         raise ValueError(f"--profile {path}: no such file")
@@ -59,12 +76,29 @@ def _load_profile(path: str):
     return DeviceProfile.load(f)
 
 
+A100_LINK = (2.66e5 * 8 / 1e3, 40.0, 312.0)
+"""DeepPool's published A100 planner setting: Gb/s (2.66e5 bytes/us), latency us, and the
+A100's dense FP16 TFLOPS for layers without a row."""
+GENERIC_LINK = (100.0, 10.0, 100.0)
+
+
+def _link_defaults(args: argparse.Namespace) -> None:
+    """Fill the link and device options the user left out: DeepPool's A100 setting with
+    ``--profile a100``, else tidal's generic defaults."""
+    a100 = (args.profile or "").lower() == "a100"
+    bw, lat, tflops = A100_LINK if a100 else GENERIC_LINK
+    args.bandwidth_gbps = bw if args.bandwidth_gbps is None else args.bandwidth_gbps
+    args.latency_us = lat if args.latency_us is None else args.latency_us
+    args.peak_tflops = tflops if args.peak_tflops is None else args.peak_tflops
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``tidal simulate``; return the exit status."""
     import tidal
     from tidal.compiler.model_spec import build_model, example_inputs_for
     from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
 
+    _link_defaults(args)
     global_batch = args.global_batch or args.batch
     gpus = args.gpus or 1
     if global_batch % gpus:
@@ -76,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
                             profile=_load_profile(args.profile) if args.profile else None)
     compiled = tidal.compile(model, inputs, cluster=cluster, leaf_modules=args.leaf)
     gm = compiled.graph_module
+    if cluster.profile is not None:
+        _report_coverage(args, gm, cluster, global_batch // gpus, global_batch)
     times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
     one = summarize(data_parallel(times, 1, global_batch, cluster), 1, global_batch)
     dp = summarize(data_parallel(times, gpus, global_batch, cluster), gpus, global_batch)
@@ -91,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  timeline: {args.trace}")
     if args.scaling:
         _simulate_scaling(args, gm, cluster, global_batch)
+    if args.dump:
+        print(f"  dump: {compiled.dump(args.dump, scaling=args.scaling)}")
     if args.plan in ("tick_tock", "round_robin"):
         _simulate_wavelet(args, model, inputs, cluster, global_batch, one)
     elif args.plan != "dp":
@@ -110,6 +148,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def profiled_layers(gm, cluster, batch: int) -> tuple[int, int]:
+    """(layers whose time at per-GPU ``batch`` comes from ``cluster.profile``, layers with any
+    cost): a layer is profiled when its time differs from the FLOP estimate without the
+    profile."""
+    from dataclasses import replace
+
+    from tidal.ir import cost
+
+    with_p = cost.node_times_us(gm, batch, cluster)
+    without = cost.node_times_us(gm, batch, replace(cluster, profile=None))
+    costed = [n for n, t in without.items() if sum(t) > 0 or sum(with_p[n]) > 0]
+    return sum(1 for n in costed if with_p[n] != without[n]), len(costed)
+
+
+def _report_coverage(args, gm, cluster, batch: int, global_batch: int) -> None:
+    hits, total = profiled_layers(gm, cluster, batch)
+    if hits == 0:
+        hint = (" (DeepPool profiled vgg16, wide_resnet101_2, inception_v3, resnet and vit "
+                "layers at per-GPU batches 1-128)" if args.profile.lower() == "a100" else "")
+        raise ValueError(f"--profile {args.profile}: no layer of {args.model} at per-GPU batch "
+                         f"{batch} has a row in profile {cluster.profile.name!r}{hint}; "
+                         f"drop --profile to time every layer from FLOPs")
+    line = f"profile {cluster.profile.name}: {hits}/{total} layers at per-GPU batch {batch}"
+    if global_batch != batch:
+        one, _ = profiled_layers(gm, cluster, global_batch)
+        line += f", {one}/{total} at batch {global_batch} (1 GPU)"
+    print(f"{line}; the others from FLOPs at {cluster.peak_tflops:g} TFLOPS")
+
+
 def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
     import tidal
     from tidal.compiler.cli_args import pass_options
@@ -127,37 +194,23 @@ def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
     # a tick_tock schedule runs `batches` wave iterations of half the global batch each; a
     # round_robin cycle runs the whole global batch as N micro-batches
     waves = plan.schedule.batches if args.plan == "tick_tock" else 2
-    r = schedule_result(plan.schedule, global_batch * waves // 2)
-    print(f"  {args.plan:17s}: {r.summary()} ({one.iteration_us / r.iteration_us * r.global_batch / global_batch:.2f}x"
-          f" samples/s of 1 GPU)")
+    samples = global_batch * waves // 2
+    for label, contention in (("schedule", False), ("contended", True)):
+        r = schedule_result(plan.schedule, samples, contention=contention)
+        speed = one.iteration_us / r.iteration_us * r.global_batch / global_batch
+        print(f"  {args.plan + ' ' + label:26s}: {r.summary()} ({speed:.2f}x samples/s of "
+              f"1 GPU)")
     print("\n".join("    " + line for line in plan.schedule.table().splitlines()[1:5]))
-    if args.plan == "tick_tock":
-        print("    (the schedule's timing lets one wave's forward overlap the other's backward at "
-              "full speed on a rank: Wavelet's premise that one wave leaves a GPU underused; "
-              "an upper bound where a device is already saturated)")
+    print("    (schedule: the builder's timing, where a rank's waves overlap at full speed "
+          "(Wavelet's premise that one wave leaves a GPU underused), an upper bound; contended: "
+          "the engine re-runs the actions with one compute lane and one link per GPU, the bound "
+          "for a GPU one wave already saturates)")
 
 
 def _simulate_scaling(args, gm, cluster, global_batch: int) -> None:
-    from dataclasses import replace
+    from tidal.runtime.sim.scaling import StepsTable, scaling_svg, simulate_scaling
 
-    from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
-    from tidal.runtime.sim.scaling import StepsTable, scaling_speedups, scaling_svg
-
-    table = StepsTable.load(args.scaling)
-    gpus = [1 << k for k in range(cluster.gpus.bit_length()) if 1 << k <= cluster.gpus]
-    cache: dict[int, object] = {}
-
-    def times(b: int):
-        if b not in cache:
-            cache[b] = layer_times(gm, cluster, b)
-        return cache[b]
-
-    def iteration(g: int, b: int) -> float:
-        c = replace(cluster, gpus=g)
-        return summarize(data_parallel(times, g, b, c), g, b).iteration_us
-
-    per_gpu = max(1, global_batch // cluster.gpus)
-    s = scaling_speedups(iteration, table, gpus, per_gpu, global_batch)
+    gpus, per_gpu, s = simulate_scaling(gm, cluster, StepsTable.load(args.scaling), global_batch)
     print(f"  scaling (speedup in time to accuracy; weak: {per_gpu}/GPU, strong: "
           f"{global_batch} global)")
     for mode, vals in s.items():

@@ -104,13 +104,21 @@ class Compiled:
         notes = [f"  {r.name}: {n}" for r in self.records for n in r.notes]
         return text + ("\nnotes:\n" + "\n".join(notes) if notes else "")
 
-    def dump(self, out_dir: Union[str, Path]) -> Path:
+    def dump(self, out_dir: Union[str, Path], *, scaling: Any = None) -> Path:
         """Write each pass's graph before/after (DOT, and SVG when graphviz is installed), the
-        passes' artifacts and an ``index.html`` listing them in order; return the index path."""
-        from tidal.compiler.dump import write_dump
+        passes' artifacts and an ``index.html`` listing them in order; return the index path.
+        With ``scaling`` (a statistical-efficiency table: a ``global_batch,steps`` CSV path or a
+        ``tidal.runtime.sim.scaling.StepsTable``), the index also shows the simulated weak,
+        strong and batch-optimal scaling of the model on the compile's cluster (DeepPool
+        Fig. 1) as ``scaling.svg`` and ``scaling.txt``."""
+        from tidal.compiler.dump import scaling_section, write_dump
 
-        return write_dump(Path(out_dir), type(self.model).__name__, self.records,
-                          self.context.batch_size)
+        title = type(self.model).__name__
+        extra = []
+        if scaling is not None:
+            extra.append(scaling_section(Path(out_dir), self.graph_module, self.context.cluster,
+                                         self.context.batch_size, scaling, title))
+        return write_dump(Path(out_dir), title, self.records, self.context.batch_size, extra)
 
 
 def _lowered(gm: fx.GraphModule, ctx: PassContext, lower: Optional[str]):

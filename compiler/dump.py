@@ -13,8 +13,35 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def write_dump(out_dir: Path, title: str, records: Sequence[PassRecord], batch: int) -> Path:
-    """Render every record into ``out_dir``; return the path of ``index.html``."""
+def scaling_section(out_dir: Path, gm, cluster, global_batch: int, steps_table,
+                    title: str):
+    """Simulate weak, strong and batch-optimal scaling of ``gm`` on ``cluster`` (DeepPool
+    Figure 1; ``steps_table`` a ``StepsTable`` or the path of its CSV), write
+    ``scaling.svg`` and ``scaling.txt`` into ``out_dir`` and return the index section."""
+    from tidal.compiler import viz
+    from tidal.runtime.sim.scaling import StepsTable, scaling_svg, scaling_text, simulate_scaling
+
+    table = steps_table if isinstance(steps_table, StepsTable) else StepsTable.load(steps_table)
+    gpus, per_gpu, speedups = simulate_scaling(gm, cluster, table, global_batch)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    svg, txt = out_dir / "scaling.svg", out_dir / "scaling.txt"
+    svg.write_text(scaling_svg(gpus, speedups, f"{title}: simulated scaling"))
+    text = scaling_text(gpus, speedups)
+    txt.write_text(text + "\n")
+    source = steps_table if not isinstance(steps_table, StepsTable) else "given StepsTable"
+    rows = (("kind", "simulated (not measured): data parallelism on the compile's cluster"),
+            ("GPUs", ", ".join(map(str, gpus))),
+            ("weak scaling", f"{per_gpu} samples per GPU"),
+            ("strong scaling", f"global batch {global_batch}"),
+            ("steps to accuracy", f"{source} ({len(table.rows)} rows)"))
+    return viz.DumpSection(name="scaling (DeepPool Fig. 1)", summary_rows=rows,
+                           files=(Path(svg.name), Path(txt.name)), text=text)
+
+
+def write_dump(out_dir: Path, title: str, records: Sequence[PassRecord], batch: int,
+               extra: Sequence = ()) -> Path:
+    """Render every record into ``out_dir``, then the ``extra`` index sections (e.g.
+    :func:`scaling_section`); return the path of ``index.html``."""
     from tidal.compiler import viz
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -42,4 +69,4 @@ def write_dump(out_dir: Path, title: str, records: Sequence[PassRecord], batch: 
             name=r.name, summary_rows=tuple(rows),
             files=tuple(Path(f.name) for f in files),
             text=r.plan.table() if r.plan else ""))
-    return viz.write_index(out_dir, f"tidal: {title}", sections)
+    return viz.write_index(out_dir, f"tidal: {title}", sections + list(extra))

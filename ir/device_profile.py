@@ -459,3 +459,34 @@ def generic_signature(
     inputs = ",".join(_describe_input(item) for item in input_shapes)
     return " | ".join([_op_name(op), "-" if args is None else _ADDRESS.sub("", args),
                        f"B={batch}", inputs])
+
+
+DEEPPOOL_A100_ENV = "TIDAL_DEEPPOOL_PROFILES"
+"""Environment variable naming the directory of DeepPool's A100 profiles."""
+
+
+def deeppool_a100_dir() -> Path:
+    """Where DeepPool's A100 profiles are looked for: ``$TIDAL_DEEPPOOL_PROFILES`` if set, else
+    ``shared/data/deeppool-a100-profiles`` beside the repository (the project's data folder)."""
+    env = os.environ.get(DEEPPOOL_A100_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "deeppool-a100-profiles"
+
+
+def deeppool_a100(directory: Union[str, os.PathLike, None] = None) -> DeviceProfile:
+    """Every DeepPool A100 profile in ``directory`` (default :func:`deeppool_a100_dir`) as one
+    profile named ``deeppool:a100``: the older ``*LayerGpuProfileA100*.txt`` files first, then
+    the ``A100_*.prof`` files, so a ``.prof`` row wins over a ``.txt`` row with the same key.
+    Raises ``FileNotFoundError`` naming the directory when it or its files are absent."""
+    d = Path(directory).expanduser() if directory is not None else deeppool_a100_dir()
+    files = sorted(d.glob("*LayerGpuProfileA100*.txt")) + sorted(d.glob("A100_*.prof")) \
+        if d.is_dir() else []
+    if not files:
+        raise FileNotFoundError(
+            f"DeepPool A100 profiles not found in {d} (expected A100_*.prof files; set "
+            f"${DEEPPOOL_A100_ENV} to their directory)")
+    entries: dict[str, LayerTime] = {}
+    for f in files:
+        entries.update(DeviceProfile.from_deeppool(f).entries)
+    return DeviceProfile("deeppool:a100", entries)

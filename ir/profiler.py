@@ -8,6 +8,12 @@ as one JSON file per (signature set, device name, torch version) under ``cache_d
 ``$TIDAL_CACHE_DIR``, else ``~/.cache/tidal/profiles``), so a second call with the same graph,
 batches and device measures nothing.
 
+A node timed by itself misses what the whole pass adds (allocator and cache state, autograd
+bookkeeping, the loss). :func:`time_training_step` measures one whole training step of the
+graph on one process, and :func:`calibrate_profile` scales a profile's entries at one batch so
+that they add up to such a measurement (an in-context calibration, taken on one process,
+independent of any multi-rank run it is later used to predict).
+
 Example:
     >>> import tempfile, torch, torch.fx as fx
     >>> from tidal.ir.profiler import node_signature, profile_layers
@@ -31,6 +37,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -309,3 +316,68 @@ def profile_layers(
     except OSError as e:
         warnings.warn(f"profile_layers: could not write the cache file {path}: {e}")
     return profile
+
+
+# --------------------------------------------------------------------------- in context
+
+
+_STATS = {"median": statistics.median, "min": min}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One measured training step: forward + loss + backward (``fwd_bwd_us``) and the optimizer
+    step (``update_us``), in microseconds."""
+
+    fwd_bwd_us: float
+    update_us: float
+
+
+def time_training_step(gm: fx.GraphModule, inputs: Sequence[Any], targets: Any,
+                       loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int = 5,
+                       warmup: int = 2, lr: float = 0.01, stat: str = "median") -> StepTime:
+    """Time of a whole training step of a copy of ``gm`` on ``inputs`` on this process
+    (zero_grad, forward, ``loss_fn(outputs, targets)``, backward; then an SGD step timed
+    separately): the ``stat`` (``"median"`` or ``"min"``, the estimator least disturbed by
+    other processes) of ``repeats`` runs after ``warmup``. ``gm`` itself is untouched."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"time_training_step(repeats={repeats!r}): must be an int >= 1")
+    if stat not in _STATS:
+        raise ValueError(f"time_training_step(stat={stat!r}): use one of {tuple(_STATS)}")
+    work = copy.deepcopy(gm)
+    opt = torch.optim.SGD(work.parameters(), lr=lr)
+    fb, up = [], []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter_ns()
+        opt.zero_grad(set_to_none=False)
+        loss_fn(work(*inputs), targets).backward()
+        t1 = time.perf_counter_ns()
+        opt.step()
+        t2 = time.perf_counter_ns()
+        if i >= warmup:
+            fb.append((t1 - t0) / 1000.0)
+            up.append((t2 - t1) / 1000.0)
+    return StepTime(_STATS[stat](fb), _STATS[stat](up))
+
+
+def calibrate_profile(profile: DeviceProfile, gm: fx.GraphModule, batch: int,
+                      total_us: float) -> DeviceProfile:
+    """``profile`` with the entries of ``gm``'s compute nodes at ``batch`` scaled by one factor
+    so that the nodes' forward + backward times add up to ``total_us`` (e.g. the
+    ``fwd_bwd_us`` of :func:`time_training_step` at that batch). Other entries are kept.
+    Raises ``ValueError`` when the profile has none of the nodes or ``total_us`` <= 0."""
+    if not total_us > 0:
+        raise ValueError(f"calibrate_profile(total_us={total_us!r}): must be > 0")
+    sigs = node_signatures(gm, batch)
+    counted = [profile.lookup(s) for s in sigs.values()]
+    known = [t for t in counted if t is not None]
+    if not known:
+        raise ValueError(f"calibrate_profile: profile {profile.name!r} has no entry for the "
+                         f"graph's nodes at batch {batch}")
+    factor = total_us / sum(t.total_us for t in known)
+    entries = dict(profile.entries)
+    for s in set(sigs.values()):
+        t = profile.lookup(s)
+        if t is not None:
+            entries[s] = LayerTime(t.fwd_us * factor, t.bwd_us * factor)
+    return DeviceProfile(profile.name, entries)

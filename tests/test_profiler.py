@@ -135,3 +135,32 @@ def test_bad_arguments_are_named(tmp_path):
         profile_layers(gm, x, [0], cache_dir=tmp_path, progress=False)
     with pytest.raises(ValueError, match="repeats"):
         profile_layers(gm, x, [2], repeats=0, cache_dir=tmp_path, progress=False)
+
+
+def test_calibrate_profile_scales_one_batch_to_a_whole_step_measurement(tmp_path):
+    from tidal.ir.profiler import calibrate_profile, node_signatures, time_training_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    gm = torch.fx.symbolic_trace(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    prof = profile_layers(gm, (x,), [4, 8], repeats=2, warmup=1, cache_dir=tmp_path,
+                          progress=False)
+    before = [p.detach().clone() for p in gm.parameters()]
+    step = time_training_step(gm, (x,), y, torch.nn.functional.cross_entropy, repeats=2,
+                              stat="min")
+    assert step.fwd_bwd_us > 0 and step.update_us > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, gm.parameters()))  # gm untouched
+    cal = calibrate_profile(prof, gm, 8, 1000.0)
+    at8 = list(node_signatures(gm, 8).values())
+    assert sum(cal.lookup(s).total_us for s in at8) == pytest.approx(1000.0)
+    ratio = {cal.lookup(s).fwd_us / prof.lookup(s).fwd_us for s in at8}
+    assert max(ratio) == pytest.approx(min(ratio))  # one factor for the whole batch
+    for s in node_signatures(gm, 4).values():  # other batches untouched
+        assert cal.lookup(s) == prof.lookup(s)
+    with pytest.raises(ValueError, match="total_us"):
+        calibrate_profile(prof, gm, 8, 0.0)
+    with pytest.raises(ValueError, match="no entry"):
+        calibrate_profile(prof, gm, 3, 10.0)
+    with pytest.raises(ValueError, match="stat"):
+        time_training_step(gm, (x,), y, torch.nn.functional.cross_entropy, stat="mean")

@@ -3,6 +3,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,9 @@ import tidal
 from tidal.ir.comm_cost import all_to_all_us, ring_allreduce_us
 from tidal.runtime.sim.engine import Task, simulate
 from tidal.runtime.sim.programs import LayerTimes, data_parallel, layer_times, summarize
+
+A100 = Path(tidal.__file__).resolve().parent.parent / "shared" / "data" / "deeppool-a100-profiles"
+needs_a100 = pytest.mark.skipif(not A100.is_dir(), reason=f"DeepPool A100 profiles not at {A100}")
 
 
 def _random_layers(rng, n):
@@ -217,3 +221,136 @@ def test_simulate_cli_scaling_chart(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "batch-optimal" in r.stdout and "<polyline" in (tmp_path / "s.svg").read_text()
+
+
+def test_processor_sharing_slows_compute_beyond_the_cores():
+    # three GPUs computing on two cores run at 2/3 speed; alone, a GPU runs at full speed
+    tasks = [Task(f"c{g}", "fg", "compute", (g,), 10.0) for g in range(3)]
+    tasks.append(Task("solo", "fg", "compute", (0,), 10.0, deps=(0, 1, 2)))
+    tasks.append(Task("ar", "fg", "comm", (0, 1), 4.0, deps=(0, 1)))
+    iv = {(i.name, i.gpu): i for i in simulate(tasks, cores=2)}
+    assert iv[("c0", 0)].end_us == pytest.approx(15.0)
+    assert iv[("solo", 0)].end_us == pytest.approx(25.0)
+    assert iv[("ar", 1)].end_us - iv[("ar", 1)].start_us == pytest.approx(4.0)  # links unshared
+    # with cores to spare, the shared engine reproduces the list-order engine exactly
+    lt = _random_layers(random.Random(5), 15)
+    dp = data_parallel(lambda b: lt, 4, 32, tidal.Cluster(gpus=4, bandwidth_gbps=10,
+                                                          latency_us=5), bucket_bytes=1e6)
+    for a, b in zip(simulate(dp), simulate(dp, cores=4)):
+        assert (a.name, a.gpu, a.lane) == (b.name, b.gpu, b.lane)
+        assert a.start_us == pytest.approx(b.start_us) and a.end_us == pytest.approx(b.end_us)
+    # 4 GPUs on 2 cores: every compute piece twice as long, no GPU runs two at once
+    shared = simulate(dp, cores=2)
+    per_gpu = defaultdict(list)
+    for i in shared:
+        if i.lane == "compute":
+            per_gpu[i.gpu].append((i.start_us, i.end_us))
+    for spans in per_gpu.values():
+        spans.sort()
+        assert all(s1 >= e0 - 1e-9 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    assert sum(e - s for v in per_gpu.values() for s, e in v) == pytest.approx(
+        2 * 4 * (sum(lt.fwd_us) + sum(lt.bwd_us)))
+    with pytest.raises(ValueError, match="cores"):
+        simulate(dp, cores=0)
+
+
+def test_burst_execution_follows_the_executor():
+    from tidal.passes.burst_planner import BurstProblem, plan_from_counts
+    from tidal.runtime.sim.programs import burst_execution
+
+    counts = (1, 2)
+    comp = np.array([[40.0, 20.0], [30.0, 15.0], [20.0, 10.0]])
+    sync = np.zeros((3, 2))
+    problem = BurstProblem(("a", "b", "c"), ((), (0,), (1,)), comp, sync,
+                           act_bytes=np.array([100.0, 100.0, 100.0]), counts=counts, batch=4,
+                           bytes_per_us=1000.0, latency_us=1.0)
+    plan = plan_from_counts(problem, [2, 1, 2])
+    lt = {b: LayerTimes(("a", "b", "c"), (10.0 * b, 20.0 * b, 5.0 * b),
+                        (20.0 * b, 40.0 * b, 10.0 * b), (8000, 4000, 0)) for b in (2, 4)}
+    cluster = tidal.Cluster(gpus=2, bandwidth_gbps=8, latency_us=1)  # 1000 bytes/us
+    preds = {"a": [], "b": ["a"], "c": ["b"]}
+    tasks = burst_execution(plan, preds, lambda b: lt[b], cluster, update_us=7.0)
+    r = summarize(tasks, 2, 4)
+    iv = {(i.name, i.gpu): i for i in r.intervals}
+    # b runs on rank 0 alone at the full batch; rank 1 holds no rows of it
+    assert ("F:b", 1) not in iv and iv[("F:b", 0)].end_us - iv[("F:b", 0)].start_us == 80.0
+    # backward starts after the last forward, in reverse layer order
+    assert iv[("B:c", 0)].start_us >= iv[("F:c", 0)].end_us
+    assert iv[("B:a", 0)].start_us >= iv[("B:b", 0)].end_us
+    # gradients: a's on both ranks (all-reduce), b's on rank 0 (broadcast), after backward
+    ar = iv[("AR:2 ranks", 0)]
+    bc = iv[("BC:from 0", 1)]
+    assert ar.start_us >= max(iv[("B:a", g)].end_us for g in (0, 1))
+    assert ar.end_us - ar.start_us == pytest.approx(ring_allreduce_us(8000, 2, 1000.0, 1.0))
+    assert bc.end_us - bc.start_us == pytest.approx(1.0 + 4000 / 1000.0)
+    assert r.iteration_us == pytest.approx(max(iv[("update", g)].end_us for g in (0, 1)))
+    assert iv[("update", 1)].start_us >= max(ar.end_us, bc.end_us)
+
+
+@needs_a100
+def test_simulate_cli_a100_profile_shorthand(capsys, monkeypatch, tmp_path):
+    from tidal.compiler.cli import main
+
+    assert main(["simulate", "vgg16", "--gpus", "8", "--global-batch", "32",
+                 "--profile", "a100"]) == 0
+    out = capsys.readouterr().out
+    assert "profile deeppool:a100: 36/36 layers at per-GPU batch 4, 36/36 at batch 32" in out
+    # a model DeepPool did not profile: a clear error, not a silent FLOP estimate
+    assert main(["simulate", "bert_small", "--gpus", "2", "--global-batch", "4",
+                 "--profile", "a100"]) == 2
+    assert "no layer of bert_small" in capsys.readouterr().err
+    monkeypatch.setenv("TIDAL_DEEPPOOL_PROFILES", str(tmp_path))
+    assert main(["simulate", "vgg16", "--gpus", "8", "--global-batch", "32",
+                 "--profile", "a100"]) == 2
+    err = capsys.readouterr().err
+    assert "--profile a100: DeepPool A100 profiles not found in" in err and str(tmp_path) in err
+
+
+def test_dump_index_shows_the_scaling_chart(tmp_path):
+    from tidal.runtime.sim.scaling import StepsTable
+
+    shipped = Path(tidal.__file__).resolve().parent / "examples" / "data" / "scaling" / \
+        "illustrative_steps.csv"
+    assert "ILLUSTRATIVE" in shipped.read_text().splitlines()[0]
+    table = StepsTable.load(shipped)
+    steps = [s for _, s in table.rows]
+    assert steps == sorted(steps, reverse=True) and table.rows[0][0] == 1
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    c = tidal.compile(model, (torch.randn(16, 64),),
+                      cluster=tidal.Cluster(gpus=4, peak_tflops=0.001))
+    index = c.dump(tmp_path / "d", scaling=shipped)
+    html = index.read_text()
+    assert "scaling (DeepPool Fig. 1)" in html and "weak scaling" in html
+    assert "<polyline" in (tmp_path / "d" / "scaling.svg").read_text()
+    rows = (tmp_path / "d" / "scaling.txt").read_text().splitlines()
+    assert rows[0].split()[1:5] == ["1", "2", "4", "(GPUs)"]
+    assert {r.split()[0] for r in rows[1:]} == {"weak", "strong", "batch-optimal"}
+    assert "scaling" not in c.dump(tmp_path / "plain").read_text()  # only when asked
+
+
+def test_wavelet_schedules_rerun_with_contention():
+    from tidal.passes.round_robin import round_robin_schedule
+    from tidal.passes.tick_tock import tick_tock_schedule
+    from tidal.runtime.sim.programs import schedule_result
+
+    # round_robin never overlaps two computations on a rank: the engine reproduces the builder
+    rr = round_robin_schedule([10.0, 20.0, 5.0], [20.0, 40.0, 10.0], send_us=[1.0, 2.0],
+                              switch_us=[3.0, 3.0, 3.0])
+    assert schedule_result(rr, 6, contention=True).iteration_us == pytest.approx(
+        schedule_result(rr, 6).iteration_us)
+    # tick_tock's builder overlaps the waves at full speed; on one compute lane per GPU they
+    # take turns: with no all-reduce, 4 iterations of forward + backward back to back
+    tt = tick_tock_schedule(2, 10.0, 20.0, 0.0, steps=2)
+    free, contended = schedule_result(tt, 8), schedule_result(tt, 8, contention=True)
+    assert free.iteration_us == pytest.approx(70.0)
+    assert contended.iteration_us == pytest.approx(4 * 30.0)
+    # with an all-reduce, it overlaps the other wave's compute: below the gang-scheduled time
+    tt = tick_tock_schedule(2, 10.0, 20.0, 5.0, steps=2)
+    r = schedule_result(tt, 8, contention=True)
+    assert 4 * 30.0 < r.iteration_us < 4 * 35.0
+    lanes = defaultdict(list)
+    for i in r.intervals:
+        lanes[(i.gpu, i.lane)].append((i.start_us, i.end_us))
+    for spans in lanes.values():
+        spans.sort()
+        assert all(s1 >= e0 - 1e-9 for (_, e0), (s1, _) in zip(spans, spans[1:]))

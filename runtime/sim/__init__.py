@@ -1,6 +1,8 @@
 """Cluster simulator: plans and schedules executed on a model of N GPUs with links.
 
 ``engine`` runs a task list (compute on one GPU, communication on the links of several) in
-program order with dependencies; ``collectives`` has the textbook collective times;
-``programs`` builds task lists for execution strategies from per-layer costs.
+program order with dependencies, optionally with the compute lanes sharing a number of cores;
+the textbook collective times are ``tidal.ir.comm_cost``'s; ``programs`` builds task lists for
+execution strategies from per-layer costs; ``collocation`` packs a background job into idle
+time; ``scenarios`` runs DeepPool's Figure 9 cases; ``scaling`` the Figure 1 view.
 """

@@ -5,6 +5,10 @@ on one GPU's compute lane; a communication task occupies the link lanes of all i
 (a collective starts when every participant's link is free). A task starts when its lanes are
 free and all its dependencies have ended.
 
+With ``cores`` set, the compute lanes of all GPUs share that many processors: while ``n``
+compute tasks run, each progresses at ``min(1, cores / n)`` of its full speed (processor
+sharing), the model of ranks oversubscribing a CPU's cores. Communication keeps its duration.
+
 Example:
     >>> from tidal.runtime.sim.engine import Task, simulate
     >>> tasks = [Task("f0", "fg", "compute", (0,), 5.0),
@@ -57,17 +61,31 @@ class Interval:
     end_us: float
 
 
-def simulate(tasks: Sequence[Task]) -> list[Interval]:
-    """Run ``tasks`` and return one interval per task and GPU it occupies, in issue order.
-    Raises ``ValueError`` for a dependency on a later (or the same) task."""
-    free: dict[tuple[int, str], float] = defaultdict(float)
-    ends: list[float] = []
-    out: list[Interval] = []
+def _check_deps(tasks: Sequence[Task]) -> None:
     for i, t in enumerate(tasks):
         bad = [d for d in t.deps if not 0 <= d < i]
         if bad:
             raise ValueError(f"task {i} {t.name!r} depends on task {bad[0]}, which is not earlier")
-        lane = "compute" if t.kind == "compute" else "link"
+
+
+def _lane(t: Task) -> str:
+    return "compute" if t.kind == "compute" else "link"
+
+
+def simulate(tasks: Sequence[Task], cores: float | None = None) -> list[Interval]:
+    """Run ``tasks`` and return one interval per task and GPU it occupies, in issue order.
+    ``cores``: processors shared by all compute lanes (None: every GPU computes at full speed).
+    Raises ``ValueError`` for a dependency on a later (or the same) task or ``cores`` <= 0."""
+    _check_deps(tasks)
+    if cores is not None:
+        if not cores > 0:
+            raise ValueError(f"simulate(cores={cores!r}): must be > 0")
+        return _simulate_shared(tasks, float(cores))
+    free: dict[tuple[int, str], float] = defaultdict(float)
+    ends: list[float] = []
+    out: list[Interval] = []
+    for t in tasks:
+        lane = _lane(t)
         ready = max((ends[d] for d in t.deps), default=0.0)
         start = max([ready] + [free[(g, lane)] for g in t.gpus])
         end = start + t.duration_us
@@ -75,6 +93,67 @@ def simulate(tasks: Sequence[Task]) -> list[Interval]:
             free[(g, lane)] = end
             out.append(Interval(g, lane, t.job, t.name, start, end))
         ends.append(end)
+    return out
+
+
+def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
+    """Event-driven run with processor sharing of the compute lanes (see ``simulate``)."""
+    queues: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        for g in t.gpus:
+            queues[(g, _lane(t))].append(i)
+    head = {k: 0 for k in queues}
+    start = [0.0] * len(tasks)
+    end: list[float | None] = [None] * len(tasks)
+    left = {}  # running task -> remaining work (us at full speed); comm: fixed end below
+    comm_end = {}
+    now, done = 0.0, 0
+
+    def at_head(i: int) -> bool:
+        t = tasks[i]
+        return all(queues[(g, _lane(t))][head[(g, _lane(t))]] == i for g in t.gpus)
+
+    while done < len(tasks):
+        started = True
+        while started:  # start every task at the head of all its lanes whose deps ended
+            started = False
+            for k, q in queues.items():
+                if head[k] >= len(q):
+                    continue
+                i = q[head[k]]
+                if i in left or i in comm_end or not at_head(i):
+                    continue
+                if any(end[d] is None for d in tasks[i].deps):
+                    continue
+                start[i] = now
+                if tasks[i].kind == "compute":
+                    left[i] = tasks[i].duration_us
+                else:
+                    comm_end[i] = now + tasks[i].duration_us
+                started = True
+        if not left and not comm_end:
+            raise AssertionError("simulate: no runnable task (dependency cycle)")
+        rate = min(1.0, cores / len(left)) if left else 1.0
+        step = min([w / rate for w in left.values()] + [e - now for e in comm_end.values()])
+        step = max(step, 0.0)
+        now += step
+        finished = [i for i, e in comm_end.items() if e <= now + 1e-9]
+        for i in list(left):
+            left[i] -= step * rate
+            if left[i] <= 1e-9 * max(1.0, tasks[i].duration_us):
+                finished.append(i)
+        for i in sorted(finished):
+            left.pop(i, None)
+            comm_end.pop(i, None)
+            end[i] = now
+            done += 1
+            t = tasks[i]
+            for g in t.gpus:
+                head[(g, _lane(t))] += 1
+    out = []
+    for i, t in enumerate(tasks):
+        for g in t.gpus:
+            out.append(Interval(g, _lane(t), t.job, t.name, start[i], end[i]))
     return out
 
 

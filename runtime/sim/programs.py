@@ -4,7 +4,11 @@
 its parameter bytes; ``layer_times(gm, cluster, batch)`` reads them from an annotated graph
 (measured or DeepPool profile when ``cluster.profile`` has the layer, FLOPs otherwise).
 ``data_parallel`` builds one training iteration of data parallelism with ring all-reduces of
-DDP-style gradient buckets that overlap the rest of backward.
+DDP-style gradient buckets that overlap the rest of backward. A burst-parallel plan becomes tasks
+either under the planner's own cost model (``burst_parallel``: per layer, transfer, forward +
+backward, gradient sync) or as the runtime executes it (``burst_execution``: all forwards, all
+backwards, then the gradient sync per set of ranks). ``schedule_result`` turns a Wavelet schedule
+into timelines.
 
 Example:
     >>> from tidal.runtime.sim.programs import LayerTimes, data_parallel, summarize
@@ -15,6 +19,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -71,11 +76,13 @@ def gradient_buckets(lt: LayerTimes, bucket_bytes: float) -> list[list[int]]:
 
 def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch: int,
                   cluster: Cluster | None = None, job: str = "fg",
-                  bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
+                  bucket_bytes: float = DDP_BUCKET_BYTES, update_us: float = 0.0
+                  ) -> list[Task]:
     """One data-parallel training iteration on ``gpus`` GPUs: every GPU runs all layers
     forward then backward on ``global_batch / gpus`` samples; gradients are all-reduced (ring)
     in DDP-style buckets of ``bucket_bytes``, each as soon as every GPU finished the backward of
-    the bucket's last layer, overlapping the rest of backward."""
+    the bucket's last layer, overlapping the rest of backward. ``update_us`` > 0 adds the
+    optimizer step on every GPU after its backward and all all-reduces."""
     if gpus < 1:
         raise ValueError(f"data_parallel(gpus={gpus}): need at least one GPU")
     if global_batch % gpus:
@@ -85,6 +92,7 @@ def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch
     lt = times_at(global_batch // gpus)
     tasks: list[Task] = []
     bwd_index: dict[tuple[int, int], int] = {}
+    last: dict[int, tuple[int, ...]] = {}  # GPU -> its last backward task
     for g in range(gpus):
         prev: tuple[int, ...] = ()
         for i, name in enumerate(lt.names):
@@ -94,6 +102,7 @@ def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch
             tasks.append(Task(f"B:{lt.names[i]}", job, "compute", (g,), lt.bwd_us[i], prev))
             prev = (len(tasks) - 1,)
             bwd_index[(g, i)] = len(tasks) - 1
+        last[g] = prev
     if gpus > 1:
         for bucket in gradient_buckets(lt, bucket_bytes):
             nbytes = sum(lt.param_bytes[i] for i in bucket)
@@ -101,6 +110,10 @@ def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch
             deps = tuple(bwd_index[(g, bucket[-1])] for g in range(gpus))
             tasks.append(Task(f"AR:{lt.names[bucket[0]]}..{lt.names[bucket[-1]]}", job, "comm",
                               tuple(range(gpus)), t, deps))
+    if update_us > 0:
+        syncs = tuple(i for i, t in enumerate(tasks) if t.kind == "comm")
+        for g in range(gpus):
+            tasks.append(Task("update", job, "compute", (g,), update_us, syncs + last[g]))
     return tasks
 
 
@@ -137,9 +150,11 @@ class SimResult:
                 f"{self.gpu_sec:.4f} GPU-s, busy {self.busy_fraction:.0%}")
 
 
-def summarize(tasks: Sequence[Task], gpus: int, global_batch: int) -> SimResult:
-    """Simulate ``tasks`` and summarise them."""
-    intervals = simulate(tasks)
+def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
+              cores: float | None = None) -> SimResult:
+    """Simulate ``tasks`` (compute lanes sharing ``cores`` processors when given, see
+    ``tidal.runtime.sim.engine.simulate``) and summarise them."""
+    intervals = simulate(tasks, cores)
     end = max((i.end_us for i in intervals), default=0.0)
     busy = [0.0] * gpus
     for i in intervals:
@@ -177,6 +192,108 @@ def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg") -> li
     return tasks
 
 
+def _tree_broadcast_us(nbytes: float, p: int, bytes_per_us: float, latency_us: float) -> float:
+    """Binomial-tree broadcast (gloo's algorithm): ``ceil(log2 p)`` rounds of ``α + b/BW``."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return math.ceil(math.log2(p)) * (latency_us + nbytes / bytes_per_us)
+
+
+def burst_execution(plan, preds: dict[str, Sequence[str]],
+                    times_at: Callable[[int], LayerTimes], cluster: Cluster,
+                    out_bytes: float = 0.0, update_us: float = 0.0,
+                    job: str = "fg") -> list[Task]:
+    """One training step of a burst-parallel plan as ``tidal.runtime.burst_exec.BurstExecutor``
+    runs it: the forward of every layer on its ranks (per-GPU batch ``ceil(B / gpus)``, times
+    from ``times_at``) after the transfer of its input where the GPU set changes (half of the
+    plan's ``comm_us``), the model output (``out_bytes``) gathered to every rank, the backward
+    in reverse order with the mirror transfers, then the gradients summed per set of ranks
+    (one flat ring all-reduce per set, then a broadcast from the set's first rank to the
+    others when the set is not every rank, in the executor's order) and ``update_us`` of
+    optimizer step on every rank. ``preds`` maps each layer to the layers it reads."""
+    world = plan.world
+    everyone = tuple(range(world))
+    tables: dict[int, LayerTimes] = {}
+    index: dict[int, dict[str, int]] = {}
+
+    def lt(g: int) -> tuple[LayerTimes, dict[str, int]]:
+        b = -(-plan.batch // g)
+        if b not in tables:
+            tables[b] = times_at(b)
+            index[b] = {n: i for i, n in enumerate(tables[b].names)}
+        return tables[b], index[b]
+
+    tasks: list[Task] = []
+
+    def add(name: str, kind: str, gpus: Sequence[int], us: float, deps: Sequence[int]) -> int:
+        tasks.append(Task(name, job, kind, tuple(gpus), us, tuple(sorted(set(deps)))))
+        return len(tasks) - 1
+
+    layers = {p.layer: p for p in plan.layers}
+    succs: dict[str, list[str]] = {p.layer: [] for p in plan.layers}
+    for name in layers:
+        for q in preds.get(name, ()):
+            if q in succs:
+                succs[q].append(name)
+
+    def moved(p) -> tuple[int, ...]:
+        return tuple(sorted(set(p.ranks).union(*(layers[q].ranks for q in preds.get(p.layer, ())
+                                                 if q in layers))))
+
+    fwd_end: dict[str, list[int]] = {}
+    for p in plan.layers:
+        deps = [d for q in preds.get(p.layer, ()) for d in fwd_end.get(q, ())]
+        if p.comm_us > 0:
+            deps = [add(f"X:{p.layer}", "comm", moved(p), p.comm_us / 2, deps)]
+        t, ix = lt(p.gpus)
+        us = t.fwd_us[ix[p.layer]] if p.layer in ix else 0.0
+        fwd_end[p.layer] = [add(f"F:{p.layer}", "compute", (r,), us, deps) for r in p.ranks]
+    sinks = [p for p in plan.layers if not succs[p.layer]]
+    head = [d for p in sinks for d in fwd_end[p.layer]]
+    gather = [p for p in sinks if p.ranks != everyone]
+    if gather:  # the output is gathered to every rank (and its gradient sent back)
+        out_us = cluster.latency_us + out_bytes / cluster.bytes_per_us
+        head = [add("X:output", "comm", everyone, out_us, head)]
+    else:
+        out_us = 0.0
+    bwd_ready: dict[str, list[int]] = {}
+    for p in sinks:
+        bwd_ready[p.layer] = [add("Xb:output", "comm", everyone, out_us, head)] if gather \
+            else head
+    bwd_all: list[int] = []
+    for p in reversed(plan.layers):
+        deps = list(bwd_ready.get(p.layer, ()))
+        for s in succs[p.layer]:
+            deps += bwd_ready[f"<in>{s}"]
+        t, ix = lt(p.gpus)
+        us = t.bwd_us[ix[p.layer]] if p.layer in ix else 0.0
+        ends = [add(f"B:{p.layer}", "compute", (r,), us, deps) for r in p.ranks]
+        if p.comm_us > 0:
+            ends = [add(f"Xb:{p.layer}", "comm", moved(p), p.comm_us / 2, ends)]
+        bwd_ready[f"<in>{p.layer}"] = ends
+        bwd_all += ends
+    groups: dict[tuple[int, ...], float] = {}
+    for p in plan.layers:
+        t, ix = lt(p.gpus)
+        nbytes = t.param_bytes[ix[p.layer]] if p.layer in ix else 0
+        if nbytes:
+            groups[tuple(p.ranks)] = groups.get(tuple(p.ranks), 0.0) + nbytes
+    deps = bwd_all
+    bw, lat = cluster.bytes_per_us, cluster.latency_us
+    for ranks in sorted(groups):
+        nbytes = groups[ranks]
+        if len(ranks) > 1:
+            deps = [add(f"AR:{len(ranks)} ranks", "comm", ranks,
+                        ring_allreduce_us(nbytes, len(ranks), bw, lat), deps)]
+        if ranks != everyone:
+            deps = [add(f"BC:from {ranks[0]}", "comm", everyone,
+                        _tree_broadcast_us(nbytes, world, bw, lat), deps)]
+    for r in everyone:
+        add("update", "compute", (r,), update_us, deps + [d for d in bwd_all
+                                                          if r in tasks[d].gpus])
+    return tasks
+
+
 _LINK_KINDS = ("X", "A", "S")  # transfers, all-reduces and weight switches use the link
 
 
@@ -190,12 +307,64 @@ def _covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def schedule_result(schedule, samples: int, job: str = "fg") -> SimResult:
+def schedule_tasks(schedule, job: str = "fg") -> list[Task]:
+    """The actions of a Wavelet schedule as engine tasks, so that the engine (not the
+    schedule's builder) decides when each runs: forward, backward and update on the rank's one
+    compute lane (the waves of a rank contend for it), transfers and weight switches on its link,
+    an all-reduce (same wave, batch and partition on every rank) as one collective, a transfer
+    ``X`` of a partitioned schedule on its rank's link, awaited by the next rank. An action depends, on every
+    GPU it occupies, on the last action of each of the schedule's lanes there that the builder
+    ended no later than it started (the builder's happens-before); list order is start order."""
+    part = schedule.partitions > 1
+    n = len(schedule.ranks)
+    items: dict[tuple, dict] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for k, a in enumerate(actions):
+            seen = None  # GPUs whose later actions wait for this one (default: where it runs)
+            if a.kind == "A":
+                key: tuple = ("A", a.wave, a.batch, a.partition)
+                gpus = tuple(range(n))
+            elif a.kind == "X" and part:  # sent on this rank's link, awaited by the next rank
+                key, gpus, seen = ("X", rank, k), (rank,), tuple(sorted({rank, (rank + 1) % n}))
+            else:
+                key, gpus = (a.kind, rank, k), (rank,)
+            it = items.setdefault(key, {"a": a, "gpus": gpus, "seen": seen or gpus,
+                                        "lanes": set(), "start": a.start_us, "end": a.end_us})
+            it["lanes"].add((rank, a.lane))
+            it["start"], it["end"] = min(it["start"], a.start_us), max(it["end"], a.end_us)
+    order = sorted(items, key=lambda key: (items[key]["start"], items[key]["end"], str(key)))
+    index = {key: i for i, key in enumerate(order)}
+    tasks: list[Task] = []
+    for i, key in enumerate(order):
+        it = items[key]
+        a = it["a"]
+        deps = set()
+        for g in it["gpus"]:
+            last: dict[tuple[int, str], int] = {}
+            for j in range(i):  # the latest finished action of each lane of GPU g
+                other = items[order[j]]
+                if g in other["seen"] and other["end"] <= it["start"] + 1e-9:
+                    for r, lane in other["lanes"]:
+                        last[(r, lane)] = j
+            deps.update(last.values())
+        kind = "comm" if a.kind in _LINK_KINDS else "compute"
+        gpus = it["gpus"] if kind == "comm" else it["gpus"][:1]
+        tasks.append(Task(a.label(part), job, kind, gpus, a.dur_us,
+                          tuple(sorted(d for d in deps if d != index[key]))))
+    return tasks
+
+
+def schedule_result(schedule, samples: int, job: str = "fg", contention: bool = False
+                    ) -> SimResult:
     """A Wavelet schedule (``tidal.ir.schedule.Schedule``, from the tick_tock or round_robin
-    pass) that processes ``samples`` samples, as simulated timelines: each action becomes an
-    interval on its rank's compute lane (forward, backward, update) or link lane (transfer,
-    all-reduce, weight switch) at the start and duration the schedule's builder predicted from
-    the cost model. A rank is busy while any of its waves computes."""
+    pass) that processes ``samples`` samples, as simulated timelines. By default each action
+    becomes an interval on its rank's compute lane (forward, backward, update) or link lane
+    (transfer, all-reduce, weight switch) at the start and duration the schedule's builder
+    predicted from the cost model; a rank is busy while any of its waves computes. With
+    ``contention``, the engine re-runs the schedule's tasks (``schedule_tasks``): the waves of
+    a rank share its one compute lane, so tick and tock no longer overlap at full speed."""
+    if contention:
+        return summarize(schedule_tasks(schedule, job), len(schedule.ranks), samples)
     intervals = []
     busy = []
     part = schedule.partitions > 1

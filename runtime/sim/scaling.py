@@ -42,8 +42,10 @@ class StepsTable:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "StepsTable":
-        """Read a CSV with columns ``global_batch,steps`` (a header row is optional)."""
-        rows = []
+        """Read a CSV with columns ``global_batch,steps``: ``#`` comment lines and one header
+        row before the data are skipped."""
+        rows: list[tuple[int, float]] = []
+        header_seen = False
         with open(path, newline="") as f:
             for n, row in enumerate(csv.reader(f), 1):
                 if not row or row[0].strip().startswith("#"):
@@ -51,8 +53,9 @@ class StepsTable:
                 try:
                     rows.append((int(row[0]), float(row[1])))
                 except (ValueError, IndexError):
-                    if n == 1:
-                        continue  # header
+                    if not rows and not header_seen:
+                        header_seen = True
+                        continue  # a header before the first row
                     raise ValueError(f"{path}:{n}: expected global_batch,steps, got {row}")
         return cls(tuple(sorted(rows)))
 
@@ -115,3 +118,40 @@ def scaling_svg(gpus: Sequence[int], speedups: dict[str, list[float]], title: st
                      f'(x{vals[-1]:.2f} at {gpus[-1]})</text>')
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+def gpu_counts(gpus: int) -> list[int]:
+    """The powers of two up to ``gpus``: 1, 2, 4, ..."""
+    return [1 << k for k in range(gpus.bit_length()) if 1 << k <= gpus]
+
+
+def simulate_scaling(gm, cluster, table: StepsTable, global_batch: int
+                     ) -> tuple[list[int], int, dict[str, list[float]]]:
+    """Weak, strong and batch-optimal speedups of data parallelism for an annotated graph on
+    ``cluster`` (1, 2, 4, ... ``cluster.gpus`` GPUs, iteration times simulated from
+    ``runtime.sim.programs``): returns the GPU counts, the weak-scaling per-GPU batch
+    (``global_batch / cluster.gpus``) and :func:`scaling_speedups`."""
+    from dataclasses import replace
+
+    from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
+
+    gpus = gpu_counts(cluster.gpus)
+    cache: dict[int, object] = {}
+
+    def times(b: int):
+        if b not in cache:
+            cache[b] = layer_times(gm, cluster, b)
+        return cache[b]
+
+    def iteration(g: int, b: int) -> float:
+        return summarize(data_parallel(times, g, b, replace(cluster, gpus=g)), g, b).iteration_us
+
+    per_gpu = max(1, global_batch // cluster.gpus)
+    return gpus, per_gpu, scaling_speedups(iteration, table, gpus, per_gpu, global_batch)
+
+
+def scaling_text(gpus: Sequence[int], speedups: dict[str, list[float]]) -> str:
+    """The speedups as a plain-text table (one row per strategy, one column per GPU count)."""
+    head = f"{'strategy':14s}" + "".join(f"{g:>9d}" for g in gpus)
+    rows = [f"{mode:14s}" + "".join(f"{v:8.2f}x" for v in vals) for mode, vals in speedups.items()]
+    return "\n".join([head + "   (GPUs)"] + rows)
