@@ -15,7 +15,8 @@ when the schedule is known (``accordion_lr_schedule=step -> lr``, or a torch sch
 After a parallelism pass (``passes=["tick_tock", "compression"]``) the pass sets no executor of
 its own: it wraps that pass's gradient sync instead (a
 :class:`~tidal.runtime.grad_sync.GradSyncRequest` that ``compile()`` hands to the earlier
-executor's ``use_grad_sync``; ``tick_tock`` takes it, one compressor state per wave).
+executor's ``use_grad_sync``: ``tick_tock`` keeps one compressor state per wave,
+``burst_parallel`` one per set of ranks that syncs a layer).
 
 ``mode``: ``"on"`` compresses; ``"off"`` runs plain all-reduce (sync SGD); ``"auto"`` asks the
 performance model (:mod:`tidal.ir.perf_model`, Eq. 4.1) for the cluster in the context and
@@ -56,7 +57,7 @@ from tidal.runtime.grad_sync import GradSync, GradSyncRequest
 MODES = ("on", "off", "auto")
 HOSTS = ("tick_tock", "burst_parallel", "round_robin")
 """Parallelism passes whose gradient sync this pass wraps when it runs after one of them
-(their executor must take ``use_grad_sync``; ``tick_tock``'s does)."""
+(their executor must take ``use_grad_sync``; ``tick_tock``'s and ``burst_parallel``'s do)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ input requires grad), so every rank takes part in the same backward transfers. T
 is gathered to every rank, so every rank computes the same global loss, and backward sends each
 row's gradient back to the rank that computed the row. A parameter's gradient is then summed
 over the ranks of its layer (a subgroup all-reduce) and broadcast to the other ranks, so every
-replica takes the same optimizer step and the parameters stay identical everywhere. Without a
+replica takes the same optimizer step and the parameters stay identical everywhere (through a
+``GradSync`` when the ``compression`` pass wraps the sync). Without a
 process group (one process) the ops are the identity and ``step`` is plain training.
 
 Example:
@@ -37,6 +38,7 @@ import torch.fx as fx
 from tidal.ir import meta
 from tidal.ir.collectives import SubgroupCache
 from tidal.runtime.distributed import is_distributed
+from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 
 _NO_GRAD = (torch.detach, torch.Tensor.detach)
 
@@ -105,6 +107,14 @@ class BurstExecutor:
         self.groups = SubgroupCache()
         self._ready = False
         self._local: Optional[tuple[fx.GraphModule, fx.GraphModule]] = None
+        self._sync_factory: Optional[GradSyncFactory] = None
+        self._syncs: dict[tuple[int, ...], GradSync] = {}
+
+    def use_grad_sync(self, factory: GradSyncFactory) -> None:
+        """Sync each set of ranks' gradients through ``factory(group)`` (a :class:`GradSync`,
+        e.g. a compressor from the ``compression`` pass) instead of a plain all-reduce."""
+        self._sync_factory = factory
+        self._syncs = {}
 
     def _check(self, inputs: tuple) -> None:
         size = dist.get_world_size()
@@ -148,27 +158,43 @@ class BurstExecutor:
         return loss.detach()
 
     def sync_gradients(self, gm: fx.GraphModule) -> None:
-        """Sum each parameter's gradient over its layer's ranks and give it to every rank."""
+        """Sum each parameter's gradient over its layer's ranks and give it to every rank.
+
+        Each rank's gradient is already its share of the global-batch gradient (the loss is
+        scaled by its rows), so the sync is a sum; through a :class:`GradSync` (which averages)
+        the result is scaled back by the number of ranks."""
         rank, size = dist.get_rank(), dist.get_world_size()
-        by_ranks: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
+        by_ranks: dict[tuple[int, ...], list[tuple[str, torch.nn.Parameter]]] = {}
         everyone = tuple(range(size))
         for name, p in gm.named_parameters():
             if not p.requires_grad:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            by_ranks.setdefault(self.param_ranks.get(name, everyone), []).append(p)
+            by_ranks.setdefault(self.param_ranks.get(name, everyone), []).append((name, p))
         for ranks in sorted(by_ranks):
-            params = by_ranks[ranks]
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            if len(ranks) == size:
-                dist.all_reduce(flat)
+            named = by_ranks[ranks]
+            group = None if len(ranks) == size else self.groups.get(ranks)
+            if rank in ranks:
+                flat = self._summed(ranks, group, named)
             else:
-                if rank in ranks:
-                    dist.all_reduce(flat, group=self.groups.get(ranks))
+                flat = torch.empty(sum(p.numel() for _, p in named), dtype=named[0][1].dtype)
+            if len(ranks) < size:
                 dist.broadcast(flat, src=ranks[0])
             offset = 0
-            for p in params:
+            for _, p in named:
                 n = p.grad.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+
+    def _summed(self, ranks: tuple[int, ...], group: Optional[dist.ProcessGroup],
+                named: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+        """The gradients of ``named`` summed over ``ranks`` (this rank is one of them), flat."""
+        if self._sync_factory is None:
+            flat = torch.cat([p.grad.reshape(-1) for _, p in named])
+            dist.all_reduce(flat, group=group)
+            return flat
+        if ranks not in self._syncs:
+            self._syncs[ranks] = self._sync_factory(group)
+        synced = self._syncs[ranks]({n: p.grad for n, p in named})
+        return torch.cat([synced[n].reshape(-1) for n, _ in named]) * len(ranks)

@@ -91,9 +91,9 @@ def _worker(rank: int, size: int, port: int, timeout_s: float, fn: Callable, arg
         dist.init_process_group("gloo", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            out = fn(rank, size, *args)
-            pickle.dumps(out)
-            results.put((rank, "ok", out))
+            # plain pickle bytes: tensors travel by value, not as shared-memory handles that
+            # vanish when this process exits before the parent reads them
+            results.put((rank, "ok", pickle.dumps(fn(rank, size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # report every failure to the parent, then exit
@@ -158,7 +158,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
                 continue
             if status == "error":
                 raise _root_cause({rank: value}, results)
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)

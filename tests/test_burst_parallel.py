@@ -233,3 +233,43 @@ def test_report_artifacts_replay_and_fallback():
         tidal.compile(model, (x,), passes=[BurstParallel()], cluster=_cluster(6))
     with pytest.raises(PassError, match="batch of 8.*smaller than the 16 GPUs|global batch"):
         tidal.compile(model, (x,), passes=[BurstParallel()], cluster=_cluster(16))
+
+
+def _composed(rank, size):
+    """burst_parallel alone, then with the compression pass off / Top-K 100 % / PowerSGD-1."""
+    from tidal.passes.compression import CompressionPass
+
+    torch.set_default_dtype(torch.float64)
+    x, y = _data()
+    out = {}
+    for tag, extra in (("plain", []), ("off", [CompressionPass(mode="off")]),
+                       ("topk1", [CompressionPass(compressor="topk:1.0")]),
+                       ("psgd1", [CompressionPass(compressor="powersgd:1")])):
+        torch.manual_seed(0)
+        model = MODELS["chain"]().double()
+        plan = _hand_plan(model, x, size, ("cycle", [1, 2])).to_json()
+        compiled = tidal.compile(model, (x,), passes=[BurstParallel(plan=plan)] + extra,
+                                 cluster=_cluster(size), loss_fn=F.cross_entropy,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+        grads = []
+        for _ in range(2):
+            compiled.step((x,), y)
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        out[tag] = grads
+    return out
+
+
+def test_compression_wraps_the_burst_sync():
+    results = spawn(_composed, 2, timeout_s=300)
+    for r in results:
+        for step, plain in enumerate(r["plain"]):
+            for name, g in plain.items():
+                # off is the same sum (averaged, then scaled back by the rank count)
+                torch.testing.assert_close(r["off"][step][name], g, rtol=1e-12, atol=1e-12)
+                # compressors send float32 on the wire: float32 rounding of float64 gradients
+                torch.testing.assert_close(r["topk1"][step][name], g, rtol=1e-6, atol=1e-8)
+        changed = [n for n, g in r["plain"][0].items()
+                   if g.dim() == 2 and not torch.allclose(r["psgd1"][0][n], g)]
+        assert changed, "PowerSGD rank 1 must change a matrix gradient"
+    for name, g in results[0]["psgd1"][-1].items():  # every rank applies the same gradient
+        torch.testing.assert_close(results[1]["psgd1"][-1][name], g, rtol=0, atol=0)

@@ -178,10 +178,12 @@ class Compressor:
         return f"{type(self).__name__}({self.spec()!r}, error_feedback={self.error_feedback})"
 
 
-def plain_message(tensor: torch.Tensor) -> Message:
-    """A tensor sent uncompressed (all-reduce of the float32 values)."""
-    return Message((tensor.detach().to(torch.float32).reshape(-1).clone(),), ALL_REDUCE,
-                   ctx=("plain", tuple(tensor.shape)))
+def plain_message(tensor: torch.Tensor, dtype: Optional[torch.dtype] = torch.float32
+                  ) -> Message:
+    """A tensor sent uncompressed: all-reduce of its values as ``dtype`` (float32, the wire
+    format of the compressors; ``None`` keeps the tensor's own dtype)."""
+    values = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+    return Message((values.reshape(-1).clone(),), ALL_REDUCE, ctx=("plain", tuple(tensor.shape)))
 
 
 def plain_decode(message: Message, reduced: tuple[torch.Tensor, ...], world: World
@@ -206,7 +208,7 @@ class NoCompression(Compressor):
         return True
 
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
-        return plain_message(tensor)
+        return plain_message(tensor, dtype=None)  # in the gradient's dtype: exactly sync SGD
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
                world: World) -> torch.Tensor:

@@ -93,7 +93,8 @@ class PowerSGD(Compressor):
         if old is not None and old.shape[0] == m and old.shape[1] >= r:
             return old[:, :r]
         tag = "init" if self.warm_start else step
-        fresh = torch.randn(m, r, generator=seeded_generator(self.seed, key, tag))
+        fresh = torch.randn(m, r, generator=seeded_generator(self.seed, key, tag),
+                            dtype=torch.float32)
         if old is not None and old.shape[0] == m:
             fresh[:, :old.shape[1]] = old
         return fresh
@@ -105,7 +106,7 @@ class PowerSGD(Compressor):
             return plain_message(tensor)
         n, m = matrix_dims(shape)
         mat = self._with_error(key, tensor).reshape(n, m)
-        q = self._q(key, m, self._rank_for(shape, level))
+        q = self._q(key, m, self._rank_for(shape, level)).to(mat.dtype)
         return Message((mat @ q,), ALL_REDUCE, ctx=("p", shape, mat))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
