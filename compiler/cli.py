@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Write per-pass DOT/SVG graphs and index.html.")
     add_model_args(dump_p)
     dump_p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    dump_p.add_argument("--scaling", metavar="CSV", help="statistical-efficiency table "
+                        "(global_batch,steps): add the simulated weak/strong/batch-optimal "
+                        "scaling chart (DeepPool Fig. 1) to the index")
     for name, module_name, help_text in _SUBCOMMANDS:
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
@@ -103,7 +106,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_dump(args: argparse.Namespace) -> int:
-    index = compile_from_args(args).dump(args.out)
+    index = compile_from_args(args).dump(args.out, scaling=args.scaling)
     print(f"dump: {index}")
     return 0
 

@@ -77,6 +77,17 @@ def test_dump_writes_dot_svg_and_index(tmp_path):
         svgs = list(out.glob("*.svg"))
         assert svgs and "<svg" in svgs[0].read_text()
         assert svgs[0].name in html
+    assert "scaling.txt" not in html
+
+
+def test_dump_adds_the_scaling_chart(tmp_path):
+    out = tmp_path / "dump"
+    table = Path(__file__).resolve().parents[1] / "examples/data/scaling/illustrative_steps.csv"
+    r = run("dump", "vgg16_small", "--batch", "8", "--gpus", "4", "--out", str(out), "--scaling",
+            str(table))
+    assert r.returncode == 0, r.stderr
+    assert "scaling.txt" in (out / "index.html").read_text()
+    assert "weak" in (out / "scaling.txt").read_text()
 
 
 def test_help_texts():
