@@ -17,11 +17,25 @@ model lives in ``clustered_attention``):
   representative is the member most similar on average to the others; under grouped-query
   attention it is chosen among members whose KV head is already needed, when possible, so that
   whole KV heads drop out of the K cache.
-- ``choose_counts``: the accuracy-budgeted choice. Layers are tried from the most redundant
-  (lowest area under the normalised error curve); for each, the smallest k whose metric stays
-  within the budget (default: perplexity +3 % relative, or embedding cosine >= 0.99) is kept
-  together with the layers already accepted; a layer for which even k = H - 1 breaks the budget
-  stays unclustered (``None``).
+- ``choose_counts``: the accuracy-budgeted choice, made so that it holds on text it has not
+  seen. The calibration set is split in two (``split_holdout``: every other batch by default):
+  1. *Choose* on the first split under a tighter internal budget (``margin`` times the
+     tolerance; default half: perplexity +1.5 % relative, or embedding cosine >= 0.995 for a
+     0.99 budget). Layers are tried from the most redundant (lowest area under the normalised
+     error curve); for each, the smallest k whose metric stays within the internal budget is
+     kept together with the layers already accepted; a layer for which even k = H - 1 breaks
+     it stays unclustered (``None``).
+  2. *Verify* the accepted layers on the held-out split under the full budget (default
+     perplexity +3 % relative, or cosine >= 0.99). If they break it, the last-accepted layers
+     are backed off until the held-out check fits: first softened to the mildest clustering
+     (k = H - 1), then, if all of them at k = H - 1 still break it, dropped. The rungs of
+     this ladder (all as chosen; the first j as chosen and the rest at H - 1; all at H - 1;
+     the first j at H - 1 and the rest dropped; none) are ordered from most to least
+     clustering, and the highest rung that fits is found by bisection; with no layer left
+     the model stays unchanged.
+  Greedy acceptance on one text overfits it (each layer and its smallest k are accepted
+  exactly when the cost happens to look small there); the margin leaves room for that, and
+  the held-out check catches what the margin did not.
 - ``ChaiPlan``: the per-layer choices (chosen k, elbow k, the error curve, CHAI-static
   membership) with an exact JSON round trip.
 
@@ -38,9 +52,9 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -266,26 +280,70 @@ class Budget:
         """E.g. ``perplexity within +3.0%``."""
         if self.metric == "perplexity":
             return f"perplexity within +{self.tolerance:.1%}"
-        return f"embedding cosine >= {self.min_cosine}"
+        return f"embedding cosine >= {self.min_cosine:.4g}"
+
+    def tightened(self, margin: float) -> "Budget":
+        """The budget with ``margin`` (0..1] of its allowance: the perplexity tolerance times
+        ``margin``, or ``1 - (1 - min_cosine) * margin``."""
+        if not 0 < margin <= 1:
+            raise ValueError(f"margin must be in (0, 1], got {margin!r}")
+        return replace(self, tolerance=self.tolerance * margin,
+                       min_cosine=1 - (1 - self.min_cosine) * margin)
+
+
+def split_holdout(batches: Sequence[Any], holdout: float = 0.5) -> tuple[list, list]:
+    """``(choose, check)``: the calibration ``batches`` split so that a share ``holdout`` of
+    them, spread evenly (every other batch for 0.5), is held out for the check."""
+    if not 0 < holdout < 1:
+        raise ValueError(f"holdout must be in (0, 1), got {holdout!r}")
+    check = [i for i in range(len(batches)) if int((i + 1) * holdout) > int(i * holdout)]
+    choose = [i for i in range(len(batches)) if i not in check]
+    if not choose or not check:
+        raise ValueError(f"holdout={holdout} of {len(batches)} calibration batch(es) leaves "
+                         f"one side empty: give at least 2 batches (or holdout=None)")
+    return [batches[i] for i in choose], [batches[i] for i in check]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose_counts`` decided: ``counts`` (layer -> k, None: unclustered), the metric
+    on the choose split (``metric``) and on the held-out split (``held_out``, NaN without a
+    check) for those counts, the layers ``backed_off`` by the held-out check (in the order
+    they were dropped), the number of ``evaluations``, and the layers ``softened`` by the
+    check to k = H - 1."""
+
+    counts: dict[int, Optional[int]]
+    metric: float
+    held_out: float
+    backed_off: tuple[int, ...]
+    evaluations: int
+    softened: tuple[int, ...] = ()
 
 
 def choose_counts(errors: Mapping[int, Sequence[float]],
                   evaluate: Callable[[Mapping[int, int]], float], budget: Budget,
-                  baseline: float, log: Callable[[str], None] = lambda m: None
-                  ) -> tuple[dict[int, Optional[int]], float, int]:
-    """Each layer's cluster count under ``budget`` (see the module docstring).
+                  baseline: float, log: Callable[[str], None] = lambda m: None, *,
+                  check: Optional[Callable[[Mapping[int, int]], float]] = None,
+                  check_baseline: Optional[float] = None, margin: float = 0.5) -> Choice:
+    """Each layer's cluster count under ``budget`` (rule in the module docstring).
 
-    ``errors[layer]`` is the layer's error curve (k = 1..H); ``evaluate(counts)`` the metric
-    with ``counts`` (layer -> k) clustered and the other layers intact. Returns the counts
-    (None: unclustered), the final metric and the number of evaluations. Assumes the metric
-    is monotone in k within a layer (binary search).
+    ``errors[layer]`` is the layer's error curve (k = 1..H); ``evaluate(counts)`` the metric on
+    the choose split with ``counts`` (layer -> k) clustered and the other layers intact, and
+    ``baseline`` its value with none clustered; ``check``/``check_baseline`` the same on the
+    held-out split (None: no held-out check, only the internal budget). The choice is made
+    under ``budget.tightened(margin)`` and verified under ``budget``. Assumes the metric is
+    monotone in k within a layer and in the number of clustered layers (bisection).
     """
-    chosen: dict[int, int] = {}
-    final, evals = baseline, 0
+    if check is not None and check_baseline is None:
+        raise ValueError("choose_counts: check needs check_baseline (its metric unclustered)")
+    inner = budget.tightened(margin)
+    accepted: list[tuple[int, int, float]] = []      # (layer, k, choose metric) in order
+    evals = 0
     for layer in sorted(errors, key=lambda l: (redundancy(errors[l]), l)):
         h = len(errors[layer])
         if h < 2:
             continue
+        chosen = {l: k for l, k, _ in accepted}
         cache: dict[int, float] = {}
 
         def ok(k: int) -> bool:
@@ -293,7 +351,7 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
             if k not in cache:
                 cache[k] = evaluate({**chosen, layer: k})
                 evals += 1
-            return budget.allows(cache[k], baseline)
+            return inner.allows(cache[k], baseline)
 
         if not ok(h - 1):
             log(f"layer {layer}: unclustered (k={h - 1} gives {cache[h - 1]:.4g})")
@@ -305,10 +363,59 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
                 hi = mid
             else:
                 lo = mid + 1
-        chosen[layer] = hi
-        final = cache[hi]
-        log(f"layer {layer}: k={hi} ({final:.4g})")
-    return {l: chosen.get(l) for l in sorted(errors)}, final, evals
+        accepted.append((layer, hi, cache[hi]))
+        log(f"layer {layer}: k={hi} ({cache[hi]:.4g})")
+
+    heads = {l: len(errors[l]) for l in errors}
+    size = len(accepted)
+
+    def ladder(n: int) -> dict[int, int]:
+        """Rung ``n`` of the back-off ladder (0: nothing clustered, 2 * size: as chosen): up to
+        ``size``, the first n accepted layers at the mildest k = H - 1; beyond, all of them,
+        the first n - size at their chosen k and the rest at H - 1."""
+        if n <= size:
+            return {l: heads[l] - 1 for l, _, _ in accepted[:n]}
+        return {l: (k if i < n - size else heads[l] - 1)
+                for i, (l, k, _) in enumerate(accepted)}
+
+    rung, held_out = 2 * size, math.nan
+    if check is not None:
+        results = {0: check_baseline}
+
+        def fits(n: int) -> bool:
+            nonlocal evals
+            if n not in results:
+                results[n] = check(ladder(n))
+                evals += 1
+                log(f"held-out check, back-off rung {n}/{2 * size} "
+                    f"({ladder(n)}): {results[n]:.4g}")
+            return budget.allows(results[n], check_baseline)
+
+        if size and not fits(rung):
+            lo, hi = 0, rung       # rung lo fits, rung hi does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+            rung = lo
+        held_out = results[rung] if size else check_baseline
+    final = ladder(rung)
+    backed = tuple(l for l, _, _ in reversed(accepted) if l not in final)
+    softened = tuple(l for l, k, _ in accepted if l in final and final[l] != k)
+    if backed or softened:
+        log(f"held-out check: backed off layer(s) {list(backed)}, softened to k = H - 1: "
+            f"{list(softened)}")
+    if rung == 2 * size:
+        metric = accepted[-1][2] if accepted else baseline
+    elif not final:
+        metric = baseline
+    else:
+        metric = evaluate(final)
+        evals += 1
+    return Choice({l: final.get(l) for l in sorted(errors)}, metric, held_out, backed,
+                  evals, softened)
 
 
 @dataclass(frozen=True)
@@ -351,6 +458,10 @@ class ChaiPlan(Plan):
     baseline_metric: float = 0.0
     final_metric: float = 0.0
     verdict: str = ""
+    held_out_baseline: float = 0.0
+    held_out_metric: float = 0.0
+    backed_off: tuple[int, ...] = ()
+    softened: tuple[int, ...] = ()
 
     def counts(self) -> dict[int, Optional[int]]:
         """Layer index -> chosen k (None: unclustered)."""
@@ -375,7 +486,12 @@ class ChaiPlan(Plan):
                          f"{c.elbow_k:>5} {'-' if c.chosen_k is None else c.chosen_k:>6}  {curve}")
         if self.budget:
             lines.append(f"budget: {self.budget}; metric {self.baseline_metric:.4g} -> "
-                         f"{self.final_metric:.4g}")
+                         f"{self.final_metric:.4g} on the choose split")
+        if self.held_out_baseline:
+            lines.append(f"held-out check: {self.held_out_baseline:.4g} -> "
+                         f"{self.held_out_metric:.4g}; layers backed off: "
+                         f"{', '.join(map(str, self.backed_off)) or 'none'}; softened to "
+                         f"k = H - 1: {', '.join(map(str, self.softened)) or 'none'}")
         if self.verdict:
             lines.append(self.verdict)
         return "\n".join(lines)

@@ -49,7 +49,8 @@ from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.passes.attention_match import AttentionMatch, find_attention, no_attention_message
 from tidal.passes.chai_calibrate import (FIRST_TOKENS, Budget, ChaiPlan, HeadStats, LayerChoice,
                                          Membership, check_count, choose_counts, elbow,
-                                         head_features, membership, static_membership, verdict)
+                                         head_features, membership, split_holdout,
+                                         static_membership, verdict)
 
 PASS_NAME = "clustered_attention"
 
@@ -402,14 +403,23 @@ def clustered_graph(model: torch.nn.Module, example_inputs: Any,
 def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
               budget: Budget = Budget(),
               embed: Optional[Callable[[Any, tuple], torch.Tensor]] = None,
+              holdout: Optional[float] = 0.5, margin: float = 0.5,
               model_name: str = "the model", log: Callable[[str], None] = lambda m: None
               ) -> ChaiPlan:
     """CHAI's offline phase on ``batches`` (tuples of positional inputs, e.g. ``(ids,)``).
 
-    Collects every layer's clustering-error curve (k = 1..H) and elbow, then chooses each
-    layer's k under ``budget`` (``chai_calibrate.choose_counts``). With ``budget.metric ==
-    "cosine"``, ``embed(outputs, batch)`` gives the embeddings compared with the original's.
+    Collects every layer's clustering-error curve (k = 1..H) and elbow on all ``batches``,
+    then chooses each layer's k (``chai_calibrate.choose_counts``): on the batches
+    ``split_holdout`` keeps for choosing, under ``budget.tightened(margin)``, verified on the
+    share ``holdout`` held out under ``budget`` itself, backing off the last-accepted layers
+    (to k = H - 1, then out) until that check fits. ``holdout=None``: no check, every batch
+    chooses (still under the tightened budget). With ``budget.metric == "cosine"``,
+    ``embed(outputs, batch)`` gives the embeddings compared with the original's.
     """
+    if holdout is None:
+        choose_set, check_set = list(batches), []
+    else:
+        choose_set, check_set = split_holdout(batches, holdout)
     gm = clustered_graph(model, batches[0])
     modules = chai_modules(gm)
     stats = HeadStats()
@@ -424,24 +434,35 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
         if embed is None:
             raise ValueError("calibrate: budget metric 'cosine' needs embed(outputs, batch)")
         with torch.no_grad():
-            reference = [embed(gm(*b), b) for b in batches]
+            reference = {id(b): embed(gm(*b), b) for b in batches}
 
-        def metric(counts: dict) -> float:
-            set_counts(gm, counts)
-            with torch.no_grad():
-                sims = [F.cosine_similarity(embed(gm(*b), b), r, dim=-1)
-                        for b, r in zip(batches, reference)]
-            return torch.cat(sims).mean().item()
+        def metric_on(subset: Sequence[tuple]) -> Callable[[dict], float]:
+            def metric(counts: dict) -> float:
+                set_counts(gm, counts)
+                with torch.no_grad():
+                    sims = [F.cosine_similarity(embed(gm(*b), b), reference[id(b)], dim=-1)
+                            for b in subset]
+                return torch.cat(sims).mean().item()
+            return metric
     else:
-        def metric(counts: dict) -> float:
-            set_counts(gm, counts)
-            return perplexity(gm, batches)
+        def metric_on(subset: Sequence[tuple]) -> Callable[[dict], float]:
+            def metric(counts: dict) -> float:
+                set_counts(gm, counts)
+                return perplexity(gm, subset)
+            return metric
 
-    baseline = metric({})
+    choose_metric = metric_on(choose_set)
+    check_metric = metric_on(check_set) if check_set else None
+    baseline = choose_metric({})
+    check_baseline = check_metric({}) if check_metric else None
     errors = {m.layer: stats.errors(m.layer) for m in modules}
-    counts, final, evals = choose_counts(errors, metric, budget, baseline, log)
+    choice = choose_counts(errors, choose_metric, budget, baseline, log, check=check_metric,
+                           check_baseline=check_baseline, margin=margin)
+    counts = choice.counts
     set_counts(gm, {})
-    log(f"{evals} evaluations; {budget.metric} {baseline:.4g} -> {final:.4g}")
+    log(f"{choice.evaluations} evaluations; {budget.metric} {baseline:.4g} -> "
+        f"{choice.metric:.4g} (choose split)"
+        + (f", {check_baseline:.4g} -> {choice.held_out:.4g} (held out)" if check_set else ""))
     layers = []
     for m, match in zip(modules, find_attention(trace(model, batches[0]), model)):
         k = counts[m.layer]
@@ -450,5 +471,11 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
             m.layer, match.scope, m.num_heads, m.num_kv_heads, match.head_dim, k,
             elbow(errors[m.layer]), errors[m.layer],
             static.labels if static else (), static.representatives if static else ()))
-    return ChaiPlan(tuple(layers), budget=budget.describe(), baseline_metric=baseline,
-                    final_metric=final, verdict=verdict(layers, model_name))
+    rule = (f"{budget.describe()} (chosen under {budget.tightened(margin).describe()} on "
+            f"{len(choose_set)} batch(es)"
+            + (f", verified on {len(check_set)} held-out batch(es))" if check_set else ")"))
+    return ChaiPlan(tuple(layers), budget=rule, baseline_metric=baseline,
+                    final_metric=choice.metric, verdict=verdict(layers, model_name),
+                    held_out_baseline=check_baseline or 0.0,
+                    held_out_metric=choice.held_out if check_set else 0.0,
+                    backed_off=choice.backed_off, softened=choice.softened)

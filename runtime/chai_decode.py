@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -199,18 +199,21 @@ class ChaiDecoder:
         cl = self._clusters(mem)
         state.clusters[i] = cl
         out_head = p5 @ vf[:, :, :f]
-        reps = torch.tensor(mem.representatives)
-        q_rep = q[:, reps, f:]                                   # [B, k, T-f, D]
-        k_rep = k[:, [self.kv_of_head[r] for r in mem.representatives]]
-        causal = torch.ones(t - f, t, dtype=torch.bool).tril(f)
-        p = (q_rep @ k_rep.transpose(-1, -2) * scale).masked_fill(~causal, -math.inf).softmax(-1)
         out_tail = q.new_empty(b, self.heads, t - f, self.head_dim)
-        for c in range(len(mem.representatives)):
+        d = self.head_dim
+        for c, rep in enumerate(mem.representatives):
+            # one causal SDPA per cluster: the representative's Q and K (expanded, not
+            # copied) against the V heads its members read (a fused kernel needs V as wide
+            # as K, so the V heads are not concatenated)
             members = [h for h, lab in enumerate(mem.labels) if lab == c]
             kvs = sorted({self.kv_of_head[h] for h in members})
-            res = p[:, c:c + 1] @ v[:, kvs]                      # [B, |kvs|, T-f, D]
+            kr = self.kv_of_head[rep]
+            shape = (b, len(kvs), t, d)
+            res = F.scaled_dot_product_attention(
+                q[:, rep:rep + 1].expand(shape), k[:, kr:kr + 1].expand(shape), v[:, kvs],
+                is_causal=True, scale=scale)                     # [B, |kvs|, T, D]
             for h in members:
-                out_tail[:, h] = res[:, kvs.index(self.kv_of_head[h])]
+                out_tail[:, h] = res[:, kvs.index(self.kv_of_head[h]), f:]
         return torch.cat((out_head, out_tail), dim=2)
 
     def _step_attention(self, i: int, q, state: DecodeState, n: int) -> torch.Tensor:
@@ -248,10 +251,11 @@ class ChaiDecoder:
         return F.linear(_rms(x, self.norm, self.eps), self.lm_head)
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, max_len: Optional[int] = None
-                ) -> tuple[torch.Tensor, DecodeState]:
-        """Run the prompt; returns the logits of every prompt position and the cache (sized
-        ``max_len``, default the prompt length + 64)."""
+    def prefill(self, input_ids: torch.Tensor, max_len: Optional[int] = None, *,
+                last_only: bool = False) -> tuple[torch.Tensor, DecodeState]:
+        """Run the prompt; returns the logits of every prompt position (``last_only``: of the
+        last one, ``[B, 1, vocab]``) and the cache (sized ``max_len``, default the prompt
+        length + 64)."""
         b, t = input_ids.shape
         state = self.new_state(b, max_len or min(t + 64, self.max_positions))
         cos, sin = self._rope(0, t)
@@ -268,7 +272,7 @@ class ChaiDecoder:
             x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.wo)
             x = self._mlp(layer, x)
         state.length = t
-        return self._logits(x), state
+        return self._logits(x[:, -1:] if last_only else x), state
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor, state: DecodeState) -> torch.Tensor:
@@ -294,7 +298,8 @@ class ChaiDecoder:
         """Greedily append ``max_new_tokens`` tokens to ``input_ids`` ``[B, T]``."""
         if max_new_tokens <= 0:
             return input_ids
-        logits, state = self.prefill(input_ids, input_ids.shape[1] + max_new_tokens)
+        logits, state = self.prefill(input_ids, input_ids.shape[1] + max_new_tokens,
+                                     last_only=True)
         tokens = [input_ids]
         for n in range(max_new_tokens):
             nxt = logits[:, -1:].argmax(-1)

@@ -5,8 +5,9 @@ import torch
 
 from tidal.ir.plan import Plan
 from tidal.passes.chai_calibrate import (Budget, ChaiPlan, LayerChoice, choose_counts, elbow,
-                                         kmeans_errors, membership, verdict)
-from tidal.passes.clustered_attention import calibrate
+                                         kmeans_errors, membership, split_holdout, verdict)
+from tidal.passes.clustered_attention import (ClusteredAttention, calibrate, clustered_graph,
+                                              perplexity)
 from examples.models import llama_small
 
 
@@ -45,10 +46,99 @@ def test_choose_counts_respects_budget_and_leaves_layers_unclustered():
     def evaluate(counts):
         return 10.0 * (1 + sum(cost[l][k] for l, k in counts.items()))
 
-    counts, final, evals = choose_counts(errors, evaluate, Budget(tolerance=0.03), 10.0)
-    assert counts == {0: 2, 1: None}
-    assert final == pytest.approx(10.1)
-    assert evals <= 4
+    choice = choose_counts(errors, evaluate, Budget(tolerance=0.03), 10.0, margin=1.0)
+    assert choice.counts == {0: 2, 1: None}
+    assert choice.metric == pytest.approx(10.1)
+    assert choice.evaluations <= 4 and choice.backed_off == ()
+
+
+def additive(costs, baseline=10.0):
+    """A metric that adds each clustered layer's relative cost (k does not matter)."""
+    return lambda counts: baseline * (1 + sum(costs[l] for l, k in counts.items() if k))
+
+
+# layers tried in order 0, 1, 2, 3 (most redundant first)
+ERRORS = {l: (1.0, 0.1 + 0.1 * l, 0.05 + 0.1 * l, 0.0) for l in range(4)}
+
+
+def test_margin_tightens_the_choice():
+    cheap = additive({0: 0.002, 1: 0.002, 2: 0.02, 3: 0.002})
+    # full budget (margin 1): layer 2's +2 % fits beside the others
+    assert choose_counts(ERRORS, cheap, Budget(tolerance=0.03), 10.0,
+                         margin=1.0).counts[2] == 1
+    # default margin 0.5: chosen under +1.5 %, so layer 2 stays unclustered
+    choice = choose_counts(ERRORS, cheap, Budget(tolerance=0.03), 10.0)
+    assert choice.counts == {0: 1, 1: 1, 2: None, 3: 1}
+    assert choice.metric <= 10.0 * 1.015 + 1e-12
+    with pytest.raises(ValueError, match="margin"):
+        Budget().tightened(0.0)
+
+
+def costed(costs, baseline=10.0, heads=4):
+    """A metric adding each clustered layer's relative cost, full at k = 1 and falling
+    linearly to a third of it at k = H - 1 (k = H would cost nothing)."""
+    return lambda counts: baseline * (1 + sum(costs[l] * (heads - k) / (heads - 1)
+                                              for l, k in counts.items() if k))
+
+
+def test_held_out_check_softens_last_accepted_layers():
+    # On the choose split every layer looks cheap (+0.2 % each at k = 1); on the held-out
+    # split layers 2 and 3 are expensive (+3 % each at k = 1, +1 % at k = 3).
+    choose = costed({l: 0.002 for l in range(4)})
+    check = costed({0: 0.002, 1: 0.002, 2: 0.03, 3: 0.03}, baseline=20.0)
+    budget = Budget(tolerance=0.03)
+    unchecked = choose_counts(ERRORS, choose, budget, 10.0)
+    assert all(k == 1 for k in unchecked.counts.values())
+    assert not budget.allows(check(unchecked.counts), 20.0)   # the choice overfits
+    choice = choose_counts(ERRORS, choose, budget, 10.0, check=check, check_baseline=20.0)
+    assert choice.counts == {0: 1, 1: 1, 2: 3, 3: 3}          # last two softened to H - 1
+    assert choice.softened == (2, 3) and choice.backed_off == ()
+    assert budget.allows(choice.held_out, 20.0)
+    assert choice.held_out == pytest.approx(check(choice.counts))
+    assert choice.metric == pytest.approx(choose(choice.counts))
+
+
+def test_held_out_check_drops_last_accepted_layers():
+    choose = costed({l: 0.001 for l in range(4)})
+    check = costed({l: 0.05 for l in range(4)})       # +1.7 % per layer even at k = H - 1
+    choice = choose_counts(ERRORS, choose, Budget(tolerance=0.03), 10.0, check=check,
+                           check_baseline=10.0)
+    assert choice.counts == {0: 3, 1: None, 2: None, 3: None}
+    assert choice.backed_off == (3, 2, 1) and choice.softened == (0,)
+    assert choice.held_out == pytest.approx(check(choice.counts))
+    assert choice.metric == pytest.approx(choose(choice.counts))
+
+
+def test_held_out_check_can_back_off_every_layer():
+    choose = costed({l: 0.001 for l in range(4)})
+    check = costed({l: 0.2 for l in range(4)})
+    choice = choose_counts(ERRORS, choose, Budget(tolerance=0.03), 10.0, check=check,
+                           check_baseline=10.0)
+    assert choice.counts == {l: None for l in range(4)}
+    assert choice.backed_off == (3, 2, 1, 0)
+    assert choice.held_out == 10.0 and choice.metric == 10.0
+    with pytest.raises(ValueError, match="check_baseline"):
+        choose_counts(ERRORS, choose, Budget(), 10.0, check=check)
+
+
+def test_cosine_budget_check():
+    # embedding cosine: higher is better; the held-out split drops below 0.99 with layer 1
+    choose = lambda counts: 1.0 - 0.001 * sum(bool(k) for k in counts.values())
+    check = lambda counts: choose(counts) - (0.02 if counts.get(1) else 0.0)
+    budget = Budget("cosine", min_cosine=0.99)
+    assert budget.tightened(0.5).min_cosine == pytest.approx(0.995)
+    choice = choose_counts(ERRORS, choose, budget, 1.0, check=check, check_baseline=1.0)
+    assert choice.counts == {0: 3, 1: None, 2: None, 3: None}
+    assert choice.backed_off == (3, 2, 1)
+
+
+def test_split_holdout_interleaves_and_rejects_one_batch():
+    assert split_holdout(list("abcd")) == (["a", "c"], ["b", "d"])
+    assert split_holdout(list("abcdef"), 1 / 3) == (["a", "b", "d", "e"], ["c", "f"])
+    with pytest.raises(ValueError, match="at least 2 batches"):
+        split_holdout(["a"])
+    with pytest.raises(ValueError, match="holdout"):
+        split_holdout(list("ab"), 1.0)
 
 
 def test_plan_json_round_trip_and_table():
@@ -66,10 +156,17 @@ def test_plan_json_round_trip_and_table():
 def test_calibrate_tiny_lm_within_budget_and_verdicts():
     torch.manual_seed(0)
     model = llama_small().eval()
-    batches = [(torch.randint(0, 256, (2, 24)),) for _ in range(2)]
+    batches = [(torch.randint(0, 256, (2, 24)),) for _ in range(4)]
     plan = calibrate(model, batches, budget=Budget(tolerance=0.03))
     assert len(plan.layers) == 2 and all(len(c.errors) == 4 for c in plan.layers)
-    assert plan.final_metric <= plan.baseline_metric * 1.03
+    assert plan.final_metric <= plan.baseline_metric * 1.015 + 1e-9     # internal budget
+    # the held-out metric is the chosen model's perplexity on the held-out batches 1 and 3
+    held = [batches[1], batches[3]]
+    orig = perplexity(clustered_graph(model, batches[0]), held)
+    chosen = perplexity(clustered_graph(model, batches[0], ClusteredAttention(plan=plan)), held)
+    assert plan.held_out_baseline == pytest.approx(orig)
+    assert plan.held_out_metric == pytest.approx(chosen)
+    assert chosen <= orig * 1.03
     assert all(1 <= c.elbow_k <= 4 for c in plan.layers)
     loose = calibrate(model, batches, budget=Budget(tolerance=10.0))
     assert loose.counts() == {0: 1, 1: 1}
@@ -77,3 +174,5 @@ def test_calibrate_tiny_lm_within_budget_and_verdicts():
     never = calibrate(model, batches, budget=Budget(tolerance=-1.0), model_name="tiny")
     assert never.counts() == {0: None, 1: None}
     assert "too little head redundancy" in never.verdict
+    with pytest.raises(ValueError, match="at least 2 batches"):
+        calibrate(model, batches[:1])

@@ -103,6 +103,7 @@ def test_decoder_unclustered_equals_model(source):
     torch.testing.assert_close(torch.cat(steps, 1), full[:1], **TOL)
     plain = ChaiDecoder(model)
     torch.testing.assert_close(plain.prefill(ids)[0], full, **TOL)
+    torch.testing.assert_close(plain.prefill(ids, last_only=True)[0], full[:, -1:], **TOL)
     if source == "zoo":
         assert torch.equal(plain.generate(ids, 5), generate(model, ids, 5))
 
