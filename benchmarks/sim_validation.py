@@ -4,8 +4,12 @@ Inputs of the prediction, all measured before and apart from the runs being pred
 
 * a per-layer CPU profile (tidal's profiler, 1 thread) at the per-rank batches the plans use,
   calibrated in context: per batch, the profile is scaled so that its layers add up to a whole
-  forward + backward step of the model timed on one process (``ir.profiler.time_training_step``
-  and ``calibrate_profile``); the optimizer step timed there is an ``update`` task on every rank;
+  forward + backward step of the model (``ir.profiler.time_training_step`` and
+  ``calibrate_profile``), timed with every core busy: one process per core runs the same local
+  step at once, with no communication, and the slowest one counts (``--calibrate cores``; a
+  synchronous step waits for its slowest rank, and busy cores slow each other through shared
+  caches and memory). ``--calibrate one`` times it on one process alone. The optimizer step
+  timed there is an ``update`` task on every rank;
 * the gloo link of each world size (``runtime.link_fit.measure_ring_link``, ring all-reduce
   latency and bandwidth);
 * the machine's core count: ranks beyond it share the cores, simulated as processor sharing of
@@ -69,6 +73,22 @@ def _timed(step, steps: int, stat) -> float:
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return STATS[stat](times) * 1e6
+
+
+def _calib_worker(rank: int, size: int, name: str, batches, steps: int, stat: str):
+    """This rank's local training-step times (no communication) per batch, all ranks at once."""
+    model = ZOO[name]()
+    gm = tidal.compile(model, model.example_inputs(max(batches))).graph_module
+    return {b: time_training_step(gm, model.example_inputs(b), model.example_targets(b),
+                                  model.default_loss, repeats=steps, stat=stat)
+            for b in batches}
+
+
+def _step_times(name: str, batches, steps: int, stat: str, processes: int) -> dict:
+    """Per batch, the (fwd+bwd, update) step time of the slowest of ``processes`` processes
+    running the local step at the same time (one process: plain ``time_training_step``)."""
+    ranks = spawn(_calib_worker, processes, name, batches, steps, stat, timeout_s=900)
+    return {b: max((r[b] for r in ranks), key=lambda t: t.fwd_bwd_us) for b in batches}
 
 
 def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: int, cluster,
@@ -135,6 +155,9 @@ def main(argv=None) -> int:
                         help="estimator of every step time, one-process calibration and "
                              "multi-rank runs alike (default min: least disturbed by other "
                              "processes on a shared machine)")
+    parser.add_argument("--calibrate", choices=("cores", "one"), default="cores",
+                        help="time the one-rank step for calibration with one process per core "
+                             "at once, slowest counts (default), or on one process alone")
     parser.add_argument("--amp-limit", type=float, default=2.0)
     parser.add_argument("--plan", choices=("half", "planner"), default="half",
                         help="burst plan: hand-written, the second half of the layers on half "
@@ -160,13 +183,11 @@ def main(argv=None) -> int:
         batches = sorted({-(-gb // g) for g in (1,) + WORLDS})
         prof = profile_layers(gm, inputs, batches, repeats=5, cache_dir=tempfile.mkdtemp(),
                               progress=False)
-        steps = {}
+        processes = min(cores, max(WORLDS)) if args.calibrate == "cores" else 1
+        steps = _step_times(name, batches, args.steps, args.stat, processes)
         for b in batches:
-            steps[b] = time_training_step(gm, model.example_inputs(b), model.example_targets(b),
-                                          model.default_loss, repeats=args.steps,
-                                          stat=args.stat)
             prof = calibrate_profile(prof, gm, b, steps[b].fwd_bwd_us)
-        print(f"{name}: one-process step (fwd+bwd / optimizer) " + ", ".join(
+        print(f"{name}: local step on {processes} busy core(s) (fwd+bwd / optimizer) " + ", ".join(
             f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
             for b, s in steps.items()))
         lg = layer_graph.build(gm)
