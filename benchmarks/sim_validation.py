@@ -15,7 +15,10 @@ Inputs of the prediction, all measured before and apart from the runs being pred
 * the machine's core count: ranks beyond it share the cores, simulated as processor sharing of
   all compute lanes (``simulate(..., cores=...)``), not as a factor on the result.
 
-Data parallelism is DDP (bucketed all-reduces overlapping backward) and simulated as such. The
+Data parallelism is DDP (bucketed all-reduces overlapping backward) and simulated as such;
+DDP runs with ``broadcast_buffers=False``, since the simulator, like tidal's executors,
+syncs gradients only (DDP's default broadcast of BatchNorm buffers before every forward
+cost resnet50_small about 10 ms a step here). The
 burst plan is hand-written (the first half of the layers on all ranks, the second half on half of
 them: the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
 this profile and link (which on this CPU often puts every layer on one rank); it is run through
@@ -102,7 +105,10 @@ def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: i
     inputs, targets = model.example_inputs(global_batch), model.example_targets(global_batch)
     shard = global_batch // size
     sl = slice(rank * shard, (rank + 1) * shard)
-    ddp = DDP(tidal.compile(model, tuple(x[sl] for x in inputs)).graph_module)
+    # broadcast_buffers=False: the simulator (like tidal's executors) syncs gradients only;
+    # DDP's default re-broadcast of buffers before every forward is not modelled
+    ddp = DDP(tidal.compile(model, tuple(x[sl] for x in inputs)).graph_module,
+              broadcast_buffers=False)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     def dp_step():
