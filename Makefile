@@ -37,7 +37,7 @@ attention-models: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,hf,attention]'
 
 bench-chai: attention-models
-	$(PY) benchmarks/chai.py
+	$(PY) benchmarks/chai.py --repeats 3
 
 clean:
 	rm -rf $(OUT) build *.egg-info
