@@ -16,7 +16,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from tidal.compiler.cli_args import add_model_args, compile_from_args
 from tidal.ir.errors import TidalError
