@@ -11,6 +11,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
@@ -46,6 +47,15 @@ def scatter_us(total_bytes: float, p: int, bytes_per_us: float, latency_us: floa
     """One GPU sends ``(p-1)/p`` of ``total_bytes`` to the others over its own link:
     ``(p-1)·α + (p-1)/p · b/BW``. Gather is the mirror image and costs the same."""
     return all_to_all_us(total_bytes, p, bytes_per_us, latency_us)
+
+
+def tree_broadcast_us(nbytes: float, p: int, bytes_per_us: float, latency_us: float) -> float:
+    """Binomial-tree broadcast (gloo's algorithm) of ``nbytes`` from one GPU to ``p``:
+    ``ceil(log2 p)`` rounds of ``α + b/BW``; 0 on one GPU or for no bytes."""
+    _check(p, bytes_per_us)
+    if p == 1 or nbytes <= 0:
+        return 0.0
+    return math.ceil(math.log2(p)) * (latency_us + nbytes / bytes_per_us)
 
 
 def all_gather_us(nbytes_per_gpu: float, p: int, bytes_per_us: float, latency_us: float) -> float:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tidal
-from tidal.ir.comm_cost import all_to_all_us, ring_allreduce_us
+from tidal.ir.comm_cost import all_to_all_us, ring_allreduce_us, tree_broadcast_us
 from tidal.runtime.sim.engine import Task, simulate
 from tidal.runtime.sim.programs import LayerTimes, data_parallel, layer_times, summarize
 
@@ -354,3 +354,12 @@ def test_wavelet_schedules_rerun_with_contention():
     for spans in lanes.values():
         spans.sort()
         assert all(s1 >= e0 - 1e-9 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+
+
+def test_tree_broadcast_takes_ceil_log2_rounds():
+    # 5 GPUs: 3 rounds (1 -> 2 -> 4 -> 5 holders), each one hop of latency + bytes/bandwidth
+    assert tree_broadcast_us(1000.0, 5, bytes_per_us=10.0, latency_us=2.0) == 3 * (2.0 + 100.0)
+    assert tree_broadcast_us(1000.0, 4, bytes_per_us=10.0, latency_us=2.0) == 2 * 102.0
+    assert tree_broadcast_us(1000.0, 1, bytes_per_us=10.0, latency_us=2.0) == 0.0
+    with pytest.raises(ValueError, match="p=0"):
+        tree_broadcast_us(1.0, 0, bytes_per_us=1.0, latency_us=0.0)

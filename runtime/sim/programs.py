@@ -19,7 +19,6 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,7 +27,8 @@ import torch.fx as fx
 from tidal.ir import cost
 from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS
-from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us
+from tidal.ir.comm_cost import (DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us,
+                                 tree_broadcast_us)
 from tidal.runtime.sim.engine import Interval, Task, simulate
 
 
@@ -192,13 +192,6 @@ def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg") -> li
     return tasks
 
 
-def _tree_broadcast_us(nbytes: float, p: int, bytes_per_us: float, latency_us: float) -> float:
-    """Binomial-tree broadcast (gloo's algorithm): ``ceil(log2 p)`` rounds of ``α + b/BW``."""
-    if p <= 1 or nbytes <= 0:
-        return 0.0
-    return math.ceil(math.log2(p)) * (latency_us + nbytes / bytes_per_us)
-
-
 def burst_execution(plan, preds: dict[str, Sequence[str]],
                     times_at: Callable[[int], LayerTimes], cluster: Cluster,
                     out_bytes: float = 0.0, update_us: float = 0.0,
@@ -287,7 +280,7 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
                         ring_allreduce_us(nbytes, len(ranks), bw, lat), deps)]
         if ranks != everyone:
             deps = [add(f"BC:from {ranks[0]}", "comm", everyone,
-                        _tree_broadcast_us(nbytes, world, bw, lat), deps)]
+                        tree_broadcast_us(nbytes, world, bw, lat), deps)]
     for r in everyone:
         add("update", "compute", (r,), update_us, deps + [d for d in bwd_all
                                                           if r in tasks[d].gpus])
