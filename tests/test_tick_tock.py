@@ -67,17 +67,23 @@ def _reference(world):
     return applied, tick.state_dict(), tock.state_dict()
 
 
-def _run_tick_tock(rank, world):
+def _train(world, extra=()):
+    """tick_tock (plus ``extra`` passes) for STEPS steps: the compiled model and, as plain
+    data, each step's applied wave gradients, the final parameters and the tock replica."""
     model = _model()
     x, y = _data(0)
-    c = tidal.compile(model, x, passes=[TickTock(ranks=world)], example_targets=y,
+    c = tidal.compile(model, x, passes=[TickTock(ranks=world), *extra], example_targets=y,
                       loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
     applied = []
     for step in range(STEPS):
         x, y = _data(step)
         c.step(x, y)
         applied.append({w: dict(g) for w, g in c.executor.last_applied.items()})
-    return _plain((applied, model.state_dict(), c.executor.tock.state_dict()))
+    return c, _plain((applied, model.state_dict(), c.executor.tock.state_dict()))
+
+
+def _run_tick_tock(rank, world):
+    return _train(world)[1]
 
 
 def _plain(obj):
@@ -176,17 +182,8 @@ def _run_composed(rank, world):
     for tag, extra in (("plain", []), ("off", [CompressionPass(mode="off")]),
                        ("topk1", [CompressionPass(compressor="topk:1.0")]),
                        ("psgd1", [CompressionPass(compressor="powersgd:1")])):
-        model = _model()
-        x, y = _data(0)
-        c = tidal.compile(model, x, passes=[TickTock(ranks=world)] + extra, example_targets=y,
-                          loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
-        applied = []
-        for step in range(STEPS):
-            x, y = _data(step)
-            c.step(x, y)
-            applied.append({w: dict(g) for w, g in c.executor.last_applied.items()})
-        specs = {w: s.compressor.spec() for w, s in c.executor.syncs.items()}
-        out[tag] = (_plain((applied, model.state_dict(), c.executor.tock.state_dict())), specs)
+        c, result = _train(world, extra)
+        out[tag] = (result, {w: s.compressor.spec() for w, s in c.executor.syncs.items()})
     return out
 
 
