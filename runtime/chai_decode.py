@@ -33,6 +33,7 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -119,6 +120,16 @@ class ChaiDecoder:
                 a.o_proj.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 torch.cat((m.gate_proj.weight, m.up_proj.weight)).detach(),
                 m.down_proj.weight.detach()))
+        group = self.heads // self.kv_heads
+        self.kv_of_head = tuple(h // group for h in range(self.heads))
+        inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        self.inv_freq = inv
+        self._set_clusters(plan, counts, mode)
+
+    def _set_clusters(self, plan: Optional[ChaiPlan],
+                      counts: Union[int, Sequence[Optional[int]], None],
+                      mode: Optional[str]) -> None:
+        """Each layer's cluster count (and static membership) from ``plan`` or ``counts``."""
         self.first = plan.first_tokens if plan is not None else FIRST_TOKENS
         self.mode = mode or (plan.mode if plan is not None else "online")
         self.static: list[Optional[Membership]] = [None] * len(self.layers)
@@ -140,10 +151,26 @@ class ChaiDecoder:
         for i, k in enumerate(self.counts):
             if k is not None:
                 check_count(k, self.heads, f"layer {i}")
-        group = self.heads // self.kv_heads
-        self.kv_of_head = tuple(h // group for h in range(self.heads))
-        inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
-        self.inv_freq = inv
+
+    def with_clusters(self, plan: Optional[ChaiPlan] = None,
+                      counts: Union[int, Sequence[Optional[int]], None] = None,
+                      mode: Optional[str] = None) -> "ChaiDecoder":
+        """A decoder with other clusters that shares this one's weight tensors (no copy).
+
+        Comparing decoders built this way times only what differs, the attention: separately
+        fused copies of the weights can differ by several percent in speed by where they sit
+        in memory.
+
+        Example:
+            >>> from tidal.examples.models import llama_small
+            >>> full = ChaiDecoder(llama_small().eval())
+            >>> one = full.with_clusters(counts=1)
+            >>> one.lm_head is full.lm_head, one.counts[0], full.counts[0]
+            (True, 1, None)
+        """
+        other = copy.copy(self)
+        other._set_clusters(plan, counts, mode)
+        return other
 
     # --- helpers ---
     def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,6 +121,19 @@ def test_decoder_clustered_matches_graph_semantics():
     torch.testing.assert_close(torch.cat(steps, 1), graph, **TOL)
 
 
+def test_with_clusters_shares_weights_and_decodes_like_a_fresh_decoder():
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    ids = torch.randint(0, 256, (1, 12))
+    full = ChaiDecoder(model)
+    derived = full.with_clusters(counts=[2, 1])
+    assert derived.layers[0].wqkv is full.layers[0].wqkv      # shared, not copied
+    assert full.counts == [None, None]                        # the original is unchanged
+    assert torch.equal(derived.generate(ids, 4), ChaiDecoder(model, counts=[2, 1]).generate(ids, 4))
+    with pytest.raises(ValueError, match="layer 1"):
+        full.with_clusters(counts=[2, 9])
+
+
 def test_k_cache_shrinks_by_exactly_the_dropped_heads():
     cfg = dataclasses.replace(LlamaConfig(), vocab_size=64, hidden_size=48, intermediate_size=64,
                               num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
