@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from examples.models.resnet import Bottleneck  # noqa: E402
+from tidal.ir.device_profile import DEEPPOOL_A100_LINK  # noqa: E402
 from tidal.runtime.sim.scenarios import fig9_scenarios  # noqa: E402
 
 PROFILES = ROOT.parent / "shared" / "data" / "deeppool-a100-profiles"
@@ -50,8 +51,8 @@ def main(argv=None) -> int:
           f"{'BG only':>8s} {'all/DP':>7s} {'fg loss':>8s}  paper")
     for name, gb, prof, leaves in WORKLOADS:
         model = ZOO[name]()
-        cluster = tidal.Cluster(gpus=8, bandwidth_gbps=2.66e5 * 8 / 1e3, latency_us=40.0,
-                                peak_tflops=312.0,
+        bw, lat, tflops = DEEPPOOL_A100_LINK
+        cluster = tidal.Cluster(gpus=8, bandwidth_gbps=bw, latency_us=lat, peak_tflops=tflops,
                                 profile=tidal.DeviceProfile.from_deeppool(PROFILES / prof))
         s = fig9_scenarios(model, model.example_inputs(gb), cluster, bg_batch=args.bg_batch,
                            interference=args.interference, leaf_modules=leaves,

@@ -4,11 +4,13 @@ Inputs of the prediction, all measured before and apart from the runs being pred
 
 * a per-layer CPU profile (tidal's profiler, 1 thread) at the per-rank batches the plans use,
   calibrated in context: per batch, the profile is scaled so that its layers add up to a whole
-  forward + backward step of the model (``ir.profiler.time_training_step`` and
+  forward + backward step of the model (``ir.profiler.training_step_samples`` and
   ``calibrate_profile``), timed with every core busy: one process per core runs the same local
-  step at once, with no communication, and the slowest one counts (``--calibrate cores``; a
-  synchronous step waits for its slowest rank, and busy cores slow each other through shared
-  caches and memory). ``--calibrate one`` times it on one process alone. The optimizer step
+  step at once, with no communication, each step started at a barrier; per step the slowest
+  process counts, then the estimator over steps (``--calibrate cores``; a synchronous step
+  waits for its slowest rank, busy cores slow each other through shared caches and memory,
+  and on a noisy machine the best step of each process alone is far below what all ranks
+  manage together). ``--calibrate one`` times it on one process alone. The optimizer step
   timed there is an ``update`` task on every rank;
 * the gloo link of each world size (``runtime.link_fit.measure_ring_link``, ring all-reduce
   latency and bandwidth);
@@ -26,7 +28,10 @@ this profile and link (which on this CPU often puts every layer on one rank); it
 ``runtime.burst_exec`` runs it (``runtime.sim.programs.burst_execution``). CPU numbers only;
 timings are noisy on a shared machine: every step time (one-process and multi-rank alike)
 is the minimum over ``--steps`` steps by default (``--stat median`` for the median); the
-multi-rank time is the median over ranks.
+multi-rank time is the median over ranks. The whole comparison (link fits, profiles,
+calibration, measured runs) is repeated ``--rounds`` times (default 3, about 4 minutes each) and
+each row reports the median over rounds of its prediction and of its measurement: the gloo link
+fit alone moves a burst plan's prediction by about 10 % from one round to the next.
 
     python benchmarks/sim_validation.py [--models vgg16_small,resnet50_small] [--global-batch 32]
 """
@@ -49,7 +54,8 @@ if str(ROOT) not in sys.path:
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from tidal.ir import layer_graph, meta  # noqa: E402
-from tidal.ir.profiler import calibrate_profile, profile_layers, time_training_step  # noqa: E402
+from tidal.ir.profiler import (StepTime, calibrate_profile, profile_layers,  # noqa: E402
+                               training_step_samples)
 from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E402
 from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
@@ -78,20 +84,31 @@ def _timed(step, steps: int, stat) -> float:
     return STATS[stat](times) * 1e6
 
 
-def _calib_worker(rank: int, size: int, name: str, batches, steps: int, stat: str):
-    """This rank's local training-step times (no communication) per batch, all ranks at once."""
+def _calib_worker(rank: int, size: int, name: str, batches, steps: int):
+    """This rank's local training-step samples (no communication) per batch: every process
+    starts each step at a barrier, as the ranks of a synchronous step do."""
+    import torch.distributed as dist
+
     model = ZOO[name]()
     gm = tidal.compile(model, model.example_inputs(max(batches))).graph_module
-    return {b: time_training_step(gm, model.example_inputs(b), model.example_targets(b),
-                                  model.default_loss, repeats=steps, stat=stat)
+    return {b: training_step_samples(gm, model.example_inputs(b), model.example_targets(b),
+                                     model.default_loss, repeats=steps,
+                                     before_each=dist.barrier)
             for b in batches}
 
 
 def _step_times(name: str, batches, steps: int, stat: str, processes: int) -> dict:
-    """Per batch, the (fwd+bwd, update) step time of the slowest of ``processes`` processes
-    running the local step at the same time (one process: plain ``time_training_step``)."""
-    ranks = spawn(_calib_worker, processes, name, batches, steps, stat, timeout_s=900)
-    return {b: max((r[b] for r in ranks), key=lambda t: t.fwd_bwd_us) for b in batches}
+    """Per batch, the (fwd+bwd, update) step time of ``processes`` processes running the local
+    step at the same time, step by step: per step the slowest process (a synchronous step
+    waits for its slowest rank), then ``stat`` over steps. The straggler is taken per step,
+    not from each process's own best: on a noisy machine the ranks are rarely fast together."""
+    ranks = spawn(_calib_worker, processes, name, batches, steps, timeout_s=900)
+    out = {}
+    for b in batches:
+        fb = [max(r[b][0][i] for r in ranks) for i in range(steps)]
+        up = [max(r[b][1][i] for r in ranks) for i in range(steps)]
+        out[b] = StepTime(STATS[stat](fb), STATS[stat](up))
+    return out
 
 
 def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: int, cluster,
@@ -152,35 +169,14 @@ def _output_bytes(gm) -> float:
     return float(sum(t.nbytes for a in out.all_input_nodes for t in meta.get_tensors(a)))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="vgg16_small,resnet50_small")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--stat", choices=tuple(STATS), default="min",
-                        help="estimator of every step time, one-process calibration and "
-                             "multi-rank runs alike (default min: least disturbed by other "
-                             "processes on a shared machine)")
-    parser.add_argument("--calibrate", choices=("cores", "one"), default="cores",
-                        help="time the one-rank step for calibration with one process per core "
-                             "at once, slowest counts (default), or on one process alone")
-    parser.add_argument("--amp-limit", type=float, default=2.0)
-    parser.add_argument("--plan", choices=("half", "planner"), default="half",
-                        help="burst plan: hand-written, the second half of the layers on half "
-                             "the ranks (default, the same plan on every run), or the planner's "
-                             "for the measured profile and link (the half plan when it keeps "
-                             "data parallelism)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    cores = os.cpu_count() or 1
+def _round(args, cores: int) -> list[tuple[str, int, str, float, float]]:
+    """One independent round: link fits, profiles and calibration, then the measured runs;
+    rows of (model, ranks, plan label, predicted us, measured us)."""
     gb = args.global_batch
     links = {w: spawn(_link_worker, w)[0] for w in WORLDS}
     for w, link in links.items():
         print(f"gloo link fitted on {w} ranks: latency {link.latency_us:.1f} us, "
               f"{link.bandwidth_gbps:.2f} Gb/s")
-    print(f"{cores} cores: compute of ranks beyond them is simulated as processor sharing; "
-          f"load average at start {os.getloadavg()[0]:.1f} (other processes are not modelled: "
-          "compare on a quiet machine)")
     rows = []
     for name in args.models.split(","):
         model = ZOO[name]()
@@ -218,6 +214,50 @@ def main(argv=None) -> int:
             bp_meas = statistics.median(m[1] for m in measured)
             rows.append((name, w, "data parallel", dp_sim, dp_meas))
             rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="vgg16_small,resnet50_small")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--stat", choices=tuple(STATS), default="min",
+                        help="estimator of every step time, one-process calibration and "
+                             "multi-rank runs alike (default min: least disturbed by other "
+                             "processes on a shared machine)")
+    parser.add_argument("--calibrate", choices=("cores", "one"), default="cores",
+                        help="time the one-rank step for calibration with one process per core "
+                             "at once, slowest counts (default), or on one process alone")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="independent rounds (link fits, profiles, calibration and "
+                             "measured runs each time); each row reports the median over "
+                             "rounds of its prediction and of its measurement (default 3)")
+    parser.add_argument("--amp-limit", type=float, default=2.0)
+    parser.add_argument("--plan", choices=("half", "planner"), default="half",
+                        help="burst plan: hand-written, the second half of the layers on half "
+                             "the ranks (default, the same plan on every run), or the planner's "
+                             "for the measured profile and link (the half plan when it keeps "
+                             "data parallelism)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cores = os.cpu_count() or 1
+    print(f"{cores} cores: compute of ranks beyond them is simulated as processor sharing; "
+          f"load average at start {os.getloadavg()[0]:.1f} (other processes are not modelled: "
+          "compare on a quiet machine)")
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        rounds.append(_round(args, cores))
+        if args.rounds > 1:
+            errs = [abs(p - m) / m for *_, p, m in rounds[-1]]
+            print(f"round {r + 1}: median absolute error {statistics.median(errs):.1%}",
+                  flush=True)
+    # per row, the median over rounds of the prediction and of the measurement
+    rows = [(name, w, label, statistics.median(rd[i][3] for rd in rounds),
+             statistics.median(rd[i][4] for rd in rounds))
+            for i, (name, w, label, _, _) in enumerate(rounds[-1])]
     print(f"\n{'model':15s} {'ranks':>5s} {'plan':44s} {'predicted ms':>12s} "
           f"{'measured ms':>11s} {'error':>7s}")
     errors = []
@@ -227,7 +267,8 @@ def main(argv=None) -> int:
               f"{(p - m) / m:+7.1%}")
     med = statistics.median(errors)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-    print(f"median absolute error: {med:.1%} over {len(rows)} runs (goal <= 15 %: "
+    print(f"median absolute error: {med:.1%} over {len(rows)} runs, each the median of "
+          f"{args.rounds} round(s) (goal <= 15 %: "
           f"{'met' if med <= 0.15 else 'NOT met'}); burst plans as (layers)x(GPUs) "
           "in layer order")
     return 0

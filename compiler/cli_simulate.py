@@ -76,17 +76,16 @@ def _load_profile(path: str):
     return DeviceProfile.load(f)
 
 
-A100_LINK = (2.66e5 * 8 / 1e3, 40.0, 312.0)
-"""DeepPool's published A100 planner setting: Gb/s (2.66e5 bytes/us), latency us, and the
-A100's dense FP16 TFLOPS for layers without a row."""
 GENERIC_LINK = (100.0, 10.0, 100.0)
 
 
 def _link_defaults(args: argparse.Namespace) -> None:
     """Fill the link and device options the user left out: DeepPool's A100 setting with
     ``--profile a100``, else tidal's generic defaults."""
+    from tidal.ir.device_profile import DEEPPOOL_A100_LINK
+
     a100 = (args.profile or "").lower() == "a100"
-    bw, lat, tflops = A100_LINK if a100 else GENERIC_LINK
+    bw, lat, tflops = DEEPPOOL_A100_LINK if a100 else GENERIC_LINK
     args.bandwidth_gbps = bw if args.bandwidth_gbps is None else args.bandwidth_gbps
     args.latency_us = lat if args.latency_us is None else args.latency_us
     args.peak_tflops = tflops if args.peak_tflops is None else args.peak_tflops

@@ -461,6 +461,10 @@ def generic_signature(
                        f"B={batch}", inputs])
 
 
+DEEPPOOL_A100_LINK = (2.66e5 * 8 / 1e3, 40.0, 312.0)
+"""DeepPool's published A100 planner setting, to go with :func:`deeppool_a100`: link Gb/s
+(2.66e5 bytes/us), link latency us, and the A100's dense FP16 TFLOPS for layers without a row."""
+
 DEEPPOOL_A100_ENV = "TIDAL_DEEPPOOL_PROFILES"
 """Environment variable naming the directory of DeepPool's A100 profiles."""
 

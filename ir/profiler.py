@@ -333,21 +333,24 @@ class StepTime:
     update_us: float
 
 
-def time_training_step(gm: fx.GraphModule, inputs: Sequence[Any], targets: Any,
-                       loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int = 5,
-                       warmup: int = 2, lr: float = 0.01, stat: str = "median") -> StepTime:
-    """Time of a whole training step of a copy of ``gm`` on ``inputs`` on this process
-    (zero_grad, forward, ``loss_fn(outputs, targets)``, backward; then an SGD step timed
-    separately): the ``stat`` (``"median"`` or ``"min"``, the estimator least disturbed by
-    other processes) of ``repeats`` runs after ``warmup``. ``gm`` itself is untouched."""
+def training_step_samples(gm: fx.GraphModule, inputs: Sequence[Any], targets: Any,
+                          loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int = 5,
+                          warmup: int = 2, lr: float = 0.01,
+                          before_each: Optional[Callable[[], Any]] = None
+                          ) -> tuple[list[float], list[float]]:
+    """Per run, the time (us) of a whole training step of a copy of ``gm`` on ``inputs``
+    (zero_grad, forward, ``loss_fn(outputs, targets)``, backward) and, separately, of its SGD
+    step: two lists of ``repeats`` samples after ``warmup`` runs. ``before_each`` is called
+    before every run, outside the timed region (e.g. ``torch.distributed.barrier``, so that
+    processes timing at once start each step together). ``gm`` itself is untouched."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"time_training_step(repeats={repeats!r}): must be an int >= 1")
-    if stat not in _STATS:
-        raise ValueError(f"time_training_step(stat={stat!r}): use one of {tuple(_STATS)}")
+        raise ValueError(f"training step timing: repeats={repeats!r} must be an int >= 1")
     work = copy.deepcopy(gm)
     opt = torch.optim.SGD(work.parameters(), lr=lr)
     fb, up = [], []
     for i in range(warmup + repeats):
+        if before_each is not None:
+            before_each()
         t0 = time.perf_counter_ns()
         opt.zero_grad(set_to_none=False)
         loss_fn(work(*inputs), targets).backward()
@@ -357,6 +360,21 @@ def time_training_step(gm: fx.GraphModule, inputs: Sequence[Any], targets: Any,
         if i >= warmup:
             fb.append((t1 - t0) / 1000.0)
             up.append((t2 - t1) / 1000.0)
+    return fb, up
+
+
+def time_training_step(gm: fx.GraphModule, inputs: Sequence[Any], targets: Any,
+                       loss_fn: Callable[[Any, Any], torch.Tensor], *, repeats: int = 5,
+                       warmup: int = 2, lr: float = 0.01, stat: str = "median") -> StepTime:
+    """Time of a whole training step of a copy of ``gm`` on ``inputs`` on this process
+    (zero_grad, forward, ``loss_fn(outputs, targets)``, backward; then an SGD step timed
+    separately): the ``stat`` (``"median"`` or ``"min"``, the estimator least disturbed by
+    other processes) of ``repeats`` runs after ``warmup`` (:func:`training_step_samples`).
+    ``gm`` itself is untouched."""
+    if stat not in _STATS:
+        raise ValueError(f"time_training_step(stat={stat!r}): use one of {tuple(_STATS)}")
+    fb, up = training_step_samples(gm, inputs, targets, loss_fn, repeats=repeats,
+                                   warmup=warmup, lr=lr)
     return StepTime(_STATS[stat](fb), _STATS[stat](up))
 
 

@@ -1,6 +1,8 @@
 """profile_layers: measured per-node times on the CPU, the on-disk cache, progress output."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.fx as fx
@@ -164,3 +166,17 @@ def test_calibrate_profile_scales_one_batch_to_a_whole_step_measurement(tmp_path
         calibrate_profile(prof, gm, 3, 10.0)
     with pytest.raises(ValueError, match="stat"):
         time_training_step(gm, (x,), y, torch.nn.functional.cross_entropy, stat="mean")
+
+
+def test_training_step_samples_calls_before_each_outside_the_timing():
+    from tidal.ir.profiler import training_step_samples
+
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 0])
+    calls = []
+    fb, up = training_step_samples(gm, (x,), y, torch.nn.functional.cross_entropy, repeats=3,
+                                   warmup=1, before_each=lambda: calls.append(time.sleep(0.05)))
+    assert len(calls) == 4 and len(fb) == len(up) == 3
+    assert all(0 < t < 50_000 for t in fb)        # the 50 ms sleeps are not in the samples
+    with pytest.raises(ValueError, match="repeats"):
+        training_step_samples(gm, (x,), y, torch.nn.functional.cross_entropy, repeats=0)
