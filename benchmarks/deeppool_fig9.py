@@ -47,7 +47,8 @@ def main(argv=None) -> int:
         print(f"DeepPool profiles not found at {PROFILES}; nothing to simulate")
         return 1
     print("simulated (not measured), 8 x A100 model; samples/s")
-    print(f"{'model':17s} {'DP':>8s} {'DP*':>8s} {'BP':>8s} {'BP+Col fg':>10s} {'BP+Col all':>11s} "
+    print(f"{'model':17s} {'DP':>8s} {'DP*':>8s} {'BP*':>8s} {'BP':>8s} {'BP+Col fg':>10s} "
+          f"{'BP+Col all':>11s} "
           f"{'BG only':>8s} {'all/DP':>7s} {'fg loss':>8s}  paper")
     for name, gb, prof, leaves in WORKLOADS:
         model = ZOO[name]()
@@ -60,12 +61,19 @@ def main(argv=None) -> int:
         col = s["bp_col"]
         fg_loss = 1 - col["fg"] / s["dp"]
         flag = " (BP = DP fallback)" if s["fallback"] else ""
-        print(f"{name:17s} {s['dp']:8.0f} {s['dp_planner']:8.0f} {s['bp']:8.0f} {col['fg']:10.0f} "
+        print(f"{name:17s} {s['dp']:8.0f} {s['dp_planner']:8.0f} {s['bp']:8.0f} "
+              f"{s['bp_overlap']:8.0f} {col['fg']:10.0f} "
               f"{col['cluster']:11.0f} {s['bg_only']:8.0f} {col['cluster'] / s['dp']:7.2f} "
               f"{fg_loss:+8.0%}  {PAPER[name]}{flag}")
-    print("DP overlaps DDP-style bucketed all-reduces with backward. DP* and BP use the burst "
+    print("DP overlaps DDP-style bucketed all-reduces with backward. DP* and BP* use the burst "
           "planner's model, where each layer's synchronization follows it without overlap (the "
-          "paper's simplifying assumption, DeepPool §4), so BP can come out below DP here.")
+          "paper's simplifying assumption, DeepPool §4). BP runs the same plan with each layer's "
+          "all-reduce overlapping the next layers' compute; BP+Col packs the background into "
+          "BP's idle GPU time. Layers run forward+backward as one piece in BP* and BP, so the "
+          "last layers' all-reduces stay exposed: BP can come out below DP even when the plan "
+          "is data parallel. The background gets only idle time, not the SMs a small-batch "
+          "foreground kernel leaves unused (DeepPool's concurrent streams), so the cluster gain "
+          "is a lower bound where DP keeps the GPUs busy.")
     return 0
 
 

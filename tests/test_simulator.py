@@ -157,6 +157,15 @@ def test_burst_plan_simulation_matches_the_planner_on_a_chain():
     # GPUs outside a layer's set are idle during it: busy time is the plan's GPU time
     busy = sum(p.comp_us * p.gpus for p in plan.layers)
     assert sum(r.busy_us) == pytest.approx(busy)
+    # overlapped all-reduces: same work, never longer, and some compute starts before the
+    # all-reduce of an earlier layer on the same GPU has ended
+    o = summarize(burst_parallel(plan, preds, overlap_sync=True), 4, 8)
+    assert sum(o.busy_us) == pytest.approx(busy)
+    assert o.iteration_us < r.iteration_us
+    ar_end = {(i.gpu, i.name[3:]): i.end_us for i in o.intervals if i.name.startswith("AR:")}
+    first_ar = min(ar_end.items(), key=lambda kv: kv[1])
+    assert any(i.name.startswith("FB:") and i.gpu == first_ar[0][0] and
+               i.start_us < first_ar[1] and i.name[3:] != first_ar[0][1] for i in o.intervals)
 
 
 def test_wavelet_schedules_become_timelines():

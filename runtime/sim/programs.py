@@ -163,13 +163,17 @@ def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
     return SimResult(tuple(intervals), gpus, global_batch, end, tuple(busy))
 
 
-def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg") -> list[Task]:
+def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg",
+                   overlap_sync: bool = False) -> list[Task]:
     """The tasks of one iteration of a burst-parallel plan (``tidal.passes.burst_planner``'s
     ``BurstPlan``) under the planner's own cost model: per layer, in order, the transfer of
     samples from its predecessors' GPUs (``comm_us``, on the links of both GPU sets), the
     layer's forward+backward on each of its ranks (``comp_us``) and the all-reduce of its
     gradients on its ranks (``sync_us``). Layers on disjoint ranks (parallel branches) overlap.
-    ``preds`` maps each layer to the layers whose output it reads."""
+    ``preds`` maps each layer to the layers whose output it reads. ``overlap_sync``: the next
+    layers do not wait for a layer's all-reduce, which runs on the link lanes while they
+    compute (as a runtime with an asynchronous communication stream does); by default each
+    all-reduce ends its layer, the planner's assumption (DeepPool §4)."""
     tasks: list[Task] = []
     last: dict[str, tuple[int, ...]] = {}  # layer -> tasks that end it
     ranks_of = {p.layer: p.ranks for p in plan.layers}
@@ -187,7 +191,8 @@ def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg") -> li
         if p.sync_us > 0 and len(p.ranks) > 1:
             tasks.append(Task(f"AR:{p.layer}", job, "comm", tuple(p.ranks), p.sync_us,
                               tuple(ends)))
-            ends = [len(tasks) - 1]
+            if not overlap_sync:
+                ends = [len(tasks) - 1]
         last[p.layer] = tuple(ends)
     return tasks
 

@@ -7,7 +7,7 @@ Example (tiny model, FLOP-derived times):
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     >>> s = fig9_scenarios(model, (torch.randn(8, 64),), tidal.Cluster(gpus=2, peak_tflops=0.001))
     >>> sorted(s)
-    ['bg_only', 'bp', 'bp_col', 'dp', 'dp_planner', 'fallback', 'single']
+    ['bg_only', 'bp', 'bp_col', 'bp_overlap', 'dp', 'dp_planner', 'fallback', 'single']
 """
 from __future__ import annotations
 
@@ -24,9 +24,12 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     """Simulated throughputs (samples/s) of one iteration at the inputs' global batch:
     ``single`` (one GPU), ``dp`` (DDP-style: bucketed all-reduces overlapping backward),
     ``dp_planner`` (data parallelism under the planner's model, where each layer's
-    synchronization follows it without overlap, as DeepPool §4 assumes), ``bp`` (the burst_parallel pass's plan), ``bp_col`` (a dict
-    with ``fg``, ``bg`` and ``cluster`` throughput when the same model at ``bg_batch`` runs in
-    every GPU's idle time, the foreground slowed by ``interference``) and ``bg_only`` (the
+    synchronization follows it without overlap, as DeepPool §4 assumes), ``bp`` (the
+    burst_parallel pass's plan under that model), ``bp_overlap`` (the same plan with each
+    layer's all-reduce overlapping the next layers' compute, as DP's buckets overlap backward),
+    ``bp_col`` (a dict with ``fg``, ``bg`` and ``cluster`` throughput when the same model at
+    ``bg_batch`` runs in every GPU's idle time of ``bp_overlap``, the foreground slowed by
+    ``interference``) and ``bg_only`` (the
     background alone on every GPU); ``fallback`` says whether the planner chose data
     parallelism."""
     import tidal
@@ -44,12 +47,15 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     dp = summarize(data_parallel(times, cluster.gpus, batch, cluster), cluster.gpus, batch)
     plan = compiled.plan.get("burst_parallel")
     lg = layer_graph.build(gm)
-    tasks = burst_parallel(plan, {n: list(lg.predecessors(n)) for n in lg.nodes})
-    bp = summarize(tasks, cluster.gpus, batch)
+    preds = {n: list(lg.predecessors(n)) for n in lg.nodes}
+    bp = summarize(burst_parallel(plan, preds), cluster.gpus, batch)
+    tasks = burst_parallel(plan, preds, overlap_sync=True)
+    bp_overlap = summarize(tasks, cluster.gpus, batch)
     bg_iter = summarize(data_parallel(times, 1, bg_batch, cluster), 1, bg_batch).iteration_us
     bg = BackgroundJob(bg_iter, bg_batch)
     col = collocate(tasks, cluster.gpus, batch, bg, interference)
     return {"single": single.throughput, "dp": dp.throughput, "bp": bp.throughput,
+            "bp_overlap": bp_overlap.throughput,
             "dp_planner": batch / plan.dp_time_us * 1e6,
             "bp_col": {"fg": col.foreground.throughput, "bg": col.bg_throughput,
                        "cluster": col.cluster_throughput},
