@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
 
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
-from tidal.ir import layer_graph, meta  # noqa: E402
+from tidal.ir import layer_graph  # noqa: E402
 from tidal.ir.profiler import (StepTime, calibrate_profile, profile_layers,  # noqa: E402
                                training_step_samples)
 from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E402
@@ -61,7 +61,7 @@ from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E40
 from tidal.runtime.distributed import spawn  # noqa: E402
 from tidal.runtime.link_fit import measure_ring_link  # noqa: E402
 from tidal.runtime.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
-                                        summarize)
+                                        output_bytes, summarize)
 
 WORLDS = (2, 4)
 STATS = {"median": statistics.median, "min": min}
@@ -164,11 +164,6 @@ def _runs(plan) -> str:
     return text if len(text) <= 30 else text[:27] + "..."
 
 
-def _output_bytes(gm) -> float:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return float(sum(t.nbytes for a in out.all_input_nodes for t in meta.get_tensors(a)))
-
-
 def _round(args, cores: int) -> list[tuple[str, int, str, float, float]]:
     """One independent round: link fits, profiles and calibration, then the measured runs;
     rows of (model, ranks, plan label, predicted us, measured us)."""
@@ -206,7 +201,7 @@ def _round(args, cores: int) -> list[tuple[str, int, str, float, float]]:
             plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
             if plan is None or plan.is_data_parallel:
                 plan = _half_plan(problem, w, args.amp_limit)
-            tasks = burst_execution(plan, preds, times, cluster, _output_bytes(gm), update)
+            tasks = burst_execution(plan, preds, times, cluster, output_bytes(gm), update)
             bp_sim = summarize(tasks, w, gb, cores=cores).iteration_us
             measured = spawn(_measure_worker, w, name, gb, args.steps, cluster, plan,
                              args.stat, timeout_s=900)

@@ -1,5 +1,6 @@
 """Cluster simulator: engine semantics, collective times, data-parallel programs."""
 import random
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -137,6 +138,33 @@ def test_collocation_fills_idle_time_and_slows_foreground():
     assert r.cluster_throughput == pytest.approx(8 / 100e-6 + 9 / 100e-6)
     with pytest.raises(ValueError, match="interference"):
         collocate(uneven, 2, 8, BackgroundJob(20.0, 3), interference=0.5)
+
+
+def test_sm_sharing_bound_uses_what_small_kernels_leave():
+    from tidal.runtime.sim.collocation import (BackgroundJob, collocate, job_utilization,
+                                               kernel_utilization)
+
+    # layer a scales linearly (full use at any batch); b costs the same at batch 1 and 4
+    def times(b):
+        return LayerTimes(("a", "b"), (10.0 * b, 40.0), (20.0 * b, 80.0), (0, 0))
+
+    u = kernel_utilization(times, 4, probes=(1, 2, 4, 8, 16))
+    assert u["a"] == pytest.approx((1.0, 1.0))
+    assert u["b"] == pytest.approx((4 * (40.0 / 16) / 40.0, 4 * (80.0 / 16) / 80.0))  # 0.25
+    # job utilization is the time-weighted mean: (30*4*1 + 120*0.25) / (30*4 + 120)
+    assert job_utilization(times, 4, probes=(1, 2, 4, 8, 16)) == pytest.approx(
+        (120 * 1.0 + 120 * 0.25) / 240)
+    tasks = data_parallel(times, 1, 4)
+    util = {f"{k}:{n}": v for n, (f, b) in u.items() for k, v in (("F", f), ("B", b))}
+    bg = BackgroundJob(iteration_us=50.0, batch=2, utilization=0.5)
+    idle_only = collocate(tasks, 1, 4, bg)
+    shared = collocate(tasks, 1, 4, bg, fg_utilization=util)
+    assert idle_only.bg_samples_per_iteration == 0.0
+    # only b's 120 us leave 0.75 of the GPU; the background uses 0.5 of it (its own need)
+    assert shared.bg_samples_per_iteration == pytest.approx(120 * 0.5 / (50.0 * 0.5) * 2)
+    assert shared.foreground.iteration_us == idle_only.foreground.iteration_us
+    with pytest.raises(ValueError, match="utilization"):
+        BackgroundJob(10.0, 2, utilization=0.0)
 
 
 def test_burst_plan_simulation_matches_the_planner_on_a_chain():
@@ -304,6 +332,17 @@ def test_simulate_cli_a100_profile_shorthand(capsys, monkeypatch, tmp_path):
                  "--profile", "a100"]) == 0
     out = capsys.readouterr().out
     assert "profile deeppool:a100: 36/36 layers at per-GPU batch 4, 36/36 at batch 32" in out
+    # burst+bg: the background's range, idle time only to sharing the SMs VGG's batch-4
+    # classifier leaves unused; the fallback plan runs as fast as data parallelism
+    assert main(["simulate", "vgg16", "--gpus", "8", "--global-batch", "32",
+                 "--profile", "a100", "--plan", "burst+bg"]) == 0
+    out = capsys.readouterr().out
+    dp = float(re.search(r"iteration [\d.]+ ms, ([\d.]+) samples/s, [\d.]+ GPU-s, busy \d+%  "
+                         r"\(", out).group(1))
+    bp = float(re.search(r"burst parallel   : ([\d.]+) samples/s", out).group(1))
+    lo, hi = map(float, re.search(r"background ([\d.]+) \(idle time only\) to ([\d.]+) "
+                                  r"\(sharing unused SMs\)", out).groups())
+    assert bp == pytest.approx(dp, rel=1e-3) and 0 < lo < hi
     # a model DeepPool did not profile: a clear error, not a silent FLOP estimate
     assert main(["simulate", "bert_small", "--gpus", "2", "--global-batch", "4",
                  "--profile", "a100"]) == 2
@@ -372,3 +411,46 @@ def test_tree_broadcast_takes_ceil_log2_rounds():
     assert tree_broadcast_us(1000.0, 1, bytes_per_us=10.0, latency_us=2.0) == 0.0
     with pytest.raises(ValueError, match="p=0"):
         tree_broadcast_us(1.0, 0, bytes_per_us=1.0, latency_us=0.0)
+
+
+def test_burst_execution_with_overlapped_syncs():
+    from tidal.passes.burst_planner import BurstProblem, plan_from_counts
+    from tidal.runtime.sim.programs import burst_execution
+
+    names = ("a", "b", "c", "d")
+    comp = np.array([[40.0, 20.0, 10.0], [30.0, 15.0, 8.0], [20.0, 10.0, 5.0],
+                     [10.0, 5.0, 3.0]])
+    problem = BurstProblem(names, ((), (0,), (1,), (2,)), comp, np.zeros((4, 3)),
+                           act_bytes=np.full(4, 100.0), counts=(1, 2, 4), batch=8,
+                           bytes_per_us=1000.0, latency_us=1.0)
+    lt = {b: LayerTimes(names, (10.0 * b, 20.0 * b, 5.0 * b, 2.0 * b),
+                        (20.0 * b, 40.0 * b, 10.0 * b, 4.0 * b), (8000, 4000, 0, 30000))
+          for b in (2, 4, 8)}
+    cluster = tidal.Cluster(gpus=4, bandwidth_gbps=8, latency_us=1)
+    preds = {"a": [], "b": ["a"], "c": ["b"], "d": ["c"]}
+    times = lambda b: lt[b]  # noqa: E731
+    # a data-parallel plan runs exactly as data_parallel, buckets and all
+    dp_plan = plan_from_counts(problem, [4, 4, 4, 4])
+    for cap in (10000.0, 1e9):
+        ours = summarize(burst_execution(dp_plan, preds, times, cluster, update_us=3.0,
+                                         sync="overlap", bucket_bytes=cap), 4, 8)
+        ref = summarize(data_parallel(times, 4, 8, cluster, bucket_bytes=cap, update_us=3.0),
+                        4, 8)
+        assert ours.iteration_us == pytest.approx(ref.iteration_us)
+        assert sorted(i.name for i in ours.intervals if i.name.startswith("AR")) == \
+            sorted(i.name for i in ref.intervals if i.name.startswith("AR"))
+    # a burst plan: d's all-reduce (4 ranks) overlaps the backward of c, b and a; b on rank 0
+    # alone needs none; a's runs on ranks 0-1 after B:a there; nothing is broadcast
+    plan = plan_from_counts(problem, [2, 1, 4, 4])
+    r = summarize(burst_execution(plan, preds, times, cluster, sync="overlap"), 4, 8)
+    iv = {(i.name, i.gpu): i for i in r.intervals}
+    ar_d, ar_a = iv[("AR:d..d", 0)], iv[("AR:a..a", 0)]
+    assert ar_d.start_us >= max(iv[("B:d", g)].end_us for g in range(4))
+    assert ar_d.start_us < iv[("B:b", 0)].end_us  # overlaps later backward
+    assert ar_d.end_us - ar_d.start_us == pytest.approx(ring_allreduce_us(30000, 4, 1000.0, 1.0))
+    assert ("AR:a..a", 2) not in iv and ar_a.start_us >= iv[("B:a", 1)].end_us
+    assert not any(i.name.startswith(("BC", "AR:b")) for i in r.intervals)
+    end = summarize(burst_execution(plan, preds, times, cluster), 4, 8)
+    assert r.iteration_us < end.iteration_us
+    with pytest.raises(ValueError, match="sync='later'"):
+        burst_execution(plan, preds, times, cluster, sync="later")

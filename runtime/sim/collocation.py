@@ -1,9 +1,16 @@
-"""A background job packed into the idle compute time of a foreground iteration (DeepPool §5).
+"""A background job packed around a foreground iteration (DeepPool §5).
 
 The foreground runs at high priority, slowed by an ``interference`` factor on every compute
-piece (DeepPool measures < 18 % foreground loss); the background job, with its own per-GPU
-iteration time and batch, runs in each GPU's idle compute time and completes
-``idle / bg_iteration`` of its iterations per foreground iteration.
+piece (DeepPool measures < 18 % foreground loss). The background job, with its own per-GPU
+iteration time and batch, always runs in each GPU's idle compute time. Two models of what it
+gets while the foreground computes bracket DeepPool's concurrent priority streams:
+
+* idle time only (``fg_utilization=None``): a lower bound;
+* SM sharing: each foreground piece uses a share ``u`` of the GPU's capacity (its throughput
+  over the best the layer reaches at any batch, ``kernel_utilization``); the background
+  progresses in the rest at ``min(1 - u, U_bg)`` of full capacity, where ``U_bg`` is its own
+  utilization alone (it never runs faster than alone). This is an upper bound: it assumes the
+  two streams' kernels share the SMs perfectly, which DeepPool's non-preemptive device does not.
 
 Example:
     >>> from tidal.runtime.sim.collocation import BackgroundJob, collocate
@@ -12,28 +19,37 @@ Example:
     >>> r = collocate(fg, gpus=2, global_batch=8, bg=BackgroundJob(iteration_us=10.0, batch=4))
     >>> round(r.bg_samples_per_iteration, 2)  # GPU 1 idles 40 us of the 60 us iteration
     16.0
+    >>> half = {"f": 0.5, "g": 0.5}  # both pieces leave half the GPU unused
+    >>> bg = BackgroundJob(iteration_us=10.0, batch=4, utilization=0.5)
+    >>> round(collocate(fg, 2, 8, bg, fg_utilization=half).bg_samples_per_iteration, 2)
+    48.0
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from tidal.runtime.sim.engine import Task
-from tidal.runtime.sim.programs import SimResult, summarize
+from tidal.runtime.sim.programs import LayerTimes, SimResult, summarize
+
+PROBE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
 class BackgroundJob:
     """A low-priority job: one iteration of ``batch`` samples takes ``iteration_us`` alone on
-    one GPU."""
+    one GPU, using on average ``utilization`` (0..1] of the GPU's capacity."""
 
     iteration_us: float
     batch: int
+    utilization: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.iteration_us > 0 or self.batch < 1:
             raise ValueError(f"BackgroundJob(iteration_us={self.iteration_us}, "
                              f"batch={self.batch}): need a positive time and batch")
+        if not 0 < self.utilization <= 1:
+            raise ValueError(f"BackgroundJob(utilization={self.utilization}): must be in (0, 1]")
 
     def solo_throughput(self, gpus: int) -> float:
         """Samples/s when each of ``gpus`` GPUs runs only this job (DeepPool's "BG only")."""
@@ -59,14 +75,60 @@ class CollocationResult:
         return self.foreground.throughput + self.bg_throughput
 
 
+def kernel_utilization(times_at: Callable[[int], LayerTimes], batch: int,
+                       probes: Sequence[int] = PROBE_BATCHES) -> dict[str, tuple[float, float]]:
+    """Per layer, the (forward, backward) share of the GPU's capacity it uses at ``batch``
+    samples: ``batch x (least time per sample over the probe batches) / time at batch``, so 1
+    where the layer already runs at its best throughput (or scales linearly, as FLOP-derived
+    times do) and small where a small batch leaves the GPU mostly unused."""
+    if batch < 1:
+        raise ValueError(f"kernel_utilization(batch={batch}): need at least one sample")
+    at = times_at(batch)
+    best: dict[str, list[float]] = {n: [f / batch, b / batch]
+                                    for n, f, b in zip(at.names, at.fwd_us, at.bwd_us)}
+    for p in probes:
+        lt = times_at(p)
+        for n, f, b in zip(lt.names, lt.fwd_us, lt.bwd_us):
+            if n in best:
+                best[n] = [min(best[n][0], f / p), min(best[n][1], b / p)]
+
+    def share(per_sample: float, t: float) -> float:
+        return min(1.0, batch * per_sample / t) if t > 0 else 1.0
+
+    return {n: (share(best[n][0], f), share(best[n][1], b))
+            for n, f, b in zip(at.names, at.fwd_us, at.bwd_us)}
+
+
+def job_utilization(times_at: Callable[[int], LayerTimes], batch: int,
+                    probes: Sequence[int] = PROBE_BATCHES) -> float:
+    """Time-weighted mean of ``kernel_utilization`` over a whole forward+backward at
+    ``batch``: the average share of the GPU the job uses when it runs alone."""
+    lt = times_at(batch)
+    util = kernel_utilization(times_at, batch, probes)
+    total = sum(lt.fwd_us) + sum(lt.bwd_us)
+    if total <= 0:
+        return 1.0
+    used = sum(f * util[n][0] + b * util[n][1] for n, f, b in zip(lt.names, lt.fwd_us, lt.bwd_us))
+    return max(used / total, 1e-6)
+
+
 def collocate(tasks: Sequence[Task], gpus: int, global_batch: int, bg: BackgroundJob,
-              interference: float = 1.0) -> CollocationResult:
-    """Simulate foreground ``tasks`` with compute slowed by ``interference`` (>= 1) and fill
-    every GPU's idle compute time with background iterations."""
+              interference: float = 1.0,
+              fg_utilization: Optional[Mapping[str, float]] = None) -> CollocationResult:
+    """Simulate foreground ``tasks`` with compute slowed by ``interference`` (>= 1), fill
+    every GPU's idle compute time with background iterations and, with ``fg_utilization``
+    (task name -> share of the GPU the piece uses; missing names count as 1), let the
+    background also use what each foreground piece leaves unused (the SM-sharing bound)."""
     if interference < 1:
         raise ValueError(f"interference={interference}: must be >= 1 (1 = no slowdown)")
     slowed = [replace(t, duration_us=t.duration_us * interference) if t.kind == "compute" else t
               for t in tasks]
     fg = summarize(slowed, gpus, global_batch)
     idle = sum(max(0.0, fg.iteration_us - b) for b in fg.busy_us)
-    return CollocationResult(fg, idle / bg.iteration_us * bg.batch)
+    iterations = idle / bg.iteration_us
+    if fg_utilization is not None:
+        shared = sum((i.end_us - i.start_us) * min(1.0 - fg_utilization.get(i.name, 1.0),
+                                                   bg.utilization)
+                     for i in fg.intervals if i.lane == "compute")
+        iterations += shared / (bg.iteration_us * bg.utilization)
+    return CollocationResult(fg, iterations * bg.batch)

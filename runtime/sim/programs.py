@@ -66,6 +66,14 @@ def layer_times(gm: fx.GraphModule, cluster: Cluster, batch: int) -> LayerTimes:
     return LayerTimes(tuple(names), tuple(fwd), tuple(bwd), tuple(pbytes))
 
 
+def output_bytes(gm: fx.GraphModule) -> float:
+    """Bytes of the tensors the graph returns (from its tensor metadata), per iteration."""
+    from tidal.ir import meta
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return float(sum(t.nbytes for a in out.all_input_nodes for t in meta.get_tensors(a)))
+
+
 def gradient_buckets(lt: LayerTimes, bucket_bytes: float) -> list[list[int]]:
     """Layers with parameters grouped into DDP-style buckets of ``bucket_bytes`` in backward
     (reverse) order (``tidal.ir.comm_cost.bucket_partition``)."""
@@ -200,7 +208,8 @@ def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg",
 def burst_execution(plan, preds: dict[str, Sequence[str]],
                     times_at: Callable[[int], LayerTimes], cluster: Cluster,
                     out_bytes: float = 0.0, update_us: float = 0.0,
-                    job: str = "fg") -> list[Task]:
+                    job: str = "fg", sync: str = "end",
+                    bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
     """One training step of a burst-parallel plan as ``tidal.runtime.burst_exec.BurstExecutor``
     runs it: the forward of every layer on its ranks (per-GPU batch ``ceil(B / gpus)``, times
     from ``times_at``) after the transfer of its input where the GPU set changes (half of the
@@ -208,7 +217,15 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
     in reverse order with the mirror transfers, then the gradients summed per set of ranks
     (one flat ring all-reduce per set, then a broadcast from the set's first rank to the
     others when the set is not every rank, in the executor's order) and ``update_us`` of
-    optimizer step on every rank. ``preds`` maps each layer to the layers it reads."""
+    optimizer step on every rank. ``preds`` maps each layer to the layers it reads.
+
+    ``sync="overlap"`` models a runtime that keeps each layer's weights only on its ranks and
+    synchronizes them as DDP does: in backward order, the gradients of consecutive layers on the
+    same ranks go into buckets of at most ``bucket_bytes``, and each bucket's ring all-reduce
+    starts once its layers' backward ended on all their ranks, overlapping the rest of backward
+    (no broadcast). On a data-parallel plan this is ``data_parallel``'s iteration."""
+    if sync not in ("end", "overlap"):
+        raise ValueError(f"burst_execution(sync={sync!r}): expected 'end' or 'overlap'")
     world = plan.world
     everyone = tuple(range(world))
     tables: dict[int, LayerTimes] = {}
@@ -259,17 +276,34 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
         bwd_ready[p.layer] = [add("Xb:output", "comm", everyone, out_us, head)] if gather \
             else head
     bwd_all: list[int] = []
+    bwd_of: dict[str, list[int]] = {}
+    syncs: list[int] = []
+    closes = {} if sync == "end" else {
+        names[-1]: (ranks, names, nbytes)
+        for ranks, names, nbytes in _sync_buckets(plan, lt, bucket_bytes)}
+    bw, lat = cluster.bytes_per_us, cluster.latency_us
     for p in reversed(plan.layers):
         deps = list(bwd_ready.get(p.layer, ()))
         for s in succs[p.layer]:
             deps += bwd_ready[f"<in>{s}"]
         t, ix = lt(p.gpus)
         us = t.bwd_us[ix[p.layer]] if p.layer in ix else 0.0
-        ends = [add(f"B:{p.layer}", "compute", (r,), us, deps) for r in p.ranks]
+        ends = bwd_of[p.layer] = [add(f"B:{p.layer}", "compute", (r,), us, deps)
+                                  for r in p.ranks]
         if p.comm_us > 0:
             ends = [add(f"Xb:{p.layer}", "comm", moved(p), p.comm_us / 2, ends)]
         bwd_ready[f"<in>{p.layer}"] = ends
         bwd_all += ends
+        if p.layer in closes:  # issued as soon as its last layer's backward is
+            ranks, names, nbytes = closes[p.layer]
+            syncs.append(add(f"AR:{names[0]}..{names[-1]}", "comm", ranks,
+                             ring_allreduce_us(nbytes, len(ranks), bw, lat),
+                             [d for n in names for d in bwd_of[n]]))
+    if sync == "overlap":
+        for r in everyone:
+            add("update", "compute", (r,), update_us,
+                [d for d in syncs + bwd_all if r in tasks[d].gpus])
+        return tasks
     groups: dict[tuple[int, ...], float] = {}
     for p in plan.layers:
         t, ix = lt(p.gpus)
@@ -277,7 +311,6 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
         if nbytes:
             groups[tuple(p.ranks)] = groups.get(tuple(p.ranks), 0.0) + nbytes
     deps = bwd_all
-    bw, lat = cluster.bytes_per_us, cluster.latency_us
     for ranks in sorted(groups):
         nbytes = groups[ranks]
         if len(ranks) > 1:
@@ -290,6 +323,25 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
         add("update", "compute", (r,), update_us, deps + [d for d in bwd_all
                                                           if r in tasks[d].gpus])
     return tasks
+
+
+def _sync_buckets(plan, lt, bucket_bytes: float
+                  ) -> list[tuple[tuple[int, ...], list[str], float]]:
+    """``burst_execution(sync="overlap")``'s gradient buckets as (ranks, layer names in
+    backward order, bytes): runs of consecutive layers (backward order) with parameters on the
+    same two or more ranks, cut by ``bucket_partition``."""
+    runs: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []
+    for p in reversed(plan.layers):
+        t, ix = lt(p.gpus)
+        nbytes = t.param_bytes[ix[p.layer]] if p.layer in ix else 0
+        if not nbytes or len(p.ranks) < 2:
+            continue
+        if not runs or runs[-1][0] != tuple(p.ranks):
+            runs.append((tuple(p.ranks), []))
+        runs[-1][1].append((p.layer, nbytes))
+    return [(ranks, [layers[k][0] for k in part], float(sum(layers[k][1] for k in part)))
+            for ranks, layers in runs
+            for part in bucket_partition([b for _, b in layers], bucket_bytes)]
 
 
 _LINK_KINDS = ("X", "A", "S")  # transfers, all-reduces and weight switches use the link

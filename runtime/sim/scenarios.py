@@ -7,7 +7,7 @@ Example (tiny model, FLOP-derived times):
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     >>> s = fig9_scenarios(model, (torch.randn(8, 64),), tidal.Cluster(gpus=2, peak_tflops=0.001))
     >>> sorted(s)
-    ['bg_only', 'bp', 'bp_col', 'bp_overlap', 'dp', 'dp_planner', 'fallback', 'single']
+    ['bg_only', 'bp', 'bp_col', 'bp_col_sm', 'bp_overlap', 'dp', 'dp_planner', 'fallback', 'single']
 """
 from __future__ import annotations
 
@@ -25,18 +25,24 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     ``single`` (one GPU), ``dp`` (DDP-style: bucketed all-reduces overlapping backward),
     ``dp_planner`` (data parallelism under the planner's model, where each layer's
     synchronization follows it without overlap, as DeepPool §4 assumes), ``bp`` (the
-    burst_parallel pass's plan under that model), ``bp_overlap`` (the same plan with each
-    layer's all-reduce overlapping the next layers' compute, as DP's buckets overlap backward),
+    burst_parallel pass's plan under that model), ``bp_overlap`` (the same plan run as a
+    training step: all forwards, then all backwards, each layer's gradients all-reduced on its
+    ranks in DDP-style buckets that overlap the rest of backward, ``burst_execution(...,
+    sync="overlap")``; on a data-parallel plan this is ``dp``),
     ``bp_col`` (a dict with ``fg``, ``bg`` and ``cluster`` throughput when the same model at
     ``bg_batch`` runs in every GPU's idle time of ``bp_overlap``, the foreground slowed by
-    ``interference``) and ``bg_only`` (the
+    ``interference``), ``bp_col_sm`` (the same, the background also using the GPU capacity each
+    foreground piece leaves unused: the SM-sharing bound of ``tidal.runtime.sim.collocation``)
+    and ``bg_only`` (the
     background alone on every GPU); ``fallback`` says whether the planner chose data
     parallelism."""
     import tidal
     from tidal.ir import layer_graph
     from tidal.ir.cost import example_batch
-    from tidal.runtime.sim.collocation import BackgroundJob, collocate
-    from tidal.runtime.sim.programs import burst_parallel, data_parallel, layer_times, summarize
+    from tidal.runtime.sim.collocation import (BackgroundJob, collocate, job_utilization,
+                                               kernel_utilization)
+    from tidal.runtime.sim.programs import (burst_execution, burst_parallel, data_parallel,
+                                            layer_times, output_bytes, summarize)
 
     batch = example_batch(inputs)
     compiled = tidal.compile(model, inputs, passes=["burst_parallel"], cluster=cluster,
@@ -49,14 +55,23 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     lg = layer_graph.build(gm)
     preds = {n: list(lg.predecessors(n)) for n in lg.nodes}
     bp = summarize(burst_parallel(plan, preds), cluster.gpus, batch)
-    tasks = burst_parallel(plan, preds, overlap_sync=True)
+    tasks = burst_execution(plan, preds, times, cluster, output_bytes(gm), sync="overlap")
     bp_overlap = summarize(tasks, cluster.gpus, batch)
     bg_iter = summarize(data_parallel(times, 1, bg_batch, cluster), 1, bg_batch).iteration_us
-    bg = BackgroundJob(bg_iter, bg_batch)
+    bg = BackgroundJob(bg_iter, bg_batch, job_utilization(times, bg_batch))
     col = collocate(tasks, cluster.gpus, batch, bg, interference)
+    per_batch = {b: kernel_utilization(times, b)
+                 for b in {-(-batch // p.gpus) for p in plan.layers}}
+    util: dict[str, float] = {}
+    for p in plan.layers:
+        f, b = per_batch[-(-batch // p.gpus)].get(p.layer, (1.0, 1.0))
+        util[f"F:{p.layer}"], util[f"B:{p.layer}"] = f, b
+    col_sm = collocate(tasks, cluster.gpus, batch, bg, interference, fg_utilization=util)
     return {"single": single.throughput, "dp": dp.throughput, "bp": bp.throughput,
             "bp_overlap": bp_overlap.throughput,
             "dp_planner": batch / plan.dp_time_us * 1e6,
             "bp_col": {"fg": col.foreground.throughput, "bg": col.bg_throughput,
                        "cluster": col.cluster_throughput},
+            "bp_col_sm": {"fg": col_sm.foreground.throughput, "bg": col_sm.bg_throughput,
+                          "cluster": col_sm.cluster_throughput},
             "bg_only": bg.solo_throughput(cluster.gpus), "fallback": plan.fallback}
