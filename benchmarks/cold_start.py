@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import tidal
-from tidal.compiler.table import format_table
+from tidal.ir.table import format_table
 from tidal.examples.models import ZOO
 from tidal.ir import cost
 from tidal.passes.layer_groups import LayerGroups

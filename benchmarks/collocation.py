@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         f, r = statistics.median(fg_ms[label]), statistics.median(bg_rate[label])
         rows.append([label, round(f, 1), round(f / iso_ms, 3), round(r, 1),
                      round(r / solo_rate, 3)])
-    from tidal.compiler.table import format_table
+    from tidal.ir.table import format_table
 
     print(format_table(["config", "fg step ms", "fg / alone", "bg pieces/s", "bg / solo"],
                        rows))

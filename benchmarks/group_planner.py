@@ -21,7 +21,7 @@ import sys
 import time
 
 import tidal
-from tidal.compiler.table import format_table
+from tidal.ir.table import format_table
 from tidal.examples.models import bert_base, inception_v3, resnet152
 from tidal.passes.group_planner import (SearchBudgetExceeded, dp_grouping, optimal_grouping,
                                         pipeswitch_search)

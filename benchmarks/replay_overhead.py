@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
-from tidal.compiler.table import format_table  # noqa: E402
+from tidal.ir.table import format_table  # noqa: E402
 from tidal.runtime.lower import lower  # noqa: E402
 
 

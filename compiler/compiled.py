@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from tidal.compiler.pass_manager import PassRecord
-from tidal.compiler.table import format_table
+from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 

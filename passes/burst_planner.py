@@ -354,7 +354,7 @@ class BurstPlan(Plan):
 
     def table(self) -> str:
         """Per-layer GPUs, ranks, comp/comm/sync µs and amplification, then the totals."""
-        from tidal.compiler.table import format_table
+        from tidal.ir.table import format_table
 
         rows = [[l.layer, l.gpus, f"{l.ranks[0]}-{l.ranks[-1]}", round(l.comp_us, 1),
                  round(l.comm_us, 1), round(l.sync_us, 1), round(l.amp, 2),

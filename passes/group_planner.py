@@ -49,7 +49,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from tidal.compiler.table import format_table
+from tidal.ir.table import format_table
 from tidal.ir.plan import Plan
 
 Groups = tuple[tuple[int, int], ...]

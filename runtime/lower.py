@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tidal.compiler.table import format_table
+from tidal.ir.table import format_table
 from tidal.ir import meta
 from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS

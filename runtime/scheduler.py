@@ -40,7 +40,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
-from tidal.compiler.table import format_table
+from tidal.ir.table import format_table
 from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for
 
 

@@ -65,7 +65,7 @@ def summary_table(runtime: Runtime) -> str:
             per.setdefault((r.job, r.piece), []).append(r.slowdown)
     lines = [runtime.summary()]
     if per:
-        from tidal.compiler.table import format_table
+        from tidal.ir.table import format_table
 
         rows = sorted(([f"{j}/{p}", len(v), round(sum(v) / len(v), 3), round(max(v), 3),
                         "yes" if (j, p) in runtime.sensitive else "-"]
