@@ -104,8 +104,8 @@ def _holders(flat: list[int]) -> int:
 
 def rewrite(gm: fx.GraphModule, plan: BurstPlan) -> dict[str, tuple[int, ...]]:
     """Insert scatter/gather where a value changes GPU set, mark each layer node with its
-    placement, and return the ranks of the layer that owns each parameter (all ranks for a
-    parameter used by layers on different sets). A non-tensor node between layers (such as
+    placement, and return the ranks of the layer that owns each parameter and buffer (all
+    ranks for one used by layers on different sets). A non-tensor node between layers (such as
     ``x.size(0)`` in ``x.view(x.size(0), -1)``) is recomputed for each GPU set that reads it,
     from the rows that set holds."""
     world, batch = plan.world, plan.batch
@@ -157,7 +157,9 @@ def rewrite(gm: fx.GraphModule, plan: BurstPlan) -> dict[str, tuple[int, ...]]:
             l = placements[node.name]
             meta.set_pass_meta(node, PASS_NAME, BurstLayerMeta(l.gpus, l.ranks, l.ranges))
             if node.op == "call_module":
-                for pname, _ in gm.get_submodule(node.target).named_parameters():
+                sub = gm.get_submodule(node.target)
+                for pname in [n for n, _ in sub.named_parameters()] + \
+                        [n for n, _ in sub.named_buffers()]:
                     full = f"{node.target}.{pname}"
                     owners[full] = l.ranks if owners.get(full, l.ranks) == l.ranks \
                         else tuple(range(world))

@@ -12,7 +12,10 @@ is gathered to every rank, so every rank computes the same global loss, and back
 row's gradient back to the rank that computed the row. A parameter's gradient is then summed
 over the ranks of its layer (a subgroup all-reduce) and broadcast to the other ranks, so every
 replica takes the same optimizer step and the parameters stay identical everywhere (through a
-``GradSync`` when the ``compression`` pass wraps the sync). Without a
+``GradSync`` when the ``compression`` pass wraps the sync). Buffers a layer updates in training
+(BatchNorm's running statistics) are averaged over the layer's ranks after each step and
+broadcast to the others, so every rank holds the same model; BatchNorm normalizes each rank's
+rows with their own statistics, as data parallelism without ``SyncBatchNorm`` does. Without a
 process group (one process) the ops are the identity and ``step`` is plain training.
 
 Example:
@@ -95,8 +98,8 @@ def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]],
 
 class BurstExecutor:
     """The executor ``burst_parallel`` returns: ``world`` ranks, the plan's global ``batch``,
-    per parameter name of the graph module the ranks of the layer that owns it, and per layer
-    node name its ranks (``layer_ranks``; ranks outside a layer's set skip it)."""
+    per parameter (and buffer) name of the graph module the ranks of the layer that owns it,
+    and per layer node name its ranks (``layer_ranks``; ranks outside a layer's set skip it)."""
 
     def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, tuple[int, ...]], ...],
                  layer_ranks: tuple[tuple[str, tuple[int, ...]], ...] = ()):
@@ -154,8 +157,34 @@ class BurstExecutor:
         loss.backward()
         if distributed:
             self.sync_gradients(gm)
+            self.sync_buffers(gm)
         optimizer.step()
         return loss.detach()
+
+    def sync_buffers(self, gm: fx.GraphModule) -> None:
+        """Give every rank the same buffers: floating-point ones (running statistics) averaged
+        over their layer's ranks, then every buffer of a layer on a subset of the ranks
+        broadcast from the first of them (ranks outside the set did not run the layer)."""
+        rank, size = dist.get_rank(), dist.get_world_size()
+        everyone = tuple(range(size))
+        by_ranks: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for name, b in gm.named_buffers():
+            by_ranks.setdefault(self.param_ranks.get(name, everyone), []).append(b)
+        for ranks in sorted(by_ranks):
+            group = None if len(ranks) == size else self.groups.get(ranks)
+            for dtype in sorted({b.dtype for b in by_ranks[ranks]}, key=str):
+                bufs = [b for b in by_ranks[ranks] if b.dtype == dtype]
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                if (dtype.is_floating_point or dtype.is_complex) and len(ranks) > 1 \
+                        and rank in ranks:
+                    dist.all_reduce(flat, group=group)
+                    flat /= len(ranks)
+                if len(ranks) < size:
+                    dist.broadcast(flat, src=ranks[0])
+                offset = 0
+                for b in bufs:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
 
     def sync_gradients(self, gm: fx.GraphModule) -> None:
         """Sum each parameter's gradient over its layer's ranks and give it to every rank.

@@ -73,7 +73,25 @@ class Flat(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-MODELS = {"chain": Chain, "branchy": Branchy, "flat": Flat}
+class Normed(nn.Module):
+    """Convolutions with BatchNorm: running statistics are buffers updated in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.c1(x)))
+        x = F.relu(self.bn2(self.c2(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+MODELS = {"chain": Chain, "branchy": Branchy, "flat": Flat, "normed": Normed}
 
 
 def _data():
@@ -177,6 +195,34 @@ def test_ranks_outside_a_layers_set_skip_it():
     cases = [("flat", ("layers", {"view": 1, "fc1": 1})),
              ("flat", ("layers", {"pool": 1, "relu_1": 1}))]
     _check_ranks(2, cases)
+
+
+def _buffers_after_one_step(rank, size):
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Normed().double()
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    compiled = _compile(model, x, size, ("layers", {"c1": 1, "bn1": 1}))
+    compiled.step((x,), y)
+    F.cross_entropy(ref(x), y).backward()  # the single-process run's statistics
+    return ({n: b.clone() for n, b in model.named_buffers()},
+            {n: b.clone() for n, b in ref.named_buffers()})
+
+
+def test_batchnorm_buffers_are_the_same_on_every_rank():
+    results = spawn(_buffers_after_one_step, 2, timeout_s=300)
+    (b0, ref), (b1, _) = results
+    for name in ref:
+        torch.testing.assert_close(b0[name], b1[name], rtol=0, atol=0, msg=name)
+    # bn1 ran on rank 0 alone, on the whole batch: exactly the single-process statistics,
+    # broadcast to rank 1, which skipped the layer
+    for name in ("bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"):
+        torch.testing.assert_close(b1[name], ref[name], rtol=1e-9, atol=1e-12, msg=name)
+    # bn2 ran on both ranks, 4 rows each: the mean of the shards' means is the batch mean
+    torch.testing.assert_close(b1["bn2.running_mean"], ref["bn2.running_mean"],
+                               rtol=1e-9, atol=1e-12)
+    assert not torch.equal(b1["bn2.running_mean"], torch.zeros(8))
 
 
 @pytest.mark.slow
