@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from tidal.ir import meta
 from tidal.ir.collectives import SubgroupCache
-from tidal.runtime.distributed import is_distributed
+from tidal.runtime.distributed import all_reduce_tensors, copy_from_flat, is_distributed
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 
 _NO_GRAD = (torch.detach, torch.Tensor.detach)
@@ -172,19 +172,15 @@ class BurstExecutor:
             by_ranks.setdefault(self.param_ranks.get(name, everyone), []).append(b)
         for ranks in sorted(by_ranks):
             group = None if len(ranks) == size else self.groups.get(ranks)
-            for dtype in sorted({b.dtype for b in by_ranks[ranks]}, key=str):
-                bufs = [b for b in by_ranks[ranks] if b.dtype == dtype]
-                flat = torch.cat([b.reshape(-1) for b in bufs])
-                if (dtype.is_floating_point or dtype.is_complex) and len(ranks) > 1 \
-                        and rank in ranks:
-                    dist.all_reduce(flat, group=group)
-                    flat /= len(ranks)
-                if len(ranks) < size:
+            floats = [b for b in by_ranks[ranks] if b.is_floating_point()]
+            if len(ranks) > 1 and rank in ranks:
+                all_reduce_tensors(floats, group, average=True)
+            if len(ranks) < size:
+                for dtype in sorted({b.dtype for b in by_ranks[ranks]}, key=str):
+                    bufs = [b for b in by_ranks[ranks] if b.dtype == dtype]
+                    flat = torch.cat([b.reshape(-1) for b in bufs])
                     dist.broadcast(flat, src=ranks[0])
-                offset = 0
-                for b in bufs:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
+                    copy_from_flat(flat, bufs)
 
     def sync_gradients(self, gm: fx.GraphModule) -> None:
         """Sum each parameter's gradient over its layer's ranks and give it to every rank.
@@ -210,11 +206,7 @@ class BurstExecutor:
                 flat = torch.empty(sum(p.numel() for _, p in named), dtype=named[0][1].dtype)
             if len(ranks) < size:
                 dist.broadcast(flat, src=ranks[0])
-            offset = 0
-            for _, p in named:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+            copy_from_flat(flat, [p.grad for _, p in named])
 
     def _summed(self, ranks: tuple[int, ...], group: Optional[dist.ProcessGroup],
                 named: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:

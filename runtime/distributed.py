@@ -174,3 +174,25 @@ def world_size_or(default: Optional[int] = None) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", default or 1))
+
+
+def copy_from_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of the 1-D ``flat`` back into ``tensors`` (their order and
+    sizes, as ``torch.cat([t.reshape(-1) for t in tensors])`` laid them out)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def all_reduce_tensors(tensors: list[torch.Tensor], group: Any = None,
+                       average: bool = False) -> None:
+    """Sum (or with ``average``, average) ``tensors`` over the ranks of ``group`` in place,
+    as one flat all-reduce."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    copy_from_flat(flat, tensors)

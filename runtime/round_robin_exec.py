@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from tidal.ir.schedule import split_batch
-from tidal.runtime.distributed import rank_and_size
+from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 
 
 @dataclass
@@ -76,6 +76,7 @@ class RoundRobinExecutor:
         self._placeholders = [x for x in split.graph.nodes if x.op == "placeholder"]
         self._output = next(x for x in split.graph.nodes if x.op == "output")
         self._owned = self._param_owners()
+        self._buffers = self._buffer_owners()
 
     def _build_stages(self) -> list[_Stage]:
         g = self.split.graph
@@ -116,6 +117,17 @@ class RoundRobinExecutor:
                     seen.add(id(prm))
                     owned[p].append(prm)
         return owned  # a shared weight belongs to its lowest partition: its last backward
+
+    def _buffer_owners(self) -> list[list[torch.Tensor]]:
+        """Per partition, its floating-point buffers (each in its first partition only)."""
+        owned: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        seen: set[int] = set()
+        for p, st in enumerate(self._stages):
+            for b in st.module.buffers():
+                if id(b) not in seen and b.is_floating_point():
+                    seen.add(id(b))
+                    owned[p].append(b)
+        return owned
 
     # -- the Executor protocol ------------------------------------------------------------
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
@@ -264,14 +276,9 @@ class RoundRobinExecutor:
         return dest, key, send
 
     def _all_reduce(self, p: int, world: int) -> None:
+        """Sum partition ``p``'s gradients over the ranks and average its floating-point
+        buffers (BatchNorm's running statistics: every rank ran ``p`` on its own batch)."""
         if world == 1:
             return
-        grads = [prm.grad for prm in self._owned[p] if prm.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_tensors([prm.grad for prm in self._owned[p] if prm.grad is not None])
+        all_reduce_tensors(self._buffers[p], average=True)

@@ -10,7 +10,8 @@ cross-wave average of Eq. 1, ``(g_m + g_{m-1}) / 2`` with the other wave's lates
 followed by the wave's own gradient sync (a process group per wave, so the two waves'
 collectives never interleave; a :class:`~tidal.runtime.grad_sync.GradSync` per wave: a plain
 averaging all-reduce, or a compressor when the ``compression`` pass wraps it), and ``U`` the wave's optimizer step on its own replica. By Lemma 1 the
-gradient a wave applies is the mean over the 2N shards of iterations m−1 and m.
+gradient a wave applies is the mean over the 2N shards of iterations m−1 and m. After the sync,
+a wave's floating-point buffers (BatchNorm's running statistics) are averaged over its ranks.
 
 Example:
     >>> import torch, tidal
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from tidal.ir.schedule import Action, split_batch
-from tidal.runtime.distributed import rank_and_size
+from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
 
 WAIT_TIMEOUT_S = 300.0
@@ -183,6 +184,9 @@ class TickTockExecutor:
             for p, g, k in zip(w.params, avg, w.names):
                 p.grad = g.clone()
                 w.applied[k] = p.grad.detach().clone()
+            if world > 1:  # running statistics (BatchNorm): the same on every rank of the wave
+                all_reduce_tensors([b for b in w.gm.buffers() if b.is_floating_point()],
+                                   w.group, average=True)
         elif a.kind == "U":
             w.optimizer.step()
 

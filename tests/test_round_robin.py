@@ -121,6 +121,31 @@ def test_gloo_ranks_equal_micro_batch_accumulation(world):
         assert max(errors.values()) < 1e-6, errors
 
 
+def _bn_buffers(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4 * world, 8, generator=g), torch.randint(0, 3, (4 * world,), generator=g)
+    with torch.no_grad():  # what BatchNorm sees on each rank's micro-batch
+        seen = [model[0](xb) for xb in x.chunk(world)]
+    _step_and_grads(model, (x,), y, world, torch.nn.functional.cross_entropy)
+    bn = model[1]
+    return bn.running_mean.clone(), bn.running_var.clone(), seen
+
+
+def test_batchnorm_statistics_are_averaged_over_ranks():
+    results = spawn(_bn_buffers, 2)
+    (mean0, var0, seen), (mean1, var1, _) = results
+    torch.testing.assert_close(mean0, mean1, rtol=0, atol=0)
+    torch.testing.assert_close(var0, var1, rtol=0, atol=0)
+    m = 0.1  # BatchNorm1d's momentum; each rank updated the statistics once, then averaged
+    want_mean = m * torch.stack([s.mean(0) for s in seen]).mean(0)
+    want_var = (1 - m) + m * torch.stack([s.var(0, unbiased=True) for s in seen]).mean(0)
+    torch.testing.assert_close(mean0, want_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(var0, want_var, rtol=1e-5, atol=1e-6)
+
+
 # -- bad input ----------------------------------------------------------------------------
 def test_bad_input_is_named():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))

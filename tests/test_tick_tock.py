@@ -130,6 +130,30 @@ def test_two_gloo_ranks_waves_follow_lemma_1_and_replicas_match_reference():
         _check(r, 2)
 
 
+def _bn_statistics(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.BatchNorm1d(6), torch.nn.Tanh(),
+                                torch.nn.Linear(6, 3))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8 * world, 6, generator=g), torch.randint(0, 3, (8 * world,), generator=g)
+    with torch.no_grad():  # what BatchNorm sees on each of the 2N shards
+        seen = [model[0](xs) for xs in x.chunk(2 * world)]
+    c = tidal.compile(model, (x,), passes=[TickTock(ranks=world)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    c.step((x,), y)
+    tock_bn = c.executor.tock.get_submodule("1")
+    return model[1].running_mean.clone(), tock_bn.running_mean.clone(), seen
+
+
+def test_batchnorm_statistics_are_averaged_within_each_wave():
+    (tick0, tock0, seen), (tick1, tock1, _) = spawn(_bn_statistics, 2)
+    torch.testing.assert_close(tick0, tick1, rtol=0, atol=0)
+    torch.testing.assert_close(tock0, tock1, rtol=0, atol=0)
+    m = 0.1  # momentum: one update per rank and wave, then the wave's average over 2 ranks
+    torch.testing.assert_close(tick0, m * (seen[0].mean(0) + seen[1].mean(0)) / 2)
+    torch.testing.assert_close(tock0, m * (seen[2].mean(0) + seen[3].mean(0)) / 2)
+
+
 def test_schedule_lanes_offset_and_round_trip():
     s = tick_tock_schedule(ranks=2, fwd_us=1.0, bwd_us=2.0, allreduce_us=0.5, steps=2)
     s.check()
