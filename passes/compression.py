@@ -16,7 +16,7 @@ After a parallelism pass (``passes=["tick_tock", "compression"]``) the pass sets
 its own: it wraps that pass's gradient sync instead (a
 :class:`~tidal.runtime.grad_sync.GradSyncRequest` that ``compile()`` hands to the earlier
 executor's ``use_grad_sync``: ``tick_tock`` keeps one compressor state per wave,
-``burst_parallel`` one per set of ranks that syncs a layer).
+``burst_parallel`` one per set of ranks that syncs a layer, ``round_robin`` one per partition).
 
 ``mode``: ``"on"`` compresses; ``"off"`` runs plain all-reduce (sync SGD); ``"auto"`` asks the
 performance model (:mod:`tidal.ir.perf_model`, Eq. 4.1) for the cluster in the context and
@@ -57,7 +57,7 @@ from tidal.runtime.grad_sync import GradSync, GradSyncRequest
 MODES = ("on", "off", "auto")
 HOSTS = ("tick_tock", "burst_parallel", "round_robin")
 """Parallelism passes whose gradient sync this pass wraps when it runs after one of them
-(their executor must take ``use_grad_sync``; ``tick_tock``'s and ``burst_parallel``'s do)."""
+(their executor must take ``use_grad_sync``; all three do)."""
 
 
 @dataclass(frozen=True)

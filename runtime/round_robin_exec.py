@@ -7,9 +7,10 @@ from the previous rank, ``X`` moves activations to the next rank (forward) or th
 to the previous rank (backward) with ``torch.distributed`` point-to-point ops, ``B p,b`` runs
 partition p's backward, ``A p`` all-reduces partition p's gradients (sum over the N batches;
 each micro-batch loss is divided by N, so the result is the global-batch mean gradient) and
-``U`` steps the optimizer. With a process group of N ranks each rank runs its own list; with
-none, all N ranks run in this process (the all-reduce is then the shared ``.grad``
-accumulation), so the schedule runs anywhere.
+``U`` steps the optimizer. After the ``compression`` pass, each partition's gradients go
+through a compressor of their own instead (``use_grad_sync``). With a process group of N ranks
+each rank runs its own list; with none, all N ranks run in this process (the all-reduce is then
+the shared ``.grad`` accumulation, and no compressor runs), so the schedule runs anywhere.
 
 Example:
     >>> import torch, tidal
@@ -25,7 +26,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ import torch.fx as fx
 
 from tidal.ir.schedule import split_batch
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
+from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 
 
 @dataclass
@@ -65,13 +67,16 @@ def _floats(values: dict[str, torch.Tensor]) -> list[str]:
 
 class RoundRobinExecutor:
     """Runs a round-robin plan's schedule on the split graph ``split`` (see module doc).
-    ``stats`` accumulates ``steps``, ``switches`` and ``switch_bytes`` (per rank)."""
+    ``stats`` accumulates ``steps``, ``switches`` and ``switch_bytes`` (per rank); ``syncs``
+    holds each partition's gradient sync once ``use_grad_sync`` set one and a step ran."""
 
     def __init__(self, split: fx.GraphModule, plan: Any):
         self.split = split
         self.plan = plan
         self.n = plan.partitions
         self.stats = {"steps": 0, "switches": 0, "switch_bytes": 0}
+        self._sync_factory: Optional[GradSyncFactory] = None
+        self.syncs: dict[int, GradSync] = {}
         self._stages = self._build_stages()
         self._placeholders = [x for x in split.graph.nodes if x.op == "placeholder"]
         self._output = next(x for x in split.graph.nodes if x.op == "output")
@@ -108,15 +113,23 @@ class RoundRobinExecutor:
                                  tuple(produced[p]), sends))
         return stages
 
-    def _param_owners(self) -> list[list[torch.nn.Parameter]]:
-        owned: list[list[torch.nn.Parameter]] = [[] for _ in range(self.n)]
+    def _param_owners(self) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        owned: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(self.n)]
         seen: set[int] = set()
         for p, st in enumerate(self._stages):
-            for prm in st.module.parameters():
+            for name, prm in st.module.named_parameters():
                 if id(prm) not in seen and prm.requires_grad:
                     seen.add(id(prm))
-                    owned[p].append(prm)
+                    owned[p].append((name, prm))
         return owned  # a shared weight belongs to its lowest partition: its last backward
+
+    def use_grad_sync(self, factory: GradSyncFactory) -> None:
+        """Sync each partition's gradients through its own ``factory(None)`` (a
+        :class:`~tidal.runtime.grad_sync.GradSync`, e.g. the ``compression`` pass's
+        compressor, with its own error-feedback state) instead of a plain all-reduce."""
+        if self.syncs:
+            raise RuntimeError("round_robin: the gradient sync is fixed after the first step")
+        self._sync_factory = factory
 
     def _buffer_owners(self) -> list[list[torch.Tensor]]:
         """Per partition, its floating-point buffers (each in its first partition only)."""
@@ -280,5 +293,13 @@ class RoundRobinExecutor:
         buffers (BatchNorm's running statistics: every rank ran ``p`` on its own batch)."""
         if world == 1:
             return
-        all_reduce_tensors([prm.grad for prm in self._owned[p] if prm.grad is not None])
+        named = [(k, prm) for k, prm in self._owned[p] if prm.grad is not None]
+        if self._sync_factory is None:
+            all_reduce_tensors([prm.grad for _, prm in named])
+        elif named:
+            if p not in self.syncs:
+                self.syncs[p] = self._sync_factory(None)
+            synced = self.syncs[p]({k: prm.grad for k, prm in named})
+            for k, prm in named:  # the sync averages; a round-robin step sums the N batches
+                prm.grad.copy_(synced[k] * world)
         all_reduce_tensors(self._buffers[p], average=True)

@@ -164,3 +164,39 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="batch size 5 is not divisible by 2"):
         c.step((torch.randn(5, 4),), torch.zeros(5, dtype=torch.long))
     assert "partition 1" in c.plan.get("round_robin").table()
+
+
+def _composed(rank, world):
+    """round_robin alone and with compression off / Top-K 100 % / PowerSGD rank 1: the
+    gradients of one step and each partition's compressor."""
+    from tidal.passes.compression import CompressionPass
+
+    model = _mlp()
+    g = torch.Generator().manual_seed(7)
+    x, y = (torch.randn(2 * world, 8, generator=g),), torch.randint(0, 3, (2 * world,), generator=g)
+    out = {}
+    for tag, extra in (("plain", []), ("off", [CompressionPass(mode="off")]),
+                       ("topk1", [CompressionPass(compressor="topk:1.0")]),
+                       ("psgd1", [CompressionPass(compressor="powersgd:1")])):
+        m = copy.deepcopy(model)
+        c = tidal.compile(m, x, passes=[RoundRobin(partitions=world), *extra],
+                          loss_fn=torch.nn.functional.cross_entropy,
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+        c.step(x, y)
+        out[tag] = ({k: p.grad.clone() for k, p in m.named_parameters()},
+                    sorted({s.compressor.spec() for s in c.executor.syncs.values()}))
+    return out
+
+
+def test_compression_wraps_each_partitions_sync():
+    results = spawn(_composed, 2)
+    for r in results:
+        plain = r["plain"][0]
+        assert r["plain"][1] == [] and r["off"][1] == ["none"] and r["topk1"][1] == ["topk:1"]
+        for k, g in plain.items():
+            torch.testing.assert_close(r["off"][0][k], g, rtol=1e-6, atol=1e-7, msg=k)
+            torch.testing.assert_close(r["topk1"][0][k], g, rtol=1e-6, atol=1e-7, msg=k)
+        assert any(g.dim() == 2 and not torch.allclose(r["psgd1"][0][k], g, atol=1e-4)
+                   for k, g in plain.items()), "PowerSGD rank 1 must change a matrix gradient"
+    for k, g in results[0]["psgd1"][0].items():  # every rank applies the same gradient
+        torch.testing.assert_close(results[1]["psgd1"][0][k], g, rtol=0, atol=0)
