@@ -23,14 +23,18 @@ model lives in ``clustered_attention``):
      tolerance; default half: perplexity +1.5 % relative, or embedding cosine >= 0.995 for a
      0.99 budget). Layers are tried from the most redundant (lowest area under the normalised
      error curve); for each, the smallest k whose metric stays within the internal budget is
-     kept together with the layers already accepted; a layer for which even k = H - 1 breaks
-     it stays unclustered (``None``).
+     kept together with the layers already accepted; a layer for which even its mildest
+     useful k breaks it stays unclustered (``None``). The mildest useful k
+     (``mildest_useful_k``) is H - 1 under multi-head attention; under grouped-query attention
+     it is the largest k for which the decode can compute fewer score rows than H (rows come
+     in blocks of one per query head of each kept KV head): 6 of 9 heads with 3 KV heads,
+     since 7 or 8 clusters need all 3 KV heads and 3 rows each, which saves nothing.
   2. *Verify* the accepted layers on the held-out split under the full budget (default
      perplexity +3 % relative, or cosine >= 0.99). If they break it, the last-accepted layers
      are backed off until the held-out check fits: first softened to the mildest clustering
-     (k = H - 1), then, if all of them at k = H - 1 still break it, dropped. The rungs of
-     this ladder (all as chosen; the first j as chosen and the rest at H - 1; all at H - 1;
-     the first j at H - 1 and the rest dropped; none) are ordered from most to least
+     (the mildest useful k, "M" below), then, if all of them at M still break it, dropped.
+     The rungs of this ladder (all as chosen; the first j as chosen and the rest at M; all at
+     M; the first j at M and the rest dropped; none) are ordered from most to least
      clustering, and the highest rung that fits is found by bisection; with no layer left
      the model stays unchanged.
   Greedy acceptance on one text overfits it (each layer and its smallest k are accepted
@@ -310,7 +314,7 @@ class Choice:
     on the choose split (``metric``) and on the held-out split (``held_out``, NaN without a
     check) for those counts, the layers ``backed_off`` by the held-out check (in the order
     they were dropped), the number of ``evaluations``, and the layers ``softened`` by the
-    check to k = H - 1."""
+    check to their mildest useful k."""
 
     counts: dict[int, Optional[int]]
     metric: float
@@ -320,19 +324,38 @@ class Choice:
     softened: tuple[int, ...] = ()
 
 
+def decode_score_rows(k: int, num_heads: int, num_kv_heads: int) -> int:
+    """The fewest score rows a one-token decode step computes for ``k`` clusters: rows come in
+    blocks, one per kept KV head, each as wide as the most representatives any kept KV head
+    has (at most its query heads), so the best case is over the number of kept KV heads m of
+    ``m * ceil(k / m)``."""
+    check_count(k, num_heads)
+    group = num_heads // num_kv_heads
+    return min(m * -(-k // m) for m in range(-(-k // group), num_kv_heads + 1))
+
+
+def mildest_useful_k(num_heads: int, num_kv_heads: int) -> int:
+    """The largest k < H whose decode can compute fewer score rows than H (0: none can)."""
+    return max((k for k in range(1, num_heads)
+                if decode_score_rows(k, num_heads, num_kv_heads) < num_heads), default=0)
+
+
 def choose_counts(errors: Mapping[int, Sequence[float]],
                   evaluate: Callable[[Mapping[int, int]], float], budget: Budget,
                   baseline: float, log: Callable[[str], None] = lambda m: None, *,
                   check: Optional[Callable[[Mapping[int, int]], float]] = None,
-                  check_baseline: Optional[float] = None, margin: float = 0.5) -> Choice:
+                  check_baseline: Optional[float] = None, margin: float = 0.5,
+                  mildest: Optional[Mapping[int, int]] = None) -> Choice:
     """Each layer's cluster count under ``budget`` (rule in the module docstring).
 
     ``errors[layer]`` is the layer's error curve (k = 1..H); ``evaluate(counts)`` the metric on
     the choose split with ``counts`` (layer -> k) clustered and the other layers intact, and
     ``baseline`` its value with none clustered; ``check``/``check_baseline`` the same on the
     held-out split (None: no held-out check, only the internal budget). The choice is made
-    under ``budget.tightened(margin)`` and verified under ``budget``. Assumes the metric is
-    monotone in k within a layer and in the number of clustered layers (bisection).
+    under ``budget.tightened(margin)`` and verified under ``budget``. ``mildest[layer]``: the
+    largest k worth trying (``mildest_useful_k``; default H - 1); a layer whose mildest is 0
+    stays unclustered. Assumes the metric is monotone in k within a layer and in the number of
+    clustered layers (bisection).
     """
     if check is not None and check_baseline is None:
         raise ValueError("choose_counts: check needs check_baseline (its metric unclustered)")
@@ -341,7 +364,8 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
     evals = 0
     for layer in sorted(errors, key=lambda l: (redundancy(errors[l]), l)):
         h = len(errors[layer])
-        if h < 2:
+        top = len(errors[layer]) - 1 if mildest is None else mildest[layer]
+        if h < 2 or top < 1:
             continue
         chosen = {l: k for l, k, _ in accepted}
         cache: dict[int, float] = {}
@@ -353,10 +377,10 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
                 evals += 1
             return inner.allows(cache[k], baseline)
 
-        if not ok(h - 1):
-            log(f"layer {layer}: unclustered (k={h - 1} gives {cache[h - 1]:.4g})")
+        if not ok(top):
+            log(f"layer {layer}: unclustered (k={top} gives {cache[top]:.4g})")
             continue
-        lo, hi = 1, h - 1      # hi is within budget
+        lo, hi = 1, top        # hi is within budget
         while lo < hi:
             mid = (lo + hi) // 2
             if ok(mid):
@@ -366,16 +390,16 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
         accepted.append((layer, hi, cache[hi]))
         log(f"layer {layer}: k={hi} ({cache[hi]:.4g})")
 
-    heads = {l: len(errors[l]) for l in errors}
+    mild = {l: len(errors[l]) - 1 if mildest is None else mildest[l] for l in errors}
     size = len(accepted)
 
     def ladder(n: int) -> dict[int, int]:
         """Rung ``n`` of the back-off ladder (0: nothing clustered, 2 * size: as chosen): up to
-        ``size``, the first n accepted layers at the mildest k = H - 1; beyond, all of them,
-        the first n - size at their chosen k and the rest at H - 1."""
+        ``size``, the first n accepted layers at their mildest useful k; beyond, all of them,
+        the first n - size at their chosen k and the rest at the mildest."""
         if n <= size:
-            return {l: heads[l] - 1 for l, _, _ in accepted[:n]}
-        return {l: (k if i < n - size else heads[l] - 1)
+            return {l: mild[l] for l, _, _ in accepted[:n]}
+        return {l: (k if i < n - size else mild[l])
                 for i, (l, k, _) in enumerate(accepted)}
 
     rung, held_out = 2 * size, math.nan
@@ -405,7 +429,7 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
     backed = tuple(l for l, _, _ in reversed(accepted) if l not in final)
     softened = tuple(l for l, k, _ in accepted if l in final and final[l] != k)
     if backed or softened:
-        log(f"held-out check: backed off layer(s) {list(backed)}, softened to k = H - 1: "
+        log(f"held-out check: backed off layer(s) {list(backed)}, softened to the mildest k: "
             f"{list(softened)}")
     if rung == 2 * size:
         metric = accepted[-1][2] if accepted else baseline
@@ -491,7 +515,7 @@ class ChaiPlan(Plan):
             lines.append(f"held-out check: {self.held_out_baseline:.4g} -> "
                          f"{self.held_out_metric:.4g}; layers backed off: "
                          f"{', '.join(map(str, self.backed_off)) or 'none'}; softened to "
-                         f"k = H - 1: {', '.join(map(str, self.softened)) or 'none'}")
+                         f"the mildest useful k: {', '.join(map(str, self.softened)) or 'none'}")
         if self.verdict:
             lines.append(self.verdict)
         return "\n".join(lines)

@@ -49,8 +49,8 @@ from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.passes.attention_match import AttentionMatch, find_attention, no_attention_message
 from tidal.passes.chai_calibrate import (FIRST_TOKENS, Budget, ChaiPlan, HeadStats, LayerChoice,
                                          Membership, check_count, choose_counts, elbow,
-                                         head_features, membership, split_holdout,
-                                         static_membership, verdict)
+                                         head_features, membership, mildest_useful_k,
+                                         split_holdout, static_membership, verdict)
 
 PASS_NAME = "clustered_attention"
 
@@ -412,8 +412,9 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
     then chooses each layer's k (``chai_calibrate.choose_counts``): on the batches
     ``split_holdout`` keeps for choosing, under ``budget.tightened(margin)``, verified on the
     share ``holdout`` held out under ``budget`` itself, backing off the last-accepted layers
-    (to k = H - 1, then out) until that check fits. ``holdout=None``: no check, every batch
-    chooses (still under the tightened budget). With ``budget.metric == "cosine"``,
+    (to their mildest useful k, ``chai_calibrate.mildest_useful_k``, then out) until that
+    check fits. ``holdout=None``: no check, every batch chooses (still under the tightened
+    budget). With ``budget.metric == "cosine"``,
     ``embed(outputs, batch)`` gives the embeddings compared with the original's.
     """
     if holdout is None:
@@ -456,8 +457,9 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
     baseline = choose_metric({})
     check_baseline = check_metric({}) if check_metric else None
     errors = {m.layer: stats.errors(m.layer) for m in modules}
+    mildest = {m.layer: mildest_useful_k(m.num_heads, m.num_kv_heads) for m in modules}
     choice = choose_counts(errors, choose_metric, budget, baseline, log, check=check_metric,
-                           check_baseline=check_baseline, margin=margin)
+                           check_baseline=check_baseline, margin=margin, mildest=mildest)
     counts = choice.counts
     set_counts(gm, {})
     log(f"{choice.evaluations} evaluations; {budget.metric} {baseline:.4g} -> "

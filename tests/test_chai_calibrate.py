@@ -176,3 +176,30 @@ def test_calibrate_tiny_lm_within_budget_and_verdicts():
     assert "too little head redundancy" in never.verdict
     with pytest.raises(ValueError, match="at least 2 batches"):
         calibrate(model, batches[:1])
+
+
+def test_mildest_useful_k_counts_the_decodes_score_rows():
+    from tidal.passes.chai_calibrate import decode_score_rows, mildest_useful_k
+
+    # SmolLM2: 9 query heads on 3 KV heads. 7 or 8 clusters need every KV head and 3 rows
+    # each (9 rows, nothing saved); 6 fit on 2 KV heads (6 rows)
+    assert [decode_score_rows(k, 9, 3) for k in range(1, 10)] == [1, 2, 3, 4, 6, 6, 9, 9, 9]
+    assert mildest_useful_k(9, 3) == 6
+    assert mildest_useful_k(12, 12) == 11      # multi-head attention: rows = k
+    assert mildest_useful_k(8, 1) == 7         # one KV head: rows = k
+    assert mildest_useful_k(4, 2) == 2
+
+
+def test_choose_counts_never_keeps_a_k_that_saves_nothing():
+    # a model whose metric only tolerates k >= 7 of 9: with the decode's real saving counted,
+    # no useful k fits, so every layer stays unclustered
+    errors = {l: tuple(1 - i / 8 - 0.01 * l for i in range(9)) for l in range(2)}
+
+    def evaluate(counts):
+        return 10.0 * (1 + sum(0.5 for k in counts.values() if k < 7))
+
+    old = choose_counts(errors, evaluate, Budget(tolerance=0.03), 10.0)
+    assert set(old.counts.values()) == {7}
+    mild = {l: 6 for l in errors}
+    new = choose_counts(errors, evaluate, Budget(tolerance=0.03), 10.0, mildest=mild)
+    assert set(new.counts.values()) == {None} and new.metric == 10.0
