@@ -360,12 +360,12 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
     if check is not None and check_baseline is None:
         raise ValueError("choose_counts: check needs check_baseline (its metric unclustered)")
     inner = budget.tightened(margin)
+    mild = {l: len(errors[l]) - 1 if mildest is None else mildest[l] for l in errors}
     accepted: list[tuple[int, int, float]] = []      # (layer, k, choose metric) in order
     evals = 0
     for layer in sorted(errors, key=lambda l: (redundancy(errors[l]), l)):
-        h = len(errors[layer])
-        top = len(errors[layer]) - 1 if mildest is None else mildest[layer]
-        if h < 2 or top < 1:
+        top = mild[layer]
+        if len(errors[layer]) < 2 or top < 1:
             continue
         chosen = {l: k for l, k, _ in accepted}
         cache: dict[int, float] = {}
@@ -390,7 +390,6 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
         accepted.append((layer, hi, cache[hi]))
         log(f"layer {layer}: k={hi} ({cache[hi]:.4g})")
 
-    mild = {l: len(errors[l]) - 1 if mildest is None else mildest[l] for l in errors}
     size = len(accepted)
 
     def ladder(n: int) -> dict[int, int]:
