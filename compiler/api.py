@@ -15,6 +15,8 @@ from tidal.compiler.pass_manager import PassRecord, run_passes, snapshot
 from tidal.ir import cost
 from tidal.ir.cluster import Cluster
 from tidal.ir.errors import PassError
+from tidal.ir.inputs import bind_inputs
+from tidal.ir.input_check import check_input_dtypes
 from tidal.ir.pass_api import Pass, PassContext
 from tidal.passes import registry
 
@@ -29,8 +31,9 @@ def _option_names(cls: type) -> set[str]:
 
 def resolve_passes(passes: Union[str, Sequence[PassSpec]], options: Mapping[str, Any],
                    ctx: Optional[PassContext] = None) -> list[Pass]:
-    """Turn pass names (or ``"auto"``: every registered pass that applies) and pass objects
-    into pass instances, giving each named pass the ``options`` its constructor accepts.
+    """Turn pass names (or ``"auto"``: every registered pass, filtered later by
+    ``auto_select``) and pass objects into pass instances, giving each named pass the
+    ``options`` its constructor accepts.
     Raises ``PassError`` for an unknown pass name or an option two named passes take, and
     ``TypeError`` for an option no selected pass takes."""
     reg = registry()
@@ -38,8 +41,7 @@ def resolve_passes(passes: Union[str, Sequence[PassSpec]], options: Mapping[str,
         if passes != "auto":
             passes = [p.strip() for p in passes.split(",") if p.strip()]
         else:
-            passes = [n for n, cls in reg.items()
-                      if not (cls.training_only and (ctx is None or ctx.loss_fn is None))]
+            passes = list(reg)
     out: list[Pass] = []
     used: set[str] = set()
     named = [s for s in passes if isinstance(s, str) and s in reg]
@@ -111,8 +113,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     t1 = time.perf_counter()
     records.append(PassRecord("trace", t1 - t0, 0, len(gm.graph.nodes),
                               graph_after=snapshot(gm.graph)))
-    positional = tuple(example_inputs.values()) if isinstance(example_inputs, Mapping) \
-        else tuple(example_inputs)
+    positional = bind_inputs(gm, example_inputs, "example_inputs")
+    check_input_dtypes(gm, positional)
     cost.annotate(gm, positional)
     t2 = time.perf_counter()
     n = len(gm.graph.nodes)
@@ -122,28 +124,43 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
                       cluster=cluster or Cluster(), model=model, loss_fn=loss_fn,
                       optimizer=optimizer, example_targets=example_targets, log=log)
     selected = resolve_passes(passes, options, ctx)
+    if isinstance(passes, str) and passes == "auto":
+        selected, skipped = auto_select(selected, gm, ctx)
+        records.append(PassRecord("auto", 0.0, n, n, notes=skipped or ("selected every pass",)))
     if loss_fn is None:
         needs = [p.name for p in selected if p.training_only]
         if needs:
             raise PassError(f"pass {needs[0]!r} transforms training: give loss_fn and optimizer")
-    if isinstance(passes, str) and passes == "auto":
-        selected = _first_of_each_exclusive([p for p in selected if p.applies(gm, ctx)])
     _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
     pass_records = _apply_grad_sync_requests(pass_records)
     return Compiled(model, gm, records + pass_records, ctx, lower=lower)
 
 
-def _first_of_each_exclusive(passes: Sequence[Pass]) -> list[Pass]:
-    """Keep, of passes sharing an ``exclusive`` tag, only the first."""
-    seen: set[str] = set()
-    out = []
+def auto_select(passes: Sequence[Pass], gm, ctx: PassContext
+                ) -> tuple[list[Pass], tuple[str, ...]]:
+    """What ``passes="auto"`` runs: the passes that keep the training step what it is and
+    apply to this model and cluster, the first of each ``exclusive`` group. Returns them and
+    one note per skipped pass saying why (a pass that changes the update is used only when
+    named)."""
+    kept: list[Pass] = []
+    notes: list[str] = []
+    chosen: dict[str, str] = {}
     for p in passes:
-        if p.exclusive and p.exclusive in seen:
+        if p.training_only and ctx.loss_fn is None:
+            why = "it transforms training: give loss_fn and optimizer"
+        elif p.changes_update:
+            why = f"{p.changes_update}; name it in passes= to use it"
+        elif not p.applies(gm, ctx):
+            why = p.why_not(gm, ctx)
+        elif p.exclusive and p.exclusive in chosen:
+            why = f"{chosen[p.exclusive]!r} was selected instead ({p.exclusive})"
+        else:
+            kept.append(p)
+            chosen.setdefault(p.exclusive, p.name)
             continue
-        seen.add(p.exclusive)
-        out.append(p)
-    return out
+        notes.append(f"skipped {p.name}: {why}")
+    return kept, tuple(notes)
 
 
 def _check_exclusive(passes: Sequence[Pass]) -> None:

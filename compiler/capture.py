@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tidal.ir import meta
 from tidal.ir.errors import TraceError
 
 LeafSpec = Union[str, type]
@@ -112,7 +113,42 @@ def _is_hf_model(model: torch.nn.Module) -> bool:
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
-def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any]) -> fx.GraphModule:
+def _check_leaf_paths(model: torch.nn.Module, leaf_modules: Sequence[LeafSpec]) -> None:
+    """Raise ``TraceError`` naming a ``leaf_modules`` path that is not a submodule of ``model``
+    (a typo would otherwise be ignored silently) or an entry that is neither a path nor a
+    class."""
+    paths = {name for name, _ in model.named_modules()}
+    for leaf in leaf_modules:
+        if isinstance(leaf, type):
+            continue
+        if not isinstance(leaf, str):
+            raise TraceError(f"leaf_modules entry {leaf!r} must be a module path (str) or a "
+                             f"module class", module_type=type(model).__name__)
+        if leaf not in paths:
+            near = sorted(p for p in paths if p and (p.startswith(leaf) or leaf.startswith(p)))
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TraceError(f"leaf_modules: {type(model).__name__} has no module {leaf!r}"
+                             f"{hint}", module_path=leaf, module_type=type(model).__name__)
+
+
+def _hf_tracer_cls(leaf_modules: Sequence[LeafSpec]) -> type:
+    """``transformers``' HFTracer that also keeps ``leaf_modules`` whole."""
+    from transformers.utils.fx import HFTracer
+
+    paths = frozenset(x for x in leaf_modules if isinstance(x, str))
+    types_ = tuple(x for x in leaf_modules if isinstance(x, type))
+
+    class _LeafHFTracer(HFTracer):
+        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+            if qualname in paths or (types_ and isinstance(m, types_)):
+                return True
+            return super().is_leaf_module(m, qualname)
+
+    return _LeafHFTracer
+
+
+def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
+              leaf_modules: Sequence[LeafSpec] = ()) -> fx.GraphModule:
     try:
         from transformers.utils import fx as hf_fx
     except ImportError as e:  # transformers >= 4.48 removed it
@@ -121,12 +157,24 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any]) -> fx.G
             "install the pinned extra: pip install 'tidal[hf]' (transformers==4.47.1)",
             module_type=type(model).__name__) from None
     try:
-        return hf_fx.symbolic_trace(model, input_names=list(example_inputs))
+        return hf_fx.symbolic_trace(model, input_names=list(example_inputs),
+                                    tracer_cls=_hf_tracer_cls(leaf_modules))
     except Exception as e:
         raise TraceError(
             f"cannot trace Hugging Face model {type(model).__name__} with "
             f"transformers.utils.fx: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
             module_type=type(model).__name__) from e
+
+
+def _record_input_names(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Record on each placeholder the forward parameter it stands for (fx renames a
+    placeholder pinned to a default, e.g. ``b`` to ``b_1``), so keyword inputs bind by name."""
+    params = [p.name for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(nodes) == len(params):
+        for node, name in zip(nodes, params):
+            meta.set_input_name(node, name)
 
 
 def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]], *,
@@ -136,16 +184,19 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
     ``example_inputs`` is a tuple of positional inputs (or a dict of keyword inputs, the usual
     form for Hugging Face models, which are traced with ``transformers.utils.fx``). Forward
     arguments not given are pinned to their defaults. ``leaf_modules`` (paths or classes) are
-    kept as single ``call_module`` nodes. Raises ``TraceError`` naming the module and source
-    line on failure.
+    kept as single ``call_module`` nodes (for Hugging Face models too); a path that names no
+    submodule is a ``TraceError``. Raises ``TraceError`` naming the module and source line on
+    failure.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tidal can only trace torch.nn.Module instances, got {type(model).__name__}")
+    leaf_modules = tuple(leaf_modules)
+    _check_leaf_paths(model, leaf_modules)
     if _is_hf_model(model):
         if not isinstance(example_inputs, Mapping):
             sig = list(inspect.signature(model.forward).parameters)
             example_inputs = dict(zip(sig, example_inputs))
-        return _trace_hf(model, example_inputs)
+        return _trace_hf(model, example_inputs, leaf_modules)
     n_pos = 0 if isinstance(example_inputs, Mapping) else len(example_inputs)
     given = example_inputs.keys() if isinstance(example_inputs, Mapping) else ()
     tracer = _Tracer(leaf_modules)
@@ -155,7 +206,9 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
         raise
     except Exception as e:
         raise _trace_error(model, tracer, e) from e
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _record_input_names(gm, model)
+    return gm
 
 
 @dataclass
@@ -172,35 +225,49 @@ class TrainStep:
     param_names: tuple[str, ...]
     buffer_names: tuple[str, ...]
 
-    def run(self, model: torch.nn.Module, inputs: Sequence[Any], targets: Any
-            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def run(self, model: torch.nn.Module, inputs: Union[Sequence[Any], Mapping[str, Any]],
+            targets: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the captured step on ``model``'s own parameters and buffers; return the loss and
         the gradients by parameter name (the model's ``.grad`` fields are not touched)."""
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         loss, grads = self.gm({k: params[k] for k in self.param_names},
-                              {k: buffers[k] for k in self.buffer_names}, tuple(inputs), targets)
+                              {k: buffers[k] for k in self.buffer_names}, _as_inputs(inputs),
+                              targets)
         return loss, dict(zip(self.param_names, grads))
 
 
-def capture_train_step(model: torch.nn.Module, example_inputs: Sequence[Any], example_targets: Any,
+def _as_inputs(inputs: Union[Sequence[Any], Mapping[str, Any]]) -> Union[tuple, dict]:
+    """Positional inputs as a tuple, keyword inputs (a dict) as a dict."""
+    return dict(inputs) if isinstance(inputs, Mapping) else tuple(inputs)
+
+
+def _call_args(inputs: Union[tuple, dict]) -> tuple[tuple, dict]:
+    """(args, kwargs) to call the model with: a dict stays keyword inputs."""
+    return ((), inputs) if isinstance(inputs, dict) else (inputs, {})
+
+
+def capture_train_step(model: torch.nn.Module,
+                       example_inputs: Union[Sequence[Any], Mapping[str, Any]], example_targets: Any,
                        loss_fn: Callable[[Any, Any], torch.Tensor]) -> TrainStep:
     """Capture forward, ``loss_fn(outputs, targets)`` and backward of ``model`` as one aten-level
     graph (``make_fx`` with fake tensors of a step that calls ``torch.func.functional_call`` and
-    ``torch.autograd.grad``). Parameters and buffers (BatchNorm statistics) are graph inputs."""
+    ``torch.autograd.grad``). Parameters and buffers (BatchNorm statistics) are graph inputs.
+    ``example_inputs`` is a tuple of positional inputs or a dict of keyword inputs."""
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
     names = tuple(params)
 
     def step(params, buffers, inputs, targets):
-        out = torch.func.functional_call(model, {**params, **buffers}, tuple(inputs))
+        args, kwargs = _call_args(inputs)
+        out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
         loss = loss_fn(out, targets)
         grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
         grads = tuple(torch.zeros_like(params[k]) if g is None else g for k, g in zip(names, grads))
         return loss, grads
 
     try:
-        gm = make_fx(step, tracing_mode="fake")(params, buffers, tuple(example_inputs),
+        gm = make_fx(step, tracing_mode="fake")(params, buffers, _as_inputs(example_inputs),
                                                  example_targets)
     except Exception as e:
         frame = _user_frame(e)

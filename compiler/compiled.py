@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from tidal.compiler.pass_manager import PassRecord
+from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
@@ -68,12 +69,13 @@ class Compiled:
 
     def step(self, inputs: Any, targets: Any) -> torch.Tensor:
         """One training step on the global batch: forward, ``loss_fn(outputs, targets)``,
-        backward and the optimizer step, updating the model's parameters in place. Returns the
-        loss (detached)."""
+        backward and the optimizer step, updating the model's parameters in place. ``inputs``
+        is a tensor, a tuple of positional inputs or a dict of keyword inputs (bound to the
+        model's forward parameters by name). Returns the loss (detached)."""
         if self.context.loss_fn is None:
             raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
                              "fn(outputs, targets) -> scalar tensor")
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        inputs = bind_inputs(self.graph_module, inputs, "Compiled.step inputs")
         opt = self.optimizer
         if self.executor is not None:
             return self.executor.step(self.graph_module, self.model, inputs, targets,

@@ -26,10 +26,14 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+import datetime
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+FALLBACK_TIMEOUT_S = 60.0
+"""The timeout of a new group when the world group's cannot be read."""
 
 
 def layout(ranges: Iterable[tuple[int, int]]) -> list[int]:
@@ -161,6 +165,27 @@ GATHER = torch.ops.tidal.gather.default
 """The op overload a pass inserts where a layer's GPU set shrinks."""
 
 
+def world_timeout() -> datetime.timedelta:
+    """The timeout of the initialised default (world) process group, as given to
+    ``init_process_group`` (read from its backend's options; ``FALLBACK_TIMEOUT_S`` when the
+    backend does not expose it)."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return datetime.timedelta(seconds=FALLBACK_TIMEOUT_S)
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None) -> Any:
+    """``dist.new_group`` with the world group's timeout (torch's default is 30 minutes, so a
+    stalled peer would block a subgroup's collective that long instead of failing cleanly).
+    Every process group tidal creates goes through here."""
+    return dist.new_group(None if ranks is None else list(ranks), timeout=world_timeout(),
+                          backend=backend)
+
+
 class SubgroupCache:
     """Process subgroups by rank tuple, created once (``dist.new_group`` must be called by every
     rank in the same order, so ``create`` takes every set up front)."""
@@ -174,7 +199,7 @@ class SubgroupCache:
         size = 1 if world is None else world[1]
         for ranks in sorted({tuple(r) for r in rank_sets}):
             if ranks not in self._groups and len(ranks) < size:
-                self._groups[ranks] = dist.new_group(list(ranks))
+                self._groups[ranks] = new_group(ranks)
 
     def get(self, ranks: Sequence[int]):
         """The group of ``ranks`` (None: the default group, for the whole world)."""

@@ -26,6 +26,7 @@ _LAYER = "tidal.layer"
 _COST = "tidal.cost"
 _TENSORS = "tidal.tensors"
 _ADDED_BY = "tidal.added_by"
+_INPUT_NAME = "tidal.input_name"
 _FX_MODULE_STACK = "nn_module_stack"  # written by torch.fx's tracer
 
 
@@ -127,6 +128,18 @@ def get_added_by(node: fx.Node) -> Optional[str]:
 def set_added_by(node: fx.Node, pass_name: str) -> None:
     """Mark a node as inserted by a pass (the pass manager does this for every new node)."""
     node.meta[_ADDED_BY] = pass_name
+
+
+def get_input_name(node: fx.Node) -> Optional[str]:
+    """The model's forward parameter a placeholder stands for (``attention_mask``), or None when
+    the trace did not record it (fx may rename a placeholder, e.g. ``b`` pinned to a default
+    becomes ``b_1``)."""
+    return node.meta.get(_INPUT_NAME)
+
+
+def set_input_name(node: fx.Node, name: str) -> None:
+    """Record the model's forward parameter name of a placeholder (set when tracing)."""
+    node.meta[_INPUT_NAME] = name
 
 
 def module_scope(node: fx.Node) -> str:

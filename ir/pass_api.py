@@ -95,7 +95,9 @@ class Pass:
     ``self.fail(msg)``) when its condition does not hold. Constructor keyword arguments are the
     pass's options. ``training_only`` passes need ``loss_fn``. Passes with the same non-empty
     ``exclusive`` tag are alternatives (e.g. ways to parallelize the whole step): at most one
-    may be selected, and ``passes="auto"`` keeps the first that applies.
+    may be selected, and ``passes="auto"`` keeps the first that applies. A pass whose training
+    update is not the plain step on the batch sets ``changes_update`` to the reason (e.g. Wavelet's
+    cross-wave averaging); ``passes="auto"`` never selects it and says so in the report.
     """
 
     name: ClassVar[str] = ""
@@ -103,6 +105,7 @@ class Pass:
     before: ClassVar[tuple[str, ...]] = ()
     training_only: ClassVar[bool] = False
     exclusive: ClassVar[str] = ""
+    changes_update: ClassVar[str] = ""
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         """Check the pass's preconditions on the incoming graph; default: none."""
@@ -114,6 +117,12 @@ class Pass:
         """Whether the pass has anything to do for this model and context (``passes="auto"``
         selects the passes for which this is true); default: True."""
         return True
+
+    def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
+        """Why ``applies`` is False, for the report of ``passes="auto"``; override for a more
+        specific reason."""
+        return (f"it does not apply to this model on {ctx.cluster.gpus} GPU(s) at batch "
+                f"{ctx.batch_size}")
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError(f"pass {self.name!r} does not implement __call__")

@@ -16,7 +16,14 @@ model lives in ``clustered_attention``):
   same membership), and cosine ignores the scale of a head's score rows. Each cluster's
   representative is the member most similar on average to the others; under grouped-query
   attention it is chosen among members whose KV head is already needed, when possible, so that
-  whole KV heads drop out of the K cache.
+  whole KV heads drop out of the K cache. ``online_memberships`` is the one entry point for
+  per-sequence membership from attention probabilities: the graph (``ClusteredHeads``) and the
+  decode runtime (``ChaiDecoder``) both call it, on the same features (``head_features``).
+- Every clustering decision (merge order, representatives, k-means assignment, the elbow, the
+  order layers are tried in) is a comparison of float scores that different kernels or
+  operation orders compute with different rounding. Scores that agree within ``TIE_RTOL``
+  (relative) or ``TIE_ATOL`` (absolute) count as equal and the lowest index wins
+  (``first_best``), so a plan does not depend on the machine it was computed on.
 - ``choose_counts``: the accuracy-budgeted choice, made so that it holds on text it has not
   seen. The calibration set is split in two (``split_holdout``: every other batch by default):
   1. *Choose* on the first split under a tighter internal budget (``margin`` times the
@@ -67,6 +74,40 @@ from tidal.ir.plan import Plan
 FIRST_TOKENS = 5
 """Tokens processed with full multi-head attention before membership is fixed (§6.2.3)."""
 
+TIE_RTOL = 1e-6
+"""Scores within this relative difference of each other count as a tie (lowest index wins)."""
+
+TIE_ATOL = 1e-12
+"""Scores within this absolute difference of each other count as a tie (e.g. around 0)."""
+
+
+def same_score(a: float, b: float) -> bool:
+    """Whether two scores are equal up to ``TIE_RTOL`` / ``TIE_ATOL`` (rounding noise)."""
+    return abs(a - b) <= max(TIE_RTOL * max(abs(a), abs(b)), TIE_ATOL)
+
+
+def first_best(items: Sequence[Any], score: Callable[[Any], float], *,
+               lowest: bool = False) -> Any:
+    """The first of ``items`` whose ``score`` ties (``same_score``) with the highest score
+    (``lowest``: the lowest), so that rounding noise never decides between near-equal items.
+
+    Example:
+        >>> first_best([0, 1, 2], {0: 0.5, 1: 0.5 + 1e-12, 2: 0.1}.__getitem__)
+        0
+    """
+    scores = [score(i) for i in items]
+    best = min(scores) if lowest else max(scores)
+    return next(i for i, s in zip(items, scores) if same_score(s, best))
+
+
+def tie_stable_order(items: Sequence[Any], score: Callable[[Any], float]) -> list[Any]:
+    """``items`` by ascending ``score``; items whose scores tie keep their given order."""
+    rest, out = list(items), []
+    while rest:
+        out.append(first_best(rest, score, lowest=True))
+        rest.remove(out[-1])
+    return out
+
 
 def check_count(k: int, num_heads: int, where: str = "") -> None:
     """Raise ``ValueError`` unless ``1 <= k <= num_heads``."""
@@ -76,29 +117,27 @@ def check_count(k: int, num_heads: int, where: str = "") -> None:
 
 
 def cosine_similarity(features: torch.Tensor) -> torch.Tensor:
-    """``[H, H]`` cosine similarity of the rows of ``features`` ``[H, F]`` (float64)."""
+    """``[H, H]`` cosine similarity of the rows of ``features`` ``[H, F]`` (float64), exactly
+    symmetric."""
     f = features.reshape(features.shape[0], -1).double()
     f = f / f.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    return f @ f.T
+    sim = f @ f.T
+    return (sim + sim.T) / 2
 
 
 def average_linkage(sim: torch.Tensor, k: int) -> tuple[int, ...]:
     """Cluster labels (numbered by first member) from average-linkage agglomeration of the
-    similarity matrix ``sim`` ``[H, H]`` into ``k`` clusters."""
+    similarity matrix ``sim`` ``[H, H]`` into ``k`` clusters. Of pairs of clusters whose
+    linkage ties (``same_score``), the pair with the lowest first members merges."""
     n = sim.shape[0]
     check_count(k, n)
-    clusters: list[list[int]] = [[h] for h in range(n)]
+    clusters: list[list[int]] = [[h] for h in range(n)]    # kept ordered by first member
     s = sim.double()
     while len(clusters) > k:
-        best, pair = -math.inf, (0, 1)
-        for a, b in combinations(range(len(clusters)), 2):
-            link = s[clusters[a]][:, clusters[b]].mean().item()
-            if link > best:
-                best, pair = link, (a, b)
-        a, b = pair
+        a, b = first_best(list(combinations(range(len(clusters)), 2)),
+                          lambda p: s[clusters[p[0]]][:, clusters[p[1]]].mean().item())
         clusters[a] = sorted(clusters[a] + clusters[b])
         del clusters[b]
-    clusters.sort(key=lambda c: c[0])
     labels = [0] * n
     for i, members in enumerate(clusters):
         for h in members:
@@ -138,16 +177,23 @@ class Membership:
 
 def representatives(labels: Sequence[int], sim: torch.Tensor,
                     kv_of_head: Sequence[int]) -> tuple[int, ...]:
-    """Per cluster, the member with the highest mean similarity to its cluster, restricted to a
-    smallest set of KV heads that meets every cluster (so the most KV heads can be dropped)."""
+    """Per cluster, the member with the highest mean similarity to the other members,
+    restricted to a smallest set of KV heads that meets every cluster (so the most KV heads can
+    be dropped); of members whose scores tie (``same_score``), the lowest head."""
     k = max(labels) + 1
     members = [[h for h, c in enumerate(labels) if c == i] for i in range(k)]
     keep = _kv_cover([{kv_of_head[h] for h in m} for m in members])
     reps = []
     for m in members:
         allowed = [h for h in m if kv_of_head[h] in keep]
-        reps.append(max(allowed, key=lambda h: (sim[h, m].mean().item(), -h)))
+        reps.append(first_best(allowed, lambda h: _mean_similarity(sim, h, m)))
     return tuple(reps)
+
+
+def _mean_similarity(sim: torch.Tensor, head: int, members: Sequence[int]) -> float:
+    """Mean similarity of ``head`` to the other ``members`` (0 for a lone member)."""
+    others = [h for h in members if h != head]
+    return sim[head, others].mean().item() if others else 0.0
 
 
 def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
@@ -158,10 +204,34 @@ def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Mem
     return Membership(labels, representatives(labels, sim, kv_of_head))
 
 
+def online_memberships(probs: torch.Tensor, k: int, kv_of_head: Sequence[int],
+                       first: int = FIRST_TOKENS) -> tuple[Membership, ...]:
+    """Each sequence's membership from its first ``first`` query tokens: ``probs``
+    ``[B, H, Tq, Tk]`` attention probabilities (``Tq >= first``). The one function the graph
+    and the decode runtime both use, so that they cluster alike."""
+    return tuple(membership(head_features(p, first), k, kv_of_head) for p in probs)
+
+
 def static_membership(sim: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
     """Membership from an (averaged) similarity matrix: CHAI-static's fixed clusters."""
     labels = average_linkage(sim, k)
     return Membership(labels, representatives(labels, sim, kv_of_head))
+
+
+def _distances(x: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Euclidean distances ``[N, C]``, computed directly (not through a matrix product, whose
+    cancellation leaves equal points at a small nonzero distance)."""
+    return torch.cdist(x, centres, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+def nearest_centres(x: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """Each point's nearest centre; of centres at tying distances (``same_score``), the
+    lowest."""
+    d = _distances(x, centres)
+    best = d.min(dim=1, keepdim=True).values
+    ties = d <= torch.maximum(best * (1 + TIE_RTOL), best + TIE_ATOL)
+    index = torch.arange(d.shape[1]).expand_as(d)
+    return index.masked_fill(~ties, d.shape[1]).min(dim=1).values
 
 
 def kmeans_sse(points: torch.Tensor, k: int, *, restarts: int = 3, iters: int = 30,
@@ -178,17 +248,17 @@ def kmeans_sse(points: torch.Tensor, k: int, *, restarts: int = 3, iters: int = 
     for _ in range(restarts):
         centres = x[torch.randint(n, (1,), generator=gen)]
         while centres.shape[0] < k:
-            d2 = torch.cdist(x, centres).min(dim=1).values.square()
+            d2 = _distances(x, centres).min(dim=1).values.square()
             probs = d2 / d2.sum() if d2.sum() > 0 else torch.full((n,), 1.0 / n)
             centres = torch.cat((centres, x[torch.multinomial(probs, 1, generator=gen)]))
         for _ in range(iters):
-            assign = torch.cdist(x, centres).argmin(dim=1)
+            assign = nearest_centres(x, centres)
             new = torch.stack([x[assign == c].mean(0) if (assign == c).any() else centres[c]
                                for c in range(k)])
             if torch.equal(new, centres):
                 break
             centres = new
-        sse = torch.cdist(x, centres).min(dim=1).values.square().sum().item()
+        sse = _distances(x, centres).min(dim=1).values.square().sum().item()
         best = min(best, sse)
     return best
 
@@ -204,12 +274,12 @@ def elbow(errors: Sequence[float]) -> int:
     if h <= 2:
         return h
     span = errors[0] - errors[-1]
-    if span <= 0:           # flat curve: the heads are all alike
+    if span <= 0 or same_score(errors[0], errors[-1]):   # flat curve: the heads are all alike
         return 1
     e = [(x - errors[-1]) / span for x in errors]
     gaps = [(1 - (k / (h - 1))) - e[k] for k in range(h)]   # chord minus curve
-    best = max(range(h), key=lambda k: (gaps[k], -k))
-    return best + 1 if gaps[best] > 0 else h
+    best = first_best(range(h), gaps.__getitem__)
+    return best + 1 if gaps[best] > 0 and not same_score(gaps[best], 0.0) else h
 
 
 def redundancy(errors: Sequence[float]) -> float:
@@ -220,9 +290,14 @@ def redundancy(errors: Sequence[float]) -> float:
 
 
 def head_features(probs: torch.Tensor, first: int = FIRST_TOKENS) -> torch.Tensor:
-    """Per batch element and head, the attention rows of the first ``first`` query tokens:
-    ``probs`` ``[B, H, Tq, Tk]`` -> ``[B, H, first * Tk]``."""
-    return probs[:, :, :first].flatten(2)
+    """One sequence's per-head features: the attention rows of its first ``first`` query
+    tokens, ``probs`` ``[H, Tq, Tk]`` -> ``[H, first * T]``, keys past the last one any of
+    these rows attends to dropped (a causal prompt's first tokens give the same features
+    however many keys follow them)."""
+    rows = probs[:, :first]
+    seen = rows.ne(0).flatten(0, 1).any(dim=0).nonzero()
+    width = int(seen.max()) + 1 if seen.numel() else rows.shape[-1]
+    return rows[..., :width].flatten(1)
 
 
 class HeadStats:
@@ -363,7 +438,7 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
     mild = {l: len(errors[l]) - 1 if mildest is None else mildest[l] for l in errors}
     accepted: list[tuple[int, int, float]] = []      # (layer, k, choose metric) in order
     evals = 0
-    for layer in sorted(errors, key=lambda l: (redundancy(errors[l]), l)):
+    for layer in tie_stable_order(sorted(errors), lambda l: redundancy(errors[l])):
         top = mild[layer]
         if len(errors[layer]) < 2 or top < 1:
             continue

@@ -49,10 +49,14 @@ from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.passes.attention_match import AttentionMatch, find_attention, no_attention_message
 from tidal.passes.chai_calibrate import (FIRST_TOKENS, Budget, ChaiPlan, HeadStats, LayerChoice,
                                          Membership, check_count, choose_counts, elbow,
-                                         head_features, membership, mildest_useful_k,
-                                         split_holdout, static_membership, verdict)
+                                         mildest_useful_k, online_memberships, split_holdout,
+                                         static_membership, verdict)
 
 PASS_NAME = "clustered_attention"
+
+NOT_CALIBRATED = ("not calibrated: call calibrate() or pass clusters= (or plan=); "
+                  "the model is left unchanged")
+"""The pass's only note when it has neither cluster counts nor a plan."""
 
 
 def share_rows(probs: torch.Tensor, rep_of_head: torch.Tensor, first: int) -> torch.Tensor:
@@ -99,11 +103,11 @@ class ClusteredHeads(torch.nn.Module):
         return tuple(h // group for h in range(self.num_heads))
 
     def memberships(self, probs: torch.Tensor) -> tuple[Membership, ...]:
-        """One membership per batch element (static, or from the first tokens)."""
+        """One membership per batch element (static, or from the first tokens through
+        ``chai_calibrate.online_memberships``, as ``ChaiDecoder`` does)."""
         if self.static is not None:
             return (self.static,) * probs.shape[0]
-        feats = head_features(probs, self.first)
-        return tuple(membership(f, self.k, self.kv_of_head) for f in feats)
+        return online_memberships(probs, self.k, self.kv_of_head, self.first)
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
         if self.observer is not None:
@@ -294,7 +298,9 @@ class ClusteredAttention(Pass):
     Options: ``clusters`` (one k for every layer, or one k or None per layer), or ``plan`` (a
     ``ChaiPlan`` from :func:`calibrate`); ``mode`` "online" (membership from each sequence's
     first ``first_tokens`` tokens) or "static" (the plan's offline membership). With neither
-    ``clusters`` nor ``plan`` the layers are installed unclustered (k = None).
+    ``clusters`` nor ``plan`` (e.g. under ``passes="auto"``) the pass is not calibrated: it
+    leaves the graph unchanged, returns no plan and says so (``NOT_CALIBRATED``). A layer
+    given None in ``clusters`` is installed unclustered (what ``calibrate`` observes through).
     """
 
     name = PASS_NAME
@@ -335,6 +341,9 @@ class ClusteredAttention(Pass):
             message = no_attention_message(gm) + "; the model is left unchanged"
             ctx.log(f"{self.name}: {message}")
             return PassResult(gm, notes=(message,))
+        if self.clusters is None and self.plan is None:
+            ctx.log(f"{self.name}: {NOT_CALIBRATED}")
+            return PassResult(gm, notes=(NOT_CALIBRATED,))
         choices = self._choices(matches)
         for m, c in zip(matches, choices):
             static = None
@@ -394,7 +403,9 @@ def clustered_graph(model: torch.nn.Module, example_inputs: Any,
     gm = trace(model, example_inputs)
     inputs = tuple(example_inputs.values()) if isinstance(example_inputs, dict) \
         else tuple(example_inputs)
-    result = (pass_ or ClusteredAttention())(gm, PassContext.for_inputs(inputs, model=model))
+    if pass_ is None:
+        pass_ = ClusteredAttention(clusters=[None] * len(find_attention(gm, model)))
+    result = pass_(gm, PassContext.for_inputs(inputs, model=model))
     if not chai_modules(result.gm):
         raise ValueError(result.notes[0] if result.notes else no_attention_message(gm))
     return result.gm

@@ -241,6 +241,7 @@ class CompressionPass(Pass):
     name = "compression"
     training_only = True
     after = HOSTS
+    changes_update = "it compresses the gradients (lossy, so the update differs from the batch's)"
 
     def __init__(self, compressor: Union[str, Compressor] = "powersgd:4", *, mode: str = "on",
                  bucket_mb: float = 25.0, accordion: Optional[tuple[Any, Any]] = None,
@@ -274,11 +275,6 @@ class CompressionPass(Pass):
             else LrLookahead.from_function(accordion_lr_schedule)
         self.gamma = gamma
         self.encode_decode_ms = encode_decode_ms
-
-    def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
-        """Never chosen by ``passes="auto"``: compression changes the numerics, so it is only
-        applied when asked for."""
-        return False
 
     def requires(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         if ctx.model is None:

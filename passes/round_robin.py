@@ -330,8 +330,15 @@ class RoundRobin(Pass):
         return n
 
     def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
+        return not self.why_not(gm, ctx)
+
+    def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         n = self.partitions if self.partitions is not None else ctx.cluster.gpus
-        return n >= 2 and ctx.batch_size % n == 0
+        if n < 2:
+            return f"it needs at least 2 partitions (GPUs); the cluster has {n}"
+        if ctx.batch_size % n:
+            return f"batch {ctx.batch_size} is not divisible into {n} micro-batches"
+        return ""
 
     def plan(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[RoundRobinPlan, dict[str, int]]:
         """The partition plan and the partition of every node."""

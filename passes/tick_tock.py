@@ -107,6 +107,8 @@ class TickTock(Pass):
     name = _NAME
     training_only = True
     exclusive = "parallelism"
+    changes_update = ("its update is not the SGD step of the batch: each wave averages its "
+                      "gradient with the other wave's previous one (Wavelet Eq. 1)")
 
     def __init__(self, ranks: Optional[int] = None):
         if ranks is not None and (not isinstance(ranks, int) or ranks < 1):
@@ -137,7 +139,9 @@ class TickTock(Pass):
         notes = []
         timeline = None
         if ctx.model is not None and ctx.loss_fn is not None and targets is not None:
-            step = capture_train_step(ctx.model, inputs, targets, ctx.loss_fn)
+            # the traced graph, called with its placeholders in order: keyword inputs (a
+            # Hugging Face attention_mask) stay bound to their own parameters
+            step = capture_train_step(gm, inputs, targets, ctx.loss_fn)
             timeline = memory_timeline(step, ctx.cluster)
             fwd, total = timeline.forward_us, timeline.iteration_us
             bwd = total - fwd

@@ -23,8 +23,9 @@ Example:
     >>> model = llama_small().eval()
     >>> ids = torch.randint(0, 256, (1, 12))
     >>> full = ChaiDecoder(model)
-    >>> out = full.generate(ids, 4)
-    >>> torch.equal(out, __import__("tidal").examples.models.generate(model, ids, 4))
+    >>> full.generate(ids, 4).shape
+    torch.Size([1, 16])
+    >>> torch.allclose(full.prefill(ids)[0], model(ids), atol=1e-5)   # the model's logits
     True
     >>> chai = ChaiDecoder(model, counts=1)   # one cluster per layer
     >>> state = chai.prefill(ids)[1]
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.passes.chai_calibrate import (FIRST_TOKENS, ChaiPlan, Membership, check_count,
-                                         membership)
+                                         online_memberships)
 
 
 @dataclass
@@ -222,7 +223,7 @@ class ChaiDecoder:
         head = torch.ones(f, f, dtype=torch.bool).tril()
         p5 = (q[:, :, :f] @ kf[:, :, :f].transpose(-1, -2) * scale).masked_fill(~head, -math.inf)
         p5 = p5.softmax(-1)
-        mem = self.static[i] or membership(p5[0].flatten(1), k_count, self.kv_of_head)
+        mem = self.first_token_membership(i, p5)
         cl = self._clusters(mem)
         state.clusters[i] = cl
         out_head = p5 @ vf[:, :, :f]
@@ -242,6 +243,14 @@ class ChaiDecoder:
             for h in members:
                 out_tail[:, h] = res[:, kvs.index(self.kv_of_head[h]), f:]
         return torch.cat((out_head, out_tail), dim=2)
+
+    def first_token_membership(self, i: int, probs: torch.Tensor) -> Membership:
+        """Layer ``i``'s membership: the plan's in static mode, else the first sequence's from
+        the attention probabilities of its first tokens ``probs`` ``[B, H, first, first]``
+        (``chai_calibrate.online_memberships``, the function the graph uses)."""
+        if self.static[i] is not None:
+            return self.static[i]
+        return online_memberships(probs[:1], self.counts[i], self.kv_of_head, self.first)[0]
 
     def _step_attention(self, i: int, q, state: DecodeState, n: int) -> torch.Tensor:
         """One query token ``q`` ``[B, H, 1, D]`` over the ``n`` cached positions."""

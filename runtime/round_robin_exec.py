@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from tidal.ir.errors import PlanError
 from tidal.ir.schedule import split_batch
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
@@ -59,6 +60,25 @@ def _attr(root: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_all_owned(root: torch.nn.Module, owned_ids: set[int]) -> None:
+    """Raise ``PlanError`` naming the trainable parameters of ``root`` whose ids are not in
+    ``owned_ids``: no partition would all-reduce them, so the ranks' copies would drift apart
+    while the loss still looks right."""
+    left = [k for k, prm in root.named_parameters()
+            if prm.requires_grad and id(prm) not in owned_ids]
+    if left:
+        raise PlanError(f"round_robin: parameter(s) {', '.join(map(repr, left[:5]))}"
+                        f"{' and more' if len(left) > 5 else ''} belong to no partition, so "
+                        "their gradients would never be all-reduced and the ranks would drift "
+                        "apart")
+
+
+def _recv_buffer(like: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer to receive a tensor shaped like ``like`` (point-to-point ops need
+    contiguous buffers; ``empty_like`` keeps a transposed tensor's strides)."""
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
 def _floats(values: dict[str, torch.Tensor]) -> list[str]:
@@ -113,15 +133,31 @@ class RoundRobinExecutor:
                                  tuple(produced[p]), sends))
         return stages
 
+    def _partition_params(self, p: int) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trainable parameters partition ``p`` uses: its submodule's and those the top
+        level hands it through ``get_attr`` (``x + self.pos_embedding``, a ``cls_token``,
+        weights used through ``addmm``)."""
+        st = self._stages[p]
+        named = [(f"submod_{p}.{k}", prm) for k, prm in st.module.named_parameters()]
+        for a in st.args:
+            value = _attr(self.split, a.target) if a.op == "get_attr" else None
+            if isinstance(value, torch.nn.Parameter):
+                named.append((str(a.target), value))
+        return [(k, prm) for k, prm in named if prm.requires_grad]
+
     def _param_owners(self) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        """Each trainable parameter's owning partition, the one whose all-reduce syncs it: the
+        lowest partition using it (its last backward). Raises ``PlanError`` naming any
+        trainable parameter of the graph that no partition owns."""
         owned: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(self.n)]
         seen: set[int] = set()
-        for p, st in enumerate(self._stages):
-            for name, prm in st.module.named_parameters():
-                if id(prm) not in seen and prm.requires_grad:
+        for p in range(self.n):
+            for name, prm in self._partition_params(p):
+                if id(prm) not in seen:
                     seen.add(id(prm))
                     owned[p].append((name, prm))
-        return owned  # a shared weight belongs to its lowest partition: its last backward
+        check_all_owned(self.split, seen)
+        return owned
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:
         """Sync each partition's gradients through its own ``factory(None)`` (a
@@ -266,7 +302,7 @@ class RoundRobinExecutor:
         forward = (p, b) not in st.done_bwd
         if forward:
             send = [t.detach().contiguous() for t in st.fwd[(p, b)][1].values()]
-            recv = [torch.empty_like(t) for t in send]
+            recv = [_recv_buffer(t) for t in send]
             dest, src, key = (r + 1) % n, (r - 1) % n, None
         else:
             leaves = st.fwd[(p, b)][0]
@@ -274,7 +310,7 @@ class RoundRobinExecutor:
                      else torch.zeros_like(leaves[k])).contiguous() for k in _floats(leaves)]
             mine = (p - 1, (r - p + 1) % n)
             prev_out = st.fwd[mine][1]
-            recv = [torch.empty_like(prev_out[k]) for k in _floats(prev_out)]
+            recv = [_recv_buffer(prev_out[k]) for k in _floats(prev_out)]
             dest, src, key = (r - 1) % n, (r + 1) % n, (p - 1, b)
         if world > 1:
             ops = [dist.P2POp(dist.isend, t, dest) for t in send]

@@ -26,15 +26,18 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from tidal.ir.collectives import new_group
+from tidal.ir.errors import TidalError
 from tidal.ir.schedule import Action, split_batch
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
@@ -117,7 +120,7 @@ class TickTockExecutor:
             mapping = {id(p): tock_params[k] for k, p in tick_params.items()}
             self._tock_opt = clone_optimizer(optimizer, mapping)
             if world > 1:
-                self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+                self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
             groups = self._groups or (None, None)
             self.syncs = {"T": self._sync_factory(groups[0]), "K": self._sync_factory(groups[1])}
         groups = self._groups or (None, None)
@@ -179,16 +182,31 @@ class TickTockExecutor:
                 avg = list(w.raw)  # the very first tick iteration has no predecessor
             else:
                 avg = [(g + h) / 2 for g, h in zip(w.raw, other)]  # Eq. 1
-            synced = w.sync(dict(zip(w.names, avg)))      # the wave's all-reduce (or compressor)
+            with _collective(w):
+                synced = w.sync(dict(zip(w.names, avg)))  # the wave's all-reduce (or compressor)
+                if world > 1:  # running statistics (BatchNorm): the same on every wave rank
+                    all_reduce_tensors([b for b in w.gm.buffers() if b.is_floating_point()],
+                                       w.group, average=True)
             avg = [synced[k] for k in w.names]
             for p, g, k in zip(w.params, avg, w.names):
                 p.grad = g.clone()
                 w.applied[k] = p.grad.detach().clone()
-            if world > 1:  # running statistics (BatchNorm): the same on every rank of the wave
-                all_reduce_tensors([b for b in w.gm.buffers() if b.is_floating_point()],
-                                   w.group, average=True)
         elif a.kind == "U":
             w.optimizer.step()
+
+
+@contextlib.contextmanager
+def _collective(w: _Wave) -> Iterator[None]:
+    """Turn a failed or timed-out collective of wave ``w`` (its group has the world's
+    timeout) into one clear error instead of a deep gloo/NCCL traceback."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        wave = "tick" if w.name == "T" else "tock"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise TidalError(f"tick_tock: the {wave} wave's gradient sync did not complete within "
+                         f"the process group's timeout: a peer rank stalled or died "
+                         f"({type(e).__name__}: {first})") from e
 
 
 def _wait(ev: threading.Event, what: str) -> None:

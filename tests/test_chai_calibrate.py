@@ -1,11 +1,16 @@
 """CHAI's offline phase: k-means error curves, the elbow rule, membership with KV-head cover,
 the accuracy-budgeted choice of k per layer, and the plan's JSON round trip."""
+import math
+
 import pytest
 import torch
 
 from tidal.ir.plan import Plan
-from tidal.passes.chai_calibrate import (Budget, ChaiPlan, LayerChoice, choose_counts, elbow,
-                                         kmeans_errors, membership, split_holdout, verdict)
+from tidal.passes.chai_calibrate import (Budget, ChaiPlan, LayerChoice, average_linkage,
+                                         choose_counts, elbow, first_best, head_features,
+                                         kmeans_errors, membership, nearest_centres,
+                                         online_memberships, representatives, split_holdout,
+                                         tie_stable_order, verdict)
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate, clustered_graph,
                                               perplexity)
 from examples.models import llama_small
@@ -203,3 +208,74 @@ def test_choose_counts_never_keeps_a_k_that_saves_nothing():
     mild = {l: 6 for l in errors}
     new = choose_counts(errors, evaluate, Budget(tolerance=0.03), 10.0, mildest=mild)
     assert set(new.counts.values()) == {None} and new.metric == 10.0
+
+
+# --- ties: every clustering decision is the same on every machine (lowest index wins) ---
+
+def up(x, steps=1):
+    """``x`` nudged up by ``steps`` ulps (float64)."""
+    t = torch.tensor(float(x), dtype=torch.float64)
+    for _ in range(steps):
+        t = torch.nextafter(t, torch.tensor(math.inf, dtype=torch.float64))
+    return t.item()
+
+
+def test_representative_tie_goes_to_the_lowest_head():
+    # a 2-member cluster: both heads are equally central; rounding noise of one ulp on the
+    # diagonal or on one off-diagonal entry must not decide
+    # (one KV head, so that the KV-head cover leaves every member eligible)
+    for sim in ([[1.0, 0.9], [0.9, up(1.0, 4)]], [[1.0, 0.9], [up(0.9, 4), 1.0]]):
+        assert representatives((0, 0), torch.tensor(sim, dtype=torch.float64), (0, 0)) == (0,)
+    # 3 members, heads 0 and 1 equally similar to head 2 up to a few ulps
+    sim = torch.tensor([[1.0, 0.95, 0.8], [0.95, 1.0, up(0.8, 4)], [0.8, up(0.8, 4), 1.0]],
+                       dtype=torch.float64)
+    assert representatives((0, 0, 0), sim, (0, 0, 0)) == (0,)
+
+
+def test_average_linkage_tie_merges_the_lowest_pair():
+    sim = torch.tensor([[1.0, 0.5, up(0.5, 2)], [0.5, 1.0, 0.1], [up(0.5, 2), 0.1, 1.0]],
+                       dtype=torch.float64)
+    assert average_linkage(sim, 2) == (0, 0, 1)
+
+
+def test_elbow_tie_takes_the_lowest_k():
+    # the gaps below the chord at k = 2 and k = 3 agree up to rounding noise
+    assert elbow([1.0, 0.35, 0.1 - 1e-15, 0.05, 0.0]) == 2
+    # a straight line with noise is no elbow
+    assert elbow([1.0, 0.75 - 1e-15, 0.5, 0.25, 0.0]) == 5
+
+
+def test_kmeans_assignment_tie_takes_the_lowest_centre():
+    x = torch.tensor([[0.0], [1.0], [2.0]], dtype=torch.float64)
+    centres = torch.tensor([[0.5 - 1e-13], [1.5]], dtype=torch.float64)
+    assert nearest_centres(x, centres).tolist() == [0, 0, 1]
+
+
+def test_layers_with_tying_redundancy_are_tried_in_layer_order():
+    errors = {0: (1.0, 0.5, 0.25, 0.0), 1: (1.0, 0.5, 0.25 - 1e-13, 0.0)}
+    logs = []
+    choose_counts(errors, lambda counts: 10.0, Budget(), 10.0, logs.append)
+    assert logs[0].startswith("layer 0")
+
+
+def test_first_best_and_tie_stable_order():
+    score = {0: 0.5, 1: up(0.5), 2: 0.9, 3: 0.1}.__getitem__
+    assert first_best([1, 0, 2, 3], score) == 2
+    assert first_best([0, 1, 3], score) == 0 and first_best([1, 0, 3], score) == 1
+    assert first_best([0, 1, 2, 3], score, lowest=True) == 3
+    assert tie_stable_order([0, 1, 2, 3], score) == [3, 0, 1, 2]
+    assert tie_stable_order([1, 0, 2, 3], score) == [3, 1, 0, 2]
+
+
+def test_online_membership_features_ignore_keys_past_the_first_tokens():
+    # causal probabilities of the first 5 tokens give the same features whether the sequence
+    # has 5 keys (decode prefill) or 12 (the graph), and, computed either way (a softmax over
+    # 5 or 12 columns rounds differently), the same membership
+    torch.manual_seed(0)
+    scores = torch.randn(1, 4, 12, 12)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, -math.inf).softmax(-1)
+    assert torch.equal(head_features(probs[0]), head_features(probs[0, :, :5, :5]))
+    head = scores[..., :5, :5].masked_fill(~causal[:5, :5], -math.inf).softmax(-1)
+    torch.testing.assert_close(head_features(probs[0]), head_features(head[0]))
+    assert online_memberships(probs, 2, (0, 0, 1, 1)) == online_memberships(head, 2, (0, 0, 1, 1))

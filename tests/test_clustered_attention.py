@@ -2,15 +2,18 @@
 after the first 5 tokens; the decode runtime matches the graph semantics and keeps K only for
 the KV heads representatives read."""
 import dataclasses
+import math
 
 import pytest
 import torch
 
 import tidal
+from tidal.passes.chai_calibrate import Membership, cosine_similarity, head_features
 from tidal.passes.clustered_attention import ClusteredAttention, ClusteredHeads, chai_modules
 from tidal.runtime.chai_decode import ChaiDecoder
-from examples.models import LlamaConfig, LlamaForCausalLM, bert_small, generate, llama_small
+from examples.models import LlamaConfig, LlamaForCausalLM, bert_small, llama_small
 
+from greedy import assert_greedy
 from test_attention_match import MHA, SDPA, hf_gpt2, hf_llama
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -105,7 +108,7 @@ def test_decoder_unclustered_equals_model(source):
     torch.testing.assert_close(plain.prefill(ids)[0], full, **TOL)
     torch.testing.assert_close(plain.prefill(ids, last_only=True)[0], full[:, -1:], **TOL)
     if source == "zoo":
-        assert torch.equal(plain.generate(ids, 5), generate(model, ids, 5))
+        assert_greedy(plain.generate(ids, 5), ids.shape[1], model)
 
 
 def test_decoder_clustered_matches_graph_semantics():
@@ -196,3 +199,79 @@ def test_cluster_count_outside_range_is_value_error(k):
         ClusteredHeads(0, 4, 2, k)
     with pytest.raises(ValueError, match="outside 1..4"):
         ChaiDecoder(model, counts=k)
+
+
+def gqa_llama():
+    """A tiny zoo Llama with 6 query heads on 2 KV heads (3 heads per KV head)."""
+    cfg = dataclasses.replace(LlamaConfig(), vocab_size=64, hidden_size=48,
+                              intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=6, num_key_value_heads=2,
+                              max_position_embeddings=64)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg, example_seq_len=16).eval()
+
+
+def causal_probs(scores):
+    """Causal softmax of ``scores`` ``[B, H, T, T]``."""
+    t = scores.shape[-1]
+    return scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf).softmax(-1)
+
+
+def nudged(probs, head):
+    """``probs`` with one entry of ``head``'s first-token rows raised by one float32 ulp."""
+    out = probs.clone()
+    out[0, head, 4, 2] = torch.nextafter(out[0, head, 4, 2], torch.tensor(2.0))
+    return out
+
+
+def test_graph_and_decoder_break_a_representative_tie_alike():
+    """Heads 0 and 1 are identical, so equally central in their cluster {0, 1, 2} (all on KV
+    head 0); rounding noise of one ulp on either (as different kernels give) must not change
+    the choice: the graph and the decoder both take the lowest head."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(1, 6, 9, 9, generator=gen)
+    scores[:, 1] = scores[:, 0]
+    scores[:, 2] = scores[:, 0] + 0.3 * torch.randn(9, 9, generator=gen)
+    scores[:, 3] = -10 * scores[:, 0]
+    scores[:, 4:] = scores[:, 3] + torch.randn(2, 9, 9, generator=gen)
+    probs = causal_probs(scores)
+    graph_in = nudged(probs, 1)                       # the graph's probabilities: all keys
+    decode_in = nudged(causal_probs(scores[..., :5, :5]), 0)   # the decoder's: 5 x 5
+    for p, favoured in ((graph_in, 1), (decode_in, 0)):   # the noise really favours a head
+        sim = cosine_similarity(head_features(p[0]))
+        assert sim[favoured, 2] > sim[1 - favoured, 2] or sim[favoured, 2] < sim[1 - favoured, 2]
+    (graph,) = ClusteredHeads(0, 6, 2, k=2).memberships(graph_in)
+    decoder = ChaiDecoder(gqa_llama(), counts=2).first_token_membership(0, decode_in)
+    assert graph.labels == (0, 0, 0, 1, 1, 1) and graph.representatives[0] == 0
+    assert decoder == graph
+
+
+def test_graph_and_decoder_memberships_agree_on_many_prompts():
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    prompts = [torch.randint(0, 256, (1, 14)) for _ in range(6)]   # the first: a 2-member tie
+    c = compiled(model, (prompts[0],), clusters=[2, 3])
+    dec = ChaiDecoder(model, counts=[2, 3])
+    for ids in prompts:
+        with torch.no_grad():
+            c(ids)
+        graph = [m.last_membership[0] for m in chai_modules(c.graph_module)]
+        assert graph == dec.memberships(dec.prefill(ids)[1])
+
+
+@pytest.mark.parametrize("passes", ["auto", "object"])
+def test_uncalibrated_pass_leaves_the_graph_and_says_so(passes, tmp_path):
+    model = llama_small().eval()
+    x = model.example_inputs(2)
+    c = tidal.compile(model, x, passes="auto" if passes == "auto" else [ClusteredAttention()])
+    (record,) = [r for r in c.records if r.name == "clustered_attention"]
+    (note,) = record.notes
+    assert "not calibrated" in note and "calibrate()" in note and "clusters=" in note
+    assert record.added == () and record.removed == ()
+    assert record.nodes_before == record.nodes_after and record.plan is None
+    assert not chai_modules(c.graph_module) and record.artifacts == {}
+    assert c.plan.get("clustered_attention") is None
+    c.dump(tmp_path)
+    assert not [p.name for p in tmp_path.rglob("chai_*")]
+    with torch.no_grad():
+        torch.testing.assert_close(c(*x), model(*x))

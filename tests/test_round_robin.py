@@ -200,3 +200,72 @@ def test_compression_wraps_each_partitions_sync():
                    for k, g in plain.items()), "PowerSGD rank 1 must change a matrix gradient"
     for k, g in results[0]["psgd1"][0].items():  # every rank applies the same gradient
         torch.testing.assert_close(results[1]["psgd1"][0][k], g, rtol=0, atol=0)
+
+
+# -- parameters used through get_attr, non-contiguous boundaries ---------------------------
+class _TokenModel(torch.nn.Module):
+    """Parameters used directly by the graph (a positional embedding added to the input, a
+    cls token), a transposed (non-contiguous) activation crossing a partition boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 64)
+        self.pos = torch.nn.Parameter(torch.randn(8, 64) * 0.1)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 64) * 0.1)
+        self.mix = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(64, 3)
+
+    def forward(self, x):                                   # x: [B, 8 tokens, 16]
+        h = self.inp(x) + self.pos
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), h], 1)
+        h = h.transpose(1, 2)[..., :4]                     # [B, 64, 4], not contiguous
+        h = self.mix(h).transpose(1, 2)                    # token mixing
+        return self.head(torch.tanh(h).mean(1))
+
+
+def _sgd_reference(model, x, y, lr):
+    """Parameters after one plain SGD step on the whole global batch in one process."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    opt.step()
+    return dict(ref.named_parameters())
+
+
+def _run_token_model(rank, world):
+    torch.manual_seed(0)
+    model = _TokenModel()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2 * world, 8, 16, generator=g)
+    y = torch.randint(0, 3, (2 * world,), generator=g)
+    want = _sgd_reference(model, x, y, lr=0.5)
+    c = tidal.compile(model, (x,), passes=[RoundRobin(partitions=world)],
+                      loss_fn=torch.nn.functional.cross_entropy,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    c.step((x,), y)
+    owners = [[k for k, _ in part] for part in c.executor._owned]
+    crossing = c.plan.get("round_robin").first_layers
+    return {k: p.detach().clone() for k, p in model.named_parameters()}, want, owners, crossing
+
+
+def test_gloo_ranks_sync_get_attr_parameters_and_send_non_contiguous_activations():
+    """Without the fix ``pos`` and ``cls`` were never all-reduced (the ranks drifted apart
+    while the loss looked right), and the transposed boundary crashed ``batch_isend_irecv``
+    with 'input tensor has to be contiguous'."""
+    results = spawn(_run_token_model, 2)
+    (p0, want, owners, crossing), (p1, _, _, _) = results
+    assert crossing[1] == "mix", crossing  # the boundary carries the transposed slice
+    assert any("pos" in o for o in owners[0]) and any("cls" in o for o in owners[0])
+    for k, w in want.items():
+        torch.testing.assert_close(p0[k], w, rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(p1[k], p0[k], rtol=0, atol=0, msg=k)  # zero spread
+
+
+def test_a_parameter_no_partition_owns_is_a_plan_error():
+    from tidal.runtime.round_robin_exec import check_all_owned
+
+    model = _TokenModel()
+    owned = {id(p) for k, p in model.named_parameters() if k != "pos"}
+    with pytest.raises(tidal.PlanError, match="'pos' belong to no partition"):
+        check_all_owned(model, owned)
+    check_all_owned(model, owned | {id(model.pos)})

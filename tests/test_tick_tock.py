@@ -251,3 +251,39 @@ def test_compression_after_a_pass_without_grad_sync_hook_is_refused():
         _apply_grad_sync_requests([req])
     with pytest.raises(RuntimeError, match="only changes the gradient sync"):
         req.executor.step(None, None, (), None, None, None)
+
+
+STALL_TIMEOUT_S = 3.0
+
+
+def _stalled_peer(rank, world):
+    """Both ranks train one step; then rank 1 stalls and rank 0 steps alone."""
+    import time
+
+    model = _model()
+    x, y = _data(0)
+    c = tidal.compile(model, x, passes=[TickTock(ranks=world)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    c.step(x, y)
+    if rank == 1:
+        time.sleep(10 * STALL_TIMEOUT_S)
+        return None
+    start = time.monotonic()
+    try:
+        c.step(x, y)
+    except tidal.TidalError as e:
+        raise RuntimeError(f"{e} [after {time.monotonic() - start:.1f} s]") from None
+    return None
+
+
+def test_a_stalled_peer_fails_the_wave_sync_within_the_world_timeout():
+    """The wave groups take the world group's timeout; before, they had torch's 30-minute
+    default and rank 0 blocked until its peer went away."""
+    from tidal.runtime.distributed import RankError
+
+    with pytest.raises(RankError) as info:
+        spawn(_stalled_peer, 2, pg_timeout_s=STALL_TIMEOUT_S, timeout_s=120)
+    message = str(info.value)
+    assert info.value.rank == 0 and "a peer rank stalled or died" in message, message
+    elapsed = float(message.split("[after ")[1].split(" s]")[0])
+    assert elapsed < 5 * STALL_TIMEOUT_S, message  # the world timeout, not the peer's return
