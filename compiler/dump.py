@@ -38,6 +38,24 @@ def scaling_section(out_dir: Path, gm, cluster, global_batch: int, steps_table,
                            files=(Path(svg.name), Path(txt.name)), text=text)
 
 
+def _graph_files(r: PassRecord, out_dir: Path, stem: str, title: str, batch: int) -> list[Path]:
+    """Render the record's graphs: before and after when the pass changed nodes, else the graph
+    after it; the after graph carries the overlay of the pass's plan
+    (:mod:`tidal.compiler.viz_passes`)."""
+    from tidal.compiler import viz
+    from tidal.compiler.viz_passes import overlay_for
+
+    if r.graph_after is None:
+        return []
+    overlay = overlay_for(r.plan, r.graph_before, r.graph_after)
+    if r.graph_before is not None and (r.added or r.removed):
+        return viz.dump_graph_pair(r.graph_before, r.graph_after, out_dir, stem, batch=batch,
+                                   added=r.added, overlay=overlay)
+    dot = viz.graph_to_dot(r.graph_after, title=f"{r.name} ({title})", batch=batch,
+                           overlay=overlay)
+    return viz.render(dot, out_dir / stem)
+
+
 def write_dump(out_dir: Path, title: str, records: Sequence[PassRecord], batch: int,
                extra: Sequence = ()) -> Path:
     """Render every record into ``out_dir``, then the ``extra`` index sections (e.g.
@@ -48,14 +66,7 @@ def write_dump(out_dir: Path, title: str, records: Sequence[PassRecord], batch: 
     sections = []
     for i, r in enumerate(records):
         stem = f"{i:02d}-{_safe(r.name)}"
-        files: list[Path] = []
-        if r.graph_after is not None:
-            if r.graph_before is not None and (r.added or r.removed):
-                files += viz.dump_graph_pair(r.graph_before, r.graph_after, out_dir, stem,
-                                             batch=batch, added=r.added)
-            else:
-                dot = viz.graph_to_dot(r.graph_after, title=f"{r.name} ({title})", batch=batch)
-                files += viz.render(dot, out_dir / stem)
+        files = _graph_files(r, out_dir, stem, title, batch)
         for name, text in r.artifacts.items():
             path = out_dir / f"{stem}.{_safe(name)}"
             path.write_text(text)

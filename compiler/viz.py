@@ -5,7 +5,11 @@ in (nested clusters follow the module path: ``layer1`` contains ``layer1.0``). L
 node name, its op kind, its output shapes and, when the graph was annotated by
 ``tidal.ir.cost.annotate``, its cost at a chosen batch size. Nodes a pass inserted (``added_by``
 meta, or named in ``highlight``) are filled with a colour per pass. Graphs above ``max_nodes``
-collapse each module scope at the deepest depth that fits into a single box.
+collapse each module scope at the deepest depth that fits into a single box. A node a pass
+inserted outside any module (a scatter, a gather) is drawn in the innermost cluster that holds
+both its producers and its consumers, so the data path keeps its reading order. An ``Overlay``
+(built by :mod:`tidal.compiler.viz_passes` from a pass's plan) adds label lines and fills per
+node, outer clusters (e.g. one per weight-transfer group) and dashed ordering edges.
 
 ``render`` writes the ``.dot`` file and, when Graphviz's ``dot`` binary is installed, an ``.svg``
 next to it; ``write_index`` writes a self-contained ``index.html`` that lists the passes in order.
@@ -35,9 +39,9 @@ import sys
 import urllib.parse
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import pydot
 import torch
@@ -68,12 +72,39 @@ class DumpSection:
 
 
 @dataclass(frozen=True)
+class Overlay:
+    """What a pass's plan adds to the drawing of a graph, keyed by fx node name.
+
+    ``lines``: extra plain-text label lines; ``fills``: fill colours (a node a pass added keeps
+    its pass colour); ``groups``: the outer cluster a node is drawn in (its label, lines split
+    at ``\\n``; module clusters nest inside it); ``order_edges``: dashed ``(src, dst)`` edges
+    that place a node with no data inputs (a marker) on the data path; ``legend``:
+    ``(text, colour)`` title lines, a coloured square before the text when ``colour`` is set.
+    """
+
+    lines: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    fills: Mapping[str, str] = field(default_factory=dict)
+    groups: Mapping[str, str] = field(default_factory=dict)
+    order_edges: tuple[tuple[str, str], ...] = ()
+    legend: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One level of cluster nesting: an overlay group (``outer``) or a module scope."""
+
+    label: str
+    outer: bool = False
+
+
+@dataclass(frozen=True)
 class _Unit:
-    """One box of the drawing: a single fx node, or a collapsed module scope (``group``)."""
+    """One box of the drawing: a single fx node, or a collapsed module scope (``group``),
+    drawn inside the clusters ``frames`` (outermost first)."""
 
     uid: str
     members: tuple[fx.Node, ...]
-    cluster: str
+    frames: tuple[_Frame, ...]
     group: Optional[str] = None
 
 
@@ -159,6 +190,14 @@ def _kind(node: fx.Node) -> str:
     return _target_name(node.target)
 
 
+def kind_summary(nodes: Iterable[fx.Node], top: int = 3) -> str:
+    """The most common kinds among ``nodes`` (graph inputs and outputs left out), as
+    ``Conv2d×5, ReLU×5, MaxPool2d×2, …``."""
+    kinds = Counter(_kind(n) for n in nodes if n.op not in ("placeholder", "output"))
+    text = ", ".join(k if c == 1 else f"{k}×{c}" for k, c in kinds.most_common(top))
+    return text + (", …" if len(kinds) > top else "")
+
+
 def _node_cost(node: fx.Node, batch: Optional[int]) -> Optional[dict[str, float]]:
     cost = meta.get_cost(node)
     return None if cost is None or batch is None else cost.at(batch)
@@ -178,41 +217,70 @@ def _fill(pass_name: str) -> str:
     return _PASS_COLORS[zlib.crc32(pass_name.encode()) % len(_PASS_COLORS)]
 
 
+# ----------------------------------------------------------------------------- placement
+
+
+def _common_scope(scopes: Sequence[str]) -> str:
+    """The longest module path that prefixes every scope in ``scopes`` ('' if none)."""
+    return ".".join(os.path.commonprefix([_parts(s) for s in scopes])) if scopes else ""
+
+
+def _placed_scopes(nodes: Sequence[fx.Node]) -> dict[fx.Node, str]:
+    """The scope each node is drawn in: its own; for a node a pass added outside any module,
+    the innermost scope holding all its producers and consumers, so that a scatter between two
+    layers of ``features`` sits in ``features`` instead of outside it (a back-edge)."""
+    own = {n: _scope(n) for n in nodes}
+    placed = dict(own)
+    for n in nodes:
+        if not own[n] and meta.get_added_by(n) is not None:
+            near = [own[m] for m in (*n.all_input_nodes, *n.users) if m in own]
+            placed[n] = _common_scope(near)
+    return placed
+
+
+def _frames(outer: Optional[str], scope: str) -> tuple[_Frame, ...]:
+    """The clusters a box at module ``scope`` is drawn in, inside the overlay group ``outer``."""
+    parts = _parts(scope)
+    scopes = tuple(_Frame(".".join(parts[:i])) for i in range(1, len(parts) + 1))
+    return ((_Frame(outer, outer=True),) if outer else ()) + scopes
+
+
 # ----------------------------------------------------------------------------- collapsing
 
 
-def _units(
-    nodes: Sequence[fx.Node], scopes: dict[fx.Node, str], level: Optional[int]
-) -> list[_Unit]:
+def _units(nodes: Sequence[fx.Node], scopes: dict[fx.Node, str], outer: Mapping[str, str],
+           level: Optional[int]) -> list[_Unit]:
     """Boxes to draw: every node alone (``level`` None), or nodes at module depth >= ``level``
-    merged into one box per scope prefix of that depth, in first-appearance order."""
-    members: dict[tuple[str, str], list[fx.Node]] = {}
+    merged into one box per (overlay group, scope prefix of that depth), in first-appearance
+    order."""
+    members: dict[tuple, list[fx.Node]] = {}
     for n in nodes:
         parts = _parts(scopes[n])
         if level is None or len(parts) < level:
-            key = ("n", n.name)
+            key: tuple = ("n", n.name)
         else:
-            key = ("g", ".".join(parts[:level]))
+            key = ("g", outer.get(n.name), ".".join(parts[:level]))
         members.setdefault(key, []).append(n)
     units = []
-    for i, ((kind, name), group) in enumerate(members.items()):
-        if kind == "n":
-            units.append(_Unit(f"n{i}", tuple(group), scopes[group[0]]))
+    for i, (key, group) in enumerate(members.items()):
+        where = outer.get(group[0].name)
+        if key[0] == "n":
+            units.append(_Unit(f"n{i}", tuple(group), _frames(where, scopes[group[0]])))
         else:
-            units.append(_Unit(f"g{i}", tuple(group), ".".join(_parts(name)[:-1]), name))
+            parent = ".".join(_parts(key[2])[:-1])
+            units.append(_Unit(f"g{i}", tuple(group), _frames(where, parent), key[2]))
     return units
 
 
-def _layout(
-    nodes: Sequence[fx.Node], scopes: dict[fx.Node, str], max_nodes: int
-) -> tuple[list[_Unit], str]:
+def _layout(nodes: Sequence[fx.Node], scopes: dict[fx.Node, str], outer: Mapping[str, str],
+            max_nodes: int) -> tuple[list[_Unit], str]:
     """The boxes to draw for at most ``max_nodes`` boxes, and a note saying what was collapsed."""
+    units = _units(nodes, scopes, outer, None)
     if len(nodes) <= max_nodes:
-        return _units(nodes, scopes, None), ""
+        return units, ""
     depth = max((len(_parts(s)) for s in scopes.values()), default=0)
-    units = _units(nodes, scopes, None)
     for level in range(depth, 0, -1):
-        units = _units(nodes, scopes, level)
+        units = _units(nodes, scopes, outer, level)
         if len(units) <= max_nodes:
             return units, (f"{len(nodes)} nodes > max_nodes={max_nodes}: collapsed to module "
                            f"depth {level}, {len(units)} boxes")
@@ -221,22 +289,40 @@ def _layout(
     return units[:max_nodes], note
 
 
+def _owners(units: Sequence[_Unit]) -> dict[str, str]:
+    """fx node name -> uid of the box that draws it."""
+    return {n.name: u.uid for u in units for n in u.members}
+
+
 def _edges(units: Sequence[_Unit]) -> list[tuple[str, str]]:
     """Data-dependency edges between boxes (deduplicated, no self loops, none to dropped boxes)."""
-    owner = {n: u.uid for u in units for n in u.members}
+    owner = _owners(units)
     edges: dict[tuple[str, str], None] = {}
     for u in units:
         for n in u.members:
             for src in n.all_input_nodes:
-                if src in owner and owner[src] != u.uid:
-                    edges[(owner[src], u.uid)] = None
+                if src.name in owner and owner[src.name] != u.uid:
+                    edges[(owner[src.name], u.uid)] = None
     return list(edges)
+
+
+def _order_edges(units: Sequence[_Unit], overlay: Overlay,
+                 data: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The overlay's ordering edges between drawn boxes that no data edge already joins."""
+    owner, seen = _owners(units), set(data)
+    pairs = dict.fromkeys((owner.get(a), owner.get(b)) for a, b in overlay.order_edges)
+    return [(a, b) for a, b in pairs if a and b and a != b and (a, b) not in seen]
 
 
 # ----------------------------------------------------------------------------- DOT building
 
 
-def _node_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str]) -> pydot.Node:
+def _overlay_lines(lines: Iterable[str]) -> list[str]:
+    return [_small(_h(line), 9, "#0b3d2e") for line in lines]
+
+
+def _node_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str],
+              overlay: Overlay) -> pydot.Node:
     """The DOT node for a single fx node."""
     n = unit.members[0]
     lines = [f"<b>{_h(n.name)}</b>", _h(_kind(n))]
@@ -246,10 +332,11 @@ def _node_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str]) -> p
     cost = _node_cost(n, batch)
     if cost is not None:
         lines.append(_small(_h(_cost_text(cost))))
+    lines += _overlay_lines(overlay.lines.get(n.name, ()))
     attrs = {
         "shape": _SHAPES.get(n.op, "box"),
         "style": "filled" if n.op in _SHAPES else "rounded,filled",
-        "fillcolor": _FILLS.get(n.op, "white"),
+        "fillcolor": overlay.fills.get(n.name, _FILLS.get(n.op, "white")),
         "tooltip": _dot_str(f"{n.op}: {_target_name(n.target)}"),
     }
     added = _added(n, highlight)
@@ -259,12 +346,11 @@ def _node_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str]) -> p
     return pydot.Node(unit.uid, label=_html_label(lines), **attrs)
 
 
-def _group_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str]) -> pydot.Node:
-    """The DOT node for a collapsed module scope."""
-    kinds = Counter(_kind(n) for n in unit.members if n.op not in ("placeholder", "output"))
-    top = ", ".join(k if c == 1 else f"{k}×{c}" for k, c in kinds.most_common(3))
-    if len(kinds) > 3:
-        top += ", …"
+def _group_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str],
+               overlay: Overlay) -> pydot.Node:
+    """The DOT node for a collapsed module scope (overlay lines and fill shown when every
+    member shares them)."""
+    top = kind_summary(unit.members)
     lines = [f"<b>{_h(unit.group)}</b>", _h(f"{len(unit.members)} nodes: {top}")]
     last = unit.members[-1]
     shapes = _shapes_text(meta.get_tensors(last))
@@ -273,7 +359,11 @@ def _group_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str]) -> 
     costs = [c for c in (_node_cost(n, batch) for n in unit.members) if c is not None]
     if costs:
         lines.append(_small(_h(_cost_text({k: sum(c[k] for c in costs) for k in costs[0]}))))
-    attrs = {"shape": "box3d", "style": "filled", "fillcolor": "#f8fafc", "margin": "0.2,0.12",
+    shared = {tuple(overlay.lines.get(n.name, ())) for n in unit.members}
+    lines += _overlay_lines(shared.pop() if len(shared) == 1 else ())
+    fills = {overlay.fills.get(n.name, "#f8fafc") for n in unit.members}
+    attrs = {"shape": "box3d", "style": "filled", "margin": "0.2,0.12",
+             "fillcolor": fills.pop() if len(fills) == 1 else "#f8fafc",
              "tooltip": _dot_str(f"{unit.group}: {len(unit.members)} nodes")}
     added = Counter(a for a in (_added(n, highlight) for n in unit.members) if a is not None)
     if added:
@@ -283,25 +373,45 @@ def _group_box(unit: _Unit, batch: Optional[int], highlight: frozenset[str]) -> 
     return pydot.Node(unit.uid, label=_html_label(lines), **attrs)
 
 
-def _cluster(dot: pydot.Dot, clusters: dict[str, pydot.Graph], path: str) -> pydot.Graph:
-    """The (possibly new) cluster subgraph for module ``path``, nested in its parents."""
-    if path in clusters:
-        return clusters[path]
-    if not path:
-        clusters[path] = dot
+def _frame_attrs(frames: tuple[_Frame, ...]) -> dict[str, str]:
+    """Label and style of the innermost cluster of ``frames``."""
+    frame = frames[-1]
+    if frame.outer:
+        head, *rest = frame.label.split("\n")
+        label = _html_label([f"<b>{_h(head)}</b>", *(_small(_h(r), 10, "#7a3300") for r in rest)])
+        return {"label": label, "style": "rounded,dashed,filled", "color": "#b45309",
+                "fillcolor": "#fffbeb", "penwidth": "1.5"}
+    depth = sum(not f.outer for f in frames)
+    return {"label": _html_label([_h(frame.label)]), "style": "rounded,filled",
+            "color": "#9aa5b8", "fillcolor": _CLUSTER_FILLS[depth % 2]}
+
+
+def _cluster(dot: pydot.Dot, clusters: dict[tuple[_Frame, ...], pydot.Graph],
+             frames: tuple[_Frame, ...]) -> pydot.Graph:
+    """The (possibly new) cluster subgraph for ``frames``, nested in its parents."""
+    if frames in clusters:
+        return clusters[frames]
+    if not frames:
+        clusters[frames] = dot
         return dot
-    parts = _parts(path)
-    parent = _cluster(dot, clusters, ".".join(parts[:-1]))
-    sub = pydot.Subgraph(
-        f"cluster_{len(clusters)}", label=_html_label([_h(path)]), style="rounded,filled",
-        color="#9aa5b8", fillcolor=_CLUSTER_FILLS[len(parts) % 2], fontsize="11", labeljust="l",
-    )
+    parent = _cluster(dot, clusters, frames[:-1])
+    sub = pydot.Subgraph(f"cluster_{len(clusters)}", fontsize="11", labeljust="l",
+                         **_frame_attrs(frames))
     parent.add_subgraph(sub)
-    clusters[path] = sub
+    clusters[frames] = sub
     return sub
 
 
-def _title_label(title: str, note: str, graph: fx.Graph, batch: Optional[int]) -> str:
+def _legend_table(legend: Sequence[tuple[str, str]]) -> str:
+    """A one-row HTML table of legend cells (filled with their colour when one is given)."""
+    cells = "".join(f'<td bgcolor="{c}">{_h(t)}</td>' if c else f"<td>{_h(t)}</td>"
+                    for t, c in legend)
+    return (f'<table border="0" cellborder="1" cellspacing="3" cellpadding="3">'
+            f"<tr>{cells}</tr></table>")
+
+
+def _title_label(title: str, note: str, graph: fx.Graph, batch: Optional[int],
+                 legend: Sequence[tuple[str, str]] = ()) -> str:
     lines = [f"<b>{_h(title)}</b>"]
     if batch is not None:
         lines.append(_small(_h(f"costs at batch {batch}; shapes at the traced example batch"), 10))
@@ -311,7 +421,11 @@ def _title_label(title: str, note: str, graph: fx.Graph, batch: Optional[int]) -
         lines.append(_small(_h(f"added: {by}"), 10))
     if note:
         lines.append(_small(_h(note), 10, "#a00000"))
-    return _html_label(lines)
+    if not legend:
+        return _html_label(lines)
+    text = '<br align="center"/>'.join(lines)
+    return (f'<<table border="0" cellborder="0"><tr><td>{text}</td></tr>'
+            f"<tr><td>{_legend_table(legend)}</td></tr></table>>")
 
 
 def graph_to_dot(
@@ -321,6 +435,7 @@ def graph_to_dot(
     batch: Optional[int] = None,
     highlight: Iterable[str] = (),
     max_nodes: int = 2000,
+    overlay: Optional[Overlay] = None,
 ) -> pydot.Dot:
     """A DOT drawing of ``graph``: one node per fx node, edges for data dependencies, clusters
     for module scopes; costs at ``batch`` when annotated (none if ``batch`` is None).
@@ -328,21 +443,26 @@ def graph_to_dot(
     Nodes named in ``highlight`` or carrying ``added_by`` meta are filled. With more than
     ``max_nodes`` nodes each module scope at the deepest depth that fits becomes one box (the
     title says so); if even depth 1 does not fit, only the first ``max_nodes`` boxes are drawn.
+    ``overlay`` adds a pass's per-node lines and fills, outer clusters and ordering edges.
     """
+    overlay = overlay or Overlay()
     names = frozenset(highlight)
     nodes = list(graph.nodes)
-    scopes = {n: _scope(n) for n in nodes}
-    units, note = _layout(nodes, scopes, max_nodes)
+    scopes = _placed_scopes(nodes)
+    units, note = _layout(nodes, scopes, overlay.groups, max_nodes)
     dot = pydot.Dot("tidal", graph_type="digraph", rankdir="TB", labelloc="t", fontname="Helvetica",
-                    label=_title_label(title, note, graph, batch))
+                    label=_title_label(title, note, graph, batch, overlay.legend))
     dot.set_node_defaults(fontname="Helvetica", fontsize="11", margin="0.12,0.05")
     dot.set_edge_defaults(color="#55606e", arrowsize="0.7")
-    clusters: dict[str, pydot.Graph] = {}
+    clusters: dict[tuple[_Frame, ...], pydot.Graph] = {}
     for unit in units:
         box = _node_box if unit.group is None else _group_box
-        _cluster(dot, clusters, unit.cluster).add_node(box(unit, batch, names))
-    for src, dst in _edges(units):
+        _cluster(dot, clusters, unit.frames).add_node(box(unit, batch, names, overlay))
+    data = _edges(units)
+    for src, dst in data:
         dot.add_edge(pydot.Edge(src, dst))
+    for src, dst in _order_edges(units, overlay, data):
+        dot.add_edge(pydot.Edge(src, dst, style="dashed", color="#b45309", arrowhead="none"))
     return dot
 
 
@@ -460,12 +580,13 @@ def dump_graph_pair(
     batch: Optional[int] = None,
     added: Iterable[str] = (),
     max_nodes: int = 2000,
+    overlay: Optional[Overlay] = None,
 ) -> list[Path]:
-    """Render ``{stem}.before`` and ``{stem}.after`` into ``out_dir`` (``added`` highlighted in
-    the after graph); return the files written."""
+    """Render ``{stem}.before`` and ``{stem}.after`` into ``out_dir`` (``added`` highlighted and
+    ``overlay`` drawn in the after graph); return the files written."""
     out_dir = Path(out_dir)
     files = render(graph_to_dot(before, title=f"{stem}: before", batch=batch, max_nodes=max_nodes),
                    out_dir / f"{stem}.before")
     after_dot = graph_to_dot(after, title=f"{stem}: after", batch=batch, highlight=added,
-                             max_nodes=max_nodes)
+                             max_nodes=max_nodes, overlay=overlay)
     return files + render(after_dot, out_dir / f"{stem}.after")

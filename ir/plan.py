@@ -1,49 +1,108 @@
 """Plans: frozen dataclasses that say what a pass decided, with an exact JSON round trip.
 
 A plan saved with ``to_json()`` is replayed with ``Plan.from_json()`` (no search). The JSON
-names the plan's class (``module:QualName``), so ``Plan.from_json`` restores the right subclass
-and nested plans; fields are decoded by their type annotations, so tuples come back as tuples
-and nested dataclasses as dataclasses.
+names the plan's *kind*, a registered name (the class name, or the class's own ``plan_kind``
+attribute), never a module path: ``Plan.from_json`` looks the kind up among the defined
+subclasses of :class:`Plan` and imports nothing a plan names, so a crafted plan cannot run an
+import. So that the plan classes of every registered pass are defined, the registry first
+imports the fixed package ``tidal.passes`` and its registered pass modules (constant names in
+``tidal.passes``, never read from a plan; the one place ``ir`` looks up at ``passes``). JSON
+written by older versions (``"module:QualName"``) is read by its ``QualName`` when that names
+a defined plan class; the module part is only compared, never imported. Fields are decoded by
+their type annotations, so tuples come back as tuples and nested dataclasses as dataclasses.
 
 Example:
     >>> from dataclasses import dataclass
-    >>> from tidal.ir.plan import Plan
+    >>> from tidal.ir.plan import Plan, plan_kind
     >>> @dataclass(frozen=True)
     ... class Toy(Plan):
     ...     gpus: tuple[int, ...]
     ...     time_us: float
     >>> Toy((1, 2), 3.5).to_json() == Toy.from_json(Toy((1, 2), 3.5).to_json()).to_json()
     True
+    >>> plan_kind(Toy)
+    'Toy'
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
 import json
-import sys
 import types
 import typing
-from typing import Any
+from typing import Any, ClassVar, Iterator
 
 from tidal.ir.errors import PlanError
 
 
+def plan_kind(cls: type) -> str:
+    """The registered kind name of plan class ``cls``: its own ``plan_kind`` class attribute
+    (not an inherited one) or else its class name."""
+    return cls.__dict__.get("plan_kind") or cls.__name__
+
+
+def _define_pass_plans() -> None:
+    """Import the registered passes (a fixed list in ``tidal.passes``), which defines their
+    plan classes. Cheap after the first call."""
+    from tidal.passes import registry  # a constant module: never a name taken from a plan
+
+    registry()
+
+
+def plan_classes() -> tuple[type, ...]:
+    """Every defined plan class (``Plan`` and its subclasses, recursively, those of the
+    registered passes included), oldest first. This is the registry of plan kinds: it is
+    derived from the class hierarchy, never filled in."""
+    _define_pass_plans()
+
+    def walk(cls: type) -> Iterator[type]:
+        yield cls
+        for sub in cls.__subclasses__():
+            yield from walk(sub)
+    return tuple(dict.fromkeys(walk(Plan)))
+
+
+def _identity(cls: type) -> tuple[str, str]:
+    return cls.__module__, cls.__qualname__
+
+
+def _unique(candidates: list[type], kind: str) -> type:
+    """The one class among ``candidates`` (a class redefined under the same module and name,
+    as by re-running a cell or a test, resolves to its newest definition)."""
+    identities = list(dict.fromkeys(_identity(c) for c in candidates))
+    if len(identities) > 1:
+        where = ", ".join(f"{m}.{q}" for m, q in identities)
+        raise PlanError(f"plan kind {kind!r} is ambiguous: it names the plan classes {where}; "
+                        f"give one of them its own plan_kind class attribute")
+    return candidates[-1]
+
+
+def _class_of(kind: Any, expected: type) -> type:
+    """The registered plan class of ``kind`` (``expected`` and its subclasses first). Looks the
+    name up among :func:`plan_classes`; imports nothing."""
+    if not isinstance(kind, str):
+        raise PlanError(f"plan kind {kind!r} is not a string")
+    classes = plan_classes()
+    module, legacy, qualname = kind.rpartition(":")
+    if legacy:  # written by an older tidal as "module:QualName": match the QualName only
+        found = [c for c in classes if c.__qualname__ == qualname]
+        found = [c for c in found if c.__module__ == module] or found
+    else:
+        found = [c for c in classes if plan_kind(c) == kind]
+    if not found:
+        known = ", ".join(sorted({plan_kind(c) for c in classes}))
+        raise PlanError(f"unknown plan kind {kind!r}: no registered plan class has that name "
+                        f"(plan kinds are looked up, never imported, so there is no importable "
+                        f"class to fall back to); registered kinds: {known}")
+    return _unique([c for c in found if issubclass(c, expected)] or found, kind)
+
+
 def _kind_of(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _class_of(kind: str) -> type:
-    module_name, _, qualname = kind.partition(":")
-    try:
-        obj: Any = sys.modules.get(module_name) or importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise PlanError(f"plan kind {kind!r} names no importable class ({e})") from None
-    if not (isinstance(obj, type) and issubclass(obj, Plan)):
-        raise PlanError(f"plan kind {kind!r} is not a tidal Plan")
-    return obj
+    """The kind written for a plan of class ``cls``; raises ``PlanError`` if another defined
+    plan class has the same kind, since the plan could not be read back."""
+    kind = plan_kind(cls)
+    _unique([c for c in plan_classes() if plan_kind(c) == kind], kind)
+    return kind
 
 
 def _encode(value: Any) -> Any:
@@ -86,7 +145,7 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
     if isinstance(tp, type) and issubclass(tp, Plan):
         if not isinstance(data, dict) or "kind" not in data:
             raise PlanError(f"{where}: expected a plan object with 'kind'")
-        cls = tp if data["kind"] == _kind_of(tp) else _class_of(data["kind"])
+        cls = _class_of(data["kind"], tp)
         if not issubclass(cls, tp):
             raise PlanError(f"{where}: plan kind {data['kind']} is not a {tp.__name__}")
         return _decode_fields(cls, data["data"], where)
@@ -139,7 +198,11 @@ def _decode_fields(cls: type, data: Any, where: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Base class of every plan. Subclasses are frozen dataclasses of JSON-able fields
-    (numbers, strings, tuples, dicts, enums, nested dataclasses and plans)."""
+    (numbers, strings, tuples, dicts, enums, nested dataclasses and plans). A subclass is
+    registered by being defined; its JSON kind is its class name unless it sets its own
+    ``plan_kind`` class attribute (needed only when two plan classes share a name)."""
+
+    plan_kind: ClassVar[str] = ""
 
     def to_json(self) -> str:
         """The plan as JSON text, naming its class."""
@@ -147,8 +210,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        """Read a plan written by ``to_json``; the class named in the JSON must be ``cls`` or a
-        subclass. Raises ``PlanError`` naming the field at fault."""
+        """Read a plan written by ``to_json``; the kind named in the JSON must be a registered
+        plan class, ``cls`` or a subclass (nothing is imported). Raises ``PlanError`` naming
+        the field at fault or the unknown kind."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:

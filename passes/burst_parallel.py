@@ -41,10 +41,11 @@ import torch.fx as fx
 from tidal.ir import cost, layer_graph, meta
 from tidal.ir.cluster import Cluster
 from tidal.ir.collectives import GATHER, SCATTER, layout, replicated
+from tidal.ir.errors import PlanError
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.passes.burst_planner import (BurstPlan, BurstProblem, allreduce_us, candidate_counts,
                                         per_gpu_batch, plan_burst)
-from tidal.runtime.burst_exec import BurstExecutor
+from tidal.runtime.burst_exec import BurstExecutor, check_layer_ranks
 
 PASS_NAME = "burst_parallel"
 
@@ -91,6 +92,25 @@ def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
             sync[i, k] = allreduce_us(pbytes, g, cluster.bytes_per_us, cluster.latency_us)
     return BurstProblem(names, preds, comp, sync, act, counts, batch, cluster.bytes_per_us,
                         cluster.latency_us)
+
+
+def check_plan(plan: BurstPlan, gpus: int) -> None:
+    """Check a saved plan against a cluster of ``gpus`` GPUs before it is replayed: every layer
+    lists as many ranks and sample ranges as its GPU count, needs no more GPUs than the cluster
+    has, runs on distinct ranks of it, and its ranges split the plan's batch into contiguous
+    rows. Raises ``PlanError`` naming the first layer at fault."""
+    for l in plan.layers:
+        if l.gpus < 1 or len(l.ranks) != l.gpus or len(l.ranges) != l.gpus:
+            raise PlanError(f"burst_parallel: layer {l.layer!r} has gpus={l.gpus} but lists "
+                            f"{len(l.ranks)} ranks and {len(l.ranges)} sample ranges")
+    check_layer_ranks(((l.layer, l.ranks) for l in plan.layers), gpus, "the cluster")
+    for l in plan.layers:
+        bounds = [b for lo_hi in sorted(l.ranges) for b in lo_hi]
+        if bounds[0] != 0 or bounds[-1] != plan.batch or bounds[1:-1:2] != bounds[2::2] \
+                or any(lo > hi for lo, hi in l.ranges):
+            raise PlanError(f"burst_parallel: layer {l.layer!r} has sample ranges "
+                            f"{[list(r) for r in l.ranges]}, which do not split the batch of "
+                            f"{plan.batch} into contiguous rows")
 
 
 def _layout(placement, world: int) -> list[int]:
@@ -219,6 +239,7 @@ class BurstParallel(Pass):
         if plan.world != problem.gpus or plan.batch != problem.batch:
             self.fail(f"saved plan is for {plan.world} GPUs and batch {plan.batch}, the compile "
                       f"is for {problem.gpus} GPUs and batch {problem.batch}")
+        check_plan(plan, problem.gpus)
         return plan
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:

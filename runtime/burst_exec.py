@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from tidal.ir import meta
 from tidal.ir.collectives import SubgroupCache
+from tidal.ir.errors import PlanError
 from tidal.runtime.distributed import all_reduce_tensors, copy_from_flat, is_distributed
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 
@@ -63,6 +64,20 @@ def skipped_layer(tail: tuple[int, ...], dtype: torch.dtype, grad: bool, *inputs
             if t.requires_grad:
                 out = out + t.sum().to(dtype)
     return out
+
+
+def check_layer_ranks(layer_ranks: Iterable[tuple[str, tuple[int, ...]]], size: int,
+                      where: str = "the world") -> None:
+    """Raise ``PlanError`` naming the first layer that needs more GPUs than ``size`` (the
+    cluster's GPUs or the job's ranks, as ``where`` says) or runs on ranks that are not
+    distinct ranks ``0 .. size - 1``."""
+    for name, ranks in layer_ranks:
+        if len(ranks) > size:
+            raise PlanError(f"burst_parallel: layer {name!r} needs {len(ranks)} GPUs, but "
+                            f"{where} has {size}")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
+            raise PlanError(f"burst_parallel: layer {name!r} runs on ranks {list(ranks)}, not "
+                            f"distinct ranks among the {size} GPUs {where} has")
 
 
 def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]],
@@ -124,6 +139,7 @@ class BurstExecutor:
         if size != self.world:
             raise ValueError(f"burst_parallel: the plan is for {self.world} GPUs but the job has "
                              f"{size} ranks; compile with tidal.Cluster(gpus={size})")
+        check_layer_ranks(self.layer_ranks.items(), size)
         first = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         if first is not None and first.shape[0] != self.batch:
             raise ValueError(f"burst_parallel: the plan is for a global batch of {self.batch}, "

@@ -5,9 +5,11 @@ the first node of each group. :func:`group_tensors` reads the groups back from t
 parameter or buffer belongs to the group of its first use). :func:`write_groups` writes the
 current weights as a grouped store (:mod:`tidal.runtime.weight_store`). :class:`WeightLoader`
 copies each group's contiguous buffer from the memory-mapped store to the device on its own
-thread (a side CUDA stream on a GPU), rebinds the group's parameters and buffers to views of
-the copy, and sets a per-group event; the boundary op waits on that event through
-:func:`tidal.ir.ops.loading`. It records when each transfer ran and when each group executed.
+thread (a side CUDA stream on a GPU), checks the bytes against the store's per-tensor checksums
+(one pass over the copy; a corrupt tensor raises ``WeightStoreError`` naming it and its group),
+rebinds the group's parameters and buffers to views of the copy, and sets a per-group event;
+the boundary op waits on that event through :func:`tidal.ir.ops.loading`. It records when
+each transfer ran and when each group executed.
 
 Example:
     >>> import os, tempfile, torch, tidal
@@ -36,7 +38,8 @@ import torch
 import torch.fx as fx
 
 from tidal.ir import ops
-from tidal.runtime.weight_store import PathLike, TensorSpec, WeightStore, view_tensor, write_store
+from tidal.runtime.weight_store import (PathLike, TensorSpec, WeightStore, WeightStoreError,
+                                        view_tensor, write_store)
 
 GroupedTensors = list[list[tuple[str, torch.Tensor]]]
 
@@ -139,17 +142,23 @@ class WeightLoader:
         return self
 
     def _copy_group(self, k: int) -> torch.Tensor:
+        """Group ``k``'s bytes on the device, checked against the store's checksums before
+        they are returned (on a GPU the check reads the pinned staging copy while the
+        transfer runs)."""
         region = self.store.group_region(k)
         if self.device.type == "cuda":  # pinned staging + side stream; not measured here
             stream = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream(self.device)
+            staging = region.pin_memory()
             with torch.cuda.stream(stream):
                 dst = torch.empty(region.numel(), dtype=torch.uint8, device=self.device)
-                dst.copy_(region.pin_memory(), non_blocking=True)
+                dst.copy_(staging, non_blocking=True)
                 self._cuda_events[k] = torch.cuda.Event()
                 self._cuda_events[k].record(stream)
+            self.store.verify(k, staging)
             return dst
         dst = torch.empty(region.numel(), dtype=torch.uint8, device=self.device)
         dst.copy_(region)
+        self.store.verify(k, dst)
         return dst
 
     def _run(self) -> None:
@@ -177,9 +186,7 @@ class WeightLoader:
         """Block until ``group``'s weights are resident (re-raises a loading error)."""
         called = time.perf_counter()
         self._ready[group].wait()
-        if self._error is not None:
-            raise RuntimeError(f"loading weight group {group} from {self.store.path} failed: "
-                               f"{self._error}") from self._error
+        self._raise_error(f"loading weight group {group}")
         if self._cuda_events[group] is not None:
             torch.cuda.current_stream(self.device).wait_event(self._cuda_events[group])
         self.waits[group] = (called - self.t0, time.perf_counter() - self.t0)
@@ -188,9 +195,17 @@ class WeightLoader:
         """Wait for the loader thread to finish (re-raises a loading error)."""
         if self._thread is not None:
             self._thread.join()
-        if self._error is not None:
-            raise RuntimeError(f"loading weights from {self.store.path} failed: "
-                               f"{self._error}") from self._error
+        self._raise_error("loading weights")
+
+    def _raise_error(self, what: str) -> None:
+        """Re-raise the loader thread's error, if any: a ``WeightStoreError`` (a corrupt
+        tensor) as one, anything else as a ``RuntimeError``."""
+        if self._error is None:
+            return
+        if isinstance(self._error, WeightStoreError):  # it names the store already
+            raise WeightStoreError(f"{what} failed: {self._error}") from self._error
+        raise RuntimeError(f"{what} from {self.store.path} failed: {self._error}") \
+            from self._error
 
     def timeline(self, output_time: float) -> LoadTimeline:
         """The recorded timeline, given when (``perf_counter``) the output was ready."""

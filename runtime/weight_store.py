@@ -8,13 +8,20 @@ File layout (a valid safetensors file, readable by the ``safetensors`` package):
   and padded to a whole number of blocks (PipeSwitch's transfer unit); inside a group each
   tensor starts on a 64-byte boundary. Padding is written as ``uint8`` tensors named
   ``__pad__.<n>`` because safetensors allows no holes between tensors;
-* ``__metadata__``: ``tidal.format`` and ``tidal.groups`` (JSON list of ``[begin, end)`` byte
-  ranges of the groups, relative to the data start).
+* ``__metadata__``: ``tidal.format`` (the format version, :data:`FORMAT`), ``tidal.groups``
+  (JSON list of ``[begin, end)`` byte ranges of the groups, relative to the data start) and
+  ``tidal.sum64`` (JSON object: the :func:`checksum` of each tensor's bytes).
 
 :meth:`WeightStore.open` validates the file against what the model expects *before* anything
-runs: a missing file, a truncated file or a file of another model (a tensor missing, or with
-another shape, dtype or group) raises :class:`WeightStoreError` naming the first mismatching
-tensor.
+runs: a missing file, a truncated file, a store written by an older tidal (format
+``tidal-layer-groups-1``, no checksums: rewrite it) or a file of another model (a tensor
+missing, or with another shape, dtype or group) raises :class:`WeightStoreError` naming the
+first mismatching tensor; the tensors are compared before the group count, so a store of
+another model names the first tensor that differs. The data itself is checked as it is read:
+:meth:`WeightStore.verify` runs one checksum pass over a group's bytes (the loader calls it on the
+copy it just made, before the group's parameters point at it), so bytes overwritten since the
+store was written (random bytes, NaNs) raise :class:`WeightStoreError` naming the tensor and
+its group instead of loading silently.
 
 Example:
     >>> import tempfile, os, torch
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, Union
 
+import numpy as np
 import torch
 
 from tidal.ir.errors import TidalError
@@ -46,7 +54,10 @@ BLOCK = 512
 """Group alignment and padding unit in bytes (PipeSwitch pads transfers to 512-byte blocks)."""
 TENSOR_ALIGN = 64
 """Alignment of each tensor inside a group."""
-FORMAT = "tidal-layer-groups-1"
+FORMAT = "tidal-layer-groups-2"
+"""Format version written in the metadata; version 2 added a checksum per tensor."""
+OLD_FORMATS = ("tidal-layer-groups-1",)
+"""Formats of older tidal versions: rejected with a message to rewrite the store."""
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -84,6 +95,18 @@ class TensorSpec:
         return f"{_DTYPES.get(self.dtype, str(self.dtype))}{list(self.shape)}"
 
 
+def checksum(data: Any) -> int:
+    """The checksum stored for a tensor: its bytes (any buffer) read as little-endian 64-bit
+    words, a trailing partial word zero-padded, summed modulo 2**64. One memory-bound pass
+    (several times faster than ``zlib.crc32``, which would slow pipelined loading by about
+    half); it catches bytes overwritten (random bytes, NaNs, zeros, another model's weights),
+    not 8-byte words swapped within one tensor."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    whole = len(raw) // 8 * 8
+    total = int(np.add.reduce(raw[:whole].view("<u8"), dtype=np.uint64))
+    return (total + int.from_bytes(raw[whole:].tobytes(), "little")) % (1 << 64)
+
+
 def _round_up(x: int, unit: int) -> int:
     return (x + unit - 1) // unit * unit
 
@@ -110,6 +133,7 @@ def write_store(path: PathLike, groups: Sequence[Sequence[tuple[str, torch.Tenso
             offset = target
 
     seen: set[str] = set()
+    checksums: dict[str, int] = {}
     for k, group in enumerate(groups):
         begin = offset
         for name, t in group:
@@ -122,13 +146,15 @@ def write_store(path: PathLike, groups: Sequence[Sequence[tuple[str, torch.Tenso
             seen.add(name)
             pad_to(_round_up(offset, TENSOR_ALIGN))
             data = _raw_bytes(t)
+            checksums[name] = checksum(data)
             header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + len(data)]}
             chunks.append((offset, data))
             offset += len(data)
         pad_to(_round_up(max(offset, begin + 1), BLOCK))
         ranges.append([begin, offset])
-    meta = {"tidal.format": FORMAT, "tidal.groups": json.dumps(ranges), **(metadata or {})}
+    meta = {**(metadata or {}), "tidal.format": FORMAT, "tidal.groups": json.dumps(ranges),
+            "tidal.sum64": json.dumps(checksums)}
     header["__metadata__"] = meta
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (_round_up(8 + len(text), BLOCK) - 8 - len(text))
@@ -162,75 +188,61 @@ class WeightStore:
     """An open, validated store: a memory map of the file and the location of every tensor.
 
     Open with :meth:`open`; ``group_region(k)`` is group ``k``'s contiguous buffer (a
-    ``uint8`` tensor viewing the map) and ``group_tensors(k)`` where each tensor sits in it.
+    ``uint8`` tensor viewing the map), ``group_tensors(k)`` where each tensor sits in it, and
+    ``verify(k, buffer)`` checks a copy of the group against the checksums in the header.
     """
 
     def __init__(self, path: Path, mm: mmap.mmap, data_start: int,
-                 layout: list[list[tuple[TensorSpec, int]]], ranges: list[tuple[int, int]]):
+                 layout: list[list[tuple[TensorSpec, int]]], ranges: list[tuple[int, int]],
+                 checksums: dict[str, int]):
         self.path = path
         self._mm = mm
         self._data_start = data_start
         self._layout = layout
         self._ranges = ranges
+        self._checksums = checksums
 
     @classmethod
     def open(cls, path: PathLike, expected: Sequence[Sequence[TensorSpec]]) -> "WeightStore":
         """Open ``path`` and check it holds exactly the ``expected`` groups of tensors.
-        Raises ``WeightStoreError`` naming the first missing, mismatching or truncated tensor."""
+        Raises ``WeightStoreError`` naming the first missing, mismatching or truncated tensor
+        (the tensors are compared before the grouping, so a store of another model names the
+        first tensor that differs), or saying the store was written by an older tidal."""
         path = Path(path)
         header, data_start, size = _read_header(path)
-        try:
-            ranges = [tuple(r) for r in json.loads(header.get("__metadata__", {})
-                                                   .get("tidal.groups", "null"))]
-        except (TypeError, ValueError):
-            raise WeightStoreError(f"weight store {path}: no tidal group table in its "
-                                   "metadata (not written by tidal's write_store)") from None
+        ranges, checksums = _tidal_metadata(path, header)
+        entries = _file_entries(path, header)
+        _check_same_tensors(path, entries, [s for g in expected for s in g])
         if len(ranges) != len(expected):
             raise WeightStoreError(f"weight store {path} has {len(ranges)} groups, the model's "
                                    f"plan has {len(expected)} (written for another grouping)")
-        layout: list[list[tuple[TensorSpec, int]]] = []
-        wanted = set()
-        for k, group in enumerate(expected):
-            begin, end = ranges[k]
-            entries = []
-            for spec in group:
-                wanted.add(spec.name)
-                entry = header.get(spec.name)
-                if entry is None:
-                    raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} is "
-                                           "missing (file written for another model?)")
-                have = TensorSpec(spec.name, tuple(entry.get("shape", ())),
-                                  _CODES.get(entry.get("dtype"), torch.uint8))
-                if entry.get("dtype") not in _CODES or have != spec:
-                    raise WeightStoreError(
-                        f"weight store {path}: tensor {spec.name!r} is "
-                        f"{entry.get('dtype')}{list(have.shape)} in the file but "
-                        f"{spec.describe()} in the model")
-                lo, hi = entry["data_offsets"]
-                if hi - lo != spec.nbytes:
-                    raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} has "
-                                           f"{hi - lo} bytes, expected {spec.nbytes}")
-                if not (begin <= lo and hi <= end):
-                    raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} is "
-                                           f"not in group {k} (written for another grouping)")
-                if data_start + hi > size:
-                    raise WeightStoreError(
-                        f"weight store {path} is truncated: tensor {spec.name!r} needs bytes "
-                        f"up to {data_start + hi}, the file has {size}")
-                entries.append((spec, lo - begin))
-            layout.append(entries)
-        extra = [n for n in header if n != "__metadata__" and not n.startswith("__pad__.")
-                 and n not in wanted]
-        if extra:
-            raise WeightStoreError(f"weight store {path}: tensor {extra[0]!r} is not in the "
-                                   "model (file written for another model?)")
+        layout = [_group_layout(path, k, ranges[k], group, entries, data_start, size)
+                  for k, group in enumerate(expected)]
+        missing = [s.name for g in expected for s in g if s.name not in checksums]
+        if missing:
+            raise WeightStoreError(f"weight store {path}: no checksum for tensor {missing[0]!r} "
+                                   "in its header (damaged header); rewrite the store")
         if data_start + ranges[-1][1] > size:
             raise WeightStoreError(f"weight store {path} is truncated: group {len(ranges) - 1}"
                                    f" ends at byte {data_start + ranges[-1][1]}, the file has "
                                    f"{size}")
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return cls(path, mm, data_start, layout, ranges)
+        return cls(path, mm, data_start, layout, ranges, checksums)
+
+    def verify(self, k: int, buffer: torch.Tensor) -> None:
+        """Check the tensors of group ``k`` in ``buffer`` (a ``uint8`` CPU tensor holding the
+        group's bytes: :meth:`group_region` or a copy of it) against the checksums written
+        with them: one :func:`checksum` pass over the bytes. Raises ``WeightStoreError`` naming the
+        first tensor whose bytes changed since the store was written."""
+        for spec, offset in self._layout[k]:
+            self._verify_one(k, spec, buffer[offset:offset + spec.nbytes])
+
+    def _verify_one(self, k: int, spec: TensorSpec, raw: torch.Tensor) -> None:
+        if checksum(raw.numpy()) != self._checksums[spec.name]:
+            raise WeightStoreError(
+                f"weight store {self.path}: tensor {spec.name!r} (group {k}) does not match "
+                "the checksum written with it: its bytes are corrupt; rewrite the store")
 
     @property
     def num_groups(self) -> int:
@@ -253,11 +265,13 @@ class WeightStore:
         return list(self._layout[k])
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor, copied out of the map (for inspection and tests)."""
+        """One tensor, copied out of the map and verified (for inspection and tests)."""
         for k, entries in enumerate(self._layout):
             for spec, off in entries:
                 if spec.name == name:
-                    return view_tensor(self.group_region(k), spec, off).clone()
+                    raw = self.group_region(k)[off:off + spec.nbytes].clone()
+                    self._verify_one(k, spec, raw)
+                    return view_tensor(raw, spec, 0)
         raise KeyError(name)
 
     def close(self) -> None:
@@ -300,3 +314,98 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
     if not isinstance(header, dict):
         raise WeightStoreError(f"weight store {path}: header is not a JSON object")
     return header, 8 + n, size
+
+
+def _tidal_metadata(path: Path, header: dict) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """The group byte ranges and the per-tensor CRC-32s from the header's metadata; raises
+    ``WeightStoreError`` for a file tidal did not write or wrote in another format version."""
+    meta = header.get("__metadata__")
+    meta = meta if isinstance(meta, dict) else {}
+    fmt = meta.get("tidal.format")
+    if fmt is None or "tidal.groups" not in meta:
+        raise WeightStoreError(f"weight store {path}: no tidal group table in its metadata "
+                               "(not written by tidal's write_store)")
+    if fmt in OLD_FORMATS:
+        raise WeightStoreError(f"weight store {path} was written by an older tidal (format "
+                               f"{fmt!r}, without checksums); rewrite it with "
+                               "tidal.runtime.weight_loader.write_groups")
+    if fmt != FORMAT:
+        raise WeightStoreError(f"weight store {path} has format {fmt!r}, this tidal reads "
+                               f"{FORMAT!r} (written by a newer tidal?)")
+    try:
+        ranges = [(int(b), int(e)) for b, e in json.loads(meta["tidal.groups"])]
+        checksums = {str(k): int(v) for k, v in json.loads(meta["tidal.sum64"]).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise WeightStoreError(f"weight store {path}: damaged tidal metadata ({e!r}); rewrite "
+                               "the store") from None
+    return ranges, checksums
+
+
+def _file_entries(path: Path, header: dict) -> dict[str, tuple[TensorSpec, int, int]]:
+    """The stored tensors (padding left out) in data order: name to (spec, begin, end)."""
+    entries = []
+    for name, entry in header.items():
+        if name == "__metadata__" or name.startswith("__pad__."):
+            continue
+        try:
+            lo, hi = (int(x) for x in entry["data_offsets"])
+            spec = TensorSpec(name, tuple(int(d) for d in entry["shape"]),
+                              _CODES.get(entry["dtype"], entry["dtype"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightStoreError(f"weight store {path}: tensor {name!r} has a malformed "
+                                   f"header entry ({e!r})") from None
+        entries.append((lo, name, spec, hi))
+    return {name: (spec, lo, hi) for lo, name, spec, hi in sorted(entries)}
+
+
+def _describe(spec: TensorSpec) -> str:
+    return spec.describe() if isinstance(spec.dtype, torch.dtype) else \
+        f"{spec.dtype}{list(spec.shape)}"
+
+
+def _check_same_tensors(path: Path, entries: dict[str, tuple[TensorSpec, int, int]],
+                        expected: Sequence[TensorSpec]) -> None:
+    """Raise ``WeightStoreError`` naming the first expected tensor that the file lacks or holds
+    with another shape or dtype, then the first stored tensor the model does not have."""
+    stored = list(entries)
+    for i, spec in enumerate(expected):
+        if spec.name not in entries:
+            there = ""
+            if i < len(stored):
+                there = (f"; the store has {stored[i]!r} "
+                         f"{_describe(entries[stored[i]][0])} in its place")
+            raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} is missing "
+                                   f"({spec.describe()} in the model{there}; file written for "
+                                   "another model?)")
+        have = entries[spec.name][0]
+        if have != spec:
+            raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} is "
+                                   f"{_describe(have)} in the file but {spec.describe()} in "
+                                   "the model (file written for another model?)")
+    wanted = {s.name for s in expected}
+    extra = [n for n in stored if n not in wanted]
+    if extra:
+        raise WeightStoreError(f"weight store {path}: tensor {extra[0]!r} is not in the "
+                               "model (file written for another model?)")
+
+
+def _group_layout(path: Path, k: int, byte_range: tuple[int, int], group: Sequence[TensorSpec],
+                  entries: dict[str, tuple[TensorSpec, int, int]], data_start: int,
+                  size: int) -> list[tuple[TensorSpec, int]]:
+    """Where each tensor of group ``k`` sits inside the group's buffer; raises
+    ``WeightStoreError`` for a tensor outside the group, of the wrong size or truncated."""
+    begin, end = byte_range
+    layout = []
+    for spec in group:
+        _, lo, hi = entries[spec.name]
+        if hi - lo != spec.nbytes:
+            raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} has "
+                                   f"{hi - lo} bytes, expected {spec.nbytes}")
+        if not (begin <= lo and hi <= end):
+            raise WeightStoreError(f"weight store {path}: tensor {spec.name!r} is not in "
+                                   f"group {k} (written for another grouping)")
+        if data_start + hi > size:
+            raise WeightStoreError(f"weight store {path} is truncated: tensor {spec.name!r} "
+                                   f"needs bytes up to {data_start + hi}, the file has {size}")
+        layout.append((spec, lo - begin))
+    return layout
