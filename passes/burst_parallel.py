@@ -222,13 +222,16 @@ class BurstParallel(Pass):
 
     def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
         """Worth running: more than one GPU and a graph the planner supports."""
+        return not self.why_not(gm, ctx)
+
+    def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         if ctx.cluster.gpus < 2:
-            return False
+            return f"it needs at least 2 GPUs; the cluster has {ctx.cluster.gpus}"
         try:
             build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two)
-        except ValueError:
-            return False
-        return True
+        except ValueError as e:
+            return f"the planner cannot take this graph: {e}"
+        return ""
 
     def _replay(self, problem: BurstProblem) -> BurstPlan:
         plan = self.plan
