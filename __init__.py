@@ -5,6 +5,9 @@ annotates per-layer costs, runs graph passes that apply published parallelism an
 data-movement techniques, and returns a ``Compiled`` model with ``report()``, ``plan`` and
 ``dump(dir)``.
 
+The public names are imported on first use (PEP 562), so ``import tidal`` and the command
+line's ``--help`` do not import torch.
+
 Example:
     >>> import torch, tidal
     >>> model = torch.nn.Linear(4, 4)
@@ -12,21 +15,59 @@ Example:
     >>> torch.equal(tidal.compile(model, (x,))(x), model(x))
     True
 """
-from tidal.compiler.api import compile  # noqa: A001  (the public name, shadowing the builtin)
-from tidal.compiler.capture import capture_train_step, trace
-from tidal.compiler.compiled import Compiled
-from tidal.ir.cluster import Cluster
-from tidal.ir.device_profile import DeviceProfile
-from tidal.ir.errors import PassError, PlanError, TidalError, TraceError
-from tidal.ir.pass_api import Executor, Pass, PassContext, PassResult
-from tidal.ir.plan import CompiledPlan, Plan
-from tidal import passes  # noqa: F401  (tidal.passes.registry(): the registered passes)
-from tidal.runtime import ddp_hooks as hooks  # noqa: F401  (DDP communication hooks)
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import MappingProxyType
+from typing import Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = MappingProxyType({
+    # public name -> (module, attribute in it; None: the module itself)
+    "compile": ("tidal.compiler.api", "compile"),
+    "trace": ("tidal.compiler.capture", "trace"),
+    "capture_train_step": ("tidal.compiler.capture", "capture_train_step"),
+    "Compiled": ("tidal.compiler.compiled", "Compiled"),
+    "Cluster": ("tidal.ir.cluster", "Cluster"),
+    "DeviceProfile": ("tidal.ir.device_profile", "DeviceProfile"),
+    "Pass": ("tidal.ir.pass_api", "Pass"),
+    "PassContext": ("tidal.ir.pass_api", "PassContext"),
+    "PassResult": ("tidal.ir.pass_api", "PassResult"),
+    "Executor": ("tidal.ir.pass_api", "Executor"),
+    "Plan": ("tidal.ir.plan", "Plan"),
+    "CompiledPlan": ("tidal.ir.plan", "CompiledPlan"),
+    "passes": ("tidal.passes", None),      # tidal.passes.registry(): the registered passes
+    "hooks": ("tidal.hooks", None),        # DDP communication hooks
+    "TidalError": ("tidal.ir.errors", "TidalError"),
+    "TraceError": ("tidal.ir.errors", "TraceError"),
+    "PassError": ("tidal.ir.errors", "PassError"),
+    "PlanError": ("tidal.ir.errors", "PlanError"),
+})
 
 __all__ = [
     "compile", "trace", "capture_train_step", "Compiled", "Cluster", "DeviceProfile",
     "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes", "hooks",
     "TidalError", "TraceError", "PassError", "PlanError", "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a subpackage such as ``tidal.ir``) on first access and keep it
+    in the module's namespace."""
+    if name in _PUBLIC:
+        module_name, attr = _PUBLIC[name]
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        module_name, attr = f"{__name__}.{name}", None
+    else:
+        raise AttributeError(f"module 'tidal' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """Module attributes, the lazy public names included."""
+    return sorted(set(globals()) | set(__all__))

@@ -8,6 +8,10 @@
 MODEL is ``module:factory``, ``path/to/file.py:factory`` or, from a checkout of the
 repository, a zoo model name such as ``resnet50_small``. Bad input is one line on stderr and
 exit status 2 (set TIDAL_DEBUG=1 for the full traceback).
+
+Building the parser imports neither torch nor the subcommand modules: ``simulate``, ``run`` and
+``whatif`` are imported (for their ``add_arguments``, ``run`` and user-facing ``DESCRIPTION``)
+only when their subcommand is parsed, so ``tidal --help`` and ``tidal passes`` stay fast.
 """
 from __future__ import annotations
 
@@ -16,15 +20,18 @@ import importlib
 import json
 import os
 import sys
-from typing import Optional, Sequence
+import textwrap
+from typing import Any, Optional, Sequence
 
-from tidal.compiler.cli_args import add_model_args, compile_from_args
+from tidal.compiler.cli_args import add_model_args, compile_from_args, steps_table, write_dump
 from tidal.ir.errors import TidalError
 
 EXIT_USAGE = 2
+PASSES_WIDTH = 92  # columns of ``tidal passes``: descriptions are wrapped, whole sentences
 
 _SUBCOMMANDS = (
-    # (name, module, help): each module has add_arguments(parser) and run(args) -> int
+    # (name, module, help): each module has add_arguments(parser), run(args) -> int and a
+    # user-facing DESCRIPTION; it is imported only when its subcommand is parsed
     ("simulate", "tidal.compiler.cli_simulate", "simulate a training plan on a model of a GPU cluster"),
     ("run", "tidal.compiler.cli_run", "run a script on N local ranks through torchrun"),
     ("whatif", "tidal.compiler.cli_whatif",
@@ -33,10 +40,31 @@ _SUBCOMMANDS = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (no usage dump) and exit with status 2."""
+    """argparse whose errors are one line (no usage dump) and exit with status 2. With
+    ``module``, a subcommand's parser that imports that module and takes its arguments, run
+    function and description only when it parses (its ``--help`` included)."""
+
+    def __init__(self, *args: Any, module: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module = module
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """Load the subcommand's module, then parse."""
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def _load(self) -> None:
+        """Import the subcommand's module once and add its arguments, run and description."""
+        if self._module is None:
+            return
+        module = importlib.import_module(self._module)
+        self._module = None
+        self.description = module.DESCRIPTION
+        module.add_arguments(self)
+        self.set_defaults(run=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,22 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "(global_batch,steps): add the simulated weak/strong/batch-optimal "
                         "scaling chart (DeepPool Fig. 1) to the index")
     for name, module_name, help_text in _SUBCOMMANDS:
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
-        module.add_arguments(p)
-        p.set_defaults(run=module.run)
+        sub.add_parser(name, help=help_text, module=module_name)
     return parser
 
 
 def _cmd_passes() -> int:
-    from tidal.passes import registry
+    """Print each registered pass with its description, wrapped (no pass is imported)."""
+    from tidal.passes import descriptions
 
-    reg = registry()
-    if not reg:
+    described = descriptions()
+    if not described:
         print("no passes registered yet")
-    for name, cls in sorted(reg.items()):
-        doc = (cls.__doc__ or "").strip().splitlines()
-        print(f"{name:22s} {doc[0] if doc else ''}")
+    width = max(map(len, described), default=0) + 2
+    for name, text in sorted(described.items()):
+        print(textwrap.fill(text, width=PASSES_WIDTH, initial_indent=f"{name:<{width}}",
+                            subsequent_indent=" " * width, break_on_hyphens=False))
     return 0
 
 
@@ -90,7 +117,7 @@ def _record_json(r) -> dict:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     compiled = compile_from_args(args)
-    index = compiled.dump(args.dump) if args.dump else None
+    index = write_dump(compiled, args.dump, "--dump") if args.dump else None
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch,
                           "records": [_record_json(r) for r in compiled.records],
@@ -106,7 +133,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_dump(args: argparse.Namespace) -> int:
-    index = compile_from_args(args).dump(args.out, scaling=args.scaling)
+    table = steps_table(args)
+    index = write_dump(compile_from_args(args), args.out, "--out", scaling=table)
     print(f"dump: {index}")
     return 0
 
@@ -134,5 +162,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (TidalError, ValueError, TypeError) as e:
         if os.environ.get("TIDAL_DEBUG"):
             raise
-        print(f"tidal {args.command}: error: {e}", file=sys.stderr)
+        print(f"tidal {args.command}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (a multi-line message's lines joined with ' | ')."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " | ".join(lines) or type(error).__name__

@@ -1,9 +1,23 @@
-"""Argument types and the MODEL options shared by the ``tidal`` subcommands."""
+"""Argument types and the MODEL options shared by the ``tidal`` subcommands.
+
+This module does not import torch (``tidal --help`` builds its parser from it); what needs torch
+is imported inside the functions that use it.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+from tidal.ir.errors import TidalError
+
+LOSSES = ("default", "cross_entropy", "mse")
+OPTIMIZERS = ("sgd", "adam")
+
+
+class UsageError(TidalError, ValueError):
+    """A command-line argument that cannot be used; the message names the argument."""
 
 
 def positive_int(text: str) -> int:
@@ -62,6 +76,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="burst_parallel: GPU-sec amplification limit (default 2)")
     p.add_argument("-o", "--option", action="append", type=option, default=[],
                    metavar="KEY=VALUE", help="a pass option (value read as JSON if it parses)")
+    add_training_args(p)
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """The loss and optimizer that passes transforming training (tick_tock, round_robin,
+    compression) compile with."""
+    p.add_argument("--loss", choices=LOSSES, default="default",
+                   help="training loss for the training passes: the model's default_loss, "
+                        "else cross_entropy over class targets (default), or mse")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="optimizer for the training passes (default sgd)")
+    p.add_argument("--lr", type=positive_float, default=None,
+                   help="learning rate (default 0.1 for sgd, 0.001 for adam)")
 
 
 def pass_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,15 +99,98 @@ def pass_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def model_and_inputs(args: argparse.Namespace, batch: int) -> tuple[Any, tuple]:
+    """The model MODEL names and its example inputs at ``batch``; inputs from ``--input-shape``
+    are first run through the model, so one that does not fit is a ``UsageError`` naming it."""
+    from tidal.compiler.model_spec import build_model, check_inputs_fit, example_inputs_for
+
+    model = build_model(args.model)
+    inputs = example_inputs_for(model, args.model, batch, args.input_shape)
+    if args.input_shape:
+        check_inputs_fit(model, inputs, args.model, args.input_shape)
+    return model, inputs
+
+
+def trains(passes: str) -> bool:
+    """Whether ``--passes`` is ``auto`` or names a pass that transforms training."""
+    from tidal.passes import registry
+
+    if passes.strip() == "auto":
+        return True
+    reg = registry()
+    return any(reg[n].training_only for n in (p.strip() for p in passes.split(",")) if n in reg)
+
+
+def training_options(args: argparse.Namespace, model: Any, inputs: tuple, batch: int,
+                     passes: str | None = None) -> dict[str, Any]:
+    """``loss_fn``, ``optimizer`` and ``example_targets`` for ``tidal.compile`` when the
+    ``passes`` (default ``--passes``) transform training (``--loss``, ``--optimizer``,
+    ``--lr``); none otherwise. Under ``--passes auto`` a model whose loss cannot be derived
+    compiles without them (compile then skips the training passes and says why in its
+    report)."""
+    from tidal.compiler.model_spec import loss_and_targets, optimizer_factory
+
+    passes = args.passes if passes is None else passes
+    if not trains(passes):
+        return {}
+    try:
+        loss_fn, targets = loss_and_targets(model, args.model, args.loss, batch, inputs)
+    except UsageError:
+        if passes.strip() == "auto":
+            return {}
+        raise
+    return {"loss_fn": loss_fn, "example_targets": targets,
+            "optimizer": optimizer_factory(args.optimizer, args.lr)}
+
+
+def cluster_from_args(args: argparse.Namespace, **overrides: Any):
+    """The ``tidal.Cluster`` the MODEL options describe (``overrides`` win)."""
+    import tidal
+
+    kw = {"bandwidth_gbps": args.bandwidth_gbps, "latency_us": args.latency_us}
+    if args.gpus is not None:
+        kw["gpus"] = args.gpus
+    return tidal.Cluster(**{**kw, **overrides})
+
+
 def compile_from_args(args: argparse.Namespace, **extra: Any):
     """Build the model and inputs the MODEL options name and compile them."""
     import tidal
-    from tidal.compiler.model_spec import build_model, example_inputs_for
 
-    model = build_model(args.model)
-    inputs = example_inputs_for(model, args.model, args.batch, args.input_shape)
-    cluster_kw = {} if args.gpus is None else {"gpus": args.gpus}
-    cluster = tidal.Cluster(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us,
-                            **cluster_kw)
-    return tidal.compile(model, inputs, passes=args.passes or (), cluster=cluster,
-                         leaf_modules=args.leaf, verbose=True, **pass_options(args), **extra)
+    model, inputs = model_and_inputs(args, args.batch)
+    return tidal.compile(model, inputs, passes=args.passes or (), cluster=cluster_from_args(args),
+                         leaf_modules=args.leaf, verbose=True, **pass_options(args),
+                         **training_options(args, model, inputs, args.batch), **extra)
+
+
+def steps_table(args: argparse.Namespace):
+    """The ``--scaling`` statistical-efficiency table, or None; a ``UsageError`` naming the
+    file when it is missing or malformed (checked before any simulation runs)."""
+    if not getattr(args, "scaling", None):
+        return None
+    from tidal.runtime.sim.scaling import StepsTable
+
+    try:
+        return StepsTable.load(args.scaling)
+    except OSError as e:
+        raise UsageError(f"--scaling {args.scaling}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise UsageError(f"--scaling {args.scaling}: {e}") from None
+
+
+def write_dump(compiled: Any, directory: str, flag: str, **options: Any) -> Path:
+    """``compiled.dump(directory, **options)``; a ``UsageError`` naming ``flag`` and the
+    directory when it cannot be written."""
+    try:
+        return compiled.dump(directory, **options)
+    except OSError as e:
+        raise UsageError(f"{flag} {directory}: cannot write there "
+                         f"({e.strerror or e}: {e.filename or directory})") from None
+
+
+def write_text(path: str, text: str, flag: str) -> None:
+    """Write ``text`` to ``path``; a ``UsageError`` naming ``flag`` and the path on failure."""
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None

@@ -1,20 +1,8 @@
 """``tidal run -n N script.py [args...]``: run a script on N local ranks through ``torchrun``.
 
 A thin wrapper: ``python -m torch.distributed.run --standalone --nproc-per-node N script.py
-args...``. Inside the script, ``tidal.compile`` sees the world size as the default cluster
-size, and ``Compiled.step`` of a ``burst_parallel`` compile runs the plan on every rank (join
-the group first with ``tidal.runtime.distributed.init_process_group_from_env()``).
-
-Wiring: one entry in ``compiler/cli.py``'s ``_SUBCOMMANDS``::
-
-    ("run", "tidal.compiler.cli_run", "run a script on N local ranks through torchrun"),
-
-Example:
-    >>> import argparse
-    >>> from tidal.compiler.cli_run import add_arguments, command
-    >>> p = argparse.ArgumentParser(); add_arguments(p)
-    >>> command(p.parse_args(["-n", "2", "train.py", "--lr", "0.1"]))[3:]
-    ['--standalone', '--nproc-per-node=2', 'train.py', '--lr', '0.1']
+args...``. Wired into ``compiler/cli.py``'s ``_SUBCOMMANDS`` through ``add_arguments``, ``run``
+and ``DESCRIPTION`` (what ``tidal run --help`` shows).
 """
 from __future__ import annotations
 
@@ -22,6 +10,12 @@ import argparse
 import os
 import subprocess
 import sys
+
+DESCRIPTION = """Run SCRIPT with its arguments on N local processes (ranks) through torchrun
+(python -m torch.distributed.run --standalone --nproc-per-node N SCRIPT ARGS...). Inside the
+script, tidal.compile plans for the world size N by default, and Compiled.step runs the compiled
+plan on every rank: join the process group first with
+tidal.runtime.distributed.init_process_group_from_env(). Exits with the script's status."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line for ``args``; ``ValueError`` for a bad ``-n``."""
+    """The torchrun command line for ``args``; ``ValueError`` for a bad ``-n``.
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> command(p.parse_args(["-n", "2", "train.py", "--lr", "0.1"]))[3:]
+        ['--standalone', '--nproc-per-node=2', 'train.py', '--lr', '0.1']
+    """
     if args.nproc < 1:
         raise ValueError(f"-n {args.nproc}: need at least one rank")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -1,32 +1,33 @@
-"""Simulate one training iteration of MODEL on a model of a GPU cluster.
+"""``tidal simulate``: one training iteration of MODEL on a model of a GPU cluster.
 
-    tidal simulate MODEL --gpus 8 --global-batch 32 --plan dp|burst|burst+bg [--profile FILE|a100]
-                         [--bandwidth-gbps G] [--latency-us L] [--amp-limit A]
-                         [--bg-batch B] [--interference F] [--trace FILE]
-                         [--scaling CSV [--scaling-svg FILE]] [--dump DIR]
-
-Layer times come from ``--profile`` (a DeepPool ``.prof``/``.txt`` file, a saved tidal
-``DeviceProfile`` JSON, or ``a100``: DeepPool's published A100 profiles with its A100 link) where
-it has the layer, else from FLOPs at ``--peak-tflops``. Prints the
-iteration time, throughput, GPU-seconds and busy fraction. These are simulated figures, not
-measurements. ``burst`` plans with the burst_parallel pass (DeepPool's planner) and simulates
-that plan as a training step whose per-layer gradient all-reduces overlap backward (and, for
-comparison, under the planner's own model, where they do not); ``burst+bg`` also packs a
-background job — the same model at ``--bg-batch`` samples — around it, with the foreground
-slowed by ``--interference``, as a range: from idle GPU time only to also using the capacity
-small foreground kernels leave unused (``tidal.runtime.sim.collocation``). ``tick_tock`` and
-``round_robin`` plan with Wavelet's passes and show their schedules' predicted timelines, as the
-schedule's builder timed them and re-run by the engine with contention (these need a model with
-``default_loss`` and ``example_targets``, as the zoo models have).
+Wired into ``compiler/cli.py``'s ``_SUBCOMMANDS``: ``add_arguments(parser)``, ``run(args)`` and
+``DESCRIPTION`` (what ``tidal simulate --help`` shows).
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from tidal.compiler.cli_args import add_model_args, positive_float, positive_int
+from tidal.compiler.cli_args import (UsageError, add_model_args, cluster_from_args,
+                                     model_and_inputs, pass_options, positive_float,
+                                     positive_int, steps_table, training_options, write_dump,
+                                     write_text)
 
 PLANS = ("dp", "burst", "burst+bg", "tick_tock", "round_robin")
+
+DESCRIPTION = """Simulate one training iteration of MODEL on a model of a GPU cluster and print
+the iteration time, throughput, GPU-seconds and busy fraction. These are simulated figures, not
+measurements. Layer times come from --profile (a DeepPool .prof/.txt file, a saved tidal
+DeviceProfile JSON, or a100: DeepPool's published A100 profiles with its A100 link) where it has
+the layer, else from FLOPs at --peak-tflops. --plan burst plans with the burst_parallel pass
+(DeepPool's planner) and simulates that plan as a training step whose per-layer gradient
+all-reduces overlap backward (and, for comparison, under the planner's own model, where they do
+not); burst+bg also packs a background job (the same model at --bg-batch samples) around it,
+with the foreground slowed by --interference, as a range: from idle GPU time only to also using
+the capacity small foreground kernels leave unused. tick_tock and round_robin plan with
+Wavelet's passes (loss and optimizer from --loss, --optimizer, --lr) and show their schedules'
+timelines for steps of the global batch, as the schedule's builder timed them and re-run with
+contention."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,10 +71,10 @@ def _load_profile(path: str):
         try:
             return deeppool_a100()
         except FileNotFoundError as e:
-            raise ValueError(f"--profile a100: {e}") from None
+            raise UsageError(f"--profile a100: {e}") from None
     f = Path(path)
     if not f.is_file():
-        raise ValueError(f"--profile {path}: no such file")
+        raise UsageError(f"--profile {path}: no such file")
     if f.suffix in (".prof", ".txt"):
         return DeviceProfile.from_deeppool(f)
     return DeviceProfile.load(f)
@@ -97,19 +98,17 @@ def _link_defaults(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``tidal simulate``; return the exit status."""
     import tidal
-    from tidal.compiler.model_spec import build_model, example_inputs_for
     from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
 
     _link_defaults(args)
     global_batch = args.global_batch or args.batch
     gpus = args.gpus or 1
     if global_batch % gpus:
-        raise ValueError(f"--global-batch {global_batch} is not divisible by --gpus {gpus}")
-    model = build_model(args.model)
-    inputs = example_inputs_for(model, args.model, global_batch, args.input_shape)
-    cluster = tidal.Cluster(gpus=gpus, bandwidth_gbps=args.bandwidth_gbps,
-                            latency_us=args.latency_us, peak_tflops=args.peak_tflops,
-                            profile=_load_profile(args.profile) if args.profile else None)
+        raise UsageError(f"--global-batch {global_batch} is not divisible by --gpus {gpus}")
+    table = steps_table(args)  # a bad --scaling file fails before any simulation
+    profile = _load_profile(args.profile) if args.profile else None
+    model, inputs = model_and_inputs(args, global_batch)
+    cluster = cluster_from_args(args, gpus=gpus, peak_tflops=args.peak_tflops, profile=profile)
     compiled = tidal.compile(model, inputs, cluster=cluster, leaf_modules=args.leaf)
     gm = compiled.graph_module
     if cluster.profile is not None:
@@ -121,36 +120,45 @@ def run(args: argparse.Namespace) -> int:
     print(f"  1 GPU            : {one.summary()}")
     print(f"  data parallel    : {dp.summary()}  ({one.iteration_us / dp.iteration_us:.2f}x)")
     if args.trace:
-        import json
-
-        from tidal.runtime.sim.engine import chrome_trace
-
-        Path(args.trace).write_text(json.dumps(chrome_trace(dp.intervals, "data parallel")))
-        print(f"  timeline: {args.trace}")
-    if args.scaling:
-        _simulate_scaling(args, gm, cluster, global_batch)
+        _write_trace(args.trace, dp)
+    if table is not None:
+        _simulate_scaling(args, gm, cluster, table, global_batch)
     if args.dump:
-        print(f"  dump: {compiled.dump(args.dump, scaling=args.scaling)}")
+        print(f"  dump: {write_dump(compiled, args.dump, '--dump', scaling=table)}")
     if args.plan in ("tick_tock", "round_robin"):
         _simulate_wavelet(args, model, inputs, cluster, global_batch, one)
     elif args.plan != "dp":
-        from tidal.compiler.cli_args import pass_options
-        from tidal.runtime.sim.scenarios import fig9_scenarios
-
-        s = fig9_scenarios(model, inputs, cluster, bg_batch=args.bg_batch,
-                           interference=args.interference, leaf_modules=args.leaf,
-                           **pass_options(args))
-        note = "  [planner fell back to data parallelism]" if s["fallback"] else ""
-        print(f"  burst parallel   : {s['bp_overlap']:.1f} samples/s "
-              f"({s['bp_overlap'] / s['single']:.2f}x; planner's model without overlap: "
-              f"{s['bp']:.1f}){note}")
-        if args.plan == "burst+bg":
-            c, sm = s["bp_col"], s["bp_col_sm"]
-            print(f"  burst + background: foreground {c['fg']:.1f}, background {c['bg']:.1f} "
-                  f"(idle time only) to {sm['bg']:.1f} (sharing unused SMs), cluster "
-                  f"{c['cluster']:.1f} to {sm['cluster']:.1f} samples/s (background alone on "
-                  f"every GPU: {s['bg_only']:.1f})")
+        _simulate_burst(args, model, inputs, cluster)
     return 0
+
+
+def _write_trace(path: str, dp) -> None:
+    """Write the data-parallel timeline as Chrome trace JSON to ``--trace`` ``path``."""
+    import json
+
+    from tidal.runtime.sim.engine import chrome_trace
+
+    write_text(path, json.dumps(chrome_trace(dp.intervals, "data parallel")), "--trace")
+    print(f"  timeline: {path}")
+
+
+def _simulate_burst(args, model, inputs, cluster) -> None:
+    """``--plan burst`` and ``burst+bg``: DeepPool's Figure 9 scenarios."""
+    from tidal.runtime.sim.scenarios import fig9_scenarios
+
+    s = fig9_scenarios(model, inputs, cluster, bg_batch=args.bg_batch,
+                       interference=args.interference, leaf_modules=args.leaf,
+                       **pass_options(args))
+    note = "  [planner fell back to data parallelism]" if s["fallback"] else ""
+    print(f"  burst parallel   : {s['bp_overlap']:.1f} samples/s "
+          f"({s['bp_overlap'] / s['single']:.2f}x; planner's model without overlap: "
+          f"{s['bp']:.1f}){note}")
+    if args.plan == "burst+bg":
+        c, sm = s["bp_col"], s["bp_col_sm"]
+        print(f"  burst + background: foreground {c['fg']:.1f}, background {c['bg']:.1f} "
+              f"(idle time only) to {sm['bg']:.1f} (sharing unused SMs), cluster "
+              f"{c['cluster']:.1f} to {sm['cluster']:.1f} samples/s (background alone on "
+              f"every GPU: {s['bg_only']:.1f})")
 
 
 def profiled_layers(gm, cluster, batch: int) -> tuple[int, int]:
@@ -172,7 +180,7 @@ def _report_coverage(args, gm, cluster, batch: int, global_batch: int) -> None:
     if hits == 0:
         hint = (" (DeepPool profiled vgg16, wide_resnet101_2, inception_v3, resnet and vit "
                 "layers at per-GPU batches 1-128)" if args.profile.lower() == "a100" else "")
-        raise ValueError(f"--profile {args.profile}: no layer of {args.model} at per-GPU batch "
+        raise UsageError(f"--profile {args.profile}: no layer of {args.model} at per-GPU batch "
                          f"{batch} has a row in profile {cluster.profile.name!r}{hint}; "
                          f"drop --profile to time every layer from FLOPs")
     line = f"profile {cluster.profile.name}: {hits}/{total} layers at per-GPU batch {batch}"
@@ -183,26 +191,18 @@ def _report_coverage(args, gm, cluster, batch: int, global_batch: int) -> None:
 
 
 def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
+    """``--plan tick_tock`` and ``round_robin``: the pass's schedule, whose steps each train on
+    the global batch (tick-tock: two waves of half of it), as timelines."""
     import tidal
-    from tidal.compiler.cli_args import pass_options
     from tidal.runtime.sim.programs import schedule_result
 
-    loss_fn, targets = getattr(model, "default_loss", None), getattr(model, "example_targets", None)
-    if loss_fn is None or targets is None:
-        raise ValueError(f"--plan {args.plan} plans a training step: MODEL {args.model!r} needs "
-                         "default_loss and example_targets(batch) methods")
     compiled = tidal.compile(model, inputs, passes=[args.plan], cluster=cluster,
-                             loss_fn=loss_fn, optimizer=lambda ps: None,
-                             example_targets=targets(global_batch), leaf_modules=args.leaf,
-                             **pass_options(args))
+                             leaf_modules=args.leaf, **pass_options(args),
+                             **training_options(args, model, inputs, global_batch, args.plan))
     plan = compiled.plan.get(args.plan)
-    # a tick_tock schedule runs `batches` wave iterations of half the global batch each; a
-    # round_robin cycle runs the whole global batch as N micro-batches
-    waves = plan.schedule.batches if args.plan == "tick_tock" else 2
-    samples = global_batch * waves // 2
     for label, contention in (("schedule", False), ("contended", True)):
-        r = schedule_result(plan.schedule, samples, contention=contention)
-        speed = one.iteration_us / r.iteration_us * r.global_batch / global_batch
+        r = schedule_result(plan.schedule, global_batch, contention=contention)
+        speed = r.throughput / one.throughput
         print(f"  {args.plan + ' ' + label:26s}: {r.summary()} ({speed:.2f}x samples/s of "
               f"1 GPU)")
     print("\n".join("    " + line for line in plan.schedule.table().splitlines()[1:5]))
@@ -212,13 +212,15 @@ def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
           "for a GPU one wave already saturates)")
 
 
-def _simulate_scaling(args, gm, cluster, global_batch: int) -> None:
-    from tidal.runtime.sim.scaling import StepsTable, scaling_svg, simulate_scaling
+def _simulate_scaling(args, gm, cluster, table, global_batch: int) -> None:
+    """Weak, strong and batch-optimal scaling over the ``--scaling`` steps ``table``."""
+    from tidal.runtime.sim.scaling import scaling_svg, simulate_scaling
 
-    gpus, per_gpu, s = simulate_scaling(gm, cluster, StepsTable.load(args.scaling), global_batch)
+    gpus, per_gpu, s = simulate_scaling(gm, cluster, table, global_batch)
     print(f"  scaling (speedup in time to accuracy; weak: {per_gpu}/GPU, strong: "
           f"{global_batch} global)")
     for mode, vals in s.items():
         print(f"    {mode:14s}" + " ".join(f"{g}:{v:.2f}x" for g, v in zip(gpus, vals)))
-    Path(args.scaling_svg).write_text(scaling_svg(gpus, s, f"{args.model}: simulated scaling"))
+    write_text(args.scaling_svg, scaling_svg(gpus, s, f"{args.model}: simulated scaling"),
+               "--scaling-svg")
     print(f"  scaling chart: {args.scaling_svg}")

@@ -23,7 +23,8 @@ Inputs of the model, all stated in the output:
 - encode+decode time is the dissertation's Table 4.1 (ResNet-50 on V100) scaled by the
   parameter count (PowerSGD also by rank / 4) unless ``--encode-ms`` is given.
 
-Wire it into the CLI with ``add_arguments(subparsers.add_parser("whatif"))`` and ``run(args)``.
+Wired into ``compiler/cli.py``'s ``_SUBCOMMANDS`` through ``add_arguments``, ``run`` and
+``DESCRIPTION`` (what ``tidal whatif --help`` shows).
 
 Example:
     >>> import argparse
@@ -40,15 +41,23 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from typing import Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from tidal.compiler.cli_args import positive_int
-from tidal.ir import cost, perf_model
+from tidal.ir import perf_model
 from tidal.ir.cluster import Cluster
-from tidal.passes.compressors import Compressor, make_compressor
-from tidal.passes.compressors.modeling import compressor_cost
+if TYPE_CHECKING:  # imported where used: ``tidal whatif --help`` must not import torch
+    from tidal.passes.compressors import Compressor
+
+DESCRIPTION = """Predict whether gradient compression pays for a model on a cluster, from the
+performance model of "On the utility of gradient compression" (Eq. 4.1): the iteration time of
+synchronous SGD (DDP, bucketed all-reduces overlapping backward) and of the chosen compressor,
+the speedup, the bandwidth above which synchronous SGD is faster, and the compression ratio an
+ideal compressor would need for near-linear scaling (a step at most --near-linear longer than on
+one GPU) at this batch and at --ratio-batches. The model's parameters and FLOPs come from the
+in-repo zoo (built on the meta device, no memory); compute time is FLOPs at --tflops (default: an
+effective V100 FP32 rate); encode+decode time is the paper's Table 4.1 scaled by parameter count
+unless --encode-ms is given. All inputs are printed with the result; nothing is measured."""
 
 V100_FP32_TFLOPS = 9.0
 """Effective V100 FP32 training throughput: 367 img/s (NVIDIA, ResNet-50 v1.5, 1x V100 16GB,
@@ -78,13 +87,15 @@ def parse_bandwidth(text: str) -> float:
 
 
 def _compressor(text: str) -> Compressor:
+    from tidal.passes.compressors import make_compressor
+
     try:
         return make_compressor(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def resnet101(num_classes: int = 1000) -> torch.nn.Module:
+def resnet101(num_classes: int = 1000) -> "torch.nn.Module":
     """ResNet-101: the zoo's bottleneck ResNet with layers [3, 4, 23, 3]."""
     from examples.models.resnet import ResNet
 
@@ -114,7 +125,10 @@ class ModelStats:
 
 def model_stats(name: str) -> ModelStats:
     """Build ``name`` on the meta device, trace it and read its FLOPs and parameter shapes."""
+    import torch  # here, not at import: ``tidal whatif --help`` must not import torch
+
     from tidal.compiler.capture import trace
+    from tidal.ir import cost
 
     with torch.device("meta"):
         model = model_factory(name)()
@@ -186,6 +200,8 @@ def what_if(stats: ModelStats, batch: int, cluster: Cluster, compressor: Compres
             tolerance: float = perf_model.NEAR_LINEAR_TOLERANCE) -> WhatIf:
     """Predict sync SGD and ``compressor`` for ``stats`` at per-GPU ``batch`` on ``cluster``;
     ``tolerance``: how much slower than one GPU a step may be and still scale near-linearly."""
+    from tidal.passes.compressors.modeling import compressor_cost
+
     sizes = [4 * math.prod(s) for s in stats.grad_shapes]
     parts = perf_model.bucket_partition(sizes, bucket_bytes)
     work = workload(stats, batch, tflops, bucket_bytes)
@@ -301,8 +317,8 @@ def run(args: argparse.Namespace) -> int:
         stats = model_stats(args.model)
         cluster = Cluster(gpus=args.gpus, bandwidth_gbps=args.bandwidth,
                           latency_us=args.latency_us)
-        compressor = args.compressor if isinstance(args.compressor, Compressor) \
-            else make_compressor(args.compressor)
+        compressor = args.compressor if not isinstance(args.compressor, str) \
+            else _compressor(args.compressor)
         common = dict(tflops=args.tflops,
                       encode_s=None if args.encode_ms is None else args.encode_ms * 1e-3,
                       bucket_bytes=args.bucket_mb * perf_model.MIB, gamma=args.gamma,
@@ -329,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Stand-alone entry point (``python -m tidal.compiler.cli_whatif``)."""
-    p = argparse.ArgumentParser(prog="tidal whatif", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tidal whatif", description=DESCRIPTION)
     add_arguments(p)
     return run(p.parse_args(argv))
 

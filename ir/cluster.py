@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from tidal.ir.device_profile import DeviceProfile
+if TYPE_CHECKING:  # only a type here: the CLI's --help must not import torch
+    from tidal.ir.device_profile import DeviceProfile
 
 
 def _default_gpus() -> int:

@@ -55,6 +55,13 @@ def test_inspect_file_factory_with_input_shape(tmp_path):
     (["inspect", "resnet50_small", "-o", "amp_limit=2"], "amp_limit"),
     (["inspect", "torch.nn:Linear"], "factory raised"),
     (["inspect", "resnet50_small", "--input-shape", "3,a"], "--input-shape"),
+    (["inspect", "resnet50_small", "--input-shape", ""], "--input-shape ''"),
+    (["inspect", "resnet50_small", "--input-shape", "1,32,32"],
+     "--input-shape 1,32,32 does not fit MODEL 'resnet50_small'"),
+    (["inspect", "resnet50_small", "--leaf", "no.such.module"], "no.such.module"),
+    (["inspect", "resnet50_small", "--lr", "0"], "--lr"),
+    (["inspect", "resnet50_small", "--loss", "hinge"], "--loss"),
+    (["simulate", "resnet50_small", "--profile", "/no/such.prof"], "--profile /no/such.prof"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
@@ -91,6 +98,79 @@ def test_dump_adds_the_scaling_chart(tmp_path):
 
 
 def test_help_texts():
-    for args in (["--help"], ["inspect", "--help"], ["dump", "--help"]):
+    for args in (["--help"], ["inspect", "--help"], ["dump", "--help"], ["run", "--help"],
+                 ["whatif", "--help"], ["simulate", "--help"]):
         r = run(*args)
         assert r.returncode == 0 and "usage" in r.stdout
+        assert ">>>" not in r.stdout, args
+
+
+def _one_error_line(r, needle):
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_dump_to_an_unwritable_directory_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = blocker / "dump"
+    _one_error_line(run("dump", "vgg16_small", "--batch", "2", "--out", str(out)), f"--out {out}")
+
+
+def test_missing_scaling_table_fails_before_the_simulation(tmp_path):
+    missing = tmp_path / "steps.csv"
+    r = run("simulate", "vgg16_small", "--gpus", "2", "--scaling", str(missing))
+    _one_error_line(r, f"--scaling {missing}")
+    assert "simulated" not in r.stdout
+    r = run("dump", "vgg16_small", "--out", str(tmp_path / "d"), "--scaling", str(missing))
+    _one_error_line(r, f"--scaling {missing}")
+
+
+def test_file_inside_a_package_loads_with_its_relative_imports(tmp_path):
+    pkg = tmp_path / "mypkg" / "nets"
+    pkg.mkdir(parents=True)
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "blocks.py").write_text("import torch\nWIDTH = 4\n")
+    (pkg / "net.py").write_text(
+        "import torch\n"
+        "from .blocks import WIDTH\n"
+        "from ..nets import blocks\n"
+        "def make():\n"
+        "    return torch.nn.Linear(blocks.WIDTH, WIDTH)\n")
+    r = run("inspect", f"{pkg / 'net.py'}:make", "--input-shape", "4", cwd=tmp_path.parent)
+    assert r.returncode == 0, r.stderr
+    r = run("inspect", "examples/models/vgg.py:vgg16_small", "--batch", "2")
+    assert r.returncode == 0, r.stderr
+
+
+def test_training_passes_run_from_the_cli():
+    r = run("inspect", "examples/models/vgg.py:vgg16_small", "--passes", "tick_tock", "--gpus",
+            "2")
+    assert r.returncode == 0, r.stderr
+    assert "== tick_tock plan ==" in r.stdout and "2 waves x 2 ranks" in r.stdout
+    r = run("inspect", "resnet50_small", "--passes", "round_robin,compression", "--gpus", "2",
+            "--batch", "4", "--optimizer", "adam", "--lr", "0.01")
+    assert r.returncode == 0, r.stderr
+    assert "== round_robin plan ==" in r.stdout and "== compression plan ==" in r.stdout
+
+
+def test_auto_considers_the_training_passes_and_says_why_it_skipped_them():
+    r = run("inspect", "vgg16_small", "--passes", "auto", "--gpus", "2")
+    assert r.returncode == 0, r.stderr
+    assert "auto: skipped tick_tock" in r.stdout  # the report prints compile's notes
+    assert "give loss_fn" not in r.stdout  # the CLI gave a loss and an optimizer
+
+
+def test_training_passes_on_a_model_without_a_loss(tmp_path):
+    (tmp_path / "plain.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),\n"
+        "                               torch.nn.Linear(8, 3))\n")
+    for loss in ("default", "mse"):
+        r = run("inspect", f"{tmp_path / 'plain.py'}:make", "--input-shape", "6", "--passes",
+                "compression", "--gpus", "2", "--loss", loss)
+        assert r.returncode == 0, r.stderr
+        assert "== compression plan ==" in r.stdout

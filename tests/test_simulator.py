@@ -454,3 +454,56 @@ def test_burst_execution_with_overlapped_syncs():
     assert r.iteration_us < end.iteration_us
     with pytest.raises(ValueError, match="sync='later'"):
         burst_execution(plan, preds, times, cluster, sync="later")
+
+
+def test_job_utilization_never_rounds_above_one():
+    from tidal.runtime.sim.collocation import BackgroundJob, job_utilization
+
+    # every layer runs at its best throughput (share 1); summed per layer, forward + backward
+    # gives 7.9 + 1e-15 against 7.9 summed per pass: the mean must still be at most 1
+    lt = LayerTimes(("a", "b", "c"), (2.5, 2.3, 1.3), (0.9, 1.6, 1.3), (0, 0, 0))
+    u = job_utilization(lambda b: lt, 1, probes=(1,))
+    assert u == 1.0
+    assert BackgroundJob(10.0, 1, u).utilization == 1.0
+
+
+def test_simulate_cli_burst_with_background_on_a_small_model():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--plan",
+                        "burst+bg", "--gpus", "4", "--global-batch", "16"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "burst + background" in r.stdout
+
+
+def test_wavelet_results_count_steps_of_the_global_batch():
+    from tidal.passes.tick_tock import tick_tock_schedule
+    from tidal.runtime.sim.programs import schedule_result, schedule_steps
+
+    tt = tick_tock_schedule(2, 10.0, 20.0, 0.0, steps=2)  # 4 waves of half the global batch
+    assert schedule_steps(tt) == 2
+    for contention in (False, True):
+        r = schedule_result(tt, 16, contention=contention)
+        assert (r.global_batch, r.steps, r.samples) == (16, 2, 32)
+        assert r.throughput == pytest.approx(32 / r.iteration_us * 1e6)
+        assert "global batch 16: 2 steps in" in r.summary()
+    one = summarize(data_parallel(lambda b: LayerTimes(("a",), (1.0,), (2.0,), (0,)), 1, 8),
+                    1, 8)
+    assert one.steps == 1 and "global batch 8: iteration" in one.summary()
+
+
+def test_simulate_cli_tick_tock_prints_the_global_batch_it_was_given():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--plan",
+                        "tick_tock", "--gpus", "2", "--global-batch", "16"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("  tick_tock")]
+    assert len(lines) == 2 and all("global batch 16: 2 steps in" in line for line in lines)
+    assert "global batch 32" not in r.stdout

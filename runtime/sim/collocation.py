@@ -109,7 +109,8 @@ def job_utilization(times_at: Callable[[int], LayerTimes], batch: int,
     if total <= 0:
         return 1.0
     used = sum(f * util[n][0] + b * util[n][1] for n, f, b in zip(lt.names, lt.fwd_us, lt.bwd_us))
-    return max(used / total, 1e-6)
+    # a mean of shares in [0, 1]; summed in another order than ``total`` it can round above 1
+    return min(1.0, max(used / total, 1e-6))
 
 
 def collocate(tasks: Sequence[Task], gpus: int, global_batch: int, bg: BackgroundJob,

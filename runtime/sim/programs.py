@@ -19,7 +19,7 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch.fx as fx
@@ -127,13 +127,20 @@ def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch
 
 @dataclass(frozen=True)
 class SimResult:
-    """Timelines and summary of one simulated iteration."""
+    """Timelines and summary of a simulated run of ``steps`` training steps (usually one
+    iteration) of ``global_batch`` samples each; ``iteration_us`` is the time of the whole run."""
 
     intervals: tuple[Interval, ...]
     gpus: int
     global_batch: int
     iteration_us: float
     busy_us: tuple[float, ...]
+    steps: int = 1
+
+    @property
+    def samples(self) -> int:
+        """Samples the run processes: ``steps`` x ``global_batch``."""
+        return self.steps * self.global_batch
 
     @property
     def gpu_sec(self) -> float:
@@ -149,13 +156,15 @@ class SimResult:
     @property
     def throughput(self) -> float:
         """Foreground samples per second."""
-        return self.global_batch / self.iteration_us * 1e6 if self.iteration_us else 0.0
+        return self.samples / self.iteration_us * 1e6 if self.iteration_us else 0.0
 
     def summary(self) -> str:
         """One line for reports."""
-        return (f"{self.gpus} GPUs, global batch {self.global_batch}: iteration "
-                f"{self.iteration_us / 1e3:.3f} ms, {self.throughput:.1f} samples/s, "
-                f"{self.gpu_sec:.4f} GPU-s, busy {self.busy_fraction:.0%}")
+        run = (f"iteration {self.iteration_us / 1e3:.3f} ms" if self.steps == 1 else
+               f"{self.steps} steps in {self.iteration_us / 1e3:.3f} ms")
+        return (f"{self.gpus} GPUs, global batch {self.global_batch}: {run}, "
+                f"{self.throughput:.1f} samples/s, {self.gpu_sec:.4f} GPU-s, "
+                f"busy {self.busy_fraction:.0%}")
 
 
 def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
@@ -404,17 +413,27 @@ def schedule_tasks(schedule, job: str = "fg") -> list[Task]:
     return tasks
 
 
-def schedule_result(schedule, samples: int, job: str = "fg", contention: bool = False
+def schedule_steps(schedule) -> int:
+    """Training steps of the global batch that a Wavelet schedule runs: a data-parallel
+    (tick-tock) schedule runs ``batches`` wave iterations of half the global batch each, two
+    per step; a partitioned (round-robin) cycle runs one step as ``batches`` micro-batches."""
+    return max(1, schedule.batches // 2) if schedule.data_parallel else 1
+
+
+def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bool = False
                     ) -> SimResult:
     """A Wavelet schedule (``tidal.ir.schedule.Schedule``, from the tick_tock or round_robin
-    pass) that processes ``samples`` samples, as simulated timelines. By default each action
+    pass) whose steps each process ``global_batch`` samples (``schedule_steps``), as simulated
+    timelines. By default each action
     becomes an interval on its rank's compute lane (forward, backward, update) or link lane
     (transfer, all-reduce, weight switch) at the start and duration the schedule's builder
     predicted from the cost model; a rank is busy while any of its waves computes. With
     ``contention``, the engine re-runs the schedule's tasks (``schedule_tasks``): the waves of
     a rank share its one compute lane, so tick and tock no longer overlap at full speed."""
+    steps = schedule_steps(schedule)
     if contention:
-        return summarize(schedule_tasks(schedule, job), len(schedule.ranks), samples)
+        r = summarize(schedule_tasks(schedule, job), len(schedule.ranks), global_batch)
+        return replace(r, steps=steps)
     intervals = []
     busy = []
     part = schedule.partitions > 1
@@ -427,5 +446,5 @@ def schedule_result(schedule, samples: int, job: str = "fg", contention: bool = 
             if lane == "compute":
                 spans.append((a.start_us, a.end_us))
         busy.append(_covered(spans))
-    return SimResult(tuple(intervals), len(schedule.ranks), samples, schedule.makespan_us,
-                     tuple(busy))
+    return SimResult(tuple(intervals), len(schedule.ranks), global_batch, schedule.makespan_us,
+                     tuple(busy), steps)

@@ -1,0 +1,45 @@
+"""The README's commands run as printed: every ``tidal ...`` / ``python -m tidal ...`` line of
+its shell blocks runs (from a scratch directory that sees the repository's ``examples/``, so
+dump directories land there) and exits 0. Set-up lines (``make``, ``pip``, ``python3 -m
+venv``) are what ``make test`` itself runs, so they are not repeated here."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(?:sh|bash|console)\n(.*?)^```", re.S | re.M)
+
+
+def readme_commands() -> list[str]:
+    """The tidal command lines in the README's shell blocks, comments stripped."""
+    out = []
+    for block in FENCE.findall((ROOT / "README.md").read_text()):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith(("tidal ", "python -m tidal")):
+                out.append(line)
+    return out
+
+
+def test_the_readme_has_cli_examples():
+    commands = readme_commands()
+    assert any(c.startswith("tidal inspect") for c in commands), commands
+    assert any(c.startswith("tidal simulate") for c in commands), commands
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs_as_printed(command, tmp_path):
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    argv = shlex.split(command)
+    argv = [sys.executable, "-m", "tidal", *argv[1:]] if argv[0] == "tidal" else \
+        [sys.executable, *argv[1:]]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
