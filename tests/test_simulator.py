@@ -467,15 +467,20 @@ def test_job_utilization_never_rounds_above_one():
     assert BackgroundJob(10.0, 1, u).utilization == 1.0
 
 
-def test_simulate_cli_burst_with_background_on_a_small_model():
+def _simulate_cli(*args):
+    """``tidal simulate vgg16_small ARGS`` from the repository root: the finished process."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--plan",
-                        "burst+bg", "--gpus", "4", "--global-batch", "16"], cwd=root,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", *args],
+                       cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_simulate_cli_burst_with_background_on_a_small_model():
+    r = _simulate_cli("--plan", "burst+bg", "--gpus", "4", "--global-batch", "16")
     assert "burst + background" in r.stdout
 
 
@@ -496,14 +501,7 @@ def test_wavelet_results_count_steps_of_the_global_batch():
 
 
 def test_simulate_cli_tick_tock_prints_the_global_batch_it_was_given():
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--plan",
-                        "tick_tock", "--gpus", "2", "--global-batch", "16"], cwd=root,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = _simulate_cli("--plan", "tick_tock", "--gpus", "2", "--global-batch", "16")
     lines = [line for line in r.stdout.splitlines() if line.startswith("  tick_tock")]
     assert len(lines) == 2 and all("global batch 16: 2 steps in" in line for line in lines)
     assert "global batch 32" not in r.stdout
