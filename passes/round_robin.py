@@ -305,6 +305,18 @@ def _param_bytes(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> int:
     return total
 
 
+def _unused_note(gm: fx.GraphModule, ctx: PassContext) -> tuple[str, ...]:
+    """A note naming the model's trainable parameters the traced forward never uses (they get
+    no gradient, so no partition syncs them), or nothing."""
+    used = {id(p) for p in gm.parameters()}
+    model = ctx.model if ctx.model is not None else gm
+    unused = [k for k, p in model.named_parameters() if p.requires_grad and id(p) not in used]
+    if not unused:
+        return ()
+    return (f"{len(unused)} trainable parameter(s) the forward never uses get no gradient and "
+            f"are not synced: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}",)
+
+
 class RoundRobin(Pass):
     """Wavelet round-robin model parallelism: N time-balanced partitions, every rank runs
     partition c on batch (i − c) mod N at cycle c, one all-reduce per partition.
@@ -388,10 +400,10 @@ class RoundRobin(Pass):
         notes = (f"{plan.partitions} partitions starting at {', '.join(plan.first_layers)}",
                  f"context switches: {int(plan.schedule.note('switches_per_rank'))} per rank "
                  f"per step, {plan.switch_bytes_per_step() / 2**20:.3g} MiB of weights loaded",
-                 f"schedule rank 0: {plan.schedule.line(0)}")
+                 f"schedule rank 0: {plan.schedule.line(0)}") + _unused_note(gm, ctx)
         return PassResult(split, plan=plan, notes=notes,
                           artifacts={"round_robin_gantt.svg": plan.schedule.gantt_svg()},
-                          executor=RoundRobinExecutor(split, plan))
+                          executor=RoundRobinExecutor(split, plan, model=gm))
 
     def ensures(self, gm: fx.GraphModule, ctx: PassContext, result: PassResult) -> None:
         subs = [n for n in result.gm.graph.nodes if n.op == "call_module"]

@@ -87,11 +87,16 @@ def _floats(values: dict[str, torch.Tensor]) -> list[str]:
 
 class RoundRobinExecutor:
     """Runs a round-robin plan's schedule on the split graph ``split`` (see module doc).
+    ``model``: the module whose trainable parameters must each be owned by one partition
+    (the traced graph before the split, which shares the model's parameters; default
+    ``split``).
     ``stats`` accumulates ``steps``, ``switches`` and ``switch_bytes`` (per rank); ``syncs``
     holds each partition's gradient sync once ``use_grad_sync`` set one and a step ran."""
 
-    def __init__(self, split: fx.GraphModule, plan: Any):
+    def __init__(self, split: fx.GraphModule, plan: Any,
+                 model: Optional[torch.nn.Module] = None):
         self.split = split
+        self._model = model if model is not None else split
         self.plan = plan
         self.n = plan.partitions
         self.stats = {"steps": 0, "switches": 0, "switch_bytes": 0}
@@ -156,7 +161,7 @@ class RoundRobinExecutor:
                 if id(prm) not in seen:
                     seen.add(id(prm))
                     owned[p].append((name, prm))
-        check_all_owned(self.split, seen)
+        check_all_owned(self._model, seen)
         return owned
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:

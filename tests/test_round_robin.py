@@ -269,3 +269,16 @@ def test_a_parameter_no_partition_owns_is_a_plan_error():
     with pytest.raises(tidal.PlanError, match="'pos' belong to no partition"):
         check_all_owned(model, owned)
     check_all_owned(model, owned | {id(model.pos)})
+
+
+def test_the_model_parameters_are_checked_and_unused_ones_named():
+    """The ownership check runs against the traced graph's parameters, which are the model's
+    own objects; parameters the forward never uses are named in the report."""
+    model = _TokenModel()
+    model.spare = torch.nn.Linear(2, 2)  # never used by forward
+    c = tidal.compile(model, torch.randn(4, 8, 16), passes=[RoundRobin(partitions=2)],
+                      loss_fn=torch.nn.functional.cross_entropy,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    owned = {id(p) for part in c.executor._owned for _, p in part}
+    assert owned == {id(p) for k, p in model.named_parameters() if not k.startswith("spare")}
+    assert any("spare.weight, spare.bias" in n for n in c.records[-1].notes)
