@@ -12,7 +12,7 @@ import torch
 from tidal.compiler.capture import LeafSpec, trace
 from tidal.compiler.compiled import Compiled, OptimizerSpec
 from tidal.compiler.pass_manager import PassRecord, run_passes, snapshot
-from tidal.ir import cost
+from tidal.ir import cost, meta
 from tidal.ir.cluster import Cluster
 from tidal.ir.errors import PassError
 from tidal.ir.inputs import bind_inputs
@@ -112,7 +112,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
     t1 = time.perf_counter()
     records.append(PassRecord("trace", t1 - t0, 0, len(gm.graph.nodes),
-                              graph_after=snapshot(gm.graph)))
+                              graph_after=snapshot(gm.graph), notes=meta.get_trace_notes(gm)))
     positional = bind_inputs(gm, example_inputs, "example_inputs")
     check_input_dtypes(gm, positional)
     cost.annotate(gm, positional)

@@ -196,7 +196,17 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
         if not isinstance(example_inputs, Mapping):
             sig = list(inspect.signature(model.forward).parameters)
             example_inputs = dict(zip(sig, example_inputs))
-        return _trace_hf(model, example_inputs, leaf_modules)
+        try:
+            return _trace_hf(model, example_inputs, leaf_modules)
+        except TraceError as hf_error:
+            return _trace_keeping_failures_whole(model, example_inputs, leaf_modules, hf_error)
+    return _trace_fx(model, example_inputs, leaf_modules)
+
+
+def _trace_fx(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],
+              leaf_modules: Sequence[LeafSpec]) -> fx.GraphModule:
+    """Plain ``torch.fx`` tracing with ``leaf_modules`` kept whole; ``TraceError`` on failure
+    (its ``module_path`` names the innermost module being traced)."""
     n_pos = 0 if isinstance(example_inputs, Mapping) else len(example_inputs)
     given = example_inputs.keys() if isinstance(example_inputs, Mapping) else ()
     tracer = _Tracer(leaf_modules)
@@ -209,6 +219,46 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _record_input_names(gm, model)
     return gm
+
+
+def _reason(error: TraceError) -> str:
+    """The cause in a ``transformers.utils.fx`` failure, without its list of supported models."""
+    return str(error).split(": ", 2)[-1].split(", supported models")[0][:200]
+
+
+MAX_FALLBACK_LEAVES = 64
+"""How many modules the tracing fallback may keep whole before it gives up."""
+
+
+def _trace_keeping_failures_whole(model: torch.nn.Module, example_inputs: Mapping[str, Any],
+                                  leaf_modules: Sequence[LeafSpec], first: TraceError
+                                  ) -> fx.GraphModule:
+    """The fallback for a Hugging Face model ``transformers.utils.fx`` cannot trace (e.g.
+    MobileViT, whose patch unfolding calls ``int()`` on a traced size): plain ``torch.fx``,
+    keeping each module whose forward fails to trace whole (a leaf) and tracing again. The
+    modules kept whole are recorded as trace notes for the compile report. Raises a
+    ``TraceError`` naming both failures when the top-level forward itself cannot be traced."""
+    leaves = list(leaf_modules)
+    kept: list[str] = []
+    for _ in range(MAX_FALLBACK_LEAVES):
+        try:
+            gm = _trace_fx(model, example_inputs, leaves)
+        except TraceError as e:
+            if not e.module_path or e.module_path in leaves:
+                raise TraceError(f"{first} Falling back to torch.fx also failed: {e}",
+                                 module_path=e.module_path, module_type=e.module_type,
+                                 location=e.location) from e
+            leaves.append(e.module_path)
+            kept.append(f"{e.module_path} ({e.module_type})")
+            continue
+        meta.set_trace_notes(gm, (
+            f"transformers.utils.fx cannot trace {type(model).__name__} "
+            f"({_reason(first)}); traced with torch.fx instead"
+            + (f", keeping whole the modules whose forward cannot be traced: {', '.join(kept)}"
+               if kept else ""),))
+        return gm
+    raise TraceError(f"{first} Falling back to torch.fx kept {len(kept)} modules whole and "
+                     f"still failed", module_type=type(model).__name__)
 
 
 @dataclass

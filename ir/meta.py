@@ -27,6 +27,7 @@ _COST = "tidal.cost"
 _TENSORS = "tidal.tensors"
 _ADDED_BY = "tidal.added_by"
 _INPUT_NAME = "tidal.input_name"
+_TRACE_NOTES = "tidal.trace_notes"
 _FX_MODULE_STACK = "nn_module_stack"  # written by torch.fx's tracer
 
 
@@ -140,6 +141,16 @@ def get_input_name(node: fx.Node) -> Optional[str]:
 def set_input_name(node: fx.Node, name: str) -> None:
     """Record the model's forward parameter name of a placeholder (set when tracing)."""
     node.meta[_INPUT_NAME] = name
+
+
+def get_trace_notes(gm: fx.GraphModule) -> tuple[str, ...]:
+    """What tracing had to do to capture the model (e.g. modules kept whole by a fallback)."""
+    return tuple(gm.meta.get(_TRACE_NOTES, ()))
+
+
+def set_trace_notes(gm: fx.GraphModule, notes: tuple[str, ...]) -> None:
+    """Record what tracing had to do, for the compile report."""
+    gm.meta[_TRACE_NOTES] = tuple(notes)
 
 
 def module_scope(node: fx.Node) -> str:

@@ -1,0 +1,33 @@
+"""A Hugging Face model that ``transformers.utils.fx`` does not support (MobileViT) is traced
+with plain torch.fx, keeping whole only the modules whose forward cannot be traced; the
+report says which."""
+import torch
+import transformers
+
+import tidal
+from tidal.ir import meta
+
+
+def _mobilevit():
+    cfg = transformers.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 16, 16],
+                                       neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32],
+                                       num_attention_heads=2, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.MobileViTForImageClassification(cfg).eval()
+
+
+def test_mobilevit_falls_back_to_torch_fx_with_failing_modules_kept_whole():
+    model = _mobilevit()
+    x = torch.randn(2, 3, 32, 32)
+    c = tidal.compile(model, {"pixel_values": x}, passes=["layer_groups"])
+    with torch.no_grad():
+        torch.testing.assert_close(c(pixel_values=x)["logits"], model(pixel_values=x).logits,
+                                   rtol=1e-5, atol=1e-5)
+    notes = meta.get_trace_notes(c.graph_module) or c.records[0].notes
+    assert "traced with torch.fx instead" in notes[0], notes
+    assert "mobilevit.encoder.layer.2 (MobileViTLayer)" in notes[0]
+    assert "supported models" not in notes[0]
+    leaves = {n.target for n in c.graph_module.graph.nodes if n.op == "call_module"}
+    assert "mobilevit.encoder.layer.2" in leaves          # kept whole
+    assert "mobilevit.conv_stem.convolution" in leaves     # the rest is traced through
+    assert "trace: transformers.utils.fx cannot trace" in c.report()
