@@ -310,6 +310,11 @@ class LayerPlacement:
     parallel: bool = False
 
 
+def _ms(us: float) -> str:
+    """A duration in microseconds as ms (or us when below 0.1 ms), 3 significant digits."""
+    return f"{us / 1e3:.3g} ms" if us >= 100 else f"{us:.3g} us"
+
+
 @dataclass(frozen=True)
 class BurstPlan(Plan):
     """A burst-parallel plan: per-layer placement, predicted iteration time and GPU-sec, and the
@@ -342,10 +347,20 @@ class BurstPlan(Plan):
         raise KeyError(f"BurstPlan has no layer {name!r}")
 
     def summary(self) -> str:
-        kind = "data parallel" if self.is_data_parallel else "burst"
+        """One line: what the plan uses and its predicted time against data parallelism. A
+        plan that keeps every layer on one GPU says so plainly, with why data parallelism is
+        predicted worse."""
+        used = max((l.gpus for l in self.layers), default=1)
         speed = self.dp_time_us / self.time_us if self.time_us > 0 else 1.0
-        return (f"{kind} on {self.world} GPUs, batch {self.batch}: predicted "
-                f"{self.time_us / 1e3:.3g} ms vs DP {self.dp_time_us / 1e3:.3g} ms "
+        if used == 1 and self.world > 1:
+            return (f"plan: 1 GPU of {self.world}, batch {self.batch}: predicted "
+                    f"{_ms(self.time_us)}; data parallelism predicted worse "
+                    f"({_ms(self.dp_time_us)}, {speed:.3g}x slower) because syncing its "
+                    f"gradients costs more than the {_ms(self.single_gpu_us)} of compute it "
+                    f"would split")
+        kind = "data parallel" if self.is_data_parallel else f"burst on up to {used}"
+        return (f"{kind} of {self.world} GPUs, batch {self.batch}: predicted "
+                f"{_ms(self.time_us)} vs DP {_ms(self.dp_time_us)} "
                 f"({speed:.2f}x), GPU-sec amp {self.amplification:.2f} (limit {self.amp_limit:g})")
 
     @property

@@ -269,3 +269,21 @@ def test_bad_input_is_a_clear_value_error():
                      LAT)
     with pytest.raises(ValueError, match="layer 'l1' on 3 GPUs"):
         plan_from_counts(p, [1, 3, 1])
+
+
+def test_a_one_gpu_plan_says_so_plainly():
+    """Before, a plan with every layer on one GPU read "burst on 8 GPUs ... 15078x"."""
+    import torch
+
+    import tidal
+    from examples.models import resnet50_small
+
+    model = resnet50_small()
+    c = tidal.compile(model, model.example_inputs(8), passes=["burst_parallel"],
+                      cluster=tidal.Cluster(gpus=8), loss_fn=model.default_loss,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    plan = c.plan.get("burst_parallel")
+    assert {l.gpus for l in plan.layers} == {1}
+    text = plan.summary()
+    assert text.startswith("plan: 1 GPU of 8") and "burst" not in text, text
+    assert "data parallelism predicted worse" in text and "syncing its gradients" in text
