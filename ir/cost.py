@@ -64,7 +64,9 @@ def _describe_value(v: Any) -> Any:
     return repr(v)
 
 
-def _materialize(v: Any) -> Any:
+def materialize(v: Any) -> Any:
+    """A real tensor shaped like ``v`` (random floats, zero integers), for running a node that
+    fake tensors cannot; other values as they are."""
     if not isinstance(v, torch.Tensor):
         return v
     if v.is_floating_point():
@@ -97,7 +99,7 @@ class _MetaCostInterpreter(fx.Interpreter):
         """Run one node for real on random CPU inputs of the right shapes (for modules whose
         forward cannot run on the meta device); return meta tensors of the output shapes."""
         real = fx.Interpreter(self.real_gm)
-        real.env = {a: map_aggregate(self.env[a], _materialize) for a in n.all_input_nodes}
+        real.env = {a: map_aggregate(self.env[a], materialize) for a in n.all_input_nodes}
         out = run_isolated(real, n, fwd, bwd)
         return map_aggregate(out, lambda v: torch.empty_like(v, device="meta")
                              if isinstance(v, torch.Tensor) else v)

@@ -16,11 +16,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import sympy
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    from tidal.ir.batch_dim import BatchDim
 
 _LAYER = "tidal.layer"
 _COST = "tidal.cost"
@@ -28,6 +31,7 @@ _TENSORS = "tidal.tensors"
 _ADDED_BY = "tidal.added_by"
 _INPUT_NAME = "tidal.input_name"
 _TRACE_NOTES = "tidal.trace_notes"
+_BATCH_DIM = "tidal.batch_dim"
 _FX_MODULE_STACK = "nn_module_stack"  # written by torch.fx's tracer
 
 
@@ -151,6 +155,17 @@ def get_trace_notes(gm: fx.GraphModule) -> tuple[str, ...]:
 def set_trace_notes(gm: fx.GraphModule, notes: tuple[str, ...]) -> None:
     """Record what tracing had to do, for the compile report."""
     gm.meta[_TRACE_NOTES] = tuple(notes)
+
+
+def get_batch_dim(node: fx.Node) -> Optional[Union["BatchDim", tuple]]:
+    """Where the node's output holds the samples (``tidal.ir.batch_dim.BatchDim``; a tuple of
+    them, nested like the output, for tuple outputs), or None before the analysis ran."""
+    return node.meta.get(_BATCH_DIM)
+
+
+def set_batch_dim(node: fx.Node, fact: Union["BatchDim", tuple]) -> None:
+    """Record the batch-dimension fact of the node's output (``tidal.ir.batch_dim.analyze``)."""
+    node.meta[_BATCH_DIM] = fact
 
 
 def module_scope(node: fx.Node) -> str:

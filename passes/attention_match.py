@@ -7,7 +7,13 @@ Three forms are recognised (``LOOKED_FOR`` names them for error messages):
   feeds a matmul with V. This is how the zoo's Llama and BERT, and Hugging Face Llama / GPT-2
   traced with ``attn_implementation="eager"`` spell attention;
 - ``torch.nn.functional.scaled_dot_product_attention`` calls;
-- ``nn.MultiheadAttention`` modules (kept whole by fx as leaf modules).
+- ``nn.MultiheadAttention`` modules (kept whole by fx as leaf modules), standalone or as the
+  self-attention (``self_attn``) of torch's ``nn.TransformerEncoderLayer`` /
+  ``nn.TransformerDecoderLayer``. fx keeps every ``torch.nn`` module whole, so a
+  ``nn.TransformerEncoder`` (or a layer, a ``nn.TransformerDecoder``, a ``nn.Transformer``) is
+  one ``call_module`` node: its attention is found among that module's submodules, and the match
+  names the call node and the attention module's path inside it. A decoder layer's
+  cross-attention (``multihead_attn``) is not matched (``hidden_attention`` lists it).
 
 For each match the Q/K/V projection modules, the number of query heads, of KV heads (grouped-query
 attention) and the head size are recorded. Shapes come from tidal's node metadata when the graph
@@ -39,8 +45,12 @@ from tidal.ir import meta
 LOOKED_FOR = (
     "softmax(Q @ K^T [scale, mask]) @ V (eager attention)",
     "torch.nn.functional.scaled_dot_product_attention",
-    "torch.nn.MultiheadAttention",
+    "torch.nn.MultiheadAttention (standalone, or the self_attn of nn.TransformerEncoderLayer / "
+    "nn.TransformerDecoderLayer kept whole by the tracer)",
 )
+
+_SELF_ATTENTION_LAYERS = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+"""torch's transformer layers whose ``self_attn`` (an ``nn.MultiheadAttention``) is matched."""
 
 _MATMULS = {torch.matmul, operator.matmul, torch.bmm, torch.baddbmm}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
@@ -60,8 +70,11 @@ class AttentionMatch:
     """One attention layer found in a graph.
 
     ``kind`` is ``"eager"``, ``"sdpa"`` or ``"module"`` (``nn.MultiheadAttention``); ``node``
-    the node to rewrite (the softmax, the SDPA call or the module call); ``scores`` the Q·Kᵀ
-    matmul node (eager only); ``scope`` the attention module's path; ``q_proj``/``k_proj``/
+    the node to rewrite (the softmax, the SDPA call or the module call: the
+    ``nn.MultiheadAttention`` itself, or the torch transformer layer or stack that holds it);
+    ``scores`` the Q·Kᵀ matmul node (eager only); ``scope`` the attention module's path (for
+    ``"module"``, the ``nn.MultiheadAttention``'s, which is below the call node's target when a
+    transformer layer holds it); ``q_proj``/``k_proj``/
     ``v_proj`` the projection modules' paths (equal for fused projections like GPT-2's
     ``c_attn``); ``num_heads`` query heads, ``num_kv_heads`` KV heads, ``head_dim`` head size.
     """
@@ -278,10 +291,43 @@ def _sdpa_match(gm: fx.GraphModule, model: Optional[torch.nn.Module], n: fx.Node
                           heads, kv, dim)
 
 
-def _module_match(gm: fx.GraphModule, n: fx.Node, index: int) -> AttentionMatch:
-    mod = gm.get_submodule(n.target)
-    return AttentionMatch(index, "module", n.name, None, n.target, n.target, n.target, n.target,
+def _child_path(parent: str, name: str) -> str:
+    """``parent.name``; either may be empty (the root, or the module itself)."""
+    return ".".join(p for p in (parent, name) if p)
+
+
+def self_attention_paths(mod: torch.nn.Module, path: str = "") -> list[str]:
+    """Paths (under ``path``, ``mod``'s own) of the ``nn.MultiheadAttention`` modules a call of
+    ``mod`` runs as self-attention: ``mod`` itself, or the ``self_attn`` of every torch
+    transformer layer in it (``nn.TransformerEncoderLayer``/``DecoderLayer``, also inside a
+    ``nn.TransformerEncoder``/``Decoder``/``Transformer``), in module order."""
+    if isinstance(mod, torch.nn.MultiheadAttention):
+        return [path]
+    return [_child_path(_child_path(path, name), "self_attn")
+            for name, sub in mod.named_modules()
+            if isinstance(sub, _SELF_ATTENTION_LAYERS)
+            and isinstance(sub.self_attn, torch.nn.MultiheadAttention)]
+
+
+def _module_match(gm: fx.GraphModule, n: fx.Node, path: str, index: int) -> AttentionMatch:
+    mod = gm.get_submodule(path)
+    return AttentionMatch(index, "module", n.name, None, path, path, path, path,
                           mod.num_heads, mod.num_heads, mod.head_dim)
+
+
+def _matches_at(gm: fx.GraphModule, model: Optional[torch.nn.Module], n: fx.Node,
+                index: int) -> list[AttentionMatch]:
+    """The attention layers node ``n`` runs (several for a torch transformer stack)."""
+    paths = self_attention_paths(gm.get_submodule(n.target), n.target) \
+        if n.op == "call_module" else []
+    if paths:
+        return [_module_match(gm, n, p, index + i) for i, p in enumerate(paths)]
+    match = None
+    if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+        match = _sdpa_match(gm, model, n, index)
+    elif _is_softmax(gm, n):
+        match = _eager_match(gm, model, n, index)
+    return [match] if match is not None else []
 
 
 def find_attention(gm: fx.GraphModule,
@@ -292,17 +338,20 @@ def find_attention(gm: fx.GraphModule,
     (``num_heads``, ``head_dim``, ``config``...) fill in what shapes do not say."""
     found: list[AttentionMatch] = []
     for n in gm.graph.nodes:
-        match = None
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target),
-                                                torch.nn.MultiheadAttention):
-            match = _module_match(gm, n, len(found))
-        elif n.op == "call_function" and n.target is F.scaled_dot_product_attention:
-            match = _sdpa_match(gm, model, n, len(found))
-        elif _is_softmax(gm, n):
-            match = _eager_match(gm, model, n, len(found))
-        if match is not None:
-            found.append(match)
+        found.extend(_matches_at(gm, model, n, len(found)))
     return found
+
+
+def hidden_attention(gm: fx.GraphModule, matches: list[AttentionMatch]) -> list[str]:
+    """Paths of the ``nn.MultiheadAttention`` modules inside modules ``gm`` calls whole that no
+    match covers (e.g. a ``nn.TransformerDecoderLayer``'s cross-attention ``multihead_attn``, or
+    attention in a module kept whole with ``leaf_modules``)."""
+    matched = {m.scope for m in matches}
+    targets = dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "call_module")
+    return [_child_path(t, name) for t in targets
+            for name, sub in gm.get_submodule(t).named_modules()
+            if isinstance(sub, torch.nn.MultiheadAttention)
+            and _child_path(t, name) not in matched]
 
 
 def require_attention(gm: fx.GraphModule,

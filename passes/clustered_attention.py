@@ -6,7 +6,14 @@ with that layer's cluster count k:
 - eager attention: the module is inserted after the softmax and shares probabilities;
 - ``scaled_dot_product_attention``: the call becomes a ``ClusteredSDPA`` module that computes
   the probabilities explicitly and shares them;
-- ``nn.MultiheadAttention``: the module is replaced by ``ClusteredMultiheadAttention``.
+- ``nn.MultiheadAttention``: the module is replaced by ``ClusteredMultiheadAttention``. Inside
+  torch's ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer`` (and stacks of them,
+  which fx keeps whole as one ``call_module``), the graph gets its own copy of the layer or
+  stack (``slow_path_copy``: new module objects sharing the model's parameters, so the model is
+  left as it was) with each layer's ``self_attn`` replaced, and with torch's fused fast paths
+  (``torch._transformer_encoder_layer_fwd``, nested tensors) turned off in the copy, so that
+  every layer runs its ``_sa_block`` and calls its ``self_attn``. A decoder layer's
+  cross-attention is left as it is, and the pass notes it.
 
 Reference semantics (what the rewritten graph computes, and what ``runtime.chai_decode``
 computes faster): the first ``first_tokens`` (5) query tokens use every head's own attention;
@@ -35,6 +42,7 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
@@ -46,7 +54,8 @@ import torch.nn.functional as F
 from tidal.compiler.capture import trace
 from tidal.ir import meta
 from tidal.ir.pass_api import Pass, PassContext, PassResult
-from tidal.passes.attention_match import AttentionMatch, find_attention, no_attention_message
+from tidal.passes.attention_match import (AttentionMatch, find_attention, hidden_attention,
+                                          no_attention_message)
 from tidal.passes.chai_calibrate import (FIRST_TOKENS, Budget, ChaiPlan, HeadStats, LayerChoice,
                                          Membership, check_count, choose_counts, elbow,
                                          mildest_useful_k, online_memberships, split_holdout,
@@ -151,6 +160,12 @@ class ClusteredSDPA(ClusteredHeads):
         return probs @ value
 
 
+def _mha_attribute(name: str) -> property:
+    """A read-only attribute of ``ClusteredMultiheadAttention`` that is its ``mha``'s."""
+    return property(lambda self: getattr(self.mha, name),
+                    doc=f"The wrapped ``nn.MultiheadAttention``'s ``{name}``.")
+
+
 class ClusteredMultiheadAttention(ClusteredHeads):
     """``nn.MultiheadAttention`` (packed in-projection, no bias_k/zero-attn) with the
     probabilities shared; same call signature and outputs."""
@@ -162,8 +177,15 @@ class ClusteredMultiheadAttention(ClusteredHeads):
         super().__init__(layer, mha.num_heads, mha.num_heads, **kw)
         self.mha = mha
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True, is_causal=False):  # type: ignore[override]
+    # What torch's transformer layers read off their ``self_attn`` before they choose the
+    # general path (``slow_path_copy``); anything their fused path reads further is missing,
+    # so it fails loudly rather than skipping the clustering.
+    batch_first = _mha_attribute("batch_first")
+    in_proj_bias = _mha_attribute("in_proj_bias")
+    _qkv_same_embed_dim = _mha_attribute("_qkv_same_embed_dim")
+
+    def forward(self, query, key, value, key_padding_mask=None,  # type: ignore[override]
+                need_weights=True, attn_mask=None, average_attn_weights=True, is_causal=False):
         m = self.mha
         if m.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
@@ -202,7 +224,9 @@ class ClusteredMultiheadAttention(ClusteredHeads):
 
 @dataclass(frozen=True)
 class ChaiNodeMeta:
-    """What the pass recorded on a rewritten node: the attention layer and its cluster count."""
+    """What the pass records on a rewritten node, one per attention layer the node runs (a
+    tuple: a torch transformer stack kept whole runs several): the layer and its cluster
+    count."""
 
     layer: int
     num_heads: int
@@ -218,14 +242,55 @@ def _unique_name(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
+def _structural_copy(mod: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``mod``'s module tree: new module objects (attributes copied shallowly) sharing
+    ``mod``'s parameters and buffers, so a submodule swapped in the copy leaves ``mod`` as it
+    was."""
+    new = copy.copy(mod)
+    new.__dict__["_modules"] = {name: None if sub is None else _structural_copy(sub)
+                                for name, sub in mod._modules.items()}
+    new.__dict__["_parameters"] = dict(mod._parameters)
+    new.__dict__["_buffers"] = dict(mod._buffers)
+    return new
+
+
+def slow_path_copy(mod: torch.nn.Module) -> torch.nn.Module:
+    """``_structural_copy`` of a torch transformer layer or stack with torch's fused inference
+    paths off in the copy: no nested-tensor conversion in ``nn.TransformerEncoder``
+    (``use_nested_tensor``) and no ``torch._transformer_encoder_layer_fwd`` in
+    ``nn.TransformerEncoderLayer`` (``activation_relu_or_gelu`` 0 marks the activation as
+    general; the layer's ``_ff_block`` still calls its own ``activation``). Each layer then runs
+    its ``_sa_block``, which calls ``self_attn``. Padded positions (``src_key_padding_mask``)
+    hold what torch's general path computes there, as in training; torch's nested-tensor
+    inference path would return zeros there instead."""
+    new = _structural_copy(mod)
+    for sub in new.modules():
+        if isinstance(sub, torch.nn.TransformerEncoder):
+            sub.use_nested_tensor = False
+        if isinstance(sub, torch.nn.TransformerEncoderLayer):
+            sub.activation_relu_or_gelu = 0
+    return new
+
+
+def _own_containers(gm: fx.GraphModule, matches: list[AttentionMatch]) -> None:
+    """Give ``gm`` its own ``slow_path_copy`` of every module it calls whole that holds a
+    matched ``nn.MultiheadAttention`` below it (a torch transformer layer or stack)."""
+    targets = {n.name: n.target for n in gm.graph.nodes if n.op == "call_module"}
+    containers = {targets[m.node] for m in matches
+                  if m.kind == "module" and m.scope != targets[m.node]}
+    for target in containers:
+        gm.add_submodule(target, slow_path_copy(gm.get_submodule(target)))
+
+
 def _rewrite(gm: fx.GraphModule, match: AttentionMatch, module: ClusteredHeads) -> fx.Node:
-    """Install ``module`` for ``match`` in ``gm``; returns the node that calls it."""
+    """Install ``module`` for ``match`` in ``gm``; returns the node that calls it. A match
+    inside a module ``gm`` calls whole needs ``_own_containers`` first."""
     node = next(n for n in gm.graph.nodes if n.name == match.node)
     if match.kind == "module":
-        orig = gm.get_submodule(node.target)
+        orig = gm.get_submodule(match.scope)
         wrapped = ClusteredMultiheadAttention(orig, match.index, k=module.k, first=module.first,
                                               static=module.static)
-        gm.add_submodule(node.target, wrapped)
+        gm.add_submodule(match.scope, wrapped)
         return node
     target = _unique_name(gm, f"chai_attention_{match.index}")
     gm.add_submodule(target, module)
@@ -335,26 +400,34 @@ class ClusteredAttention(Pass):
         return [LayerChoice(m.index, m.scope, m.num_heads, m.num_kv_heads, m.head_dim, k, 0)
                 for m, k in zip(matches, ks)]
 
+    def _module(self, match: AttentionMatch, choice: LayerChoice) -> ClusteredHeads:
+        """The clustering module for one attention layer."""
+        static = None
+        if self.mode == "static" and choice.chosen_k is not None:
+            static = Membership(choice.static_labels, choice.static_reps)
+        mod_cls = ClusteredSDPA if match.kind == "sdpa" else ClusteredHeads
+        return mod_cls(match.index, match.num_heads, match.num_kv_heads, choice.chosen_k,
+                       self.first, static)
+
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         matches = find_attention(gm, ctx.model)
         if not matches:
-            message = no_attention_message(gm) + "; the model is left unchanged"
+            hidden = hidden_attention(gm, matches)
+            message = no_attention_message(gm) + "; the model is left unchanged" + (
+                f" (nn.MultiheadAttention left as it is at {', '.join(hidden)})" if hidden else "")
             ctx.log(f"{self.name}: {message}")
             return PassResult(gm, notes=(message,))
         if self.clusters is None and self.plan is None:
             ctx.log(f"{self.name}: {NOT_CALIBRATED}")
             return PassResult(gm, notes=(NOT_CALIBRATED,))
         choices = self._choices(matches)
+        hidden = hidden_attention(gm, matches)
+        _own_containers(gm, matches)
         for m, c in zip(matches, choices):
-            static = None
-            if self.mode == "static" and c.chosen_k is not None:
-                static = Membership(c.static_labels, c.static_reps)
-            mod_cls = ClusteredSDPA if m.kind == "sdpa" else ClusteredHeads
-            module = mod_cls(m.index, m.num_heads, m.num_kv_heads, c.chosen_k, self.first,
-                             static)
-            node = _rewrite(gm, m, module)
-            meta.set_pass_meta(node, self.name,
-                               ChaiNodeMeta(m.index, m.num_heads, m.num_kv_heads, c.chosen_k))
+            node = _rewrite(gm, m, self._module(m, c))
+            recorded = meta.get_pass_meta(node, self.name) or ()
+            meta.set_pass_meta(node, self.name, recorded + (
+                ChaiNodeMeta(m.index, m.num_heads, m.num_kv_heads, c.chosen_k),))
         gm.graph.lint()
         gm.recompile()
         plan = self.plan or ChaiPlan(tuple(choices), mode=self.mode, first_tokens=self.first)
@@ -368,9 +441,11 @@ class ClusteredAttention(Pass):
         except Exception as e:  # inspection only: never fail the pass for it
             artifacts["chai_membership.txt"] = f"sample run failed: {type(e).__name__}: {e}"
         kinds = sorted({m.kind for m in matches})
-        return PassResult(gm, plan=plan, artifacts=artifacts,
-                          notes=(f"{len(matches)} attention layers ({', '.join(kinds)}): "
-                                 f"{plan.summary()}",))
+        notes = (f"{len(matches)} attention layers ({', '.join(kinds)}): {plan.summary()}",)
+        if hidden:
+            notes += (f"left as they are (cross-attention, or inside a module kept whole): "
+                      f"nn.MultiheadAttention at {', '.join(hidden)}",)
+        return PassResult(gm, plan=plan, artifacts=artifacts, notes=notes)
 
 
 # --- offline calibration glue (model runs; the planning itself is in chai_calibrate) ---

@@ -1,12 +1,13 @@
 """The attention matcher finds every layer of the zoo LM and BERT, HF Llama and GPT-2 (eager),
-nn.MultiheadAttention and SDPA calls, with their head counts."""
+nn.MultiheadAttention (standalone and inside torch's transformer layers) and SDPA calls, with
+their head counts."""
 import pytest
 import torch
 
 import tidal
 from tidal.ir.cost import annotate
 from tidal.passes.attention_match import (LOOKED_FOR, NoAttentionFound, find_attention,
-                                          require_attention)
+                                          hidden_attention, require_attention)
 from examples.models import bert_small, llama_small
 
 transformers = pytest.importorskip("transformers")
@@ -36,6 +37,44 @@ class MHA(torch.nn.Module):
 
     def forward(self, x):
         return self.b(*(self.a(x, x, x)[0],) * 3)[0]
+
+
+def causal_mask(t):
+    """A boolean causal mask of ``t`` positions (True: masked), traceable with a proxy ``t``."""
+    return torch.nn.Transformer.generate_square_subsequent_mask(t).isinf()
+
+
+class TorchEncoder(torch.nn.Module):
+    """A 2-layer ``nn.TransformerEncoder`` (d_model 16, 4 heads) on batch-first inputs ``x``
+    ``[B, T, 16]`` with an optional key padding mask ``pad`` ``[B, T]``; ``batch_first=False``
+    layers get ``x`` transposed (tidal's batch is dim 0 of the inputs); ``causal`` adds a
+    causal mask."""
+
+    def __init__(self, batch_first=True, norm_first=False, causal=False, nested=False):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=batch_first,
+                                                 norm_first=norm_first)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+        self.batch_first, self.causal = batch_first, causal
+
+    def forward(self, x, pad=None):
+        mask = causal_mask(x.shape[1]) if self.causal else None
+        if self.batch_first:
+            return self.encoder(x, mask=mask, src_key_padding_mask=pad)
+        out = self.encoder(x.transpose(0, 1), mask=mask, src_key_padding_mask=pad)
+        return out.transpose(0, 1)
+
+
+class TorchDecoderLayer(torch.nn.Module):
+    """One ``nn.TransformerDecoderLayer`` (d_model 16, 4 heads): causal self-attention on ``x``,
+    cross-attention to ``memory``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.TransformerDecoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, x, memory):
+        return self.layer(x, memory, tgt_mask=causal_mask(x.shape[1]))
 
 
 class SDPA(torch.nn.Module):
@@ -89,6 +128,21 @@ def test_multihead_attention_modules():
     found = find_attention(tidal.trace(MHA(), (torch.randn(1, 6, 16),)))
     assert [(m.kind, m.scope, m.num_heads, m.head_dim) for m in found] == \
         [("module", "a", 4, 4), ("module", "b", 2, 8)]
+
+
+def test_self_attention_inside_torch_transformer_layers():
+    """fx keeps nn.TransformerEncoder whole (one call_module): its layers' self_attn are found
+    inside it; a decoder layer's cross-attention is listed as left alone."""
+    x, pad = torch.randn(2, 9, 16), torch.zeros(2, 9, dtype=torch.bool)
+    gm = tidal.trace(TorchEncoder(), (x, pad))
+    found = find_attention(gm)
+    assert [(m.kind, m.node, m.scope, m.num_heads, m.head_dim) for m in found] == \
+        [("module", "encoder", f"encoder.layers.{i}.self_attn", 4, 4) for i in range(2)]
+    assert hidden_attention(gm, found) == []
+    gm = tidal.trace(TorchDecoderLayer(), (x, torch.randn(2, 7, 16)))
+    found = find_attention(gm)
+    assert [(m.node, m.scope) for m in found] == [("layer", "layer.self_attn")]
+    assert hidden_attention(gm, found) == ["layer.multihead_attn"]
 
 
 def test_sdpa_call_with_shapes_from_annotation():

@@ -13,7 +13,10 @@ from tidal.passes.chai_calibrate import (Budget, ChaiPlan, LayerChoice, average_
                                          tie_stable_order, verdict)
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate, clustered_graph,
                                               perplexity)
+from tidal.passes.clustered_attention import chai_modules
 from examples.models import llama_small
+
+from test_attention_match import TorchEncoder
 
 
 def grouped_points(groups, per_group=3, dim=16, noise=0.01, seed=0):
@@ -181,6 +184,26 @@ def test_calibrate_tiny_lm_within_budget_and_verdicts():
     assert "too little head redundancy" in never.verdict
     with pytest.raises(ValueError, match="at least 2 batches"):
         calibrate(model, batches[:1])
+
+
+def test_calibrate_torch_transformer_encoder_with_cosine_budget():
+    """The offline phase observes the attention inside nn.TransformerEncoder (kept whole by
+    fx) and plans every layer; the chosen plan meets the budget and leaves the model alone."""
+    torch.manual_seed(0)
+    model = TorchEncoder(causal=True).eval()
+    batches = [(torch.randn(2, 12, 16),) for _ in range(4)]
+    plan = calibrate(model, batches, budget=Budget("cosine", min_cosine=0.9),
+                     embed=lambda out, batch: out)
+    assert [c.scope for c in plan.layers] == [f"encoder.layers.{i}.self_attn" for i in range(2)]
+    assert all(len(c.errors) == 4 and c.num_heads == 4 for c in plan.layers)
+    assert any(c.chosen_k is not None for c in plan.layers)     # not vacuous
+    assert plan.final_metric >= 0.95                            # the tightened budget
+    gm = clustered_graph(model, batches[0], ClusteredAttention(plan=plan))
+    with torch.no_grad():
+        gm(*batches[1])
+    assert [m.k for m in chai_modules(gm)] == [c.chosen_k for c in plan.layers]
+    assert all(m.last_membership for m in chai_modules(gm) if m.k is not None)
+    assert type(model.encoder.layers[0].self_attn) is torch.nn.MultiheadAttention
 
 
 def test_mildest_useful_k_counts_the_decodes_score_rows():

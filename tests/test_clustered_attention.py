@@ -1,6 +1,7 @@
-"""clustered_attention: with one head per cluster the model is unchanged; membership is fixed
-after the first 5 tokens; the decode runtime matches the graph semantics and keeps K only for
-the KV heads representatives read."""
+"""clustered_attention: with one head per cluster the model is unchanged (also for torch's
+nn.TransformerEncoder / DecoderLayer, which fx keeps whole); membership is fixed after the first
+5 tokens; the decode runtime matches the graph semantics and keeps K only for the KV heads
+representatives read."""
 import dataclasses
 import math
 
@@ -14,7 +15,7 @@ from tidal.runtime.chai_decode import ChaiDecoder
 from examples.models import LlamaConfig, LlamaForCausalLM, bert_small, llama_small
 
 from greedy import assert_greedy
-from test_attention_match import MHA, SDPA, hf_gpt2, hf_llama
+from test_attention_match import MHA, SDPA, TorchDecoderLayer, TorchEncoder, hf_gpt2, hf_llama
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -54,6 +55,116 @@ def test_one_head_per_cluster_equals_original(name):
         out = out[0] if isinstance(out, tuple) else _logits(out)
     torch.testing.assert_close(out, ref, **TOL)
     assert all(len(m.last_membership) == args[0].shape[0] for m in mods)  # the path really ran
+
+
+class PaddedMHA(torch.nn.Module):
+    """A sequence-first ``nn.MultiheadAttention`` with an optional key padding mask, on
+    batch-first inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 4)
+
+    def forward(self, x, pad=None):
+        x = x.transpose(0, 1)
+        return self.attn(x, x, x, key_padding_mask=pad, need_weights=False)[0].transpose(0, 1)
+
+
+def padded_inputs():
+    """``x`` ``[2, 9, 16]`` and a key padding mask hiding the last 2 positions of sample 1."""
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 7:] = True
+    return torch.randn(2, 9, 16), pad
+
+
+def assert_torch_layers_untouched(model):
+    """The compiled graph rewrote its own copies: the model's layers keep their attention and
+    torch's fast paths."""
+    for mod in model.modules():
+        if isinstance(mod, (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)):
+            assert type(mod.self_attn) is torch.nn.MultiheadAttention
+        if isinstance(mod, torch.nn.TransformerEncoderLayer):
+            assert mod.activation_relu_or_gelu == 1
+
+
+def test_padded_sequence_first_mha_one_head_per_cluster_equals_original():
+    torch.manual_seed(0)
+    model, (x, pad) = PaddedMHA().eval(), padded_inputs()
+    c = compiled(model, (x, pad), clusters=4)
+    with torch.no_grad():
+        torch.testing.assert_close(c(x, pad), model(x, pad), **TOL)
+    (m,) = chai_modules(c.graph_module)
+    assert len(m.last_membership) == 2
+
+
+@pytest.mark.parametrize("masks", ["none", "padding", "padding+causal"])
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_transformer_encoder_one_head_per_cluster_equals_original(batch_first, norm_first,
+                                                                        masks):
+    torch.manual_seed(0)
+    model = TorchEncoder(batch_first, norm_first, causal="causal" in masks).eval()
+    x, pad = padded_inputs()
+    inputs = (x, pad) if "padding" in masks else (x,)
+    c = compiled(model, inputs, clusters=4)
+    (record,) = [r for r in c.records if r.name == "clustered_attention"]
+    assert record.notes == ("2 attention layers (module): 0/2 layers clustered "
+                            "(k per layer: 4,4; online)",)
+    mods = chai_modules(c.graph_module)
+    assert [m.layer for m in mods] == [0, 1] and all(m.k == 4 for m in mods)
+    with torch.no_grad():
+        ref = model(*inputs)   # eval, no grad: torch's fused encoder-layer kernel
+        out = c(*inputs)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert all(len(m.last_membership) == 2 for m in mods)     # the CHAI path really ran
+    assert_torch_layers_untouched(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*inputs), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_transformer_encoder_fewer_clusters_change_only_later_tokens(batch_first):
+    """Causal, so that no later token reaches the first five through the next layer."""
+    torch.manual_seed(0)
+    model, (x, pad) = TorchEncoder(batch_first, causal=True).eval(), padded_inputs()
+    c = compiled(model, (x, pad), clusters=1)
+    with torch.no_grad():
+        ref, out = model(x, pad), c(x, pad)
+    torch.testing.assert_close(out[:, :5], ref[:, :5], **TOL)
+    assert not torch.allclose(out[:, 5:], ref[:, 5:], atol=1e-4)
+    assert all(len(set(m.last_membership[0].labels)) == 1 for m in chai_modules(c.graph_module))
+
+
+def test_torch_transformer_encoder_nested_tensor_path_differs_only_at_padding():
+    """torch's inference path with nested tensors (the default enable_nested_tensor) returns
+    zeros at padded positions; the rewritten encoder computes them, as torch's general path
+    does. Every other position is the original's."""
+    torch.manual_seed(0)
+    model, (x, pad) = TorchEncoder(nested=True).eval(), padded_inputs()
+    c = compiled(model, (x, pad), clusters=4)
+    with torch.no_grad():
+        ref, out = model(x, pad), c(x, pad)
+    torch.testing.assert_close(out[~pad], ref[~pad], **TOL)
+    assert torch.all(ref[pad] == 0) and not torch.all(out[pad] == 0)
+
+
+def test_torch_decoder_layer_clusters_self_attention_and_leaves_cross_attention():
+    torch.manual_seed(0)
+    model = TorchDecoderLayer().eval()
+    x, memory = torch.randn(2, 9, 16), torch.randn(2, 7, 16)
+    same, one = compiled(model, (x, memory), clusters=4), compiled(model, (x, memory), clusters=1)
+    (record,) = [r for r in same.records if r.name == "clustered_attention"]
+    assert "layer.multihead_attn" in record.notes[1] and "cross-attention" in record.notes[1]
+    with torch.no_grad():
+        ref = model(x, memory)
+        torch.testing.assert_close(same(x, memory), ref, **TOL)
+        out = one(x, memory)
+    torch.testing.assert_close(out[:, :5], ref[:, :5], **TOL)
+    assert not torch.allclose(out[:, 5:], ref[:, 5:], atol=1e-4)
+    (m,) = chai_modules(one.graph_module)
+    assert m.last_membership and type(one.graph_module.layer.multihead_attn) is \
+        torch.nn.MultiheadAttention
+    assert_torch_layers_untouched(model)
 
 
 def test_fewer_clusters_change_only_tokens_after_the_first_five():
@@ -178,6 +289,14 @@ def test_static_mode_uses_the_plan_membership():
     logits, _ = dec.prefill(ids[0])                          # static: any batch
     with torch.no_grad():
         torch.testing.assert_close(logits, c(*ids), **TOL)
+
+
+def test_attention_inside_a_module_kept_whole_is_named_in_the_note():
+    model = torch.nn.Sequential(PaddedMHA()).eval()
+    x = torch.randn(2, 9, 16)
+    c = tidal.compile(model, (x,), passes=[ClusteredAttention(clusters=2)], leaf_modules=["0"])
+    (record,) = [r for r in c.records if r.name == "clustered_attention"]
+    assert "no attention found" in record.notes[0] and "at 0.attn" in record.notes[0]
 
 
 def test_no_attention_leaves_model_unchanged():

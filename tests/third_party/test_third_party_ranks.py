@@ -1,0 +1,64 @@
+"""The third-party matrix on 2 gloo ranks: for burst_parallel, round_robin and compression (off,
+and Top-K at 100 %), one training step equals one single-process SGD step on the same global
+batch (loss and every parameter) and both ranks hold identical parameters; a refusal is the
+recorded clear error. One spawned job per model runs all of its cells."""
+import importlib.util
+import re
+
+import numpy as np
+import pytest
+
+from tidal.runtime.distributed import spawn
+
+from .matrix import MULTI_RANK, Bug, Refuse, expected, run_ranks
+from .models import BUILDERS
+
+HF = importlib.util.find_spec("transformers") is not None
+NN = {"nn_transformer", "nn_lstm", "nn_mha"}
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-5  # max |p - p_ref| / (1 + max |p_ref|), float32
+
+
+def check_rank_results(model_name, results):
+    """Compare every cell of the ranks' results with ``EXPECTED_RANKS``; returns the failures
+    as {cell: message} (empty: all as expected)."""
+    failures = {}
+    for cell in MULTI_RANK:
+        want = expected(model_name, cell, ranks=True)
+        got = [r[cell] for r in results]
+        if isinstance(want, Refuse):
+            ok = all(g[0] == "error" and g[1] == want.error.__name__
+                     and re.search(want.match, g[2]) for g in got)
+            if not ok:
+                failures[cell] = f"expected {want.error.__name__} /{want.match}/, got {got[0][:3]}"
+            continue
+        if any(g[0] == "error" for g in got):
+            failures[cell] = f"raised {got[0][1:3] if got[0][0] == 'error' else got[1][1:3]}"
+            continue
+        bad = [f"rank {r}: loss error {g[1]:.2e}, parameter error {g[2]:.2e}"
+               for r, g in enumerate(got) if not (g[1] <= LOSS_TOL and g[2] <= PARAM_TOL)]
+        spread = float(max(np.abs(g[3] - got[0][3]).max() for g in got))
+        if spread != 0.0:
+            bad.append(f"parameters differ between ranks by {spread:.2e}")
+        if bad:
+            failures[cell] = "; ".join(bad)
+    return failures
+
+
+def _params():
+    out = []
+    for m in BUILDERS:
+        marks = [] if HF or m in NN else [pytest.mark.skip(reason="needs the hf extra")]
+        bugs = [c for c in MULTI_RANK if isinstance(expected(m, c, ranks=True), Bug)]
+        if bugs:
+            reasons = "; ".join(expected(m, c, ranks=True).reason for c in bugs)
+            marks.append(pytest.mark.xfail(strict=True, reason=f"bug: {reasons}"))
+        out.append(pytest.param(m, marks=marks, id=m))
+    return out
+
+
+@pytest.mark.parametrize("model_name", _params())
+def test_two_ranks_step_equals_one_process_step(model_name):
+    results = spawn(run_ranks, 2, model_name, timeout_s=300)
+    failures = check_rank_results(model_name, results)
+    assert not failures, failures
