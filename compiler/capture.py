@@ -192,6 +192,36 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
         raise TypeError(f"tidal can only trace torch.nn.Module instances, got {type(model).__name__}")
     leaf_modules = tuple(leaf_modules)
     _check_leaf_paths(model, leaf_modules)
+    saved = _plain_attributes(model)
+    try:
+        return _trace_any(model, example_inputs, leaf_modules)
+    finally:
+        _restore_traced_attributes(model, saved)
+
+
+def _plain_attributes(model: torch.nn.Module) -> dict[int, dict[str, Any]]:
+    """Each module's plain attributes (its ``__dict__`` as it is now), by module id."""
+    return {id(m): dict(vars(m)) for m in model.modules()}
+
+
+def _restore_traced_attributes(model: torch.nn.Module, saved: dict[int, dict[str, Any]]) -> None:
+    """Undo what tracing wrote onto the model: a forward that stores a traced value on its
+    module (Hugging Face Swin's ``self.window_size = min(input_resolution)``) would leave an fx
+    Proxy there, breaking the model's next trace."""
+    for m in model.modules():
+        before = saved.get(id(m), {})
+        for key, value in list(vars(m).items()):
+            if isinstance(value, fx.Proxy):
+                if key in before:
+                    setattr(m, key, before[key])
+                else:
+                    delattr(m, key)
+
+
+def _trace_any(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],
+               leaf_modules: Sequence[LeafSpec]) -> fx.GraphModule:
+    """Trace a Hugging Face model with transformers.utils.fx (falling back to torch.fx), any
+    other model with torch.fx."""
     if _is_hf_model(model):
         if not isinstance(example_inputs, Mapping):
             sig = list(inspect.signature(model.forward).parameters)

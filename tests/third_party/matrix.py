@@ -92,13 +92,7 @@ BURST_REFUSALS = {
 }
 """burst_parallel refuses these models, in one process and on 2 ranks alike."""
 
-SWIN_PROXY_BUG = Bug(
-    "tidal.compile leaves an fx HFProxy in SwinLayer.window_size (transformers' "
-    "set_shift_and_window_size assigns it while tracing, when the stage resolution <= window); a "
-    "second tidal.compile of the same model then fails with a raw `KeyError: floordiv_4` from "
-    "fx graph_copy in compiler/pass_manager.snapshot")
 EXPECTED: dict = {(m, "burst_parallel"): r for m, r in BURST_REFUSALS.items()}
-EXPECTED[("swin", "recompile")] = SWIN_PROXY_BUG
 """(model, pass) -> Refuse or Bug; every other single-process cell is EQUAL."""
 EXPECTED_RANKS: dict = {(m, "burst_parallel"): r for m, r in BURST_REFUSALS.items()}
 """(model, multi-rank cell) -> Refuse or Bug; every other multi-rank cell is EQUAL."""
@@ -182,7 +176,7 @@ def _clustered(case: Case, what: str) -> Any:
         assert any("no attention found" in n for r in c.records for n in r.notes), what
         return c
     assert [layer.num_heads for layer in plan.layers] == case.heads, f"{what}: heads"
-    fresh = BUILDERS[case.name]()  # a fresh model: see check_recompile (Swin)
+    fresh = BUILDERS[case.name]()
     one = _compile(fresh, [ClusteredAttention(clusters=1)])
     with torch.no_grad():  # random weights: nearly uniform attention, so tiny but real changes
         got, want = logits_of(fresh.call(one)), logits_of(fresh.call())
