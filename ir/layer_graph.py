@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import networkx as nx
 import torch.fx as fx
@@ -99,10 +100,11 @@ def chain_order(g: nx.DiGraph) -> list[str]:
     return sorted(g.nodes, key=lambda n: g.nodes[n]["order"])
 
 
-def branch_blocks(g: nx.DiGraph) -> list[BranchBlock]:
+def branch_blocks(g: nx.DiGraph, label: Callable[[Any], str] = str) -> list[BranchBlock]:
     """The outermost branch blocks of the layer graph, in execution order, each with its nested
     blocks. Raises ``ValueError`` naming the fork layer when branches share layers without
-    meeting at a single join (a graph that is not series-parallel there)."""
+    meeting at a single join (a graph that is not series-parallel there); ``label`` names a
+    graph node in that message (e.g. a layer index as its node name)."""
     h = _with_terminals(g)
     ipdom = nx.immediate_dominators(h.reverse(copy=False), _SINK)
     order = {n: g.nodes[n]["order"] for n in g.nodes}
@@ -123,9 +125,11 @@ def branch_blocks(g: nx.DiGraph) -> list[BranchBlock]:
                 continue
             members = ({s} | nx.descendants(h, s)) & inside
             if members & seen:
+                shared = sorted(members & seen, key=order.__getitem__)[:3]
                 raise ValueError(
-                    f"layer {fork!r} forks into branches that share layers "
-                    f"{sorted(members & seen)[:3]} before joining at {join!r}: not series-parallel")
+                    f"layer {label(fork)!r} forks into branches that share layers "
+                    f"{[label(x) for x in shared]} before joining at {label(join)!r}: not "
+                    f"series-parallel")
             seen |= members
             branches.append(tuple(sorted(members, key=order.__getitem__)))
         blocks.append(BranchBlock(fork=fork, join=join, branches=tuple(branches)))

@@ -249,7 +249,7 @@ def _parse(names: tuple[str, ...], preds: tuple[tuple[int, ...], ...]) -> _Chain
         raise ValueError(f"layer graph has {len(sinks)} output layers "
                          f"{[names[i] for i in sinks[:4]]}: unsupported branch shape (need one)")
     try:
-        blocks = layer_graph.branch_blocks(g)
+        blocks = layer_graph.branch_blocks(g, label=names.__getitem__)
     except ValueError as e:
         raise ValueError(f"unsupported branch shape: {e}") from None
     return _build_chain(list(range(len(names))), blocks, None, names, preds)

@@ -76,9 +76,11 @@ BURST_REFUSALS = {
     "t5": _ARANGE,  # T5's relative-position buckets: arange(query) - arange(key)
     "bert": _not_a_batch("getitem_2", "getitem", "1, 8",
                          "the `token_type_ids` buffer slice `[:, :seq]` is not a batch"),
-    "vit": Refuse(tidal.PassError, r"layer 7 forks into branches that share layers \[18, 19, 20\] "
-                  r"before joining at 22: not series-parallel",
-                  "the layer graph is not series-parallel (error names layer numbers, not nodes)"),
+    "vit": Refuse(tidal.PassError, r"layer 'vit_encoder_layer_0_layernorm_before' forks into "
+                  r"branches that share layers \['matmul', 'truediv', 'softmax'\] before "
+                  r"joining at 'matmul_1': not series-parallel",
+                  "the layer graph is not series-parallel (Q, K and V share the attention "
+                  "scores)"),
     "swin": _not_a_batch("view_2", "view", "16, 4, 4, 16",
                          "window partition view folds the batch into 16 windows"),
     "convnext": _not_a_batch("getitem_1", "getitem", "16, 1, 1",
