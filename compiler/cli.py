@@ -104,6 +104,7 @@ def _cmd_passes() -> int:
         print("no passes registered yet")
     width = max(map(len, described), default=0) + 2
     for name, text in sorted(described.items()):
+        text = text.replace("``", "")  # docstring markup, not for a terminal
         print(textwrap.fill(text, width=PASSES_WIDTH, initial_indent=f"{name:<{width}}",
                             subsequent_indent=" " * width, break_on_hyphens=False))
     return 0
