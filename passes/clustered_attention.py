@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from tidal.compiler.capture import trace
 from tidal.ir import meta
+from tidal.ir.inputs import bind_inputs
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.passes.attention_match import (AttentionMatch, find_attention, hidden_attention,
                                           no_attention_message)
@@ -476,8 +477,7 @@ def clustered_graph(model: torch.nn.Module, example_inputs: Any,
                     pass_: Optional[ClusteredAttention] = None) -> fx.GraphModule:
     """``model`` traced and rewritten by ``pass_`` (default: every layer unclustered)."""
     gm = trace(model, example_inputs)
-    inputs = tuple(example_inputs.values()) if isinstance(example_inputs, dict) \
-        else tuple(example_inputs)
+    inputs = bind_inputs(gm, example_inputs, "example_inputs")
     if pass_ is None:
         pass_ = ClusteredAttention(clusters=[None] * len(find_attention(gm, model)))
     result = pass_(gm, PassContext.for_inputs(inputs, model=model))

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir import meta
 from tidal.ir.cluster import Cluster
@@ -508,9 +509,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = No
     """
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"lower: expected a torch.fx.GraphModule, got {type(gm).__name__}")
-    inputs = tuple(example_inputs.values()) if isinstance(example_inputs, dict) \
-        else (tuple(example_inputs) if isinstance(example_inputs, (tuple, list))
-              else (example_inputs,))
+    inputs = bind_inputs(gm, example_inputs, "lower example_inputs")
     if backend is None:
         if device is None:
             tensors = [p for p in gm.parameters()] + [t for t in inputs

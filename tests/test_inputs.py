@@ -166,3 +166,14 @@ def test_auto_never_selects_a_pass_that_changes_the_update_and_says_why():
     named = tidal.compile(model, torch.randn(8, 4), passes=["tick_tock"],
                           loss_fn=torch.nn.functional.cross_entropy, **SGD)
     assert "tick_tock" in [r.name for r in named.records]
+
+
+def test_lowering_binds_a_dict_by_name():
+    from tidal.runtime.lower import lower
+
+    torch.manual_seed(0)
+    model = TwoInputs()
+    inputs = {"z": torch.randn(4, 2), "x": torch.randn(4, 4)}  # not the signature's order
+    gm = tidal.trace(model, inputs)
+    lowered = lower(gm, inputs)
+    torch.testing.assert_close(lowered(**inputs), model(**inputs), rtol=1e-6, atol=1e-6)
