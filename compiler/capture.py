@@ -37,22 +37,27 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def _user_leaf(leaf_modules: Iterable[LeafSpec]) -> Callable[[torch.nn.Module, str], bool]:
+    """``(module, qualified name) -> bool``: whether ``leaf_modules`` (paths or classes) names
+    it, for a tracer's ``is_leaf_module``."""
+    leaves = tuple(leaf_modules)
+    paths = frozenset(x for x in leaves if isinstance(x, str))
+    types_ = tuple(x for x in leaves if isinstance(x, type))
+    return lambda m, qualname: qualname in paths or bool(types_) and isinstance(m, types_)
+
+
 class _Tracer(fx.Tracer):
     """fx tracer that honours user leaf modules and remembers which module it was in when
     tracing failed."""
 
     def __init__(self, leaf_modules: Iterable[LeafSpec] = ()):
         super().__init__()
-        leaves = tuple(leaf_modules)
-        self.leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
-        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self.user_leaf = _user_leaf(leaf_modules)
         self.path_stack: list[tuple[str, str]] = []
         self.failed_at: tuple[str, str] | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_paths or (self.leaf_types and isinstance(m, self.leaf_types)):
-            return True
-        return super().is_leaf_module(m, qualname)
+        return self.user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         path = self.path_of_module(m)
@@ -135,14 +140,11 @@ def _hf_tracer_cls(leaf_modules: Sequence[LeafSpec]) -> type:
     """``transformers``' HFTracer that also keeps ``leaf_modules`` whole."""
     from transformers.utils.fx import HFTracer
 
-    paths = frozenset(x for x in leaf_modules if isinstance(x, str))
-    types_ = tuple(x for x in leaf_modules if isinstance(x, type))
+    user_leaf = _user_leaf(leaf_modules)
 
     class _LeafHFTracer(HFTracer):
         def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-            if qualname in paths or (types_ and isinstance(m, types_)):
-                return True
-            return super().is_leaf_module(m, qualname)
+            return user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
 
     return _LeafHFTracer
 
