@@ -50,6 +50,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
@@ -124,7 +125,7 @@ def node_kind(fact: Optional[Fact]) -> Optional[str]:
     """One kind for a whole node: the most telling kind among its leaves (unknown, then batch,
     folded, reduced, size, replicated); None for no fact."""
     kinds = {leaf.kind for leaf in leaves(fact)}
-    for kind in reversed(KINDS):
+    for kind in (UNKNOWN, BATCH, FOLDED, REDUCED, SIZE, REPLICATED):
         if kind in kinds:
             return kind
     return REPLICATED if fact is not None else None
@@ -284,9 +285,7 @@ def _render(v: Any) -> str:
 
 def _describe(n: fx.Node) -> str:
     """``view_3 = view(32, 4, 4, 16)`` (the tensor the op is called on left out)."""
-    args = n.args[1:] if n.op == "call_method" else n.args
-    if n.op == "call_module":
-        args = n.args[1:]
+    args = n.args[1:] if n.op in ("call_method", "call_module") else n.args
     parts = [_render(a) for a in args] + [f"{k}={_render(v)}" for k, v in n.kwargs.items()]
     return f"{n.name} = {_op_name(n)}({', '.join(parts)})"
 
@@ -462,8 +461,8 @@ class _Rules:
         if not isinstance(src, BatchDim) or not src.splits:
             return BatchDim(UNKNOWN, reason=f"{what}: the output grows with the batch but the "
                                             f"reshaped value has no sample dim")
-        before_in = _prod(self.seen0[first.name].shape[:src.dim])
-        before_out = _prod(s0[:fact.dim])
+        before_in = math.prod(self.seen0[first.name].shape[:src.dim])
+        before_out = math.prod(s0[:fact.dim])
         if before_in != before_out:
             return BatchDim(UNKNOWN, reason=f"{what}: the samples (dim {src.dim}) end up inside "
                                             f"dim {fact.dim}, interleaved with the "
@@ -507,13 +506,6 @@ def _mutates(n: fx.Node) -> bool:
     if n.op == "call_function":
         return name == "setitem"
     return n.op == "call_method" and name.endswith("_") and not name.endswith("__")
-
-
-def _prod(xs: Sequence[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def analyze(gm: fx.GraphModule, example_inputs: Any, batch_size: int) -> dict[str, Fact]:

@@ -367,3 +367,13 @@ def test_batch_dim_rows_and_validation():
         BatchDim("sideways")
     with pytest.raises(ValueError):
         BatchDim(REPLICATED).rows(0, 1)
+
+
+def test_node_kind_ranks_unknown_then_batch_then_the_rest():
+    from tidal.ir.batch_dim import BatchDim, node_kind
+
+    assert node_kind((BatchDim("batch", 0), BatchDim("replicated"))) == "batch"
+    assert node_kind((BatchDim("batch", 0), BatchDim("size"))) == "batch"
+    assert node_kind((BatchDim("folded", 0, 4), BatchDim("reduced"))) == "folded"
+    assert node_kind((BatchDim("batch", 0), BatchDim("unknown", reason="x"))) == "unknown"
+    assert node_kind(BatchDim("replicated")) == "replicated"

@@ -147,7 +147,7 @@ def _speedup_axes(gpus: Sequence[int], speedups: dict[str, list[float]], width: 
     return axes, ticks
 
 
-def _axis_marks(axes: _Axes, gpus: Sequence[int], ticks: Sequence[float], width: int,
+def _axis_marks(axes: _Axes, gpus: Sequence[int], ticks: Sequence[float],
                 height: int) -> list[str]:
     """Frame, y ticks with labels and grid lines, x tick labels, axis titles."""
     a = axes
@@ -182,7 +182,7 @@ def scaling_svg(gpus: Sequence[int], speedups: dict[str, list[float]], title: st
              f'height="{a.bottom - a.top}"/></clipPath></defs>',
              f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13">'
              f'{html.escape(title)}</text>']
-    parts += _axis_marks(axes, gpus, ticks, width, height)
+    parts += _axis_marks(axes, gpus, ticks, height)
     parts.append(f'<g clip-path="url(#plot)"><line x1="{a.x(gpus[0]):.1f}" y1="{a.y(1):.1f}" '
                  f'x2="{a.x(gpus[-1]):.1f}" y2="{a.y(gpus[-1] / gpus[0]):.1f}" stroke="#bbb" '
                  f'stroke-dasharray="4 3"/>')
