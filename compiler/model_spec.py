@@ -9,7 +9,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -215,11 +215,14 @@ def mse(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(outputs: Any) -> torch.Tensor:
-    """The tensor a loss reads: the outputs, their ``logits``, or their first element."""
+    """The tensor a loss reads: the outputs, their ``logits`` (an attribute of a Hugging Face
+    output, a key of the dict its traced graph returns), or their first element."""
     if isinstance(outputs, torch.Tensor):
         return outputs
     if hasattr(outputs, "logits"):
         return outputs.logits
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("logits"), torch.Tensor):
+        return outputs["logits"]
     if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
         return outputs[0]
     raise TypeError(f"the model returns {type(outputs).__name__}, not a tensor")
@@ -245,7 +248,7 @@ def loss_and_targets(model: torch.nn.Module, spec: str, loss: str, batch: int,
     own_targets = getattr(model, "example_targets", None)
     name = "cross_entropy" if loss == "default" and own_loss is None else loss
     loss_fn = {"default": own_loss, "cross_entropy": cross_entropy, "mse": mse}[name]
-    if loss != "mse" and callable(own_targets):
+    if name == "default" and callable(own_targets):  # the model's targets fit its own loss
         return loss_fn, own_targets(batch)
     try:
         return loss_fn, _derived_targets(name, _running(model, inputs))

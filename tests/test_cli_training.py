@@ -50,3 +50,17 @@ def test_package_module_name(tmp_path, monkeypatch):
     assert package_module_name(tmp_path / "alone.py") is None
     monkeypatch.syspath_prepend(str(tmp_path / "top"))  # python -m sub.m from top/
     assert package_module_name(pkg / "m.py") == ((tmp_path / "top").resolve(), "sub.m")
+
+
+def test_cli_losses_read_the_logits_of_a_traced_hugging_face_graph():
+    """A traced HF graph returns a plain dict; ``--loss cross_entropy``/``mse`` used to raise
+    'the model returns dict, not a tensor'."""
+    import torch
+
+    from tidal.compiler.model_spec import cross_entropy, mse
+
+    logits = torch.randn(2, 3, 5)
+    out = {"logits": logits, "past_key_values": None}
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    assert torch.equal(cross_entropy(out, targets), cross_entropy(logits, targets))
+    assert torch.equal(mse(out, torch.zeros(2, 3, 5)), mse(logits, torch.zeros(2, 3, 5)))
