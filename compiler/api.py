@@ -151,16 +151,23 @@ def auto_select(passes: Sequence[Pass], gm, ctx: PassContext
             why = "it transforms training: give loss_fn and optimizer"
         elif p.changes_update:
             why = f"{p.changes_update}; name it in passes= to use it"
-        elif not p.applies(gm, ctx):
-            why = p.why_not(gm, ctx)
         elif p.exclusive and p.exclusive in chosen:
             why = f"{chosen[p.exclusive]!r} was selected instead ({p.exclusive})"
         else:
+            why = p.why_not(gm, ctx) or _overridden_applies_says_no(p, gm, ctx)
+        if not why:
             kept.append(p)
             chosen.setdefault(p.exclusive, p.name)
             continue
         notes.append(f"skipped {p.name}: {why}")
     return kept, tuple(notes)
+
+
+def _overridden_applies_says_no(p: Pass, gm, ctx: PassContext) -> str:
+    """A generic reason when a pass overrides ``applies`` (not ``why_not``) and it says no."""
+    if type(p).applies is Pass.applies or p.applies(gm, ctx):
+        return ""
+    return f"it does not apply to this model on {ctx.cluster.gpus} GPU(s) at batch {ctx.batch_size}"
 
 
 def _check_exclusive(passes: Sequence[Pass]) -> None:

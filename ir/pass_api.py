@@ -115,14 +115,13 @@ class Pass:
 
     def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
         """Whether the pass has anything to do for this model and context (``passes="auto"``
-        selects the passes for which this is true); default: True."""
-        return True
+        selects the passes for which this is true): true when ``why_not`` gives no reason."""
+        return not self.why_not(gm, ctx)
 
     def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
-        """Why ``applies`` is False, for the report of ``passes="auto"``; override for a more
-        specific reason."""
-        return (f"it does not apply to this model on {ctx.cluster.gpus} GPU(s) at batch "
-                f"{ctx.batch_size}")
+        """Why the pass does not apply to this model and context, for the report of
+        ``passes="auto"``; empty when it applies (default)."""
+        return ""
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise NotImplementedError(f"pass {self.name!r} does not implement __call__")

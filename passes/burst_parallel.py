@@ -220,10 +220,6 @@ class BurstParallel(Pass):
         self.parallel_branches = parallel_branches
         self.amp_min_us = amp_min_us
 
-    def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
-        """Worth running: more than one GPU and a graph the planner supports."""
-        return not self.why_not(gm, ctx)
-
     def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         if ctx.cluster.gpus < 2:
             return f"it needs at least 2 GPUs; the cluster has {ctx.cluster.gpus}"

@@ -341,9 +341,6 @@ class RoundRobin(Pass):
                       f"Cluster(gpus=N))")
         return n
 
-    def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
-        return not self.why_not(gm, ctx)
-
     def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         n = self.partitions if self.partitions is not None else ctx.cluster.gpus
         if n < 2:

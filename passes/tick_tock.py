@@ -115,8 +115,10 @@ class TickTock(Pass):
             raise ValueError(f"tick_tock: ranks={ranks!r}; need a positive integer")
         self.ranks = ranks
 
-    def applies(self, gm: fx.GraphModule, ctx: PassContext) -> bool:
-        return ctx.batch_size % (2 * (self.ranks or ctx.cluster.gpus)) == 0
+    def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
+        shards = 2 * (self.ranks or ctx.cluster.gpus)
+        return "" if ctx.batch_size % shards == 0 else \
+            f"batch {ctx.batch_size} is not divisible into {shards} wave shards"
 
     def _targets(self, ctx: PassContext, batch: int):
         if ctx.example_targets is not None:

@@ -139,12 +139,12 @@ class BurstExecutor:
         if size != self.world:
             raise ValueError(f"burst_parallel: the plan is for {self.world} GPUs but the job has "
                              f"{size} ranks; compile with tidal.Cluster(gpus={size})")
-        check_layer_ranks(self.layer_ranks.items(), size)
         first = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         if first is not None and first.shape[0] != self.batch:
             raise ValueError(f"burst_parallel: the plan is for a global batch of {self.batch}, "
                              f"got inputs with batch {first.shape[0]}")
-        if not self._ready:
+        if not self._ready:  # the plan is fixed: its ranks are checked against the world once
+            check_layer_ranks(self.layer_ranks.items(), size)
             self.groups.create(r for r in self.param_ranks.values() if len(r) < size)
             self._ready = True
 
