@@ -317,8 +317,9 @@ def _read_header(path: Path) -> tuple[dict, int, int]:
 
 
 def _tidal_metadata(path: Path, header: dict) -> tuple[list[tuple[int, int]], dict[str, int]]:
-    """The group byte ranges and the per-tensor checksums (64-bit word sums) from the header's metadata; raises
-    ``WeightStoreError`` for a file tidal did not write or wrote in another format version."""
+    """The group byte ranges and the per-tensor checksums (64-bit word sums) from the header's
+    metadata; raises ``WeightStoreError`` for a file tidal did not write or wrote in another
+    format version."""
     meta = header.get("__metadata__")
     meta = meta if isinstance(meta, dict) else {}
     fmt = meta.get("tidal.format")
