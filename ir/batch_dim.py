@@ -219,7 +219,8 @@ class _ShapeRecorder(fx.Interpreter):
         with unset_fake_temporarily():
             args, kwargs = map_aggregate((args, kwargs), materialize)
             try:
-                out = getattr(self, n.op)(n.target, args, kwargs)
+                with torch.no_grad():
+                    out = getattr(self, n.op)(n.target, args, kwargs)
             except Exception as e:  # noqa: BLE001
                 return _Failed(n.name, _message(e))
         return map_aggregate(out, lambda v: self.mode.from_tensor(v)
@@ -317,7 +318,7 @@ class _Rules:
     def record(self, n: fx.Node) -> None:
         """Decide ``n``'s fact and record it (in ``facts`` and the node meta)."""
         self._set(n, self._node(n))
-        if _mutates(n) and isinstance(n.args[0], fx.Node):
+        if mutates(n) and isinstance(n.args[0], fx.Node):
             self._written(n, n.args[0])
 
     def _set(self, n: fx.Node, fact: Fact) -> None:
@@ -498,7 +499,7 @@ class _Rules:
         return fact
 
 
-def _mutates(n: fx.Node) -> bool:
+def mutates(n: fx.Node) -> bool:
     """Whether ``n`` writes into its first argument (``x[i] = v``, ``x.masked_fill_(...)``)."""
     if not n.args:
         return False
@@ -515,14 +516,21 @@ def analyze(gm: fx.GraphModule, example_inputs: Any, batch_size: int) -> dict[st
     ``example_inputs`` are the model's inputs (a tuple, or a dict of keyword inputs as for
     ``tidal.trace``) at ``batch_size`` samples; every tensor input whose dimension 0 has
     ``batch_size`` rows is a batched input, the others are replicated. Nothing runs on real data
-    except single nodes FakeTensors cannot run; ``gm`` is not changed beyond its node meta.
+    except single nodes FakeTensors cannot run; ``gm`` is not changed beyond its node meta (its
+buffers, such as BatchNorm's running statistics, are restored after the runs).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     inputs = bind_inputs(gm, example_inputs)
     b0, b1 = batch_size, 2 * batch_size
-    seen0 = _observe(gm, inputs, batch_size, b0)
-    seen1 = _observe(gm, inputs, batch_size, b1)
+    state = [(t, t.detach().clone()) for t in gm.buffers()]
+    try:
+        seen0 = _observe(gm, inputs, batch_size, b0)
+        seen1 = _observe(gm, inputs, batch_size, b1)
+    finally:  # the model's state stays as it was (BatchNorm's running statistics)
+        with torch.no_grad():
+            for t, saved in state:
+                t.copy_(saved)
     facts: dict[str, Fact] = {}
     rules = _Rules(gm, facts, seen0, seen1, b0, b1, batch_size)
     for n in gm.graph.nodes:

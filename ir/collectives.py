@@ -121,6 +121,17 @@ def _redistribute(x: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> to
     return torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0].clone()
 
 
+def rows_like(x: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
+    """A stand-in for ``x`` (layout ``src``) with the rows this rank holds under ``dst``, for
+    code that reads only its shape, dtype or device (``x.size(0)`` on another GPU set): an
+    uninitialised tensor, no data moves. Without a process group: ``x`` itself."""
+    world = _world()
+    if world is None:
+        return x
+    rank = world[0]
+    return x.new_empty((dst[2 * rank + 1] - dst[2 * rank],) + tuple(x.shape[1:]))
+
+
 def _fake(x: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
     world = _world()
     rows = x.shape[0] if world is None else dst[2 * world[0] + 1] - dst[2 * world[0]]

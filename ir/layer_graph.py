@@ -39,6 +39,24 @@ _SOURCE = "<input>"
 _SINK = "<output>"
 
 
+class NotSeriesParallel(ValueError):
+    """The layer graph is not a nest of fork/join blocks at ``fork``: branches from it meet
+    first at ``join`` (graph nodes) without a single join for all of them. The region between
+    the two (``region``) is the smallest part a planner would collapse into one composite layer.
+    ``fork`` is None when ``join`` reads no layer where a chain needs one."""
+
+    def __init__(self, message: str, fork: Any, join: Any):
+        super().__init__(message)
+        self.fork, self.join = fork, join
+
+    def region(self, g: nx.DiGraph) -> set:
+        """The nodes of ``g`` from ``fork`` (exclusive) to ``join`` (inclusive): every node on
+        a path between them, and ``join``."""
+        if self.fork is None:
+            return {self.join}
+        return (nx.descendants(g, self.fork) & nx.ancestors(g, self.join)) | {self.join}
+
+
 @dataclass(frozen=True)
 class BranchBlock:
     """A fork layer, its join layer, and the layers of each parallel branch in topological
@@ -102,7 +120,7 @@ def chain_order(g: nx.DiGraph) -> list[str]:
 
 def branch_blocks(g: nx.DiGraph, label: Callable[[Any], str] = str) -> list[BranchBlock]:
     """The outermost branch blocks of the layer graph, in execution order, each with its nested
-    blocks. Raises ``ValueError`` naming the fork layer when branches share layers without
+    blocks. Raises ``NotSeriesParallel`` naming the fork layer when branches share layers without
     meeting at a single join (a graph that is not series-parallel there); ``label`` names a
     graph node in that message (e.g. a layer index as its node name)."""
     h = _with_terminals(g)
@@ -126,10 +144,10 @@ def branch_blocks(g: nx.DiGraph, label: Callable[[Any], str] = str) -> list[Bran
             members = ({s} | nx.descendants(h, s)) & inside
             if members & seen:
                 shared = sorted(members & seen, key=order.__getitem__)[:3]
-                raise ValueError(
+                raise NotSeriesParallel(  # the region: from the fork to where branches meet
                     f"layer {label(fork)!r} forks into branches that share layers "
                     f"{[label(x) for x in shared]} before joining at {label(join)!r}: not "
-                    f"series-parallel")
+                    f"series-parallel", fork, shared[0])
             seen |= members
             branches.append(tuple(sorted(members, key=order.__getitem__)))
         blocks.append(BranchBlock(fork=fork, join=join, branches=tuple(branches)))

@@ -32,19 +32,21 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
 
 import numpy as np
+import torch
 import torch.fx as fx
 
-from tidal.ir import cost, layer_graph, meta
+from tidal.ir import batch_dim, cost, meta
 from tidal.ir.cluster import Cluster
-from tidal.ir.collectives import GATHER, SCATTER, layout, replicated
+from tidal.ir.collectives import GATHER, SCATTER, layout, rows_like
 from tidal.ir.errors import PlanError
 from tidal.ir.pass_api import Pass, PassContext, PassResult
-from tidal.passes.burst_planner import (BurstPlan, BurstProblem, allreduce_us, candidate_counts,
-                                        per_gpu_batch, plan_burst)
+from tidal.passes import burst_units
+from tidal.passes.burst_planner import (BurstPlan, BurstProblem, LayerPlacement, allreduce_us,
+                                        candidate_counts, per_gpu_batch, plan_burst)
 from tidal.runtime.burst_exec import BurstExecutor, check_layer_ranks
 
 PASS_NAME = "burst_parallel"
@@ -61,37 +63,48 @@ class BurstLayerMeta:
 
 
 def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
-                  power_of_two: bool = True) -> BurstProblem:
+                  power_of_two: bool = True, example_inputs: Any = None,
+                  units: Optional[burst_units.Units] = None) -> BurstProblem:
     """The planner's input for an annotated graph (``tidal.ir.cost.annotate``) whose example
-    batch is ``batch``: layers of ``tidal.ir.layer_graph``, per-layer forward + backward time at
-    each candidate count's per-GPU batch, all-reduce time of each layer's parameters, and
-    output bytes per sample. Raises ``ValueError`` naming a layer whose output has no batch
-    dimension, a bad GPU count or an unsupported graph shape."""
-    lg = layer_graph.build(gm)
-    names = layer_graph.chain_order(lg)
-    index = {n: i for i, n in enumerate(names)}
-    preds = [tuple(sorted(index[p] for p in lg.predecessors(n))) for n in names]
+    batch is ``batch``: its units (``tidal.passes.burst_units``; the graph is analysed by
+    ``tidal.ir.batch_dim`` first, from ``example_inputs``, unless it already was), per-unit
+    forward + backward time at each candidate count's per-GPU batch (inf above one GPU for a
+    unit pinned to one), all-reduce time of each unit's parameters, and the bytes per sample of
+    the values other units read. Raises ``ValueError`` naming a bad GPU count or an output
+    that cannot be gathered by rows."""
+    if units is None:
+        units = analyse(gm, example_inputs, batch)
     counts = candidate_counts(cluster.gpus, power_of_two)
     nodes = {n.name: n for n in gm.graph.nodes}
-    L, K = len(names), len(counts)
+    L, K = len(units.units), len(counts)
     comp, sync, act = np.zeros((L, K)), np.zeros((L, K)), np.zeros(L)
     times = {g: cost.node_times_us(gm, per_gpu_batch(batch, g), cluster) for g in counts}
-    for i, name in enumerate(names):
-        node = nodes[name]
-        tensors = meta.get_tensors(node)
-        if not tensors or not tensors[0].shape or tensors[0].shape[0] != batch:
-            shape = tensors[0].shape if tensors else None
-            raise ValueError(f"burst_parallel: layer {name!r} ({meta.get_layer(node).kind}) "
-                             f"outputs shape {shape}, not a batch of {batch} samples; only "
-                             f"batch-parallel layers can be split over GPUs")
-        act[i] = sum(t.nbytes for t in tensors) / batch
-        c = meta.get_cost(node)
-        pbytes = c.param_bytes if c is not None else 0
+    for i, unit in enumerate(units.units):
+        read = [m for m in unit.outputs if any(
+            u.op == "output" or units.roles.get(u.name) in (burst_units.CUT, burst_units.OTHER)
+            for u in nodes[m].users)]
+        act[i] = sum(t.nbytes for m in read for t in meta.get_tensors(nodes[m])) / batch
+        pbytes = sum(c.param_bytes for m in unit.members
+                     if (c := meta.get_cost(nodes[m])) is not None)
         for k, g in enumerate(counts):
-            comp[i, k] = sum(times[g][name])
+            comp[i, k] = sum(sum(times[g][m]) for m in unit.members)
             sync[i, k] = allreduce_us(pbytes, g, cluster.bytes_per_us, cluster.latency_us)
-    return BurstProblem(names, preds, comp, sync, act, counts, batch, cluster.bytes_per_us,
-                        cluster.latency_us)
+        if unit.pinned:
+            comp[i, 1:] = np.inf
+    return BurstProblem([u.name for u in units.units], units.preds, comp, sync, act, counts,
+                        batch, cluster.bytes_per_us, cluster.latency_us)
+
+
+def analyse(gm: fx.GraphModule, example_inputs: Any, batch: int) -> burst_units.Units:
+    """Batch-dimension analysis of ``gm`` (unless done; without ``example_inputs``, from zeros
+    of the input shapes ``tidal.ir.cost.annotate`` recorded) and its burst units."""
+    if not any(meta.get_batch_dim(n) is not None for n in gm.graph.nodes):
+        if example_inputs is None:  # zeros of the annotated input shapes
+            example_inputs = tuple(
+                torch.zeros(t[0].shape, dtype=t[0].dtype) if (t := meta.get_tensors(n))
+                else None for n in gm.graph.nodes if n.op == "placeholder")
+        batch_dim.analyze(gm, example_inputs, batch)
+    return burst_units.build(gm)
 
 
 def check_plan(plan: BurstPlan, gpus: int) -> None:
@@ -113,86 +126,153 @@ def check_plan(plan: BurstPlan, gpus: int) -> None:
                             f"{plan.batch} into contiguous rows")
 
 
-def _layout(placement, world: int) -> list[int]:
-    rows = dict(zip(placement.ranks, placement.ranges))
-    return layout(rows.get(r, (0, 0)) for r in range(world))
+Rows = tuple[tuple[int, int], ...]
+"""Per rank of the world, the ``[lo, hi)`` samples it holds (``(0, 0)``: none)."""
+
+
+def _rows(placement: LayerPlacement, world: int) -> Rows:
+    held = dict(zip(placement.ranks, placement.ranges))
+    return tuple(held.get(r, (0, 0)) for r in range(world))
 
 
 def _holders(flat: list[int]) -> int:
     return sum(1 for k in range(0, len(flat), 2) if flat[k + 1] > flat[k])
 
 
-def rewrite(gm: fx.GraphModule, plan: BurstPlan) -> dict[str, tuple[int, ...]]:
-    """Insert scatter/gather where a value changes GPU set, mark each layer node with its
-    placement, and return the ranks of the layer that owns each parameter and buffer (all
-    ranks for one used by layers on different sets). A non-tensor node between layers (such as
-    ``x.size(0)`` in ``x.view(x.size(0), -1)``) is recomputed for each GPU set that reads it,
-    from the rows that set holds."""
-    world, batch = plan.world, plan.batch
-    placements = {l.layer: l for l in plan.layers}
-    layouts = {name: _layout(l, world) for name, l in placements.items()}
-    everyone = replicated(batch, world)
-    made: dict[tuple[str, tuple[int, ...]], fx.Node] = {}
-    owners: dict[str, tuple[int, ...]] = {}
+def _factor(node: fx.Node) -> int:
+    fact = meta.get_batch_dim(node)
+    return fact.factor if isinstance(fact, batch_dim.BatchDim) and fact.splits else 1
 
-    def source(arg: fx.Node) -> Optional[list[int]]:
-        if arg.name in layouts:
-            return layouts[arg.name]
-        if arg.op == "placeholder":
-            t = meta.get_tensors(arg)
-            return everyone if t and t[0].shape and t[0].shape[0] == batch else None
+
+class _Rewriter:
+    """Inserts the redistributions of one plan into ``gm`` (see :func:`rewrite`)."""
+
+    def __init__(self, gm: fx.GraphModule, plan: BurstPlan, units: burst_units.Units):
+        self.gm, self.units = gm, units
+        self.world, self.batch = plan.world, plan.batch
+        self.everyone: Rows = ((0, plan.batch),) * plan.world
+        self.unit_rows = {l.layer: _rows(l, plan.world) for l in plan.layers}
+        self.held: dict[str, Rows] = {}   # cut value -> the samples each rank holds of it
+        for u in units.units:
+            for m in u.members:
+                self.held[m] = self.unit_rows[u.name]
+        self.made: dict[tuple[str, Rows], fx.Node] = {}
+
+    def layout(self, node: fx.Node, rows: Rows) -> list[int]:
+        f = _factor(node)
+        return layout((lo * f, hi * f) for lo, hi in rows)
+
+    def source(self, arg: fx.Node) -> Optional[Rows]:
+        if arg.name in self.held:
+            return self.held[arg.name]
+        if arg.op == "placeholder" and burst_units.is_cut_input(arg):
+            return self.everyone
         return None
 
-    def value(arg: fx.Node, dst: list[int], before: fx.Node) -> fx.Node:
-        """``arg`` as seen by a layer on layout ``dst``."""
-        src = source(arg)
+    def value(self, arg: fx.Node, dst: Rows, before: fx.Node) -> fx.Node:
+        """``arg`` as seen by a node whose rank ``r`` holds samples ``dst[r]``."""
+        src = self.source(arg)
+        role = self.units.roles.get(arg.name)
         if src is None:
-            if arg.op not in ("call_function", "call_method", "call_module"):
-                return arg  # parameters, non-batch inputs
-            key = (arg.name, tuple(dst))
-            if key not in made:  # a looked-through node (size(), getattr): follow its inputs
-                inputs = {a: value(a, dst, before) for a in arg.all_input_nodes}
-                if all(v is a for a, v in inputs.items()):
-                    made[key] = arg
-                else:
-                    with gm.graph.inserting_before(before):
-                        made[key] = gm.graph.node_copy(arg, lambda a: inputs[a])
-            return made[key]
+            if role in (burst_units.SIZE, burst_units.INPUT):
+                return self._recompute(arg, dst, before, shape_only=role == burst_units.SIZE)
+            return arg  # parameters, replicated values and inputs
         if src == dst:
             return arg
-        key = (arg.name, tuple(dst))
-        if key not in made:
-            if dst == everyone or src == everyone:
-                op = GATHER if dst == everyone else SCATTER
+        key = (arg.name, dst)
+        if key not in self.made:
+            s, d = self.layout(arg, src), self.layout(arg, dst)
+            if dst == self.everyone or src == self.everyone:
+                op = GATHER if dst == self.everyone else SCATTER
             else:
-                op = GATHER if _holders(dst) < _holders(src) else SCATTER
-            with gm.graph.inserting_before(before):
-                made[key] = gm.graph.call_function(op, (arg, list(src), list(dst)))
-            meta.set_tensors(made[key], meta.get_tensors(arg))
-        return made[key]
+                op = GATHER if _holders(d) < _holders(s) else SCATTER
+            with self.gm.graph.inserting_before(before):
+                self.made[key] = self.gm.graph.call_function(op, (arg, s, d))
+            meta.set_tensors(self.made[key], meta.get_tensors(arg))
+        return self.made[key]
 
-    for node in list(gm.graph.nodes):
-        if node.name in layouts:
-            dst = layouts[node.name]
-            l = placements[node.name]
-            meta.set_pass_meta(node, PASS_NAME, BurstLayerMeta(l.gpus, l.ranks, l.ranges))
-            if node.op == "call_module":
-                sub = gm.get_submodule(node.target)
-                for pname in [n for n, _ in sub.named_parameters()] + \
-                        [n for n, _ in sub.named_buffers()]:
-                    full = f"{node.target}.{pname}"
-                    owners[full] = l.ranks if owners.get(full, l.ranks) == l.ranks \
-                        else tuple(range(world))
-        elif node.op == "output":
-            dst = everyone
-        else:
-            continue
-        for arg in list(node.all_input_nodes):
-            new = value(arg, dst, node)
-            if new is not arg:
-                node.replace_input_with(arg, new)
+    def _recompute(self, arg: fx.Node, dst: Rows, before: fx.Node, shape_only: bool) -> fx.Node:
+        """A copy of a size or input-derived node computed from ``dst``'s rows (a size node
+        reads a stand-in of the tensors it measures: only their shapes are needed)."""
+        key = (arg.name, dst)
+        if key not in self.made:
+            inputs = {}
+            for a in arg.all_input_nodes:
+                src = self.source(a)
+                if shape_only and src is not None and src != dst:
+                    with self.gm.graph.inserting_before(before):
+                        inputs[a] = self.gm.graph.call_function(
+                            rows_like, (a, self.layout(a, src), self.layout(a, dst)))
+                else:
+                    inputs[a] = self.value(a, dst, before)
+            if all(v is a for a, v in inputs.items()):
+                self.made[key] = arg
+            else:
+                with self.gm.graph.inserting_before(before):
+                    self.made[key] = self.gm.graph.node_copy(arg, lambda a: inputs[a])
+        return self.made[key]
+
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            unit = self.units.of(node.name) if node.name in self.held else None
+            if unit is not None:
+                dst = self.unit_rows[unit.name]
+            elif node.op == "output":
+                dst = self.everyone
+            else:
+                continue
+            for arg in list(node.all_input_nodes):
+                if unit is not None and arg.name in unit.members:
+                    continue
+                new = self.value(arg, dst, node)
+                if new is not arg:
+                    node.replace_input_with(arg, new)
+
+
+def param_ranks(gm: fx.GraphModule, plan: BurstPlan, units: burst_units.Units
+                ) -> dict[str, tuple[int, ...]]:
+    """Per parameter and buffer name (every name of a shared one), the ranks of the one unit
+    whose nodes use it, or every rank when nodes on several GPU sets (or nodes computed on
+    every rank, such as a position embedding of replicated ids) use it."""
+    everyone = tuple(range(plan.world))
+    ranks_of = {l.layer: l.ranks for l in plan.layers}
+    unit_of = {m: u.name for u in units.units for m in u.members}
+    by_id: dict[int, tuple[int, ...]] = {}
+
+    def use(tensor: Any, ranks: tuple[int, ...]) -> None:
+        by_id[id(tensor)] = ranks if by_id.get(id(tensor), ranks) == ranks else everyone
+
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            ranks = ranks_of[unit_of[node.name]] if node.name in unit_of else everyone
+            sub = gm.get_submodule(node.target)
+            for t in list(sub.parameters()) + list(sub.buffers()):
+                use(t, ranks)
+        elif node.op == "get_attr":
+            users = {unit_of.get(u.name) for u in node.users}
+            one = next(iter(users)) if len(users) == 1 else None
+            t = burst_units.attr(gm, node.target)
+            if isinstance(t, torch.Tensor):
+                use(t, ranks_of[one] if one is not None else everyone)
+    named = list(gm.named_parameters(remove_duplicate=False)) + \
+        list(gm.named_buffers(remove_duplicate=False))
+    return {name: by_id.get(id(t), everyone) for name, t in named}
+
+
+def rewrite(gm: fx.GraphModule, plan: BurstPlan,
+            units: burst_units.Units) -> dict[str, tuple[int, ...]]:
+    """Insert scatter/gather where a value changes GPU set, mark each unit's nodes with their
+    placement, and return the ranks that use each parameter and buffer (:func:`param_ranks`).
+    Replicated values stay as they are; a size or input-derived node is recomputed for each
+    GPU set that reads it, from the rows that set holds. A folded value (``factor`` rows per
+    sample) moves ``factor`` rows per sample."""
+    for l in plan.layers:
+        for m in units.units[[u.name for u in units.units].index(l.layer)].members:
+            meta.set_pass_meta(next(n for n in gm.graph.nodes if n.name == m), PASS_NAME,
+                               BurstLayerMeta(l.gpus, l.ranks, l.ranges))
+    _Rewriter(gm, plan, units).run()
     gm.recompile()
-    return owners
+    return param_ranks(gm, plan, units)
 
 
 class BurstParallel(Pass):
@@ -220,11 +300,16 @@ class BurstParallel(Pass):
         self.parallel_branches = parallel_branches
         self.amp_min_us = amp_min_us
 
+    def _units(self, gm: fx.GraphModule, ctx: PassContext) -> burst_units.Units:
+        batch_dim.analyze(gm, ctx.example_inputs, ctx.batch_size)
+        return burst_units.build(gm)
+
     def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         if ctx.cluster.gpus < 2:
             return f"it needs at least 2 GPUs; the cluster has {ctx.cluster.gpus}"
         try:
-            build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two)
+            build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two,
+                          units=self._units(gm, ctx))
         except ValueError as e:
             return f"the planner cannot take this graph: {e}"
         return ""
@@ -243,18 +328,34 @@ class BurstParallel(Pass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         try:
-            problem = build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two)
+            units = self._units(gm, ctx)
+            problem = build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two,
+                                    units=units)
             plan = self._replay(problem) if self.plan is not None else plan_burst(
                 problem, self.amp_limit, algorithm=self.algorithm,
                 amp_min_us=self.amp_min_us, parallel_branches=self.parallel_branches)
         except ValueError as e:
             self.fail(str(e))
-        owners = rewrite(gm, plan)
+        plan = replace(plan, composites=_composites(units))
+        owners = rewrite(gm, plan, units)
         notes = [plan.summary()]
+        notes += [f"layer {name}: {what}" for name, what in plan.composites]
         if plan.fallback:
             notes.append(f"no burst plan beats data parallelism under amp_limit="
                          f"{plan.amp_limit:g}: running data parallel")
         executor = BurstExecutor(plan.world, plan.batch, tuple(sorted(owners.items())),
-                                 tuple((l.layer, l.ranks) for l in plan.layers))
+                                 tuple((l.layer, l.ranks) for l in plan.layers),
+                                 tuple((u.name, u.members) for u in units.units))
         return PassResult(gm, plan=plan, notes=tuple(notes), executor=executor,
                           artifacts={"burst_plan.svg": plan.svg(), "burst_plan.txt": plan.table()})
+
+
+def _composites(units: burst_units.Units) -> tuple[tuple[str, str], ...]:
+    out = []
+    for u in units.units:
+        what = [w for w in (u.collapsed, f"runs on one GPU: {u.pinned}" if u.pinned else "")
+                if w]
+        if what:
+            out.append((u.name, f"{len(u.members)} nodes ({u.members[0]} .. {u.members[-1]}); "
+                                + "; ".join(what)))
+    return tuple(out)

@@ -169,6 +169,14 @@ class BurstProblem:
         """``G``: the largest candidate count."""
         return int(self.counts[-1])
 
+    @property
+    def dp_counts(self) -> np.ndarray:
+        """The data-parallel baseline as count indices: each layer on the most GPUs it can run
+        on (all ``G``, except a layer whose ``comp`` is inf above some count, such as one that
+        must see the whole batch on one GPU)."""
+        ok = np.isfinite(self.comp) & np.isfinite(self.sync)
+        return (ok.shape[1] - 1 - np.argmax(ok[:, ::-1], axis=1)).astype(np.int64)
+
     def _check(self) -> None:
         L, K = len(self.names), len(self.counts)
         if L == 0:
@@ -191,8 +199,10 @@ class BurstProblem:
                                  ("act_bytes", self.act_bytes, (L,))):
             if arr.shape != shape:
                 raise ValueError(f"BurstProblem({name}=...): shape {arr.shape}, expected {shape}")
-            if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-                raise ValueError(f"BurstProblem({name}=...): values must be finite and >= 0")
+            first = arr if arr.ndim == 1 else arr[:, 0]
+            if np.any(np.isnan(arr)) or np.any(arr < 0) or not np.all(np.isfinite(first)):
+                raise ValueError(f"BurstProblem({name}=...): values must be >= 0, finite on one "
+                                 f"GPU (inf only for a count a layer cannot run on)")
         if not self.bytes_per_us > 0 or self.latency_us < 0:
             raise ValueError(f"BurstProblem: bytes_per_us={self.bytes_per_us} must be > 0 and "
                              f"latency_us={self.latency_us} >= 0")
@@ -250,9 +260,17 @@ def _parse(names: tuple[str, ...], preds: tuple[tuple[int, ...], ...]) -> _Chain
                          f"{[names[i] for i in sinks[:4]]}: unsupported branch shape (need one)")
     try:
         blocks = layer_graph.branch_blocks(g, label=names.__getitem__)
-    except ValueError as e:
-        raise ValueError(f"unsupported branch shape: {e}") from None
+    except layer_graph.NotSeriesParallel as e:
+        raise layer_graph.NotSeriesParallel(f"unsupported branch shape: {e}", e.fork,
+                                            e.join) from None
     return _build_chain(list(range(len(names))), blocks, None, names, preds)
+
+
+def check_structure(names: Sequence[str], preds: Sequence[Sequence[int]]) -> None:
+    """Raise ``tidal.ir.layer_graph.NotSeriesParallel`` (with the offending fork and join
+    indices) when the layer DAG is not a chain of nested fork/join blocks the planner can
+    search, ``ValueError`` when it has several output layers."""
+    _parse(tuple(names), tuple(tuple(p) for p in preds))
 
 
 def _build_chain(members: list[int], blocks, entry: Optional[int], names, preds) -> _Chain:
@@ -263,8 +281,9 @@ def _build_chain(members: list[int], blocks, entry: Optional[int], names, preds)
     for b in blocks:
         f, j = b.fork, b.join
         if f not in pos or j not in pos or pos[j] != pos[f] + 1:
-            raise ValueError(f"unsupported branch shape: block from {names[f]!r} to "
-                             f"{names[j]!r} is not a fork followed by its join")
+            raise layer_graph.NotSeriesParallel(
+                f"unsupported branch shape: block from {names[f]!r} to {names[j]!r} is not a "
+                f"fork followed by its join", f, j)
         branches: list[Optional[_Chain]] = []
         for br in b.branches:
             if not br:
@@ -285,9 +304,12 @@ def _build_chain(members: list[int], blocks, entry: Optional[int], names, preds)
             want = set() if entry is None else {entry}
         if set(preds[i]) != want:
             extra = sorted(names[p] for p in set(preds[i]) ^ want)
-            raise ValueError(f"unsupported branch shape at layer {names[i]!r}: its inputs "
-                             f"{sorted(names[p] for p in preds[i])} are not the previous layer of "
-                             f"a chain or the branches of one block (mismatch: {extra})")
+            outside = sorted(set(preds[i]) - want)
+            raise layer_graph.NotSeriesParallel(
+                f"unsupported branch shape at layer {names[i]!r}: its inputs "
+                f"{sorted(names[p] for p in preds[i])} are not the previous layer of a chain or "
+                f"the branches of one block (mismatch: {extra})",
+                outside[0] if outside else None, i)
     return chain
 
 
@@ -333,6 +355,9 @@ class BurstPlan(Plan):
     dp_gpu_sec_us: float
     single_gpu_us: float
     fallback: bool = False
+    composites: tuple[tuple[str, str], ...] = ()
+    """``(layer, what)`` for each layer that is several graph nodes planned as one: what was
+    collapsed into it (a region that is not series-parallel) or why it runs on one GPU."""
 
     @property
     def is_data_parallel(self) -> bool:
@@ -385,6 +410,7 @@ class BurstPlan(Plan):
                  f"speedup {self.dp_time_us / max(self.time_us, 1e-12):.3f}x"]
         if self.fallback:
             lines.append("the search could not beat data parallelism: plan is data parallel")
+        lines += [f"layer {name}: {what}" for name, what in self.composites]
         return "\n".join(lines)
 
     def svg(self, width: int = 720) -> str:
@@ -595,9 +621,9 @@ def _make_plan(p: BurstProblem, ks: np.ndarray, par: set, amp_limit: float, algo
             ranks[o, g] = tuple(range(o, o + g))
         layers.append(LayerPlacement(name, g, ranks[o, g], splits[g], cp, cm, sy, a,
                                      i in in_parallel))
-    dp_time, dp_comm = dp if dp is not None else evaluate(p, np.full(len(p.names),
-                                                                       len(p.counts) - 1))
-    dp_sec = float(np.sum((dp_comm + p.comp[:, -1] + p.sync[:, -1]) * G))
+    dp_ks = p.dp_counts
+    dp_time, dp_comm = dp if dp is not None else evaluate(p, dp_ks)
+    dp_sec = float(np.sum((dp_comm + p.comp[ar, dp_ks] + p.sync[ar, dp_ks]) * p.counts[dp_ks]))
     return BurstPlan(
         world=G, batch=B, amp_limit=float(amp_limit), algorithm=algorithm, layers=tuple(layers),
         parallel_branches=tuple(sorted((p.names[j], b) for j, b in par)),
@@ -1072,7 +1098,7 @@ def plan_burst(problem: BurstProblem, amp_limit: float = 2.0, *, algorithm: str 
         raise ValueError(f"algorithm={algorithm!r}: expected one of {_ALGORITHMS}")
     p = problem
     K = len(p.counts)
-    dp_ks = np.full(len(p.names), K - 1)
+    dp_ks = p.dp_counts
     if K == 1:
         return _make_plan(p, dp_ks, set(), amp_limit, algorithm, amp_min_us)
     if algorithm == "exact" and fast:

@@ -80,48 +80,82 @@ def check_layer_ranks(layer_ranks: Iterable[tuple[str, tuple[int, ...]]], size: 
                             f"distinct ranks among the {size} GPUs {where} has")
 
 
-def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]],
-               rank: int) -> fx.GraphModule:
+def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]], rank: int,
+               unit_members: Optional[dict[str, tuple[str, ...]]] = None) -> fx.GraphModule:
     """A copy of ``gm`` for ``rank`` in which every layer whose ranks exclude ``rank`` is
-    replaced by :func:`skipped_layer` (sharing ``gm``'s modules and parameters). A layer whose
-    output is not one tensor (a tuple read by ``getitem``) keeps running on zero rows."""
+    replaced by :func:`skipped_layer` (sharing ``gm``'s modules and parameters). A layer may be
+    a unit of several nodes (``unit_members``, by layer name; default: the layer node alone):
+    each member whose value a node outside the unit reads is replaced, tied to the unit's
+    inputs that come before it (an input after every such member feeds only members whose
+    values nothing reads, on any rank), and the members nothing reads any more are dropped. A member whose output is not
+    one tensor keeps running (on zero rows)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
     graph.output(out)
-    for old, node in env.items():
-        ranks = layer_ranks.get(old.name)
-        if ranks is None or rank in ranks or node.op == "placeholder":
+    new_of = {old.name: node for old, node in env.items()}
+    old_of = {old.name: old for old in env}
+    for name, ranks in layer_ranks.items():
+        if rank in ranks:
             continue
-        tensors = meta.get_tensors(old)
-        if len(tensors) != 1 or any(u.target is operator.getitem for u in old.users):
-            continue
-        if node.target in _NO_GRAD or (node.op == "call_method" and node.target == "detach"):
-            grad, args = False, ()  # its output never requires grad
-        else:  # the inputs decide (parameters read by get_attr are inputs), and a module's own
-            grad = node.op == "call_module" and any(
-                p.requires_grad for p in gm.get_submodule(node.target).parameters())
-            args = tuple(node.all_input_nodes)
-        with graph.inserting_before(node):
-            new = graph.call_function(skipped_layer, (tuple(tensors[0].shape[1:]),
-                                                      tensors[0].dtype, grad) + args)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        members = (unit_members or {}).get(name, (name,))
+        inside = {new_of[m] for m in members if m in new_of}
+        position = _position(graph)
+        inputs = list(dict.fromkeys(a for n in sorted(inside, key=position)
+                                    for a in n.all_input_nodes if a not in inside))
+        for m in members:
+            old, node = old_of.get(m), new_of.get(m)
+            if node is None or node.op == "placeholder" or \
+                    not any(u not in inside for u in node.users):
+                continue
+            tensors = meta.get_tensors(old)
+            if len(tensors) != 1 or any(u.target is operator.getitem for u in old.users):
+                continue
+            before = [a for a in inputs if position(a) < position(node)]
+            with graph.inserting_before(node):
+                new = graph.call_function(skipped_layer, (tuple(tensors[0].shape[1:]),
+                                                          tensors[0].dtype) + _grad_args(
+                                                              gm, node, inside, before))
+            new.meta = dict(node.meta)
+            outside = [u for u in node.users if u not in inside]
+            for u in outside:
+                u.replace_input_with(node, new)
+        for node in sorted(inside, key=_position(graph), reverse=True):
+            if not node.users:
+                graph.erase_node(node)
     return fx.GraphModule(gm, graph)
+
+
+def _position(graph: fx.Graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _grad_args(gm: fx.GraphModule, node: fx.Node, inside: set, inputs: list) -> tuple:
+    """``(grad, *inputs)`` for :func:`skipped_layer`: a value that never requires grad (a
+    ``detach``) gets none; otherwise the unit's trainable modules and inputs decide."""
+    if len(inside) == 1 and (node.target in _NO_GRAD or
+                             (node.op == "call_method" and node.target == "detach")):
+        return (False,)
+    grad = any(n.op == "call_module" and any(
+        p.requires_grad for p in gm.get_submodule(n.target).parameters()) for n in inside)
+    return (grad,) + tuple(inputs)
 
 
 class BurstExecutor:
     """The executor ``burst_parallel`` returns: ``world`` ranks, the plan's global ``batch``,
     per parameter (and buffer) name of the graph module the ranks of the layer that owns it,
-    and per layer node name its ranks (``layer_ranks``; ranks outside a layer's set skip it)."""
+    per layer name its ranks (``layer_ranks``; ranks outside a layer's set skip it) and, for a
+    layer of several nodes, their names (``unit_members``)."""
 
     def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, tuple[int, ...]], ...],
-                 layer_ranks: tuple[tuple[str, tuple[int, ...]], ...] = ()):
+                 layer_ranks: tuple[tuple[str, tuple[int, ...]], ...] = (),
+                 unit_members: tuple[tuple[str, tuple[str, ...]], ...] = ()):
         self.world = world
         self.batch = batch
         self.param_ranks = dict(param_ranks)
         self.layer_ranks = dict(layer_ranks)
+        self.unit_members = dict(unit_members)
         self.groups = SubgroupCache()
         self._ready = False
         self._local: Optional[tuple[fx.GraphModule, fx.GraphModule]] = None
@@ -151,7 +185,8 @@ class BurstExecutor:
     def local_module(self, gm: fx.GraphModule) -> fx.GraphModule:
         """``gm`` specialised for this rank (:func:`specialise`), built once per graph."""
         if self._local is None or self._local[0] is not gm:
-            self._local = (gm, specialise(gm, self.layer_ranks, dist.get_rank()))
+            self._local = (gm, specialise(gm, self.layer_ranks, dist.get_rank(),
+                                              self.unit_members))
         return self._local[1]
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:

@@ -2,6 +2,7 @@
 classes from small configs with random weights and plain ``torch.nn`` models."""
 import pytest
 import torch
+import torch.fx as fx
 
 import tidal
 from tidal.ir import batch_dim, meta
@@ -377,3 +378,15 @@ def test_node_kind_ranks_unknown_then_batch_then_the_rest():
     assert node_kind((BatchDim("folded", 0, 4), BatchDim("reduced"))) == "folded"
     assert node_kind((BatchDim("batch", 0), BatchDim("unknown", reason="x"))) == "unknown"
     assert node_kind(BatchDim("replicated")) == "replicated"
+
+
+def test_analysis_leaves_batchnorm_statistics_alone():
+    # float64 BatchNorm in training mode: the fake runs update num_batches_tracked for real
+    # unless the analysis restores the buffers
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).double().train()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    gm = fx.symbolic_trace(model)
+    batch_dim.analyze(gm, (torch.randn(8, 4, dtype=torch.float64),), 8)
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before[n]), n

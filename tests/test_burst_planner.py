@@ -287,3 +287,31 @@ def test_a_one_gpu_plan_says_so_plainly():
     text = plan.summary()
     assert text.startswith("plan: 1 GPU of 8") and "burst" not in text, text
     assert "data parallelism predicted worse" in text and "syncing its gradients" in text
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_layer_pinned_to_one_gpu_stays_there(seed):
+    # comp = inf above one GPU (a layer that must see the whole batch): both searches keep it on
+    # one GPU, the exact search still equals exhaustive search, and the data-parallel baseline
+    # runs it on one GPU too (every other layer on all of them)
+    rng = np.random.default_rng(900 + seed)
+    lens = [int(v) for v in rng.integers(1, 3, size=2)]
+    p = _branchy(rng, lens, nested=seed % 2 == 1, gpus=4, batch=8, costs=_varied_costs)
+    pinned = sorted(rng.choice(len(p.names), size=2, replace=False).tolist())
+    comp = p.comp.copy()
+    comp[pinned, 1:] = np.inf
+    q = BurstProblem(p.names, p.preds, comp, p.sync, p.act_bytes, p.counts, p.batch, BW, LAT)
+    assert q.dp_counts.tolist() == [0 if i in pinned else 2 for i in range(len(p.names))]
+    with np.errstate(all="raise"):  # no inf - inf anywhere in the searches
+        for parallel in (False, True):
+            plan = plan_burst(q, 2.0, parallel_branches=parallel)
+            assert plan.to_json() == plan_burst(q, 2.0, parallel_branches=parallel,
+                                                fast=False).to_json()
+            assert [plan.layers[i].gpus for i in pinned] == [1, 1], plan.table()
+            assert plan.dp_time_us == pytest.approx(evaluate(q, q.dp_counts)[0])
+            assert np.isfinite(plan.time_us) and plan.time_us <= plan.dp_time_us * (1 + 1e-12)
+    best = min(_exhaustive(q, 2.0), evaluate(q, q.dp_counts)[0])
+    assert plan_burst(q, 2.0, parallel_branches=False).time_us == pytest.approx(best, rel=1e-9)
+    with pytest.raises(ValueError, match="finite on one GPU"):
+        comp[0, 0] = np.inf
+        BurstProblem(p.names, p.preds, comp, p.sync, p.act_bytes, p.counts, p.batch, BW, LAT)
