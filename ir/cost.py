@@ -149,22 +149,25 @@ def _affine(b0: int, v0: int, b1: int, v1: int) -> sympy.Expr:
     return sympy.nsimplify(slope * BATCH + (v0 - slope * b0))
 
 
-def _owned_bytes(gm: fx.GraphModule, n: fx.Node) -> tuple[int, int]:
+def _owned_bytes(gm: fx.GraphModule, n: fx.Node, seen: set) -> tuple[int, int]:
+    """Parameter and buffer bytes node ``n`` owns: those it uses that no earlier node did
+    (``seen`` holds their ids), so a tied weight (GPT-2's ``lm_head`` and ``wte``) or a module
+    called twice counts once."""
+    params: list = []
+    bufs: list = []
     if n.op == "call_module":
         mod = gm.get_submodule(n.target)
-        return _tensor_bytes(mod.parameters()), _tensor_bytes(mod.buffers())
-    if n.op == "get_attr":
-        try:
-            obj = gm.get_parameter(n.target)
-            return _tensor_bytes([obj]), 0
-        except AttributeError:
-            pass
-        try:
-            obj = gm.get_buffer(n.target)
-            return 0, _tensor_bytes([obj])
-        except AttributeError:
-            return 0, 0
-    return 0, 0
+        params, bufs = list(mod.parameters()), list(mod.buffers())
+    elif n.op == "get_attr":
+        for get, into in ((gm.get_parameter, params), (gm.get_buffer, bufs)):
+            try:
+                into.append(get(n.target))
+                break
+            except AttributeError:
+                continue
+    fresh = [[t for t in ts if id(t) not in seen] for ts in (params, bufs)]
+    seen.update(id(t) for ts in fresh for t in ts)
+    return _tensor_bytes(fresh[0]), _tensor_bytes(fresh[1])
 
 
 def layer_ref(gm: fx.GraphModule, n: fx.Node) -> meta.LayerRef:
@@ -202,13 +205,14 @@ def annotate(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_dim: int =
         inputs = map_aggregate(tuple(example_inputs), lambda v: _rebatch(v, b, batch_dim))
         interp.run(*inputs)
         runs[b] = interp
+    owned: set = set()
     for n in gm.graph.nodes:
         meta.set_tensors(n, runs[b0].outputs.get(n.name, ()))
         if n.op in COMPUTE_OPS or n.op == "get_attr":
             meta.set_layer(n, layer_ref(gm, n))
         s0 = runs[b0].samples.get(n.name)
         s1 = runs[b1].samples.get(n.name)
-        pbytes, bbytes = _owned_bytes(gm, n)
+        pbytes, bbytes = _owned_bytes(gm, n, owned)
         if s0 is None:
             if pbytes or bbytes:
                 zero = sympy.Integer(0)

@@ -13,9 +13,11 @@ gradients on the layer's ranks. In one process the ops are the identity: the rew
 computes exactly what the model does.
 
 Options (``tidal.compile(..., amp_limit=2.0, power_of_two=True, plan=None)``): ``amp_limit``,
-``power_of_two`` (GPU counts 1, 2, 4, ... or every count), ``plan`` (a saved ``BurstPlan`` or
-its JSON: replayed without search), ``algorithm`` (``"exact"`` or ``"paper"``),
-``parallel_branches`` and ``amp_min_us`` (see ``plan_burst``).
+``power_of_two`` (GPU counts 1, 2, 4, ... or every count), ``sync`` (``"bucketed"``, the
+default: as the executor syncs, one all-reduce per GPU set; ``"per_layer"``: DeepPool's model,
+one per layer), ``plan`` (a saved ``BurstPlan`` or its JSON: replayed without search),
+``algorithm`` (``"exact"`` or ``"paper"``), ``parallel_branches`` and ``amp_min_us`` (see
+``plan_burst``).
 
 Example:
     >>> import torch, tidal
@@ -62,37 +64,78 @@ class BurstLayerMeta:
     ranges: tuple[tuple[int, int], ...]
 
 
+SYNC_MODELS = ("bucketed", "per_layer")
+
+
 def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
                   power_of_two: bool = True, example_inputs: Any = None,
-                  units: Optional[burst_units.Units] = None) -> BurstProblem:
+                  units: Optional[burst_units.Units] = None,
+                  sync: str = "bucketed") -> BurstProblem:
     """The planner's input for an annotated graph (``tidal.ir.cost.annotate``) whose example
     batch is ``batch``: its units (``tidal.passes.burst_units``; the graph is analysed by
     ``tidal.ir.batch_dim`` first, from ``example_inputs``, unless it already was), per-unit
     forward + backward time at each candidate count's per-GPU batch (inf above one GPU for a
     unit pinned to one), all-reduce time of each unit's parameters, and the bytes per sample of
     the values other units read. Raises ``ValueError`` naming a bad GPU count or an output
-    that cannot be gathered by rows."""
+    that cannot be gathered by rows.
+
+    ``sync``: how gradient all-reduce is charged. ``"bucketed"`` (default) as the executor
+    runs it: the gradients of all layers on one set of GPUs go in one all-reduce, so each unit
+    pays its bytes over the ring and a share of the ring latency in proportion to its bytes (a
+    plan whose layers all use ``G`` GPUs pays one latency, like DDP's buckets).
+    ``"per_layer"``: DeepPool's model, a full ring all-reduce (latency included) per layer."""
+    if sync not in SYNC_MODELS:
+        raise ValueError(f"burst_parallel(sync={sync!r}): expected one of {SYNC_MODELS}")
     if units is None:
         units = analyse(gm, example_inputs, batch)
     counts = candidate_counts(cluster.gpus, power_of_two)
     nodes = {n.name: n for n in gm.graph.nodes}
     L, K = len(units.units), len(counts)
-    comp, sync, act = np.zeros((L, K)), np.zeros((L, K)), np.zeros(L)
+    comp, sync_us, act = np.zeros((L, K)), np.zeros((L, K)), np.zeros(L)
     times = {g: cost.node_times_us(gm, per_gpu_batch(batch, g), cluster) for g in counts}
+    pbytes = _unit_param_bytes(gm, units)
+    total = max(sum(pbytes), 1)
     for i, unit in enumerate(units.units):
         read = [m for m in unit.outputs if any(
             u.op == "output" or units.roles.get(u.name) in (burst_units.CUT, burst_units.OTHER)
             for u in nodes[m].users)]
         act[i] = sum(t.nbytes for m in read for t in meta.get_tensors(nodes[m])) / batch
-        pbytes = sum(c.param_bytes for m in unit.members
-                     if (c := meta.get_cost(nodes[m])) is not None)
+        latency = cluster.latency_us * (pbytes[i] / total if sync == "bucketed" else 1.0)
         for k, g in enumerate(counts):
             comp[i, k] = sum(sum(times[g][m]) for m in unit.members)
-            sync[i, k] = allreduce_us(pbytes, g, cluster.bytes_per_us, cluster.latency_us)
+            sync_us[i, k] = allreduce_us(pbytes[i], g, cluster.bytes_per_us, latency)
         if unit.pinned:
             comp[i, 1:] = np.inf
-    return BurstProblem([u.name for u in units.units], units.preds, comp, sync, act, counts,
+    return BurstProblem([u.name for u in units.units], units.preds, comp, sync_us, act, counts,
                         batch, cluster.bytes_per_us, cluster.latency_us)
+
+
+def _unit_param_bytes(gm: fx.GraphModule, units: burst_units.Units) -> list[float]:
+    """Parameter bytes each unit syncs: its nodes' own, plus those of the nodes outside every
+    unit that hold parameters (``get_attr`` weights of ``addmm``, a position embedding of
+    replicated ids), each charged to the first unit that reads it."""
+    index = {m: i for i, u in enumerate(units.units) for m in u.members}
+    out = [0.0] * len(units.units)
+    for n in gm.graph.nodes:
+        c = meta.get_cost(n)
+        if c is None or not c.param_bytes:
+            continue
+        if n.name in index:
+            out[index[n.name]] += c.param_bytes
+            continue
+        seen, todo, found = set(), list(n.users), []
+        while todo:
+            u = todo.pop()
+            if u.name in seen:
+                continue
+            seen.add(u.name)
+            if u.name in index:
+                found.append(index[u.name])
+            else:
+                todo.extend(u.users)
+        if found:
+            out[min(found)] += c.param_bytes
+    return out
 
 
 def analyse(gm: fx.GraphModule, example_inputs: Any, batch: int) -> burst_units.Units:
@@ -159,13 +202,22 @@ class _Rewriter:
         self.made: dict[tuple[str, Rows], fx.Node] = {}
 
     def layout(self, node: fx.Node, rows: Rows) -> list[int]:
+        """The rows of ``node``'s dim 0 each rank holds when it holds samples ``rows``. A value
+        with no sample dim 0 (the output of a unit pinned to one GPU) moves whole."""
+        fact = meta.get_batch_dim(node)
+        if node.op != "placeholder" and not burst_units.splits_rows(node):
+            n = meta.get_tensors(node)[0].shape[0]
+            if any(r not in ((0, 0), (0, self.batch)) for r in rows):
+                raise PlanError(f"burst_parallel: {node.name!r} has no sample dimension 0 "
+                                f"({fact}) but would be split by samples")
+            return layout((0, n) if hi > lo else (0, 0) for lo, hi in rows)
         f = _factor(node)
         return layout((lo * f, hi * f) for lo, hi in rows)
 
     def source(self, arg: fx.Node) -> Optional[Rows]:
         if arg.name in self.held:
             return self.held[arg.name]
-        if arg.op == "placeholder" and burst_units.is_cut_input(arg):
+        if arg.op == "placeholder" and burst_units.splits_rows(arg):
             return self.everyone
         return None
 
@@ -284,7 +336,8 @@ class BurstParallel(Pass):
 
     def __init__(self, amp_limit: float = 2.0, power_of_two: bool = True,
                  plan: Union[BurstPlan, str, None] = None, algorithm: str = "exact",
-                 parallel_branches: bool = True, amp_min_us: float = 0.0):
+                 parallel_branches: bool = True, amp_min_us: float = 0.0,
+                 sync: str = "bucketed"):
         if isinstance(amp_limit, bool) or not isinstance(amp_limit, (int, float)) \
                 or not amp_limit >= 1:
             raise ValueError(f"burst_parallel(amp_limit={amp_limit!r}): must be a number >= 1")
@@ -299,6 +352,9 @@ class BurstParallel(Pass):
         self.algorithm = algorithm
         self.parallel_branches = parallel_branches
         self.amp_min_us = amp_min_us
+        if sync not in SYNC_MODELS:
+            raise ValueError(f"burst_parallel(sync={sync!r}): expected one of {SYNC_MODELS}")
+        self.sync = sync
 
     def _units(self, gm: fx.GraphModule, ctx: PassContext) -> burst_units.Units:
         batch_dim.analyze(gm, ctx.example_inputs, ctx.batch_size)
@@ -309,7 +365,7 @@ class BurstParallel(Pass):
             return f"it needs at least 2 GPUs; the cluster has {ctx.cluster.gpus}"
         try:
             build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two,
-                          units=self._units(gm, ctx))
+                          units=self._units(gm, ctx), sync=self.sync)
         except ValueError as e:
             return f"the planner cannot take this graph: {e}"
         return ""
@@ -330,7 +386,7 @@ class BurstParallel(Pass):
         try:
             units = self._units(gm, ctx)
             problem = build_problem(gm, ctx.cluster, ctx.batch_size, self.power_of_two,
-                                    units=units)
+                                    units=units, sync=self.sync)
             plan = self._replay(problem) if self.plan is not None else plan_burst(
                 problem, self.amp_limit, algorithm=self.algorithm,
                 amp_min_us=self.amp_min_us, parallel_branches=self.parallel_branches)

@@ -124,8 +124,8 @@ def _uses_parameter(gm: fx.GraphModule, n: fx.Node) -> bool:
                for a in n.all_input_nodes)
 
 
-def is_cut_input(n: fx.Node) -> bool:
-    """Whether placeholder ``n`` holds the samples in dimension 0 (scattered by rows)."""
+def splits_rows(n: fx.Node) -> bool:
+    """Whether ``n``'s value holds the samples in dimension 0 (split and moved by rows)."""
     fact = _fact(n)
     return isinstance(fact, batch_dim.BatchDim) and fact.splits and fact.dim == 0
 
@@ -206,8 +206,9 @@ class _Groups:
 
 def build(gm: fx.GraphModule) -> Units:
     """The units of a graph annotated by ``tidal.ir.cost.annotate`` and analysed by
-    ``tidal.ir.batch_dim.analyze``. Raises ``ValueError`` naming a model output that cannot be
-    gathered by rows (no sample dimension 0)."""
+    ``tidal.ir.batch_dim.analyze``. A model output with no sample dimension 0 pins its unit
+    (computed whole on one GPU, then copied to every rank); raises ``ValueError`` naming a
+    model output that is not one tensor with a dimension 0 (a scalar)."""
     nodes = list(gm.graph.nodes)
     order = {n.name: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
@@ -224,11 +225,16 @@ def build(gm: fx.GraphModule) -> Units:
                     if role.get(a.name) in (CUT, OTHER):
                         uf.union(n.name, a.name)
     out_node = next(n for n in nodes if n.op == "output")
+    whole: dict[str, str] = {}  # model outputs with no sample dim 0: gathered from one GPU
     for a in out_node.all_input_nodes:
         if role.get(a.name) == OTHER:
-            raise ValueError(f"burst_parallel: the model output {a.name!r} has no sample "
-                             f"dimension 0 ({_describe(a)}); burst_parallel gathers outputs "
-                             f"by rows of dimension 0")
+            tensors = meta.get_tensors(a)
+            if len(tensors) != 1 or not tensors[0].shape:
+                raise ValueError(f"burst_parallel: the model output {a.name!r} is not one "
+                                 f"tensor with a dimension 0 ({_describe(a)}); burst_parallel "
+                                 f"gathers outputs by rows")
+            whole[a.name] = (f"the model output {a.name!r} has no sample dimension 0 "
+                             f"({_describe(a)}): it is computed whole on one GPU")
     collapsed: dict[str, list[str]] = {}
     while True:
         groups = uf.groups()
@@ -252,10 +258,11 @@ def build(gm: fx.GraphModule) -> Units:
     units = []
     for r in topo:
         members = tuple(groups[r])
-        outs = tuple(m for m in members if role[m] == CUT and any(
+        outs = tuple(m for m in members if (role[m] == CUT or m in whole) and any(
             u.op == "output" or u.name not in uf.parent or uf.find(u.name) != r
             for u in by_name[m].users)) or (members[-1],)
-        pinned = next((pins[m] for m in members if m in pins), "")
+        pinned = next((pins[m] for m in members if m in pins), "") or \
+            next((whole[m] for m in members if m in whole), "")
         reasons = list(dict.fromkeys(t for m in members for t in collapsed.get(m, [])))
         why = "" if not reasons else "collapsed (not series-parallel: " + "; ".join(
             reasons[:2]) + (f"; {len(reasons) - 2} more" if len(reasons) > 2 else "") + ")"

@@ -210,3 +210,23 @@ def test_chain_model_has_no_blocks_and_size_calls_are_looked_through():
     assert layer_graph.branch_blocks(lg) == []
     assert layer_graph.chain_order(lg) == ["a", "view", "b"]
     assert lg.graph["inputs"] == ["a"] and lg.graph["outputs"] == ["b"]
+
+
+def test_a_tied_weight_counts_once():
+    # an embedding and an output head sharing one weight (GPT-2's wte / lm_head): the shared
+    # parameter's bytes go to the first node that uses it, not to both
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+            self.head = torch.nn.Linear(16, 50, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    gm = fx.symbolic_trace(Tied())
+    cost.annotate(gm, (torch.randint(0, 50, (2, 3)),))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert meta.get_cost(nodes["emb"]).param_bytes == 50 * 16 * 4
+    assert meta.get_cost(nodes["head"]).param_bytes == 0

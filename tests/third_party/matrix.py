@@ -60,43 +60,9 @@ class Bug:
 
 EQUAL = "equal"
 
-_NOT_A_BATCH = r"layer '{}' \({}\) outputs shape \({}\), not a batch of 4 samples"
-
-
-def _not_a_batch(node: str, op: str, shape: str, reason: str) -> Refuse:
-    return Refuse(tidal.PassError, _NOT_A_BATCH.format(node, op, shape.replace(",", r",")),
-                  reason)
-
-
-_ARANGE = _not_a_batch("arange", "arange", "8,", "position ids `arange(seq)` are not a batch")
-BURST_REFUSALS = {
-    "gpt2": _ARANGE,
-    "llama": _ARANGE,
-    "qwen2": _ARANGE,
-    "t5": _ARANGE,  # T5's relative-position buckets: arange(query) - arange(key)
-    "bert": _not_a_batch("getitem_2", "getitem", "1, 8",
-                         "the `token_type_ids` buffer slice `[:, :seq]` is not a batch"),
-    "vit": Refuse(tidal.PassError, r"layer 'vit_encoder_layer_0_layernorm_before' forks into "
-                  r"branches that share layers \['matmul', 'truediv', 'softmax'\] before "
-                  r"joining at 'matmul_1': not series-parallel",
-                  "the layer graph is not series-parallel (Q, K and V share the attention "
-                  "scores)"),
-    "swin": _not_a_batch("view_2", "view", "16, 4, 4, 16",
-                         "window partition view folds the batch into 16 windows"),
-    "convnext": _not_a_batch("getitem_1", "getitem", "16, 1, 1",
-                             "the channels-first LayerNorm weight view `weight[:, None, None]` "
-                             "is not a batch"),
-    "nn_lstm": _not_a_batch("getitem_1", "getitem", "1, 4, 32",
-                            "the unused `(h_n, c_n)` output has the batch in dim 1"),
-    "nn_mha": Refuse(tidal.PassError, r"2 output layers \['getitem_1', 'head'\]: unsupported "
-                     r"branch shape", "the unused attention-weights output counts as a second "
-                     "output layer"),
-}
-"""burst_parallel refuses these models, in one process and on 2 ranks alike."""
-
-EXPECTED: dict = {(m, "burst_parallel"): r for m, r in BURST_REFUSALS.items()}
+EXPECTED: dict = {}
 """(model, pass) -> Refuse or Bug; every other single-process cell is EQUAL."""
-EXPECTED_RANKS: dict = {(m, "burst_parallel"): r for m, r in BURST_REFUSALS.items()}
+EXPECTED_RANKS: dict = {}
 """(model, multi-rank cell) -> Refuse or Bug; every other multi-rank cell is EQUAL."""
 
 
