@@ -89,13 +89,14 @@ def _trace_error(model: torch.nn.Module, tracer: _Tracer, exc: Exception) -> Tra
     code = f": `{frame.line.strip()}`" if frame and frame.line else ""
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     where = f"module '{path}' ({kind})" if path else f"the top-level forward of {kind}"
-    hint = (f"leaf_modules=['{path}'] or leaf_modules=[{kind}]" if path
-            else "simplify the top-level forward (no data-dependent control flow)")
+    hint = (f"keep the module whole: tidal.compile(..., leaf_modules=['{path}'] or "
+            f"leaf_modules=[{kind}])" if path else
+            "make that code traceable, or wrap the model in a module whose forward calls it "
+            "and pass leaf_modules=[the model's class] to keep it whole")
     return TraceError(
         f"cannot trace {type(model).__name__}: {where}"
         f"{' at ' + location if location else ''}{code}: {type(exc).__name__}: {reason}. "
-        f"If this forward has data-dependent control flow or an untraceable op, "
-        f"keep the module whole: tidal.compile(..., {hint}).",
+        f"If this forward has data-dependent control flow or an untraceable op, {hint}.",
         module_path=path, module_type=kind, location=location,
     )
 
@@ -232,7 +233,38 @@ def _trace_any(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapp
             return _trace_hf(model, example_inputs, leaf_modules)
         except TraceError as hf_error:
             return _trace_keeping_failures_whole(model, example_inputs, leaf_modules, hf_error)
-    return _trace_fx(model, example_inputs, leaf_modules)
+    try:
+        return _trace_fx(model, example_inputs, leaf_modules)
+    except TraceError as e:
+        if e.module_path or not type(model).__module__.startswith("torch.nn."):
+            raise
+        return _trace_whole(model, example_inputs, e)
+
+
+def _trace_whole(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],
+                 error: TraceError) -> fx.GraphModule:
+    """A ``torch.nn`` built-in whose own forward fx cannot trace (``nn.TransformerEncoder``
+    checks ``src.is_nested``) as one ``call_module`` node of a graph that calls it (its
+    parameters are then named ``model.<name>``), with a trace note saying so."""
+    root = torch.nn.Module()
+    root.add_module("model", model)
+    graph = fx.Graph()
+    names = [p for p in inspect.signature(model.forward).parameters]
+    if isinstance(example_inputs, Mapping):
+        given = [n for n in names if n in example_inputs]
+        kwargs = {n: graph.placeholder(n) for n in given}
+        args: tuple = ()
+    else:
+        args = tuple(graph.placeholder(n) for n in names[:len(example_inputs)])
+        kwargs = {}
+    graph.output(graph.call_module("model", args, kwargs))
+    gm = fx.GraphModule(root, graph, type(model).__name__)
+    _record_input_names(gm, model)
+    cause = error.__cause__ if error.__cause__ is not None else error
+    why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:120]
+    meta.set_trace_notes(gm, (f"torch.fx cannot trace the forward of {type(model).__name__} "
+                              f"({why}); it is kept whole as one node",))
+    return gm
 
 
 def _trace_fx(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],

@@ -318,10 +318,10 @@ def rewrite(gm: fx.GraphModule, plan: BurstPlan,
     Replicated values stay as they are; a size or input-derived node is recomputed for each
     GPU set that reads it, from the rows that set holds. A folded value (``factor`` rows per
     sample) moves ``factor`` rows per sample."""
-    for l in plan.layers:
-        for m in units.units[[u.name for u in units.units].index(l.layer)].members:
-            meta.set_pass_meta(next(n for n in gm.graph.nodes if n.name == m), PASS_NAME,
-                               BurstLayerMeta(l.gpus, l.ranks, l.ranges))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for unit, l in zip(units.units, plan.layers):
+        for m in unit.members:
+            meta.set_pass_meta(nodes[m], PASS_NAME, BurstLayerMeta(l.gpus, l.ranks, l.ranges))
     _Rewriter(gm, plan, units).run()
     gm.recompile()
     return param_ranks(gm, plan, units)

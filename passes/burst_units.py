@@ -49,6 +49,7 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -86,12 +87,13 @@ class Units:
     preds: tuple[tuple[int, ...], ...]
     roles: dict
 
+    @functools.cached_property
+    def _by_member(self) -> dict[str, Unit]:
+        return {m: u for u in self.units for m in u.members}
+
     def of(self, node_name: str) -> Optional[Unit]:
         """The unit holding ``node_name`` (None for replicated, size and input-derived nodes)."""
-        for u in self.units:
-            if node_name in u.members:
-                return u
-        return None
+        return self._by_member.get(node_name)
 
 
 def _fact(n: fx.Node) -> Optional[batch_dim.Fact]:

@@ -31,3 +31,16 @@ def test_mobilevit_falls_back_to_torch_fx_with_failing_modules_kept_whole():
     assert "mobilevit.encoder.layer.2" in leaves          # kept whole
     assert "mobilevit.conv_stem.convolution" in leaves     # the rest is traced through
     assert "trace: transformers.utils.fx cannot trace" in c.report()
+
+
+def test_a_torch_nn_model_fx_cannot_trace_is_kept_whole():
+    # nn.TransformerEncoder's own forward checks src.is_nested (fx cannot trace it): compiled
+    # at top level, it becomes one node, with a note saying so, and computes what it did
+    enc = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(
+        16, 2, 32, batch_first=True, dropout=0.0), 2).eval()
+    x = torch.randn(4, 5, 16)
+    c = tidal.compile(enc, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(c(x), enc(x))
+    assert "TransformerEncoder" in c.records[0].notes[0] and "kept whole" in c.records[0].notes[0]
+    assert [n.op for n in c.graph_module.graph.nodes].count("call_module") == 1
