@@ -199,7 +199,7 @@ class _Rewriter:
         for u in units.units:
             for m in u.members:
                 self.held[m] = self.unit_rows[u.name]
-        self.made: dict[tuple[str, Rows], fx.Node] = {}
+        self.made: dict[tuple, fx.Node] = {}
 
     def layout(self, node: fx.Node, rows: Rows) -> list[int]:
         """The rows of ``node``'s dim 0 each rank holds when it holds samples ``rows``. A value
@@ -231,7 +231,8 @@ class _Rewriter:
             return arg  # parameters, replicated values and inputs
         if src == dst:
             return arg
-        key = (arg.name, dst)
+        # a value written in place moves anew for each reader, after the writes before it
+        key = (arg.name, dst, before.name if arg.name in self.units.mutated else "")
         if key not in self.made:
             s, d = self.layout(arg, src), self.layout(arg, dst)
             if dst == self.everyone or src == self.everyone:

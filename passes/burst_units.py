@@ -81,11 +81,15 @@ class Unit:
 @dataclass(frozen=True)
 class Units:
     """The units of a graph in topological order, each one's predecessors (indices of the units
-    whose outputs it reads) and every compute node's role (by node name)."""
+    whose outputs it reads), every compute node's role (by node name) and the values written in
+    place (``mutated``)."""
 
     units: tuple[Unit, ...]
     preds: tuple[tuple[int, ...], ...]
     roles: dict
+    mutated: frozenset = frozenset()
+    """Values written in place after they are computed: each read from another GPU set moves
+    them anew, so it sees the writes made before it."""
 
     @functools.cached_property
     def _by_member(self) -> dict[str, Unit]:
@@ -166,7 +170,9 @@ def roles(gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, str]]:
         elif _fact(n) is not None and kinds <= {batch_dim.REPLICATED}:
             role[n.name] = REPLICATED
         elif _fact(n) is not None and kinds <= {batch_dim.REPLICATED, batch_dim.SIZE}:
-            role[n.name] = OTHER if reads_other else SIZE
+            role[n.name] = OTHER if reads_other or odd else SIZE
+            if odd:  # the size of an input split by another dim: not recomputable per GPU set
+                pins[n.name] = odd[0]
         elif _is_cut(n) and not odd:
             derived = all(a.op in ("placeholder", "get_attr") or role.get(a.name) in
                           (REPLICATED, SIZE, INPUT) for a in ins)
@@ -269,7 +275,9 @@ def build(gm: fx.GraphModule) -> Units:
         why = "" if not reasons else "collapsed (not series-parallel: " + "; ".join(
             reasons[:2]) + (f"; {len(reasons) - 2} more" if len(reasons) > 2 else "") + ")"
         units.append(Unit(max(outs, key=order.__getitem__), members, outs, pinned, why))
-    return Units(tuple(units), tuple(preds), role)
+    mutated = frozenset(n.all_input_nodes[0].name for n in nodes
+                        if batch_dim.mutates(n) and n.all_input_nodes)
+    return Units(tuple(units), tuple(preds), role, mutated)
 
 
 def _describe(n: fx.Node) -> str:

@@ -152,3 +152,38 @@ def test_a_long_sequence_decoder_gets_a_per_layer_plan():
     assert gpus["transformer_wte"] < 8 and gpus["matmul"] == gpus["addmm_2"] == 8, plan.table()
     heavy = max(range(len(problem.names)), key=lambda i: problem.comp[i, 0])
     assert gpus[problem.names[heavy]] == 8
+
+
+class Written(torch.nn.Module):
+    """A value read on another GPU set both before and after an in-place write into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(6, 6), torch.nn.Linear(6, 6),
+                                  torch.nn.Linear(6, 3))
+        self.register_buffer("drop", torch.arange(6) < 2)
+
+    def forward(self, x):
+        m = self.a(x).clone()
+        y = self.b(m)           # reads m before the write
+        m.masked_fill_(self.drop, 0.0)
+        return self.c(m + y)    # reads m after it
+
+
+def _written_step(rank, size):
+    torch.manual_seed(0)
+    model, x = Written(), torch.randn(4, 6)
+    gm = tidal.trace(model, (x,))
+    cost.annotate(gm, (x,))
+    problem = build_problem(gm, _fast_cluster(size), 4, example_inputs=(x,))
+    written = analyse(gm, (x,), 4).of("clone").name
+    plan = plan_from_counts(problem, {n: 1 if n == written else 2 for n in problem.names})
+    c = tidal.compile(model, (x,), passes=[BurstParallel(plan=plan.to_json())],
+                      cluster=_fast_cluster(size))
+    with torch.no_grad():
+        return c(x), model(x)
+
+
+def test_a_value_written_in_place_moves_again_for_a_later_reader():
+    for got, want in spawn(_written_step, 2, timeout_s=120):
+        torch.testing.assert_close(got, want)
