@@ -48,6 +48,10 @@ class PassContext:
     example_targets: Any = None
     plans: dict[str, Plan] = field(default_factory=dict)
     log: Callable[[str], None] = lambda msg: None
+    encode_decode_s: Optional[Callable[[str, Sequence[tuple[int, ...]]], float]] = None
+    """Measures a gradient compressor on this machine: ``(spec, parameter shapes) -> seconds``
+    of encode + decode (``compile()`` fills it from the runtime's compressors; a pass cannot
+    import the runtime)."""
 
     @classmethod
     def for_inputs(cls, example_inputs: Sequence[Any], **kw: Any) -> "PassContext":

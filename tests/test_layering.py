@@ -1,0 +1,85 @@
+"""Imports go one way (``../shared/DESIGN.md``): ``ir`` imports nothing of tidal, ``passes`` and
+``runtime`` import only ``ir``, ``compiler`` imports those three; nothing imports ``examples``.
+Every ``import`` statement counts, function-level ones included (read from the AST).
+
+``KNOWN`` lists the edges that still go the wrong way while issue 17's redesign lands: the test
+fails on any other wrong edge, and on an entry of ``KNOWN`` that no longer exists (remove it)."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("ir", "passes", "runtime", "compiler")
+MAY_IMPORT = {
+    "ir": set(),
+    "passes": {"ir"},
+    "runtime": {"ir"},
+    "compiler": {"ir", "passes", "runtime"},
+}
+KNOWN = {
+    ("compiler/cli_whatif.py", "examples"),
+    ("compiler/model_spec.py", "examples"),
+    ("ir/plan.py", "passes"),
+    ("passes/clustered_attention.py", "compiler"),
+    ("passes/tick_tock.py", "compiler"),
+    ("passes/burst_parallel.py", "runtime"),
+    ("passes/compression.py", "runtime"),
+    ("passes/layer_groups.py", "runtime"),
+    ("passes/round_robin.py", "runtime"),
+    ("passes/tick_tock.py", "runtime"),
+    ("runtime/chai_decode.py", "passes"),
+    ("runtime/ddp_hooks.py", "passes"),
+    ("runtime/grad_sync.py", "passes"),
+}
+
+
+def _target(module: str) -> str:
+    """The layer a dotted module name belongs to ('' when not tidal's)."""
+    parts = module.split(".")
+    if parts[0] == "examples":
+        return "examples"
+    if parts[0] == "tidal" and len(parts) > 1:
+        return parts[1]
+    return ""
+
+
+def imports(path: Path):
+    """(module name, line) of every import in the file, at any depth."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, node.lineno
+
+
+def wrong_edges() -> dict[tuple[str, str], list[str]]:
+    """(file, layer it should not import) -> the offending imports."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for module, line in imports(path):
+                dst = _target(module)
+                if dst and dst != layer and dst not in MAY_IMPORT[layer]:
+                    out.setdefault((rel, dst), []).append(f"{rel}:{line} imports {module}")
+    return out
+
+
+def test_imports_go_one_way():
+    edges = wrong_edges()
+    new = {k: v for k, v in edges.items() if k not in KNOWN}
+    assert not new, "imports that go the wrong way:\n" + "\n".join(
+        line for lines in new.values() for line in lines)
+
+
+def test_known_wrong_edges_are_still_there():
+    gone = sorted(KNOWN - set(wrong_edges()))
+    assert not gone, f"fixed, remove from KNOWN: {gone}"
+
+
+def test_relative_imports_are_not_used():
+    # the walk reads absolute imports only; a relative one would slip past it
+    rel = [f"{p.relative_to(ROOT)}:{n.lineno}" for layer in LAYERS
+           for p in (ROOT / layer).rglob("*.py")
+           for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not rel, rel
