@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 _PUBLIC = MappingProxyType({
     # public name -> (module, attribute in it; None: the module itself)
     "compile": ("tidal.compiler.api", "compile"),
-    "trace": ("tidal.compiler.capture", "trace"),
-    "capture_train_step": ("tidal.compiler.capture", "capture_train_step"),
+    "trace": ("tidal.ir.capture", "trace"),
+    "capture_train_step": ("tidal.ir.capture", "capture_train_step"),
     "Compiled": ("tidal.compiler.compiled", "Compiled"),
     "Cluster": ("tidal.ir.cluster", "Cluster"),
     "DeviceProfile": ("tidal.ir.device_profile", "DeviceProfile"),

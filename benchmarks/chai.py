@@ -45,7 +45,8 @@ if str(ROOT) not in sys.path:
 
 from tidal.examples.data import calibration_text, evaluation_text  # noqa: E402
 from tidal.ir.plan import Plan  # noqa: E402
-from tidal.passes.chai_calibrate import Budget, ChaiPlan  # noqa: E402
+from tidal.ir.plans.chai import ChaiPlan  # noqa: E402
+from tidal.passes.chai_calibrate import Budget  # noqa: E402
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate,  # noqa: E402
                                               clustered_graph, set_counts)
 from tidal.runtime.chai_decode import ChaiDecoder  # noqa: E402
@@ -233,7 +234,8 @@ def _with_static(plan: ChaiPlan, model, calib) -> ChaiPlan:
     """A fixed-k plan has no static membership at that k: recompute it from calibration."""
     if all(c.chosen_k is None or len(c.static_reps) == c.chosen_k for c in plan.layers):
         return plan
-    from tidal.passes.chai_calibrate import HeadStats, static_membership
+    from tidal.ir.head_clusters import static_membership
+    from tidal.passes.chai_calibrate import HeadStats
     from tidal.passes.clustered_attention import chai_modules
     gm = clustered_graph(model, calib[0])
     stats = HeadStats()

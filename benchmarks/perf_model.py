@@ -53,8 +53,8 @@ from examples.models import ZOO  # noqa: E402
 from tidal.compiler import cli_whatif  # noqa: E402
 from tidal.ir import perf_model as pm  # noqa: E402
 from tidal.ir.cluster import Cluster  # noqa: E402
-from tidal.passes.compressors import PowerSGD  # noqa: E402
-from tidal.passes.compressors.modeling import compressor_cost, encode_decode_fn  # noqa: E402
+from tidal.runtime.compressors import PowerSGD  # noqa: E402
+from tidal.runtime.compressors.modeling import compressor_cost, encode_decode_fn  # noqa: E402
 from tidal.runtime import ddp_hooks  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
 from tidal.runtime.link_fit import DEFAULT_SIZES, fit_ring_link  # noqa: E402

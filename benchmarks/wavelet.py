@@ -138,7 +138,7 @@ def _worker(rank, world, width, depth, batch, steps):
 
 def _memory_rows():
     from examples.models import ZOO
-    from tidal.compiler.capture import capture_train_step
+    from tidal.ir.capture import capture_train_step
     from tidal.ir.memory_timeline import interleave, memory_timeline
 
     rows = []

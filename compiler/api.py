@@ -1,7 +1,7 @@
 """``tidal.compile``: trace a model, annotate costs, run the selected passes."""
 from __future__ import annotations
 
-import dataclasses
+import functools
 import inspect
 import sys
 import time
@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from tidal.compiler.capture import LeafSpec, trace
+from tidal.ir.capture import LeafSpec, trace
 from tidal.compiler.compiled import Compiled, OptimizerSpec
 from tidal.compiler.pass_manager import PassRecord, run_passes, snapshot
 from tidal.ir import cost, meta
@@ -19,6 +19,7 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.input_check import check_input_dtypes
 from tidal.ir.pass_api import Pass, PassContext
 from tidal.passes import registry
+from tidal.runtime.compressors.modeling import encode_decode_s
 
 PassSpec = Union[str, Pass]
 
@@ -122,7 +123,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
                               notes=(_cost_note(gm, cost.example_batch(positional)),)))
     ctx = PassContext(example_inputs=positional, batch_size=cost.example_batch(positional),
                       cluster=cluster or Cluster(), model=model, loss_fn=loss_fn,
-                      optimizer=optimizer, example_targets=example_targets, log=log)
+                      optimizer=optimizer, example_targets=example_targets, log=log,
+                      encode_decode_s=_measurer(model))
     selected = resolve_passes(passes, options, ctx)
     if isinstance(passes, str) and passes == "auto":
         selected, skipped = auto_select(selected, gm, ctx)
@@ -133,8 +135,14 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
             raise PassError(f"pass {needs[0]!r} transforms training: give loss_fn and optimizer")
     _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
-    pass_records = _apply_grad_sync_requests(pass_records)
     return Compiled(model, gm, records + pass_records, ctx, lower=lower)
+
+
+def _measurer(model: torch.nn.Module) -> Callable[..., float]:
+    """``PassContext.encode_decode_s``: a compressor timed on this machine, on the device of
+    the model's parameters."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return functools.partial(encode_decode_s, device=device)
 
 
 def auto_select(passes: Sequence[Pass], gm, ctx: PassContext
@@ -179,27 +187,6 @@ def _check_exclusive(passes: Sequence[Pass]) -> None:
                             f"({p.exclusive}); select one of them")
         if p.exclusive:
             by_tag[p.exclusive] = p.name
-
-
-def _apply_grad_sync_requests(records: Sequence[PassRecord]) -> list[PassRecord]:
-    """Hand each pass's ``GradSyncRequest`` (e.g. ``compression`` after ``tick_tock``) to the
-    executor of the latest earlier pass that takes one (``use_grad_sync``), and drop it from its
-    own record; ``PassError`` when no earlier executor syncs gradients that way."""
-    from tidal.runtime.grad_sync import GradSyncRequest
-
-    out: list[PassRecord] = []
-    for r in records:
-        if isinstance(r.executor, GradSyncRequest):
-            hosts = [h for h in reversed(out) if h.executor is not None]
-            if not hosts or not hasattr(hosts[0].executor, "use_grad_sync"):
-                where = (f"pass {hosts[0].name!r}'s executor does not take one"
-                         if hosts else "no earlier pass set an executor")
-                raise PassError(f"pass {r.name!r} wraps the gradient sync of a parallelism "
-                                f"pass, but {where}")
-            hosts[0].executor.use_grad_sync(r.executor.factory)
-            r = dataclasses.replace(r, executor=None)
-        out.append(r)
-    return out
 
 
 def _cost_note(gm, batch: int) -> str:

@@ -47,7 +47,7 @@ from tidal.compiler.cli_args import positive_int
 from tidal.ir import perf_model
 from tidal.ir.cluster import Cluster
 if TYPE_CHECKING:  # imported where used: ``tidal whatif --help`` must not import torch
-    from tidal.passes.compressors import Compressor
+    from tidal.runtime.compressors import Compressor
 
 DESCRIPTION = """Predict whether gradient compression pays for a model on a cluster, from the
 performance model of "On the utility of gradient compression" (Eq. 4.1): the iteration time of
@@ -87,7 +87,7 @@ def parse_bandwidth(text: str) -> float:
 
 
 def _compressor(text: str) -> Compressor:
-    from tidal.passes.compressors import make_compressor
+    from tidal.runtime.compressors import make_compressor
 
     try:
         return make_compressor(text)
@@ -127,7 +127,7 @@ def model_stats(name: str) -> ModelStats:
     """Build ``name`` on the meta device, trace it and read its FLOPs and parameter shapes."""
     import torch  # here, not at import: ``tidal whatif --help`` must not import torch
 
-    from tidal.compiler.capture import trace
+    from tidal.ir.capture import trace
     from tidal.ir import cost
 
     with torch.device("meta"):
@@ -200,7 +200,7 @@ def what_if(stats: ModelStats, batch: int, cluster: Cluster, compressor: Compres
             tolerance: float = perf_model.NEAR_LINEAR_TOLERANCE) -> WhatIf:
     """Predict sync SGD and ``compressor`` for ``stats`` at per-GPU ``batch`` on ``cluster``;
     ``tolerance``: how much slower than one GPU a step may be and still scale near-linearly."""
-    from tidal.passes.compressors.modeling import compressor_cost
+    from tidal.ir.compression_model import compressor_cost
 
     sizes = [4 * math.prod(s) for s in stats.grad_shapes]
     parts = perf_model.bucket_partition(sizes, bucket_bytes)

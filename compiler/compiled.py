@@ -12,6 +12,7 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
+from tidal.runtime import executors
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
 
@@ -37,12 +38,13 @@ class Compiled:
         self.records = tuple(records)
         self.context = ctx
         self._optimizer: Optional[torch.optim.Optimizer] = None
-        executors = [r.executor for r in self.records if r.executor is not None]
-        self.executor: Optional[Executor] = executors[-1] if executors else None
+        self.executor: Optional[Executor] = executors.build(
+            gm, [r.plan for r in self.records if r.plan is not None])
         self.lowered = _lowered(gm, ctx, lower) if self.executor is None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the compiled forward (through the executor of a pass that set one)."""
+        """Run the compiled forward (through the executor the runtime built for the plans, if
+        any)."""
         if self.executor is not None:
             return self.executor.forward(self.graph_module, *args, **kwargs)
         return (self.lowered or self.graph_module)(*args, **kwargs)

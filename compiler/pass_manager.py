@@ -46,7 +46,6 @@ class PassRecord:
     plan: Optional[Plan] = None
     notes: tuple[str, ...] = ()
     artifacts: Mapping[str, str] = field(default_factory=dict)
-    executor: Optional[Executor] = field(default=None, repr=False, compare=False)
     graph_before: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
     graph_after: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 
@@ -113,14 +112,16 @@ def run_pass(gm: fx.GraphModule, p: Pass, ctx: PassContext) -> tuple[fx.GraphMod
         if n.name in added and meta.get_added_by(n) is None:
             meta.set_added_by(n, p.name)
     removed = tuple(sorted(names_before - set(names_after)))
-    if result.executor is not None and not isinstance(result.executor, Executor):
-        raise PassError(f"pass {p.name!r} returned an executor without forward/step methods")
+    if result.executor is not None:
+        raise PassError(f"pass {p.name!r} returned an executor: a pass emits (graph, plan) "
+                        f"and the runtime builds the executor from the plan "
+                        f"(tidal.runtime.executors)")
     if result.plan is not None:
         ctx.plans[p.name] = result.plan
     record = PassRecord(
         name=p.name, seconds=seconds, nodes_before=len(names_before),
         nodes_after=len(names_after), added=added, removed=removed, plan=result.plan,
-        notes=tuple(result.notes), artifacts=dict(result.artifacts), executor=result.executor,
+        notes=tuple(result.notes), artifacts=dict(result.artifacts),
         graph_before=before, graph_after=snapshot(new_gm.graph),
     )
     return new_gm, record

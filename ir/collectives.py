@@ -32,6 +32,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tidal.ir.errors import PlanError
+
 FALLBACK_TIMEOUT_S = 60.0
 """The timeout of a new group when the world group's cannot be read."""
 
@@ -174,6 +176,20 @@ SCATTER = torch.ops.tidal.scatter.default
 """The op overload a pass inserts where a layer's GPU set grows."""
 GATHER = torch.ops.tidal.gather.default
 """The op overload a pass inserts where a layer's GPU set shrinks."""
+
+
+def check_layer_ranks(layer_ranks: Iterable[tuple[str, tuple[int, ...]]], size: int,
+                      where: str = "the world") -> None:
+    """Raise ``PlanError`` naming the first layer that needs more GPUs than ``size`` (the
+    cluster's GPUs or the job's ranks, as ``where`` says) or runs on ranks that are not
+    distinct ranks ``0 .. size - 1``."""
+    for name, ranks in layer_ranks:
+        if len(ranks) > size:
+            raise PlanError(f"burst_parallel: layer {name!r} needs {len(ranks)} GPUs, but "
+                            f"{where} has {size}")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
+            raise PlanError(f"burst_parallel: layer {name!r} runs on ranks {list(ranks)}, not "
+                            f"distinct ranks among the {size} GPUs {where} has")
 
 
 def world_timeout() -> datetime.timedelta:

@@ -1,6 +1,6 @@
 """Memory timeline of one training iteration: the peak/valley curve of Wavelet's Figure 1a.
 
-From the captured training step (``tidal.compiler.capture.capture_train_step``: forward, loss
+From the captured training step (``tidal.ir.capture.capture_train_step``: forward, loss
 and backward as one aten graph with fake-tensor values in ``node.meta["val"]``) this computes,
 after each node, the bytes of activation storage that are live (liveness over the joint graph;
 views and in-place results share their base's storage and are counted once; parameters,
@@ -14,7 +14,7 @@ offset) in steady state and returns the tick, tock and summed curves on a common
 
 Example:
     >>> import torch
-    >>> from tidal.compiler.capture import capture_train_step
+    >>> from tidal.ir.capture import capture_train_step
     >>> from tidal.ir.memory_timeline import memory_timeline, interleave
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     >>> x, y = torch.randn(8, 64), torch.zeros(8, dtype=torch.long)

@@ -181,6 +181,19 @@ def module_scope(node: fx.Node) -> str:
     return path
 
 
+@dataclass(frozen=True)
+class BurstPlacement:
+    """What ``burst_parallel`` records on each node of a layer (``get_pass_meta(node,
+    "burst_parallel")``): the layer (``unit``: its name in the plan, a layer of several nodes
+    shares it), its GPU count, its ranks (the subgroup that all-reduces its parameters) and
+    each rank's sample range. The runtime builds the executor from these."""
+
+    unit: str
+    gpus: int
+    ranks: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+
 _PASS_PREFIX = "tidal.pass."
 
 

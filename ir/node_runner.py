@@ -32,6 +32,14 @@ COMPUTE_OPS = ("call_module", "call_function", "call_method")
 """fx node kinds that compute (as opposed to placeholder, get_attr, output)."""
 
 
+def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    """The object a ``get_attr`` node's dotted ``target`` names on ``gm``."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def flat_tensors(value: Any) -> list[torch.Tensor]:
     """The tensors inside a nested output, in pytree order."""
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]

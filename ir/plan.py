@@ -4,9 +4,9 @@ A plan saved with ``to_json()`` is replayed with ``Plan.from_json()`` (no search
 names the plan's *kind*, a registered name (the class name, or the class's own ``plan_kind``
 attribute), never a module path: ``Plan.from_json`` looks the kind up among the defined
 subclasses of :class:`Plan` and imports nothing a plan names, so a crafted plan cannot run an
-import. So that the plan classes of every registered pass are defined, the registry first
-imports the fixed package ``tidal.passes`` and its registered pass modules (constant names in
-``tidal.passes``, never read from a plan; the one place ``ir`` looks up at ``passes``). JSON
+import. So that every plan class is defined, the registry first imports every module of the
+fixed package ``tidal.ir.plans`` (module names listed from the package, never read from a
+plan). JSON
 written by older versions (``"module:QualName"``) is read by its ``QualName`` when that names
 a defined plan class; the module part is only compared, never imported. Fields are decoded by
 their type annotations, so tuples come back as tuples and nested dataclasses as dataclasses.
@@ -41,19 +41,23 @@ def plan_kind(cls: type) -> str:
     return cls.__dict__.get("plan_kind") or cls.__name__
 
 
-def _define_pass_plans() -> None:
-    """Import the registered passes (a fixed list in ``tidal.passes``), which defines their
-    plan classes. Cheap after the first call."""
-    from tidal.passes import registry  # a constant module: never a name taken from a plan
+def _define_plans() -> None:
+    """Import every module of ``tidal.ir.plans`` (the plan classes passes emit). Cheap after
+    the first call."""
+    import importlib
+    import pkgutil
 
-    registry()
+    from tidal.ir import plans
+
+    for info in pkgutil.iter_modules(plans.__path__):
+        importlib.import_module(f"{plans.__name__}.{info.name}")
 
 
 def plan_classes() -> tuple[type, ...]:
-    """Every defined plan class (``Plan`` and its subclasses, recursively, those of the
-    registered passes included), oldest first. This is the registry of plan kinds: it is
+    """Every defined plan class (``Plan`` and its subclasses, recursively, those of
+    ``tidal.ir.plans`` included), oldest first. This is the registry of plan kinds: it is
     derived from the class hierarchy, never filled in."""
-    _define_pass_plans()
+    _define_plans()
 
     def walk(cls: type) -> Iterator[type]:
         yield cls

@@ -7,9 +7,10 @@ sample and the parameter bytes, under the GPU-sec amplification limit. The pass 
 the forward graph: where a value crosses from one layer's GPU set to another's it inserts
 ``tidal::scatter`` (the set grows) or ``tidal::gather`` (it shrinks); model inputs are scattered
 from every rank's copy of the global batch and the output is gathered to every rank. Each layer
-node is marked with its placement (``meta.get_pass_meta(node, "burst_parallel")``) and the
-returned executor (``tidal.runtime.burst_exec.BurstExecutor``) all-reduces each layer's
-gradients on the layer's ranks. In one process the ops are the identity: the rewritten graph
+node is marked with its placement (``meta.get_pass_meta(node, "burst_parallel")``, a
+``tidal.ir.meta.BurstPlacement``); the runtime builds the executor from the plan and these
+marks (``tidal.runtime.burst_exec.from_plan``), which all-reduces each layer's gradients on the
+layer's ranks. In one process the ops are the identity: the rewritten graph
 computes exactly what the model does.
 
 Options (``tidal.compile(..., amp_limit=2.0, power_of_two=True, plan=None)``): ``amp_limit``,
@@ -34,7 +35,7 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -43,25 +44,15 @@ import torch.fx as fx
 
 from tidal.ir import batch_dim, cost, meta
 from tidal.ir.cluster import Cluster
-from tidal.ir.collectives import GATHER, SCATTER, layout, rows_like
+from tidal.ir.collectives import GATHER, SCATTER, check_layer_ranks, layout, rows_like
 from tidal.ir.errors import PlanError
 from tidal.ir.pass_api import Pass, PassContext, PassResult
+from tidal.ir.plans.burst import BurstPlan, LayerPlacement
 from tidal.passes import burst_units
-from tidal.passes.burst_planner import (BurstPlan, BurstProblem, LayerPlacement, allreduce_us,
-                                        candidate_counts, per_gpu_batch, plan_burst)
-from tidal.runtime.burst_exec import BurstExecutor, check_layer_ranks
+from tidal.passes.burst_planner import (BurstProblem, allreduce_us, candidate_counts,
+                                        per_gpu_batch, plan_burst)
 
 PASS_NAME = "burst_parallel"
-
-
-@dataclass(frozen=True)
-class BurstLayerMeta:
-    """What ``burst_parallel`` records on a layer node: its GPU count, the ranks (the subgroup
-    that all-reduces its parameters) and each rank's sample range."""
-
-    gpus: int
-    ranks: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
 
 
 SYNC_MODELS = ("bucketed", "per_layer")
@@ -282,50 +273,19 @@ class _Rewriter:
                     node.replace_input_with(arg, new)
 
 
-def param_ranks(gm: fx.GraphModule, plan: BurstPlan, units: burst_units.Units
-                ) -> dict[str, tuple[int, ...]]:
-    """Per parameter and buffer name (every name of a shared one), the ranks of the one unit
-    whose nodes use it, or every rank when nodes on several GPU sets (or nodes computed on
-    every rank, such as a position embedding of replicated ids) use it."""
-    everyone = tuple(range(plan.world))
-    ranks_of = {l.layer: l.ranks for l in plan.layers}
-    unit_of = {m: u.name for u in units.units for m in u.members}
-    by_id: dict[int, tuple[int, ...]] = {}
-
-    def use(tensor: Any, ranks: tuple[int, ...]) -> None:
-        by_id[id(tensor)] = ranks if by_id.get(id(tensor), ranks) == ranks else everyone
-
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            ranks = ranks_of[unit_of[node.name]] if node.name in unit_of else everyone
-            sub = gm.get_submodule(node.target)
-            for t in list(sub.parameters()) + list(sub.buffers()):
-                use(t, ranks)
-        elif node.op == "get_attr":
-            users = {unit_of.get(u.name) for u in node.users}
-            one = next(iter(users)) if len(users) == 1 else None
-            t = burst_units.attr(gm, node.target)
-            if isinstance(t, torch.Tensor):
-                use(t, ranks_of[one] if one is not None else everyone)
-    named = list(gm.named_parameters(remove_duplicate=False)) + \
-        list(gm.named_buffers(remove_duplicate=False))
-    return {name: by_id.get(id(t), everyone) for name, t in named}
-
-
-def rewrite(gm: fx.GraphModule, plan: BurstPlan,
-            units: burst_units.Units) -> dict[str, tuple[int, ...]]:
-    """Insert scatter/gather where a value changes GPU set, mark each unit's nodes with their
-    placement, and return the ranks that use each parameter and buffer (:func:`param_ranks`).
-    Replicated values stay as they are; a size or input-derived node is recomputed for each
-    GPU set that reads it, from the rows that set holds. A folded value (``factor`` rows per
-    sample) moves ``factor`` rows per sample."""
+def rewrite(gm: fx.GraphModule, plan: BurstPlan, units: burst_units.Units) -> None:
+    """Insert scatter/gather where a value changes GPU set and mark each unit's nodes with
+    their placement (``tidal.ir.meta.BurstPlacement``, from which the runtime builds the
+    executor). Replicated values stay as they are; a size or input-derived node is recomputed
+    for each GPU set that reads it, from the rows that set holds. A folded value (``factor``
+    rows per sample) moves ``factor`` rows per sample."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for unit, l in zip(units.units, plan.layers):
         for m in unit.members:
-            meta.set_pass_meta(nodes[m], PASS_NAME, BurstLayerMeta(l.gpus, l.ranks, l.ranges))
+            meta.set_pass_meta(nodes[m], PASS_NAME,
+                               meta.BurstPlacement(unit.name, l.gpus, l.ranks, l.ranges))
     _Rewriter(gm, plan, units).run()
     gm.recompile()
-    return param_ranks(gm, plan, units)
 
 
 class BurstParallel(Pass):
@@ -394,16 +354,13 @@ class BurstParallel(Pass):
         except ValueError as e:
             self.fail(str(e))
         plan = replace(plan, composites=_composites(units))
-        owners = rewrite(gm, plan, units)
+        rewrite(gm, plan, units)
         notes = [plan.summary()]
         notes += [f"layer {name}: {what}" for name, what in plan.composites]
         if plan.fallback:
             notes.append(f"no burst plan beats data parallelism under amp_limit="
                          f"{plan.amp_limit:g}: running data parallel")
-        executor = BurstExecutor(plan.world, plan.batch, tuple(sorted(owners.items())),
-                                 tuple((l.layer, l.ranks) for l in plan.layers),
-                                 tuple((u.name, u.members) for u in units.units))
-        return PassResult(gm, plan=plan, notes=tuple(notes), executor=executor,
+        return PassResult(gm, plan=plan, notes=tuple(notes),
                           artifacts={"burst_plan.svg": plan.svg(), "burst_plan.txt": plan.table()})
 
 

@@ -59,7 +59,7 @@ import torch.fx as fx
 
 from tidal.ir import batch_dim, meta
 from tidal.ir.layer_graph import NotSeriesParallel
-from tidal.ir.node_runner import COMPUTE_OPS
+from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr
 
 CUT, REPLICATED, SIZE, INPUT, OTHER = "cut", "replicated", "size", "input-derived", "other"
 
@@ -126,7 +126,7 @@ def _pin_reason(n: fx.Node) -> str:
 def _uses_parameter(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_module":
         return any(True for _ in gm.get_submodule(n.target).parameters())
-    return any(a.op == "get_attr" and isinstance(attr(gm, a.target), torch.nn.Parameter)
+    return any(a.op == "get_attr" and isinstance(fetch_attr(gm, a.target), torch.nn.Parameter)
                for a in n.all_input_nodes)
 
 
@@ -134,14 +134,6 @@ def splits_rows(n: fx.Node) -> bool:
     """Whether ``n``'s value holds the samples in dimension 0 (split and moved by rows)."""
     fact = _fact(n)
     return isinstance(fact, batch_dim.BatchDim) and fact.splits and fact.dim == 0
-
-
-def attr(gm: fx.GraphModule, target: str):
-    """The object ``gm.<target>`` (a dotted ``get_attr`` target), None if there is none."""
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def roles(gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, str]]:

@@ -1,7 +1,10 @@
-"""CHAI's offline phase: how many clusters each attention layer gets, and online membership.
+"""CHAI's offline phase: how many clusters each attention layer gets.
 
 Pure functions over tensors of attention probabilities (no model here; the glue that runs a
-model lives in ``clustered_attention``):
+model lives in ``clustered_attention``). Which heads share scores (``membership``,
+``online_memberships``, ``static_membership``, the tie rule ``first_best``) is shared with the
+decode runtime and lives in ``tidal.ir.head_clusters``; the plan (``ChaiPlan``,
+``LayerChoice``) in ``tidal.ir.plans.chai``.
 
 - ``HeadStats`` accumulates, per layer and per calibration sequence, the k-means clustering error
   of the layer's heads for k = 1..H (the elbow plot, dissertation §6.2.2, Fig. 6.5) and the mean
@@ -10,20 +13,12 @@ model lives in ``clustered_attention``):
   elbow is the k farthest below the straight line from (1, e(1)) to (H, e(H)) (the "kneedle"
   rule of Satopää et al. 2011); a curve with no point below the line (no plateau: heads are not
   redundant) gives k = H.
-- ``membership(features, k, kv_of_head)``: which heads share scores. Average-linkage
-  agglomerative clustering on cosine distance (as CHAI's public code does, rather than the
-  K-Means the text mentions): deterministic (no random restarts, so a sequence always gets the
-  same membership), and cosine ignores the scale of a head's score rows. Each cluster's
-  representative is the member most similar on average to the others; under grouped-query
-  attention it is chosen among members whose KV head is already needed, when possible, so that
-  whole KV heads drop out of the K cache. ``online_memberships`` is the one entry point for
-  per-sequence membership from attention probabilities: the graph (``ClusteredHeads``) and the
-  decode runtime (``ChaiDecoder``) both call it, on the same features (``head_features``).
-- Every clustering decision (merge order, representatives, k-means assignment, the elbow, the
-  order layers are tried in) is a comparison of float scores that different kernels or
-  operation orders compute with different rounding. Scores that agree within ``TIE_RTOL``
-  (relative) or ``TIE_ATOL`` (absolute) count as equal and the lowest index wins
-  (``first_best``), so a plan does not depend on the machine it was computed on.
+- Every clustering decision (k-means assignment, the elbow, the order layers are tried in, as
+  well as the merge order and representatives of ``tidal.ir.head_clusters``) is a comparison
+  of float scores that different kernels or operation orders compute with different rounding.
+  Scores that agree within ``TIE_RTOL`` (relative) or ``TIE_ATOL`` (absolute) count as equal
+  and the lowest index wins (``first_best``), so a plan does not depend on the machine it was
+  computed on.
 - ``choose_counts``: the accuracy-budgeted choice, made so that it holds on text it has not
   seen. The calibration set is split in two (``split_holdout``: every other batch by default):
   1. *Choose* on the first split under a tighter internal budget (``margin`` times the
@@ -47,16 +42,14 @@ model lives in ``clustered_attention``):
   Greedy acceptance on one text overfits it (each layer and its smallest k are accepted
   exactly when the cost happens to look small there); the margin leaves room for that, and
   the held-out check catches what the margin did not.
-- ``ChaiPlan``: the per-layer choices (chosen k, elbow k, the error curve, CHAI-static
-  membership) with an exact JSON round trip.
+- ``verdict``: a plain statement of how much redundancy the calibration found, for the plan
+  (``tidal.ir.plans.chai.ChaiPlan``: the per-layer choices, chosen k, elbow k, the error
+  curve, CHAI-static membership).
 
 Example:
     >>> import torch
-    >>> from tidal.passes.chai_calibrate import membership, kmeans_errors, elbow
+    >>> from tidal.passes.chai_calibrate import kmeans_errors, elbow
     >>> f = torch.tensor([[1., 0, 0], [0.9, 0.1, 0], [0, 1, 0], [0, 0.95, 0.05]])
-    >>> m = membership(f, 2, kv_of_head=(0, 1, 2, 3))
-    >>> m.labels, m.representatives
-    ((0, 0, 1, 1), (0, 2))
     >>> elbow(kmeans_errors(f))
     2
 """
@@ -64,158 +57,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from itertools import combinations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tidal.ir.plan import Plan
-
-FIRST_TOKENS = 5
-"""Tokens processed with full multi-head attention before membership is fixed (§6.2.3)."""
-
-TIE_RTOL = 1e-6
-"""Scores within this relative difference of each other count as a tie (lowest index wins)."""
-
-TIE_ATOL = 1e-12
-"""Scores within this absolute difference of each other count as a tie (e.g. around 0)."""
-
-
-def same_score(a: float, b: float) -> bool:
-    """Whether two scores are equal up to ``TIE_RTOL`` / ``TIE_ATOL`` (rounding noise)."""
-    return abs(a - b) <= max(TIE_RTOL * max(abs(a), abs(b)), TIE_ATOL)
-
-
-def first_best(items: Sequence[Any], score: Callable[[Any], float], *,
-               lowest: bool = False) -> Any:
-    """The first of ``items`` whose ``score`` ties (``same_score``) with the highest score
-    (``lowest``: the lowest), so that rounding noise never decides between near-equal items.
-
-    Example:
-        >>> first_best([0, 1, 2], {0: 0.5, 1: 0.5 + 1e-12, 2: 0.1}.__getitem__)
-        0
-    """
-    scores = [score(i) for i in items]
-    best = min(scores) if lowest else max(scores)
-    return next(i for i, s in zip(items, scores) if same_score(s, best))
-
-
-def tie_stable_order(items: Sequence[Any], score: Callable[[Any], float]) -> list[Any]:
-    """``items`` by ascending ``score``; items whose scores tie keep their given order."""
-    rest, out = list(items), []
-    while rest:
-        out.append(first_best(rest, score, lowest=True))
-        rest.remove(out[-1])
-    return out
-
-
-def check_count(k: int, num_heads: int, where: str = "") -> None:
-    """Raise ``ValueError`` unless ``1 <= k <= num_heads``."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_heads:
-        raise ValueError(f"{where + ': ' if where else ''}cluster count {k!r} is outside "
-                         f"1..{num_heads} (the layer has {num_heads} heads)")
-
-
-def cosine_similarity(features: torch.Tensor) -> torch.Tensor:
-    """``[H, H]`` cosine similarity of the rows of ``features`` ``[H, F]`` (float64), exactly
-    symmetric."""
-    f = features.reshape(features.shape[0], -1).double()
-    f = f / f.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    sim = f @ f.T
-    return (sim + sim.T) / 2
-
-
-def average_linkage(sim: torch.Tensor, k: int) -> tuple[int, ...]:
-    """Cluster labels (numbered by first member) from average-linkage agglomeration of the
-    similarity matrix ``sim`` ``[H, H]`` into ``k`` clusters. Of pairs of clusters whose
-    linkage ties (``same_score``), the pair with the lowest first members merges."""
-    n = sim.shape[0]
-    check_count(k, n)
-    clusters: list[list[int]] = [[h] for h in range(n)]    # kept ordered by first member
-    s = sim.double()
-    while len(clusters) > k:
-        a, b = first_best(list(combinations(range(len(clusters)), 2)),
-                          lambda p: s[clusters[p[0]]][:, clusters[p[1]]].mean().item())
-        clusters[a] = sorted(clusters[a] + clusters[b])
-        del clusters[b]
-    labels = [0] * n
-    for i, members in enumerate(clusters):
-        for h in members:
-            labels[h] = i
-    return tuple(labels)
-
-
-def _kv_cover(groups_per_cluster: list[set[int]]) -> set[int]:
-    """A smallest set of KV heads meeting every cluster (exact up to 12 KV heads, else greedy)."""
-    universe = sorted(set().union(*groups_per_cluster))
-    if len(universe) <= 12:
-        for size in range(1, len(universe) + 1):
-            for subset in combinations(universe, size):
-                if all(g & set(subset) for g in groups_per_cluster):
-                    return set(subset)
-    chosen: set[int] = set()
-    uncovered = list(range(len(groups_per_cluster)))
-    while uncovered:
-        best = max(universe, key=lambda u: sum(u in groups_per_cluster[c] for c in uncovered))
-        chosen.add(best)
-        uncovered = [c for c in uncovered if best not in groups_per_cluster[c]]
-    return chosen
-
-
-@dataclass(frozen=True)
-class Membership:
-    """Cluster ``labels`` per head and each cluster's ``representatives`` (a head index)."""
-
-    labels: tuple[int, ...]
-    representatives: tuple[int, ...]
-
-    @property
-    def rep_of_head(self) -> tuple[int, ...]:
-        """For every head, the head whose scores it uses."""
-        return tuple(self.representatives[c] for c in self.labels)
-
-
-def representatives(labels: Sequence[int], sim: torch.Tensor,
-                    kv_of_head: Sequence[int]) -> tuple[int, ...]:
-    """Per cluster, the member with the highest mean similarity to the other members,
-    restricted to a smallest set of KV heads that meets every cluster (so the most KV heads can
-    be dropped); of members whose scores tie (``same_score``), the lowest head."""
-    k = max(labels) + 1
-    members = [[h for h, c in enumerate(labels) if c == i] for i in range(k)]
-    keep = _kv_cover([{kv_of_head[h] for h in m} for m in members])
-    reps = []
-    for m in members:
-        allowed = [h for h in m if kv_of_head[h] in keep]
-        reps.append(first_best(allowed, lambda h: _mean_similarity(sim, h, m)))
-    return tuple(reps)
-
-
-def _mean_similarity(sim: torch.Tensor, head: int, members: Sequence[int]) -> float:
-    """Mean similarity of ``head`` to the other ``members`` (0 for a lone member)."""
-    others = [h for h in members if h != head]
-    return sim[head, others].mean().item() if others else 0.0
-
-
-def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
-    """Cluster the heads (rows of ``features`` ``[H, ...]``) into ``k`` clusters on cosine
-    distance and pick representatives (see the module docstring)."""
-    sim = cosine_similarity(features)
-    labels = average_linkage(sim, k)
-    return Membership(labels, representatives(labels, sim, kv_of_head))
-
-
-def online_memberships(probs: torch.Tensor, k: int, kv_of_head: Sequence[int],
-                       first: int = FIRST_TOKENS) -> tuple[Membership, ...]:
-    """Each sequence's membership from its first ``first`` query tokens: ``probs``
-    ``[B, H, Tq, Tk]`` attention probabilities (``Tq >= first``). The one function the graph
-    and the decode runtime both use, so that they cluster alike."""
-    return tuple(membership(head_features(p, first), k, kv_of_head) for p in probs)
-
-
-def static_membership(sim: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
-    """Membership from an (averaged) similarity matrix: CHAI-static's fixed clusters."""
-    labels = average_linkage(sim, k)
-    return Membership(labels, representatives(labels, sim, kv_of_head))
+from tidal.ir.head_clusters import (FIRST_TOKENS, TIE_ATOL, TIE_RTOL, check_count,
+                                    cosine_similarity, first_best, same_score, tie_stable_order)
+from tidal.ir.plans.chai import LayerChoice
 
 
 def _distances(x: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
@@ -287,17 +135,6 @@ def redundancy(errors: Sequence[float]) -> float:
     if len(errors) < 2 or errors[0] <= 0:
         return 0.0
     return sum(errors[:-1]) / errors[0] / (len(errors) - 1)
-
-
-def head_features(probs: torch.Tensor, first: int = FIRST_TOKENS) -> torch.Tensor:
-    """One sequence's per-head features: the attention rows of its first ``first`` query
-    tokens, ``probs`` ``[H, Tq, Tk]`` -> ``[H, first * T]``, keys past the last one any of
-    these rows attends to dropped (a causal prompt's first tokens give the same features
-    however many keys follow them)."""
-    rows = probs[:, :first]
-    seen = rows.ne(0).flatten(0, 1).any(dim=0).nonzero()
-    width = int(seen.max()) + 1 if seen.numel() else rows.shape[-1]
-    return rows[..., :width].flatten(1)
 
 
 class HeadStats:
@@ -514,85 +351,6 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
         evals += 1
     return Choice({l: final.get(l) for l in sorted(errors)}, metric, held_out, backed,
                   evals, softened)
-
-
-@dataclass(frozen=True)
-class LayerChoice:
-    """One attention layer's calibration result: ``chosen_k`` (None: left unclustered),
-    ``elbow_k``, the clustering ``errors`` for k = 1..H, and CHAI-static's ``static_labels`` /
-    ``static_reps`` at the chosen k (empty when unclustered)."""
-
-    layer: int
-    scope: str
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    chosen_k: Optional[int]
-    elbow_k: int
-    errors: tuple[float, ...] = ()
-    static_labels: tuple[int, ...] = ()
-    static_reps: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.chosen_k is not None:
-            check_count(self.chosen_k, self.num_heads, f"layer {self.layer} ({self.scope})")
-
-    @property
-    def kv_of_head(self) -> tuple[int, ...]:
-        """The KV head each query head reads."""
-        group = self.num_heads // self.num_kv_heads
-        return tuple(h // group for h in range(self.num_heads))
-
-
-@dataclass(frozen=True)
-class ChaiPlan(Plan):
-    """Per-layer cluster counts for ``clustered_attention``; ``mode`` "online" (membership from
-    each sequence's first ``first_tokens`` tokens) or "static" (the offline membership)."""
-
-    layers: tuple[LayerChoice, ...]
-    mode: str = "online"
-    first_tokens: int = FIRST_TOKENS
-    budget: str = ""
-    baseline_metric: float = 0.0
-    final_metric: float = 0.0
-    verdict: str = ""
-    held_out_baseline: float = 0.0
-    held_out_metric: float = 0.0
-    backed_off: tuple[int, ...] = ()
-    softened: tuple[int, ...] = ()
-
-    def counts(self) -> dict[int, Optional[int]]:
-        """Layer index -> chosen k (None: unclustered)."""
-        return {c.layer: c.chosen_k for c in self.layers}
-
-    def clustered_layers(self) -> int:
-        """How many layers are clustered with fewer clusters than heads."""
-        return sum(c.chosen_k is not None and c.chosen_k < c.num_heads for c in self.layers)
-
-    def summary(self) -> str:
-        ks = ",".join("-" if c.chosen_k is None else str(c.chosen_k) for c in self.layers)
-        return (f"{self.clustered_layers()}/{len(self.layers)} layers clustered "
-                f"(k per layer: {ks}; {self.mode})" + (f"; {self.verdict}" if self.verdict else ""))
-
-    def table(self) -> str:
-        lines = [f"{'layer':>5}  {'scope':<34} {'H':>3} {'KV':>3} {'elbow':>5} {'chosen':>6}  "
-                 f"error curve k=1..H (normalised)"]
-        for c in self.layers:
-            e0 = c.errors[0] if c.errors and c.errors[0] > 0 else 1.0
-            curve = " ".join(f"{v / e0:.2f}" for v in c.errors)
-            lines.append(f"{c.layer:>5}  {c.scope:<34} {c.num_heads:>3} {c.num_kv_heads:>3} "
-                         f"{c.elbow_k:>5} {'-' if c.chosen_k is None else c.chosen_k:>6}  {curve}")
-        if self.budget:
-            lines.append(f"budget: {self.budget}; metric {self.baseline_metric:.4g} -> "
-                         f"{self.final_metric:.4g} on the choose split")
-        if self.held_out_baseline:
-            lines.append(f"held-out check: {self.held_out_baseline:.4g} -> "
-                         f"{self.held_out_metric:.4g}; layers backed off: "
-                         f"{', '.join(map(str, self.backed_off)) or 'none'}; softened to "
-                         f"the mildest useful k: {', '.join(map(str, self.softened)) or 'none'}")
-        if self.verdict:
-            lines.append(self.verdict)
-        return "\n".join(lines)
 
 
 def verdict(plan_layers: Sequence[LayerChoice], model_name: str = "the model") -> str:

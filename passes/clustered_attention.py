@@ -17,7 +17,7 @@ with that layer's cluster count k:
 
 Reference semantics (what the rewritten graph computes, and what ``runtime.chai_decode``
 computes faster): the first ``first_tokens`` (5) query tokens use every head's own attention;
-from them the heads are clustered into k clusters (online membership, ``chai_calibrate.
+from them the heads are clustered into k clusters (online membership, ``tidal.ir.head_clusters.
 membership``; or the fixed offline membership in "static" mode, CHAI-static); every later query
 token of a head uses the attention probabilities of its cluster's representative head. V stays
 per head. Sharing probabilities is sharing scores (softmax of the representative's Q·Kᵀ), so
@@ -51,16 +51,17 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tidal.compiler.capture import trace
+from tidal.ir.capture import trace
 from tidal.ir import meta
 from tidal.ir.inputs import bind_inputs
+from tidal.ir.head_clusters import (FIRST_TOKENS, Membership, check_count, online_memberships,
+                                    static_membership)
 from tidal.ir.pass_api import Pass, PassContext, PassResult
+from tidal.ir.plans.chai import ChaiPlan, LayerChoice
 from tidal.passes.attention_match import (AttentionMatch, find_attention, hidden_attention,
                                           no_attention_message)
-from tidal.passes.chai_calibrate import (FIRST_TOKENS, Budget, ChaiPlan, HeadStats, LayerChoice,
-                                         Membership, check_count, choose_counts, elbow,
-                                         mildest_useful_k, online_memberships, split_holdout,
-                                         static_membership, verdict)
+from tidal.passes.chai_calibrate import (Budget, HeadStats, choose_counts, elbow,
+                                         mildest_useful_k, split_holdout, verdict)
 
 PASS_NAME = "clustered_attention"
 
@@ -114,7 +115,7 @@ class ClusteredHeads(torch.nn.Module):
 
     def memberships(self, probs: torch.Tensor) -> tuple[Membership, ...]:
         """One membership per batch element (static, or from the first tokens through
-        ``chai_calibrate.online_memberships``, as ``ChaiDecoder`` does)."""
+        ``tidal.ir.head_clusters.online_memberships``, as ``ChaiDecoder`` does)."""
         if self.static is not None:
             return (self.static,) * probs.shape[0]
         return online_memberships(probs, self.k, self.kv_of_head, self.first)

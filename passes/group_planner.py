@@ -5,7 +5,9 @@ Layers ``0..n-1`` run in order. Layer ``l`` owns ``layer_bytes[l]`` bytes of wei
 one after another over one link; a group of layers ``i..j`` takes
 ``T(i, j) = overhead_us + bytes(i..j) / bytes_per_us`` to send, and
 ``E(i, j) = sum(exec_us[i..j])`` to run. Group ``k`` runs once its transfer is done and group
-``k-1`` has run. The planner finds the grouping whose last group finishes first.
+``k-1`` has run. The planner finds the grouping whose last group finishes first. The pipeline
+model (``GroupCosts``, ``timeline``) and the plan (``LayerGroupPlan``) are data in
+``tidal.ir.plans.layer_groups``, where the runtime reads them.
 
 Four solvers give the same optimum (to floating-point rounding):
 
@@ -42,18 +44,13 @@ Example:
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from tidal.ir.table import format_table
-from tidal.ir.plan import Plan
-
-Groups = tuple[tuple[int, int], ...]
-"""A grouping: consecutive inclusive layer ranges ``(first, last)`` covering ``0..n-1``."""
+from tidal.ir.plans.layer_groups import GroupCosts, Groups, LayerGroupPlan, timeline
 
 
 @dataclass(frozen=True)
@@ -68,81 +65,6 @@ class Grouping:
 
 class SearchBudgetExceeded(RuntimeError):
     """:func:`pipeswitch_search` examined more states than its ``max_calls`` budget."""
-
-
-class _Costs:
-    """Validated per-layer costs with prefix sums, for O(1) ``T(i, j)`` and ``E(i, j)``."""
-
-    def __init__(self, layer_bytes: Sequence[float], exec_us: Sequence[float],
-                 bytes_per_us: float, overhead_us: float):
-        if not bytes_per_us > 0 or not math.isfinite(bytes_per_us):
-            raise ValueError(f"bytes_per_us={bytes_per_us!r}: the link bandwidth must be > 0")
-        if not overhead_us >= 0:
-            raise ValueError(f"overhead_us={overhead_us!r}: must be >= 0")
-        if len(layer_bytes) != len(exec_us):
-            raise ValueError(f"layer_bytes has {len(layer_bytes)} layers but exec_us has "
-                             f"{len(exec_us)}")
-        if not len(layer_bytes):
-            raise ValueError("no layers to group")
-        for name, values in (("layer_bytes", layer_bytes), ("exec_us", exec_us)):
-            for i, v in enumerate(values):
-                if not (float(v) >= 0 and math.isfinite(float(v))):
-                    raise ValueError(f"{name}[{i}]={v!r}: must be a finite number >= 0")
-        self.n = len(layer_bytes)
-        self.bw = float(bytes_per_us)
-        self.oh = float(overhead_us)
-        self.bytes_prefix = [0.0] + list(itertools.accumulate(float(b) for b in layer_bytes))
-        self.exec_prefix = [0.0] + list(itertools.accumulate(float(e) for e in exec_us))
-
-    def nbytes(self, i: int, j: int) -> float:
-        return self.bytes_prefix[j + 1] - self.bytes_prefix[i]
-
-    def T(self, i: int, j: int) -> float:
-        """Transfer time of layers i..j (0 for an empty range)."""
-        return 0.0 if j < i else self.oh + (self.bytes_prefix[j + 1] - self.bytes_prefix[i]) / self.bw
-
-    def E(self, i: int, j: int) -> float:
-        """Execution time of layers i..j (0 for an empty range)."""
-        return 0.0 if j < i else self.exec_prefix[j + 1] - self.exec_prefix[i]
-
-
-@dataclass(frozen=True)
-class GroupTimes:
-    """Predicted timeline of one group: transfer and execution start/end in microseconds."""
-
-    tx_start: float
-    tx_end: float
-    ex_start: float
-    ex_end: float
-
-
-def _timeline(c: _Costs, groups: Groups) -> tuple[GroupTimes, ...]:
-    tx = ex = 0.0
-    out = []
-    for a, b in groups:
-        tx_start, tx = tx, tx + c.T(a, b)
-        ex_start = max(tx, ex)
-        ex = ex_start + c.E(a, b)
-        out.append(GroupTimes(tx_start, tx, ex_start, ex))
-    return tuple(out)
-
-
-def _check_groups(groups: Groups, n: int) -> None:
-    nxt = 0
-    for a, b in groups:
-        if a != nxt or b < a:
-            raise ValueError(f"groups {groups} are not consecutive ranges covering 0..{n - 1}")
-        nxt = b + 1
-    if nxt != n:
-        raise ValueError(f"groups {groups} do not cover layers 0..{n - 1}")
-
-
-def timeline(groups: Groups, layer_bytes: Sequence[float], exec_us: Sequence[float],
-             bytes_per_us: float, overhead_us: float) -> tuple[GroupTimes, ...]:
-    """The predicted transfer/execution timeline of ``groups`` (one entry per group)."""
-    c = _Costs(layer_bytes, exec_us, bytes_per_us, overhead_us)
-    _check_groups(groups, c.n)
-    return _timeline(c, groups)
 
 
 def pipeline_time(groups: Groups, layer_bytes: Sequence[float], exec_us: Sequence[float],
@@ -175,7 +97,7 @@ def pipeswitch_search(layer_bytes: Sequence[float], exec_us: Sequence[float], *,
     E(x,i) + E(i+1,n-1))`` already exceeds it. ``max_calls`` bounds the recursive calls
     (``SearchBudgetExceeded`` past it), for the ablations of PipeSwitch's Table 5.
     """
-    c = _Costs(layer_bytes, exec_us, bytes_per_us, overhead_us)
+    c = GroupCosts(layer_bytes, exec_us, bytes_per_us, overhead_us)
     n, T, E = c.n, c.T, c.E
     calls = 0
 
@@ -207,10 +129,10 @@ def pipeswitch_search(layer_bytes: Sequence[float], exec_us: Sequence[float], *,
         return best_time, best_groups
 
     time_us, groups = find(0, 0.0)
-    return Grouping(groups, _timeline(c, groups)[-1].ex_end, calls)
+    return Grouping(groups, c.timeline(groups)[-1].ex_end, calls)
 
 
-def _greedy(c: _Costs, limit: float, tails: list[float], tx_prefix: list[float]
+def _greedy(c: GroupCosts, limit: float, tails: list[float], tx_prefix: list[float]
             ) -> Optional[Groups]:
     """The greedy grouping that finishes by ``limit``, or None if no grouping does."""
     groups = []
@@ -230,14 +152,14 @@ def optimal_grouping(layer_bytes: Sequence[float], exec_us: Sequence[float], *,
                      ) -> Grouping:
     """The optimal grouping by bisection over the finish time with an exact greedy
     feasibility test (see the module docstring for the proof)."""
-    c = _Costs(layer_bytes, exec_us, bytes_per_us, overhead_us)
+    c = GroupCosts(layer_bytes, exec_us, bytes_per_us, overhead_us)
     n = c.n
     total_e = c.exec_prefix[-1]
     tails = [total_e - c.exec_prefix[a] for a in range(n)]
     tx_prefix = [c.bytes_prefix[b + 1] / c.bw for b in range(n)]
 
     def cost(groups: Groups) -> float:
-        return _timeline(c, groups)[-1].ex_end
+        return c.timeline(groups)[-1].ex_end
 
     best = single_group(n)
     hi = cost(best)
@@ -271,7 +193,7 @@ def dp_grouping(layer_bytes: Sequence[float], exec_us: Sequence[float], *, bytes
     depends on: ``D[k][j] = min_i max(k*overhead + P(j), D[k-1][i]) + E(i+1, j)``. Each ``k``
     is one vectorised ``n x n`` step; ``k`` stops at the bound ``(best - P(n-1)) / overhead``.
     """
-    c = _Costs(layer_bytes, exec_us, bytes_per_us, overhead_us)
+    c = GroupCosts(layer_bytes, exec_us, bytes_per_us, overhead_us)
     n = c.n
     tx = np.asarray(c.bytes_prefix[1:]) / c.bw
     ends = np.asarray(c.exec_prefix[1:])  # ends[j] = E(0, j)
@@ -299,13 +221,13 @@ def dp_grouping(layer_bytes: Sequence[float], exec_us: Sequence[float], *, bytes
         j = i
     groups.append((0, j))
     groups.reverse()
-    return Grouping(tuple(groups), _timeline(c, tuple(groups))[-1].ex_end, len(parents) + 1)
+    return Grouping(tuple(groups), c.timeline(tuple(groups))[-1].ex_end, len(parents) + 1)
 
 
 def brute_force(layer_bytes: Sequence[float], exec_us: Sequence[float], *, bytes_per_us: float,
                 overhead_us: float) -> Grouping:
     """The best of all ``2^(n-1)`` groupings (for tests; refuses ``n > 16``)."""
-    c = _Costs(layer_bytes, exec_us, bytes_per_us, overhead_us)
+    c = GroupCosts(layer_bytes, exec_us, bytes_per_us, overhead_us)
     n = c.n
     if n > 16:
         raise ValueError(f"brute_force: {n} layers is too many (at most 16)")
@@ -314,7 +236,7 @@ def brute_force(layer_bytes: Sequence[float], exec_us: Sequence[float], *, bytes
         cuts = [i for i in range(n - 1) if mask >> i & 1]
         starts, ends = [0] + [i + 1 for i in cuts], cuts + [n - 1]
         groups = tuple(zip(starts, ends))
-        t = _timeline(c, groups)[-1].ex_end
+        t = c.timeline(groups)[-1].ex_end
         count += 1
         if t < best_time:
             best, best_time = groups, t
@@ -325,55 +247,12 @@ SOLVERS = {"fast": optimal_grouping, "dp": dp_grouping, "pipeswitch": pipeswitch
 """Solvers by name for :func:`make_plan`'s ``algorithm``."""
 
 
-@dataclass(frozen=True)
-class LayerGroupPlan(Plan):
-    """What the ``layer_groups`` pass chose: the layer groups, their bytes and the predicted
-    pipeline (microseconds from the start of the first transfer), beside the per-layer and
-    single-group pipelines."""
-
-    layers: tuple[str, ...]
-    layer_bytes: tuple[int, ...]
-    layer_exec_us: tuple[float, ...]
-    groups: tuple[tuple[int, int], ...]
-    group_bytes: tuple[int, ...]
-    transfer_us: tuple[float, ...]
-    exec_us: tuple[float, ...]
-    times: tuple[GroupTimes, ...]
-    total_us: float
-    per_layer_us: float
-    single_group_us: float
-    bytes_per_us: float
-    overhead_us: float
-    strategy: str = "optimal"
-
-    def timeline_of(self, groups: Groups) -> tuple[GroupTimes, ...]:
-        """The predicted timeline of another grouping of the same layers."""
-        return timeline(groups, self.layer_bytes, self.layer_exec_us, self.bytes_per_us,
-                        self.overhead_us)
-
-    def summary(self) -> str:
-        return (f"{len(self.groups)} groups of {len(self.layers)} layers, "
-                f"{self.total_us / 1e3:.3g} ms predicted (per-layer "
-                f"{self.per_layer_us / 1e3:.3g} ms, one group {self.single_group_us / 1e3:.3g} ms)")
-
-    def table(self) -> str:
-        rows = []
-        for k, ((a, b), nbytes, t, e, tm) in enumerate(zip(
-                self.groups, self.group_bytes, self.transfer_us, self.exec_us, self.times)):
-            span = self.layers[a] if a == b else f"{self.layers[a]} .. {self.layers[b]}"
-            rows.append([k, f"{a}-{b} ({b - a + 1}) {span}", nbytes, round(t, 1), round(e, 1),
-                         f"{tm.tx_start:.1f}-{tm.tx_end:.1f}", f"{tm.ex_start:.1f}-{tm.ex_end:.1f}"])
-        head = format_table(["group", "layers", "bytes", "T us", "E us", "transfer us",
-                             "execute us"], rows)
-        return head + "\n" + self.summary()
-
-
 def make_plan(layer_names: Sequence[str], layer_bytes: Sequence[int], exec_us: Sequence[float],
               *, bytes_per_us: float, overhead_us: float, strategy: str = "optimal",
               algorithm: str = "fast") -> LayerGroupPlan:
     """Group the layers (``strategy``: ``optimal``, ``per_layer`` or ``single``; the optimum
     from ``algorithm``: ``fast`` or ``pipeswitch``) and return the plan with its timelines."""
-    c = _Costs(layer_bytes, exec_us, bytes_per_us, overhead_us)
+    c = GroupCosts(layer_bytes, exec_us, bytes_per_us, overhead_us)
     if len(layer_names) != c.n:
         raise ValueError(f"{len(layer_names)} layer names for {c.n} layers")
     if strategy == "optimal":
@@ -387,13 +266,13 @@ def make_plan(layer_names: Sequence[str], layer_bytes: Sequence[int], exec_us: S
         groups = single_group(c.n)
     else:
         raise ValueError(f"strategy={strategy!r}: expected 'optimal', 'per_layer' or 'single'")
-    times = _timeline(c, groups)
+    times = c.timeline(groups)
     return LayerGroupPlan(
         layers=tuple(layer_names), layer_bytes=tuple(int(b) for b in layer_bytes),
         layer_exec_us=tuple(float(e) for e in exec_us), groups=tuple(groups),
         group_bytes=tuple(int(round(c.nbytes(a, b))) for a, b in groups),
         transfer_us=tuple(c.T(a, b) for a, b in groups),
         exec_us=tuple(c.E(a, b) for a, b in groups), times=times, total_us=times[-1].ex_end,
-        per_layer_us=_timeline(c, per_layer(c.n))[-1].ex_end,
-        single_group_us=_timeline(c, single_group(c.n))[-1].ex_end,
+        per_layer_us=c.timeline(per_layer(c.n))[-1].ex_end,
+        single_group_us=c.timeline(single_group(c.n))[-1].ex_end,
         bytes_per_us=c.bw, overhead_us=c.oh, strategy=strategy)

@@ -29,6 +29,8 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch.fx as fx
@@ -36,8 +38,8 @@ import torch.fx as fx
 from tidal.ir import cost, meta, ops
 from tidal.ir.cluster import Cluster
 from tidal.ir.pass_api import Pass, PassContext, PassResult
-from tidal.passes.group_planner import SOLVERS, LayerGroupPlan, make_plan, per_layer, single_group
-from tidal.runtime.weight_loader import PipelinedLoadExecutor
+from tidal.ir.plans.layer_groups import LayerGroupPlan
+from tidal.passes.group_planner import SOLVERS, make_plan, per_layer, single_group
 
 _STRUCTURAL = ("placeholder", "output")
 
@@ -148,13 +150,14 @@ class LayerGroups(Pass):
             with gm.graph.inserting_before(layers[first][0]):
                 gm.graph.call_function(ops.GROUP_BOUNDARY, (k,))
         gm.recompile()
-        executor = PipelinedLoadExecutor(self.weight_store) if self.weight_store else None
+        if self.weight_store:
+            plan = dataclasses.replace(plan, weight_store=str(self.weight_store))
         svg = timeline_svg(plan)
         notes = (f"{len(plan.groups)} groups over {len(plan.layers)} layers; predicted "
                  f"{plan.total_us:.1f} us vs per-layer {plan.per_layer_us:.1f} us and one "
                  f"group {plan.single_group_us:.1f} us",)
         return PassResult(gm, plan=plan, artifacts={"layer_groups_timeline.svg": svg},
-                          notes=notes, executor=executor)
+                          notes=notes)
 
 
 _COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1")

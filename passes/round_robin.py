@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch.fx as fx
@@ -38,7 +37,7 @@ from torch.fx.passes.split_module import split_module
 
 from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.ir import cost, layer_graph, meta
-from tidal.ir.plan import Plan
+from tidal.ir.plans.round_robin import RoundRobinPlan
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.schedule import Action, Schedule
 
@@ -199,39 +198,6 @@ def round_robin_schedule(fwd_us: Sequence[float], bwd_us: Sequence[float],
                     batches=n, notes=notes)
 
 
-@dataclass(frozen=True)
-class RoundRobinPlan(Plan):
-    """The partitions (layer names, first layer of each), their predicted times and weight
-    bytes, the cut bytes and the schedule."""
-
-    partitions: int
-    micro_batch: int
-    first_layers: tuple[str, ...]
-    layers_per_partition: tuple[int, ...]
-    fwd_us: tuple[float, ...]
-    bwd_us: tuple[float, ...]
-    param_bytes: tuple[int, ...]
-    cut_bytes: tuple[float, ...]
-    schedule: Schedule
-
-    def summary(self) -> str:
-        return (f"{self.partitions} partitions of {list(self.layers_per_partition)} layers, "
-                f"micro-batch {self.micro_batch}, "
-                f"{int(self.schedule.note('switches_per_rank'))} switches/rank/step")
-
-    def table(self) -> str:
-        rows = [f"partition {p}: from {self.first_layers[p]} ({self.layers_per_partition[p]} "
-                f"layers) fwd {self.fwd_us[p]:.3g} us bwd {self.bwd_us[p]:.3g} us, "
-                f"{self.param_bytes[p] / 2**20:.3g} MiB weights"
-                for p in range(self.partitions)]
-        return "\n".join([self.summary(), *rows, self.schedule.table()])
-
-    def switch_bytes_per_step(self) -> int:
-        """Weight bytes one rank loads per step: every partition in the forward and every
-        partition but the last again in the backward."""
-        return int(sum(self.param_bytes) + sum(self.param_bytes[:-1]))
-
-
 # -- graph analysis -----------------------------------------------------------------------
 def _is_container(n: fx.Node) -> bool:
     return bool(n.users) and all(u.op == "call_function" and u.target is operator.getitem
@@ -388,8 +354,6 @@ class RoundRobin(Pass):
         return plan, part
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        from tidal.runtime.round_robin_exec import RoundRobinExecutor
-
         plan, part = self.plan(gm, ctx)
         split = split_module(gm, ctx.model, lambda x: part[x.name], keep_original_order=True,
                              tuple_return=True)
@@ -399,8 +363,7 @@ class RoundRobin(Pass):
                  f"per step, {plan.switch_bytes_per_step() / 2**20:.3g} MiB of weights loaded",
                  f"schedule rank 0: {plan.schedule.line(0)}") + _unused_note(gm, ctx)
         return PassResult(split, plan=plan, notes=notes,
-                          artifacts={"round_robin_gantt.svg": plan.schedule.gantt_svg()},
-                          executor=RoundRobinExecutor(split, plan, model=gm))
+                          artifacts={"round_robin_gantt.svg": plan.schedule.gantt_svg()})
 
     def ensures(self, gm: fx.GraphModule, ctx: PassContext, result: PassResult) -> None:
         subs = [n for n in result.gm.graph.nodes if n.op == "call_module"]

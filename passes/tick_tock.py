@@ -21,7 +21,6 @@ Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch.fx as fx
@@ -29,7 +28,7 @@ import torch.fx as fx
 from tidal.ir import cost
 from tidal.ir.memory_timeline import interleave, memory_timeline, timeline_svg
 from tidal.ir.pass_api import Pass, PassContext, PassResult
-from tidal.ir.plan import Plan
+from tidal.ir.plans.tick_tock import TickTockPlan
 from tidal.ir.schedule import Action, Schedule, split_batch
 
 _NAME = "tick_tock"
@@ -71,32 +70,6 @@ def tick_tock_schedule(ranks: int, fwd_us: float, bwd_us: float, allreduce_us: f
                     notes=(("offset_us", float(fwd_us)), ("gang_us", float(gang))))
 
 
-@dataclass(frozen=True)
-class TickTockPlan(Plan):
-    """Ranks, the per-wave batch of one rank, the predicted forward (the tock offset) and
-    iteration times, the activation-memory peaks (one wave; tick+tock interleaved; two waves
-    started together) and the schedule."""
-
-    ranks: int
-    wave_batch: int
-    offset_us: float
-    iteration_us: float
-    saved_bytes: int
-    peak_bytes: int
-    peak_interleaved: int
-    peak_gang: int
-    schedule: Schedule
-
-    def summary(self) -> str:
-        mib = 2 ** 20
-        return (f"2 waves x {self.ranks} ranks, batch {self.wave_batch}/wave/rank, tock offset "
-                f"{self.offset_us:.3g} us; peak activations {self.peak_interleaved / mib:.3g} "
-                f"MiB interleaved vs {self.peak_gang / mib:.3g} MiB gang")
-
-    def table(self) -> str:
-        return "\n".join([self.summary(), self.schedule.table()])
-
-
 class TickTock(Pass):
     """Wavelet tick-tock data parallelism: tick and tock waves with separate replicas, the tock
     one forward behind, cross-wave gradient averaging (Eq. 1) and a per-wave all-reduce.
@@ -127,8 +100,7 @@ class TickTock(Pass):
         return make(batch) if callable(make) else None
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        from tidal.compiler.capture import capture_train_step
-        from tidal.runtime.wave_exec import TickTockExecutor
+        from tidal.ir.capture import capture_train_step
 
         n = self.ranks or ctx.cluster.gpus
         shards = 2 * n
@@ -170,5 +142,4 @@ class TickTock(Pass):
                             peak_gang=int(peaks[3]), schedule=schedule)
         notes += [f"tock offset {fwd:.3g} us of a {fwd + bwd:.3g} us iteration",
                   f"schedule: {schedule.line(0)}"]
-        return PassResult(gm, plan=plan, notes=tuple(notes), artifacts=artifacts,
-                          executor=TickTockExecutor(plan))
+        return PassResult(gm, plan=plan, notes=tuple(notes), artifacts=artifacts)

@@ -39,12 +39,15 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from tidal.ir import meta
-from tidal.ir.collectives import SubgroupCache
+from tidal.ir.collectives import SubgroupCache, check_layer_ranks
 from tidal.ir.errors import PlanError
+from tidal.ir.node_runner import fetch_attr
 from tidal.runtime.distributed import all_reduce_tensors, copy_from_flat, is_distributed
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 
 _NO_GRAD = (torch.detach, torch.Tensor.detach)
+PASS_NAME = "burst_parallel"
+"""The pass whose node marks (``tidal.ir.meta.BurstPlacement``) this executor reads."""
 
 
 def skipped_layer(tail: tuple[int, ...], dtype: torch.dtype, grad: bool, *inputs: Any
@@ -64,20 +67,6 @@ def skipped_layer(tail: tuple[int, ...], dtype: torch.dtype, grad: bool, *inputs
             if t.requires_grad:
                 out = out + t.sum().to(dtype)
     return out
-
-
-def check_layer_ranks(layer_ranks: Iterable[tuple[str, tuple[int, ...]]], size: int,
-                      where: str = "the world") -> None:
-    """Raise ``PlanError`` naming the first layer that needs more GPUs than ``size`` (the
-    cluster's GPUs or the job's ranks, as ``where`` says) or runs on ranks that are not
-    distinct ranks ``0 .. size - 1``."""
-    for name, ranks in layer_ranks:
-        if len(ranks) > size:
-            raise PlanError(f"burst_parallel: layer {name!r} needs {len(ranks)} GPUs, but "
-                            f"{where} has {size}")
-        if len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
-            raise PlanError(f"burst_parallel: layer {name!r} runs on ranks {list(ranks)}, not "
-                            f"distinct ranks among the {size} GPUs {where} has")
 
 
 def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]], rank: int,
@@ -140,6 +129,52 @@ def _grad_args(gm: fx.GraphModule, node: fx.Node, inside: set, inputs: list) -> 
     grad = any(n.op == "call_module" and any(
         p.requires_grad for p in gm.get_submodule(n.target).parameters()) for n in inside)
     return (grad,) + tuple(inputs)
+
+
+def from_plan(gm: fx.GraphModule, plan: Any) -> "BurstExecutor":
+    """The executor of a ``burst_parallel`` plan (a ``BurstPlan``: ``world``, ``batch`` and
+    per layer its ``layer`` name and ``ranks``) on the graph the pass rewrote, whose nodes carry
+    their placement (``tidal.ir.meta.BurstPlacement``)."""
+    members: dict[str, list[str]] = {}
+    for n in gm.graph.nodes:
+        placed = meta.get_pass_meta(n, PASS_NAME)
+        if isinstance(placed, meta.BurstPlacement):
+            members.setdefault(placed.unit, []).append(n.name)
+    ranks_of = {l.layer: tuple(l.ranks) for l in plan.layers}
+    unit_of = {m: unit for unit, ms in members.items() for m in ms}
+    owners = param_ranks(gm, plan.world, unit_of, ranks_of)
+    return BurstExecutor(plan.world, plan.batch, tuple(sorted(owners.items())),
+                         tuple(ranks_of.items()),
+                         tuple((unit, tuple(ms)) for unit, ms in members.items()))
+
+
+def param_ranks(gm: fx.GraphModule, world: int, unit_of: dict[str, str],
+                ranks_of: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Per parameter and buffer name (every name of a shared one), the ranks of the one layer
+    whose nodes use it (``unit_of``: node name -> layer; ``ranks_of``: layer -> ranks), or
+    every rank when nodes on several GPU sets, or nodes computed on every rank (a position
+    embedding of replicated ids), use it."""
+    everyone = tuple(range(world))
+    by_id: dict[int, tuple[int, ...]] = {}
+
+    def use(tensor: Any, ranks: tuple[int, ...]) -> None:
+        by_id[id(tensor)] = ranks if by_id.get(id(tensor), ranks) == ranks else everyone
+
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            ranks = ranks_of[unit_of[node.name]] if node.name in unit_of else everyone
+            sub = gm.get_submodule(node.target)
+            for t in list(sub.parameters()) + list(sub.buffers()):
+                use(t, ranks)
+        elif node.op == "get_attr":
+            users = {unit_of.get(u.name) for u in node.users}
+            one = next(iter(users)) if len(users) == 1 else None
+            t = fetch_attr(gm, str(node.target))
+            if isinstance(t, torch.Tensor):
+                use(t, ranks_of[one] if one is not None else everyone)
+    named = list(gm.named_parameters(remove_duplicate=False)) + \
+        list(gm.named_buffers(remove_duplicate=False))
+    return {name: by_id.get(id(t), everyone) for name, t in named}
 
 
 class BurstExecutor:

@@ -42,8 +42,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from tidal.passes.chai_calibrate import (FIRST_TOKENS, ChaiPlan, Membership, check_count,
-                                         online_memberships)
+from tidal.ir.head_clusters import FIRST_TOKENS, Membership, check_count, online_memberships
+from tidal.ir.plans.chai import ChaiPlan
 
 
 @dataclass
@@ -247,7 +247,7 @@ class ChaiDecoder:
     def first_token_membership(self, i: int, probs: torch.Tensor) -> Membership:
         """Layer ``i``'s membership: the plan's in static mode, else the first sequence's from
         the attention probabilities of its first tokens ``probs`` ``[B, H, first, first]``
-        (``chai_calibrate.online_memberships``, the function the graph uses)."""
+        (``tidal.ir.head_clusters.online_memberships``, the function the graph uses)."""
         if self.static[i] is not None:
             return self.static[i]
         return online_memberships(probs[:1], self.counts[i], self.kv_of_head, self.first)[0]

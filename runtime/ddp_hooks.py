@@ -22,8 +22,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from tidal.passes.compressors import (Comm, Compressor, PowerSGD, QSGD, RandomK, SignSGD, TopK,
-                                      synchronize)
+from tidal.runtime.compressors import (Comm, Compressor, PowerSGD, QSGD, RandomK, SignSGD, TopK,
+                                       synchronize)
 
 # No ``from __future__ import annotations`` in this module: DDP checks the hooks' annotations
 # as objects (``dist.GradBucket``, ``torch.futures.Future[torch.Tensor]``).

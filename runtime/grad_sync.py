@@ -1,16 +1,18 @@
 """Gradient synchronization shared by the executors: plain averaging all-reduce or a compressor.
 
-An executor that trains data-parallel (the ``compression`` pass's own, ``tick_tock``'s waves)
-hands its gradients to a :class:`GradSync` for a process group. The gradients are bucketed like
-DDP (in backward order, i.e. the reverse of the order given, 25 MiB buckets) and each bucket
-goes through :func:`tidal.passes.compressors.synchronize`: encode, one collective per round
-for the whole bucket, decode (with error feedback when the compressor keeps it). With no
-compressor (:class:`~tidal.passes.compressors.NoCompression`) this is the plain averaging
+An executor that trains data-parallel (:mod:`tidal.runtime.data_parallel`'s, ``tick_tock``'s
+waves) hands its gradients to a :class:`GradSync` for a process group. The gradients are
+bucketed like DDP (in backward order, i.e. the reverse of the order given, 25 MiB buckets) and
+each bucket goes through :func:`tidal.runtime.compressors.synchronize`: encode, one collective
+per round for the whole bucket, decode (with error feedback when the compressor keeps it). With
+no compressor (:class:`~tidal.runtime.compressors.NoCompression`) this is the plain averaging
 all-reduce, so an executor has one code path whether compression is on or off.
 
-The ``compression`` pass composes with a parallelism pass by returning a
-:class:`GradSyncRequest` instead of an executor; ``tidal.compile`` hands its factory to the
-earlier pass's executor (``use_grad_sync``), which builds one :class:`GradSync` per group.
+The ``compression`` pass composes with a parallelism pass at the plan level: its
+``CompressionPlan`` names the compressor and the buckets, and
+:func:`tidal.runtime.data_parallel.compression_executor` hands a :class:`GradSyncFactory` built
+from that plan to the parallelism executor's ``use_grad_sync``, which builds one
+:class:`GradSync` per process group it syncs on.
 
 Example:
     >>> import torch
@@ -26,10 +28,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.passes.compressors import Comm, Compressor, NoCompression, synchronize
+from tidal.runtime.compressors import Comm, Compressor, NoCompression, synchronize
 
 
 class GradSync:
@@ -89,27 +90,3 @@ GradSyncFactory = Callable[[Optional[dist.ProcessGroup]], GradSync]
 def plain_sync(group: Optional[dist.ProcessGroup] = None) -> GradSync:
     """The default factory: plain averaging all-reduce on ``group``."""
     return GradSync(group=group)
-
-
-class GradSyncRequest:
-    """Returned as the ``executor`` of a pass that changes *how* gradients are synchronized
-    but not the parallelism (``compression`` after ``tick_tock``): ``tidal.compile`` passes
-    ``factory`` to the ``use_grad_sync`` of the executor an earlier pass set, and drops this
-    one. Running it as an executor is an error naming the pass."""
-
-    def __init__(self, pass_name: str, factory: GradSyncFactory):
-        self.pass_name = pass_name
-        self.factory = factory
-
-    def _fail(self) -> None:
-        raise RuntimeError(f"pass {self.pass_name!r} only changes the gradient sync of an "
-                           "earlier parallelism pass's executor; it cannot run a step itself")
-
-    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        """Not an executor of its own (see class doc)."""
-        self._fail()
-
-    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
-             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """Not an executor of its own (see class doc)."""
-        self._fail()

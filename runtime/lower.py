@@ -45,7 +45,7 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir import meta
 from tidal.ir.cluster import Cluster
-from tidal.ir.node_runner import COMPUTE_OPS
+from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr
 from tidal.ir.ops import is_tidal_op
 from tidal.runtime.backend import Backend, backend_for
 
@@ -201,7 +201,7 @@ class _Codegen:
     def src(self, a: Any) -> str:
         if isinstance(a, fx.Node):
             if a.op == "get_attr":
-                return self.const(_fetch_attr(self.gm, a.target))
+                return self.const(fetch_attr(self.gm, a.target))
             return self.var(a)
         if isinstance(a, tuple) and type(a) is tuple:
             return "(" + "".join(self.src(x) + ", " for x in a) + ")"
@@ -238,13 +238,6 @@ class _Codegen:
         fn = scope[name]
         fn.__tidal_source__ = src
         return fn
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _value_nodes(a: Any) -> list[fx.Node]:
@@ -491,7 +484,7 @@ class PieceRun:
     def result(self) -> Any:
         """The forward's output (after every piece ran)."""
         lowered = self._lowered
-        return fx.node.map_arg(lowered._output.args[0], lambda n: _fetch_attr(
+        return fx.node.map_arg(lowered._output.args[0], lambda n: fetch_attr(
             lowered.gm, n.target) if n.op == "get_attr" else self._env[lowered._cg.var(n)])
 
 

@@ -85,6 +85,11 @@ def _floats(values: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, v in values.items() if v.is_floating_point()]
 
 
+def from_plan(gm: fx.GraphModule, plan: Any) -> "RoundRobinExecutor":
+    """The executor of a ``round_robin`` plan on the graph the pass split into partitions."""
+    return RoundRobinExecutor(gm, plan)
+
+
 class RoundRobinExecutor:
     """Runs a round-robin plan's schedule on the split graph ``split`` (see module doc).
     ``model``: the module whose trainable parameters must each be owned by one partition

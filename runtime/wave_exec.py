@@ -75,6 +75,11 @@ def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
     return type(opt)(groups, **opt.defaults)
 
 
+def from_plan(gm: fx.GraphModule, plan: Any) -> "TickTockExecutor":
+    """The executor of a ``tick_tock`` plan (its waves, ranks and schedule)."""
+    return TickTockExecutor(plan)
+
+
 class TickTockExecutor:
     """Runs a tick-tock plan (see module doc). ``tock`` is the tock replica (after the first
     step); ``last_applied[wave][name]`` the gradient each wave applied in the last step;

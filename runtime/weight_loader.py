@@ -247,6 +247,13 @@ def cold_start(compiled: Any, path: PathLike, *inputs: Any, **kwargs: Any) -> An
     return out
 
 
+def from_plan(gm: fx.GraphModule, plan: Any) -> Optional["PipelinedLoadExecutor"]:
+    """The executor of a ``layer_groups`` plan that names a weight store (None without one:
+    the graph runs as it is)."""
+    store = getattr(plan, "weight_store", None)
+    return PipelinedLoadExecutor(store) if store else None
+
+
 class PipelinedLoadExecutor:
     """Executor for ``Compiled``: the first forward streams the weights in from ``path`` while
     it runs; later calls (and training steps) run the resident graph."""

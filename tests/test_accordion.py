@@ -6,8 +6,8 @@ import io
 import pytest
 import torch
 
-from tidal.passes.accordion import Accordion, AccordionBatch, is_critical
-from tidal.passes.compressors import PowerSGD
+from tidal.runtime.accordion import Accordion, AccordionBatch, is_critical
+from tidal.runtime.compressors import PowerSGD
 from tidal.runtime.distributed import spawn
 
 # window norms of two layers, the learning rate now and next window, and the rule's verdict:
@@ -126,12 +126,13 @@ def test_decision_is_made_on_rank_zero_and_broadcast():
 SCHEDULE = lambda step: 0.1 if step < 6 else 0.01  # noqa: E731   steps 0-5 at 0.1, then 0.01
 
 
-def _steps_until_decisions(lookahead, steps=12, interval=3):
+def _steps_until_decisions(lookahead, steps=12, interval=3, **options):
     """Run the compression executor on one process with a gradient that never changes (so
     only the first window and a decay can be critical), the learning rate following SCHEDULE
     (applied by MultiStepLR, milestone 6), and return per window whether it was critical, and
-    the learning rates the optimizer used. ``lookahead``: the schedule function, "scheduler"
-    (the executor peeks the MultiStepLR) or None (no lookahead)."""
+    the learning rates the optimizer used. ``lookahead``: the schedule function (read into the
+    plan), "scheduler" (the executor peeks the MultiStepLR) or None (no lookahead); ``options``
+    go to the pass."""
     import tidal
     from tidal.passes.compression import CompressionPass
 
@@ -141,9 +142,9 @@ def _steps_until_decisions(lookahead, steps=12, interval=3):
     sched_holder = {}
     compiled = tidal.compile(
         model, x, passes=[CompressionPass(
-            compressor=PowerSGD(2, min_compression_rate=0), accordion=(2, 1),
+            compressor="powersgd:2,min_compression_rate=0", accordion=(2, 1),
             accordion_interval=interval,
-            accordion_lr_schedule=lookahead if callable(lookahead) else None)],
+            accordion_lr_schedule=lookahead if callable(lookahead) else None, **options)],
         loss_fn=lambda out, y: out.sum(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     sched_holder["s"] = torch.optim.lr_scheduler.MultiStepLR(compiled.optimizer, [6], 0.1)
     if lookahead == "scheduler":
@@ -167,10 +168,13 @@ def test_decay_ahead_is_critical_for_the_window_that_runs_at_the_new_rate():
     assert _steps_until_decisions("scheduler") == (crit, used)
     # no lookahead: the drop is seen after step 9, when the window 6-8 already ran
     assert _steps_until_decisions(None) == ([True, False, True, False], used)
+    # the schedule read for 6 steps only: the window 6-8 lies beyond, seen late as without
+    assert _steps_until_decisions(SCHEDULE, accordion_lr_horizon=6) == \
+        ([True, False, True, False], used)
 
 
 def test_peek_leaves_scheduler_and_optimizer_untouched():
-    from tidal.passes.accordion import LrLookahead, peek_scheduler_lrs
+    from tidal.runtime.accordion import LrLookahead, peek_scheduler_lrs
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 import tidal
 from tidal.ir import collectives, cost, meta
 from tidal.ir.errors import PassError
-from tidal.passes.burst_parallel import BurstLayerMeta, BurstParallel, build_problem
-from tidal.passes.burst_planner import BurstPlan, plan_from_counts
+from tidal.ir.plans.burst import BurstPlan
+from tidal.passes.burst_parallel import BurstParallel, build_problem
+from tidal.passes.burst_planner import plan_from_counts
 from tidal.runtime.distributed import spawn
 
 BATCH = 8
@@ -240,7 +241,7 @@ def test_one_process_is_plain_training_and_graph_is_rewritten():
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert collectives.SCATTER in ops and collectives.GATHER in ops
     marked = [meta.get_pass_meta(n, "burst_parallel") for n in gm.graph.nodes]
-    assert {m.gpus for m in marked if isinstance(m, BurstLayerMeta)} == {1, 2, 4}
+    assert {m.gpus for m in marked if isinstance(m, meta.BurstPlacement)} == {1, 2, 4}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     assert out_node.args[0].target == collectives.GATHER  # output gathered to every rank
     exact = dict(rtol=1e-12, atol=1e-12)  # float64; the same ops, but not a kernel-exact claim

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tidal.ir.plan import Plan
-from tidal.passes.burst_planner import (BurstPlan, BurstProblem, allreduce_us, candidate_counts,
-                                        evaluate, per_gpu_batch, plan_burst, plan_from_counts)
+from tidal.ir.plans.burst import BurstPlan
+from tidal.passes.burst_planner import (BurstProblem, allreduce_us, candidate_counts, evaluate,
+                                        per_gpu_batch, plan_burst, plan_from_counts)
 
 BW, LAT = 2000.0, 5.0
 

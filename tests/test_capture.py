@@ -6,7 +6,7 @@ import torch
 
 import tidal
 from examples.models import ZOO
-from tidal.compiler.capture import capture_train_step, trace
+from tidal.ir.capture import capture_train_step, trace
 
 
 def _eager_grads(model, inputs, targets):

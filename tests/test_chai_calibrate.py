@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
+from tidal.ir.head_clusters import (average_linkage, first_best, head_features, membership,
+                                    online_memberships, representatives, tie_stable_order)
 from tidal.ir.plan import Plan
-from tidal.passes.chai_calibrate import (Budget, ChaiPlan, LayerChoice, average_linkage,
-                                         choose_counts, elbow, first_best, head_features,
-                                         kmeans_errors, membership, nearest_centres,
-                                         online_memberships, representatives, split_holdout,
-                                         tie_stable_order, verdict)
+from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+from tidal.passes.chai_calibrate import (Budget, choose_counts, elbow, kmeans_errors,
+                                         nearest_centres, split_holdout, verdict)
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate, clustered_graph,
                                               perplexity)
 from tidal.passes.clustered_attention import chai_modules

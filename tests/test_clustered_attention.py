@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tidal
-from tidal.passes.chai_calibrate import Membership, cosine_similarity, head_features
+from tidal.ir.head_clusters import Membership, cosine_similarity, head_features
 from tidal.passes.clustered_attention import ClusteredAttention, ClusteredHeads, chai_modules
 from tidal.runtime.chai_decode import ChaiDecoder
 from examples.models import LlamaConfig, LlamaForCausalLM, bert_small, llama_small

@@ -1,7 +1,8 @@
 """The ``compression`` pass: data-parallel steps on gloo ranks; compression off (or effectively
 off) equals eager training on the global batch; the DDP-hook path and the compile path give the
 same parameters; the executor's state (residuals, warm-start Q, Accordion) checkpoints bit for
-bit; ``mode="auto"`` follows the performance model."""
+bit; ``mode="auto"`` follows the performance model; the pass emits a plan and the runtime
+(``compression_executor``) builds the data-parallel executor or wraps a host's sync from it."""
 import io
 
 import pytest
@@ -10,10 +11,13 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tidal
+from tidal.ir.pass_api import PassContext
 from tidal.ir.plan import Plan
-from tidal.passes.compression import CompressionPass, CompressionPlan
-from tidal.passes.compressors import NoCompression, PowerSGD, make_compressor
+from tidal.ir.plans.compression import CompressionPlan
+from tidal.passes.compression import CompressionPass
 from tidal.runtime import ddp_hooks
+from tidal.runtime.compressors import NoCompression, PowerSGD, make_compressor
+from tidal.runtime.data_parallel import DataParallelExecutor, compression_executor
 from tidal.runtime.distributed import spawn
 
 BATCH = 8
@@ -40,8 +44,8 @@ def _sgd(params):
 
 
 def _compressor(spec):
-    opts = {"min_compression_rate": 0} if spec.startswith("powersgd") else {}
-    return make_compressor(spec, **opts)
+    """The spec, with PowerSGD compressing every matrix (the test model's are small)."""
+    return spec + ",min_compression_rate=0" if spec.startswith("powersgd") else spec
 
 
 def _compiled(model, spec, **kw):
@@ -229,3 +233,127 @@ def test_after_tick_tock_the_pass_wraps_its_sync_and_refuses_accordion():
         tidal.compile(_model(), x, passes=[TickTock(ranks=1),
                                            CompressionPass("powersgd:4", accordion=(4, 1))],
                       **kw)
+
+
+# --- plan level: the pass emits data, the runtime builds from it ------------------------------
+
+def _ctx(**kw):
+    x, y = _data(0)
+    return PassContext.for_inputs((x,), model=_model(), loss_fn=_loss, optimizer=_sgd,
+                                  example_targets=y, **kw)
+
+
+def _plan(**kw):
+    ctx = _ctx()
+    p = CompressionPass(**kw)
+    p.requires(None, ctx)
+    result = p(None, ctx)
+    assert result.executor is None
+    return result.plan
+
+
+def test_a_compressor_object_is_read_through_its_spec():
+    obj = make_compressor("powersgd:2", min_compression_rate=0, seed=3)
+    assert _plan(compressor=obj) == _plan(compressor="powersgd:2,min_compression_rate=0,seed=3")
+    assert _plan(compressor=obj).compressor == obj.spec()
+    with pytest.raises(TypeError, match="spec string like 'powersgd:4'"):
+        CompressionPass(compressor=4)
+
+
+def test_auto_mode_measures_through_the_context_or_says_what_it_needs():
+    seen = []
+
+    def measure(spec, shapes):
+        seen.append((spec, list(shapes)))
+        return 1e-5
+
+    ctx = _ctx(cluster=tidal.Cluster(gpus=8, bandwidth_gbps=1e-4, latency_us=1),
+               encode_decode_s=measure)
+    gm = tidal.compile(ctx.model, ctx.example_inputs).graph_module     # traced, costs annotated
+    plan = CompressionPass("topk:0.1", mode="auto")(gm, ctx).plan
+    names = [n for b in plan.buckets for n in b]
+    shapes = dict((n, tuple(p.shape)) for n, p in ctx.model.named_parameters())
+    assert plan.enabled and seen == [("topk:0.1", [shapes[n] for n in names])]
+    with pytest.raises(tidal.PassError, match="mode='auto' needs the encode\\+decode time"):
+        CompressionPass("topk:0.1", mode="auto")(gm, _ctx())
+
+
+def test_the_runtime_measurer_has_the_context_signature():
+    from tidal.runtime.compressors.modeling import encode_decode_s
+
+    assert encode_decode_s("powersgd:2", [(16, 8), (8,)]) > 0
+
+
+def test_accordion_schedule_is_recorded_as_data():
+    plan = _plan(compressor="powersgd:2", accordion=(2, 1), accordion_interval=3,
+                 accordion_lr_schedule=lambda s: 0.1 if s < 6 else 0.01,
+                 accordion_lr_horizon=30)
+    assert plan.accordion == (2.0, 1.0, 0.5, 3) and plan.accordion_levels == (2, 1)
+    assert plan.accordion_lr_decays == ((6, 0.1, 0.01),) and plan.accordion_lr_horizon == 30
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "decay ahead after steps 6" in plan.table()
+    ex = compression_executor(plan, None)
+    assert ex.lr_lookahead.now_and_next(6, 3, 0.1) == (0.1, 0.01)
+    assert ex.lr_lookahead.now_and_next(30, 3, 0.01) is None        # past the horizon
+    with pytest.raises(ValueError, match=r"accordion_lr_schedule\(4\) failed"):
+        _plan(accordion=(4, 1), accordion_lr_schedule=([0.1] * 4).__getitem__,
+              accordion_lr_horizon=10)
+
+
+def test_compression_executor_alone_is_data_parallel_from_the_plan():
+    plan = _plan(compressor="qsgd:4", accordion=(8, 2), accordion_interval=2)
+    ex = compression_executor(plan, None)
+    assert isinstance(ex, DataParallelExecutor) and ex.compressor.spec() == "qsgd:4"
+    assert ex.buckets == plan.buckets and ex.accordion_interval == 2
+    assert (ex.accordion.low, ex.accordion.high, ex.accordion.eta) == (8, 2, 0.5)
+    model = _model()
+    opt = _sgd(model.parameters())
+    for step in range(2):
+        ex.step(model, model, *_pair(step), _loss, opt)
+    assert len(ex.accordion.history) == 1 and set(ex.state_dict()) >= {"compressor",
+                                                                       "accordion"}
+    off = compression_executor(_plan(compressor="qsgd:4", mode="off"), None)
+    assert isinstance(off.compressor, NoCompression)
+
+
+class _Host:
+    def __init__(self):
+        self.factory = None
+
+    def forward(self, gm, *args):
+        return gm(*args)
+
+    def step(self, *args):
+        return None
+
+    def use_grad_sync(self, factory):
+        self.factory = factory
+
+
+def test_compression_executor_wraps_a_host_sync():
+    plan = _plan(compressor="topk:0.5", bucket_mb=1)
+    host = _Host()
+    assert compression_executor(plan, host) is host
+    a, b = host.factory(None), host.factory(None)
+    assert a.compressor.spec() == "topk:0.5" and a.compressor is not b.compressor
+    assert a.bucket_bytes == plan.bucket_bytes == 2**20
+    off = _Host()
+    compression_executor(_plan(mode="off"), off)
+    assert off.factory(None).compressor.spec() == "none"
+
+
+def test_compression_executor_refusals_name_the_reason():
+    class NoHook:
+        def forward(self, gm, *args):
+            return None
+
+        def step(self, *args):
+            return None
+
+    with pytest.raises(tidal.PassError, match="NoHook\\) does not take one"):
+        compression_executor(_plan(), NoHook())
+    with pytest.raises(tidal.PassError, match="accordion switching .* not available on top"):
+        compression_executor(_plan(accordion=(4, 1)), _Host())
+    wrapping = CompressionPlan(**{**_plan().__dict__, "wraps": "tick_tock"})
+    with pytest.raises(tidal.PassError, match="no executor was built for 'tick_tock'"):
+        compression_executor(wrapping, None)

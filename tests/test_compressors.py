@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.passes.compressors import (COMPRESSORS, QSGD, Comm, PowerSGD, RandomK, SignSGD, TopK,
-                                      make_compressor, pack_bits, seeded_generator, synchronize,
-                                      unpack_bits)
+from tidal.runtime.compressors import (COMPRESSORS, QSGD, Comm, PowerSGD, RandomK, SignSGD, TopK,
+                                       make_compressor, pack_bits, seeded_generator, synchronize,
+                                       unpack_bits)
 from tidal.runtime.distributed import spawn
 
 SHAPES = {"conv": (6, 3, 2, 2), "fc": (8, 5), "bias": (7,)}
@@ -279,3 +279,55 @@ def test_registry_names():
     assert set(COMPRESSORS) == {"powersgd", "topk", "randomk", "signsgd", "qsgd", "none"}
     assert [make_compressor(s).spec() for s in ("powersgd:4", "topk:0.01", "signsgd")] == \
         ["powersgd:4", "topk:0.01", "signsgd"]
+
+
+# --- the spec as data (tidal.ir.compression_model), shared with the runtime ---------------------
+
+def test_spec_grammar_round_trips_with_options():
+    from tidal.ir.compression_model import parse_spec
+
+    for text in ("powersgd:2,min_compression_rate=0", "powersgd:4,warm_start=false,seed=7",
+                 "topk:0.0123456789", "signsgd,error_feedback=true", "qsgd:300", "none"):
+        spec = parse_spec(text)
+        assert str(spec) == text and str(parse_spec(str(spec))) == text
+        c = make_compressor(text)
+        assert c.spec() == text and c.spec_data() == spec
+    assert str(parse_spec(" PowerSGD : 4 , seed = 0 ")) == "powersgd:4"   # defaults dropped
+    assert make_compressor("powersgd:2,min_compression_rate=0").min_compression_rate == 0.0
+    assert make_compressor("powersgd:2,seed=1", seed=2).seed == 2             # keyword wins
+
+
+@pytest.mark.parametrize("text, match", [
+    ("powersgd:2,rate=1", "'rate=1' is not an option of powersgd"),
+    ("powersgd:2,seed", "'seed' is not an option"),
+    ("topk:0.1,error_feedback=maybe", "error_feedback='maybe' is not true or false"),
+    ("qsgd:4,seed=x", "seed='x' is not a number"),
+    ("powersgd:2,min_compression_rate=-1", "min_compression_rate=-1.0\\): must be >= 0"),
+    ("none:1", "none takes no level"),
+])
+def test_bad_spec_options_are_named(text, match):
+    from tidal.ir.compression_model import parse_spec
+
+    with pytest.raises(ValueError, match=match):
+        parse_spec(text)
+
+
+def test_runtime_classes_take_the_ir_defaults():
+    """A runtime compressor's constructor defaults are the spec's, so ``spec()`` writes only
+    what was set, and its sizes are the ones the pass plans with."""
+    import inspect
+
+    from tidal.ir.compression_model import KINDS, parse_spec
+
+    for name, cls in COMPRESSORS.items():
+        kind = KINDS[name]
+        params = dict(inspect.signature(cls.__init__).parameters)
+        del params["self"]
+        assert {k: params.pop(k).default for k in kind.defaults} == kind.defaults, name
+        assert [p.default for p in params.values()] == (
+            [] if kind.level_noun is None else [kind.default_level]), name   # the level
+        c = cls()
+        assert c.default_level == kind.default_level and c.spec() == str(parse_spec(name))
+        assert (c.all_reduce_compatible, c.rounds) == (kind.all_reduce, kind.rounds)
+        for shape in ((40, 30), (7,), (6, 3, 2, 2), (1000,)):
+            assert c.payload_bytes(shape) == parse_spec(c.spec()).payload_bytes(shape)

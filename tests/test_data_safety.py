@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import tidal
 from tidal.ir.errors import PlanError
 from tidal.ir.plan import CompiledPlan, Plan, plan_classes, plan_kind
-from tidal.passes.burst_planner import BurstPlan, split_batch
+from tidal.ir.plans.burst import BurstPlan
+from tidal.passes.burst_planner import split_batch
 from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.burst_exec import BurstExecutor
 from tidal.runtime.distributed import spawn
@@ -177,7 +178,7 @@ def test_plan_kinds_never_import_a_module(tmp_path, monkeypatch):
 
 
 def test_legacy_module_kinds_and_registered_names(tmp_path):
-    from tidal.passes.group_planner import LayerGroupPlan
+    from tidal.ir.plans.layer_groups import LayerGroupPlan
 
     _, _, compiled = _grouped(4, 8, 2)
     plan = compiled.plan.get("layer_groups")

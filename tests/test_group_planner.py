@@ -4,9 +4,10 @@ import random
 import pytest
 
 from tidal.ir.plan import Plan
+from tidal.ir.plans.layer_groups import LayerGroupPlan, timeline
 from tidal.passes.group_planner import (
-    LayerGroupPlan, SearchBudgetExceeded, brute_force, dp_grouping, make_plan, optimal_grouping, per_layer, pipeline_time,
-    pipeswitch_search, single_group, timeline,
+    SearchBudgetExceeded, brute_force, dp_grouping, make_plan, optimal_grouping, per_layer, pipeline_time,
+    pipeswitch_search, single_group,
 )
 
 

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import tidal
 from examples.models import ZOO
-from tidal.compiler.capture import trace
+from tidal.ir.capture import trace
 from tidal.ir import cost, layer_graph, meta, ops
 from tidal.ir.plan import CompiledPlan, Plan
 

@@ -8,7 +8,7 @@ import tidal
 from examples.models import ZOO
 from tidal.ir import ops
 from tidal.ir.plan import Plan
-from tidal.passes.group_planner import LayerGroupPlan
+from tidal.ir.plans.layer_groups import LayerGroupPlan
 from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.weight_loader import (
     cold_start, group_tensors, run_pipelined, write_groups,

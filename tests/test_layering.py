@@ -18,17 +18,6 @@ MAY_IMPORT = {
 KNOWN = {
     ("compiler/cli_whatif.py", "examples"),
     ("compiler/model_spec.py", "examples"),
-    ("ir/plan.py", "passes"),
-    ("passes/clustered_attention.py", "compiler"),
-    ("passes/tick_tock.py", "compiler"),
-    ("passes/burst_parallel.py", "runtime"),
-    ("passes/compression.py", "runtime"),
-    ("passes/layer_groups.py", "runtime"),
-    ("passes/round_robin.py", "runtime"),
-    ("passes/tick_tock.py", "runtime"),
-    ("runtime/chai_decode.py", "passes"),
-    ("runtime/ddp_hooks.py", "passes"),
-    ("runtime/grad_sync.py", "passes"),
 }
 
 

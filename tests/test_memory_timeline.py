@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from examples.models import ZOO
-from tidal.compiler.capture import capture_train_step
+from tidal.ir.capture import capture_train_step
 from tidal.ir.memory_timeline import (interleave, measure_saved_bytes, memory_timeline,
                                       timeline_svg)
 

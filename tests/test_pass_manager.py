@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tidal
-from tidal.compiler.capture import trace
+from tidal.ir.capture import trace
 from tidal.compiler.pass_manager import order_passes, run_passes
 from tidal.ir import meta, ops
 from tidal.ir.pass_api import Pass, PassContext, PassResult

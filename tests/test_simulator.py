@@ -86,7 +86,7 @@ def test_engine_rejects_forward_dependencies_and_bad_tasks():
 
 def test_layer_times_from_a_traced_model_use_the_profile():
     from examples.models import ZOO
-    from tidal.compiler.capture import trace
+    from tidal.ir.capture import trace
     from tidal.ir import cost
     from tidal.ir.device_profile import LayerTime
     from tidal.ir.profiler import node_signature

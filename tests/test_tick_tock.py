@@ -230,10 +230,11 @@ def test_compression_wraps_tick_tock_sync_and_off_equals_all_reduce():
 
 
 def test_compression_after_a_pass_without_grad_sync_hook_is_refused():
-    from tidal.compiler.api import _apply_grad_sync_requests
-    from tidal.compiler.pass_manager import PassRecord
+    # the runtime composes a compression plan with the executor of the parallelism plan before
+    # it; an executor that cannot take a gradient sync, or none at all, is a clear error
     from tidal.ir.errors import PassError
-    from tidal.runtime.grad_sync import GradSyncRequest, plain_sync
+    from tidal.ir.plans.compression import CompressionPlan
+    from tidal.runtime import executors
 
     class NoHook:
         def forward(self, gm, *a):
@@ -242,15 +243,14 @@ def test_compression_after_a_pass_without_grad_sync_hook_is_refused():
         def step(self, *a):
             return None
 
-    req = PassRecord("compression", 0.0, 1, 1, executor=GradSyncRequest("compression",
-                                                                        plain_sync))
-    with pytest.raises(PassError, match="'burst_parallel''s executor does not take one"):
-        _apply_grad_sync_requests([PassRecord("burst_parallel", 0.0, 1, 1, executor=NoHook()),
-                                   req])
-    with pytest.raises(PassError, match="no earlier pass set an executor"):
-        _apply_grad_sync_requests([req])
-    with pytest.raises(RuntimeError, match="only changes the gradient sync"):
-        req.executor.step(None, None, (), None, None, None)
+    plan = CompressionPlan(compressor="topk:0.5", mode="on", enabled=True, bucket_bytes=1 << 20,
+                           buckets=(("w",),), grad_bytes=4, payload_bytes=4,
+                           wraps="burst_parallel")
+    with pytest.raises(PassError, match="'burst_parallel''s executor \\(NoHook\\) does not "
+                                        "take one"):
+        executors.compression_executor(plan, NoHook())
+    with pytest.raises(PassError, match="no executor was built for 'burst_parallel'"):
+        executors.build(None, [plan])
 
 
 STALL_TIMEOUT_S = 3.0

@@ -8,7 +8,8 @@ DDP-style gradient buckets that overlap the rest of backward. A burst-parallel p
 either under the planner's own cost model (``burst_parallel``: per layer, transfer, forward +
 backward, gradient sync) or as the runtime executes it (``burst_execution``: all forwards, all
 backwards, then the gradient sync per set of ranks). ``schedule_result`` turns a Wavelet schedule
-into timelines.
+into timelines. ``program_tasks`` simulates the runtime's own ``Program`` objects (the pieces the
+executor runs), with durations from a model or a measured trace.
 
 Example:
     >>> from tidal.runtime.sim.programs import LayerTimes, data_parallel, summarize
@@ -20,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch.fx as fx
 
@@ -30,6 +31,9 @@ from tidal.ir.node_runner import COMPUTE_OPS
 from tidal.ir.comm_cost import (DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us,
                                  tree_broadcast_us)
 from tidal.runtime.sim.engine import Interval, Task, simulate
+
+if TYPE_CHECKING:
+    from tidal.runtime.program import Program
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,8 @@ def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
 
 def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg",
                    overlap_sync: bool = False) -> list[Task]:
-    """The tasks of one iteration of a burst-parallel plan (``tidal.passes.burst_planner``'s
-    ``BurstPlan``) under the planner's own cost model: per layer, in order, the transfer of
+    """The tasks of one iteration of a burst-parallel plan (``tidal.ir.plans.burst.BurstPlan``)
+    under the planner's own cost model: per layer, in order, the transfer of
     samples from its predecessors' GPUs (``comm_us``, on the links of both GPU sets), the
     layer's forward+backward on each of its ranks (``comp_us``) and the all-reduce of its
     gradients on its ranks (``sync_us``). Layers on disjoint ranks (parallel branches) overlap.
@@ -448,3 +452,30 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
         busy.append(_covered(spans))
     return SimResult(tuple(intervals), len(schedule.ranks), global_batch, schedule.makespan_us,
                      tuple(busy), steps)
+
+
+def program_tasks(program: "Program", durations_us: Callable[[str], float],
+                  job: str = "fg") -> list[Task]:
+    """The tasks of one step of ``program`` (``tidal.runtime.program.Program``) run by every one
+    of its ``world`` ranks, the same Program object the executor runs: each compute piece once
+    per rank, each comm piece one collective on every rank's link, with the program's
+    dependencies. ``durations_us(piece name)`` gives each piece's modelled (or measured)
+    duration."""
+    from tidal.runtime.program import COMPUTE
+
+    tasks: list[Task] = []
+    index: dict[tuple[int, int], int] = {}  # (piece, rank) -> task; a collective: rank -1
+    ranks = range(program.world)
+    for i, piece in enumerate(program.pieces):
+        deps_of = [[index.get((d, r), index.get((d, -1))) for d in piece.deps] for r in ranks]
+        if piece.stream == COMPUTE:
+            for r in ranks:
+                tasks.append(Task(piece.name, job, "compute", (r,), durations_us(piece.name),
+                                  tuple(deps_of[r])))
+                index[(i, r)] = len(tasks) - 1
+        else:
+            deps = tuple(sorted({d for ds in deps_of for d in ds}))
+            tasks.append(Task(piece.name, job, "comm", tuple(ranks), durations_us(piece.name),
+                              deps))
+            index[(i, -1)] = len(tasks) - 1
+    return tasks

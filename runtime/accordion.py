@@ -12,10 +12,11 @@ The first window, with no previous one, is critical (early training is). The dec
 on rank 0 and broadcast, so all ranks switch together. :class:`AccordionBatch` is the batch-size
 variant: the whole model's norm picks ``B_low`` (critical) or ``B_high``, with the learning rate
 scaled linearly with the batch. "A decay ahead" needs the schedule: :class:`LrLookahead` reads
-it from a function ``step -> lr`` or peeks a torch scheduler without advancing it.
+it from a function ``step -> lr``, peeks a torch scheduler without advancing it, or replays the
+decays a ``CompressionPlan`` recorded from the schedule given to the ``compression`` pass.
 
 Example:
-    >>> from tidal.passes.accordion import Accordion
+    >>> from tidal.runtime.accordion import Accordion
     >>> acc = Accordion(low=4, high=1)
     >>> [acc.decide_from_norms({"w": n})["w"] for n in (10.0, 4.0, 3.5, 3.4)]
     [4, 4, 1, 1]
@@ -98,9 +99,10 @@ class LrLookahead:
     """Where Accordion learns of a learning-rate decay *ahead*: the lowest learning rate the
     next window of ``interval`` optimizer steps will use. Built from a schedule function
     ``step -> lr`` (``step``: the 0-based index of an optimizer step) with
-    :meth:`from_function`, or from a torch scheduler that is stepped once every
+    :meth:`from_function`, from a torch scheduler that is stepped once every
     ``steps_per_call`` optimizer steps with :meth:`from_scheduler` (peeked without being
-    advanced, :func:`peek_scheduler_lrs`).
+    advanced, :func:`peek_scheduler_lrs`), or from the decays a plan recorded with
+    :meth:`from_decays` (which sees no further than the plan's horizon).
 
     Example:
         >>> ahead = LrLookahead.from_function(lambda step: 0.1 if step < 6 else 0.01)
@@ -108,11 +110,18 @@ class LrLookahead:
         (0.1, 0.1)
         >>> ahead.now_and_next(6, 3, 0.1)       # steps 6-8 run at 0.01: a decay ahead
         (0.1, 0.01)
+        >>> planned = LrLookahead.from_decays([(6, 0.1, 0.01)], horizon=12)   # the same, as data
+        >>> planned.now_and_next(3, 3, 0.1), planned.now_and_next(6, 3, 0.1)
+        ((0.1, 0.1), (0.1, 0.01))
+        >>> planned.now_and_next(12, 3, 0.01) is None        # beyond the horizon: unknown
+        True
     """
 
     def __init__(self, ahead: Callable[[int, int], Sequence[float]],
                  now: Optional[Callable[[int], float]] = None):
         self._ahead, self._now = ahead, now
+        self.horizon: Optional[int] = None
+        self._decays: Optional[dict[int, tuple[float, float]]] = None
 
     @classmethod
     def from_function(cls, schedule: Callable[[int], float]) -> "LrLookahead":
@@ -135,11 +144,27 @@ class LrLookahead:
         return cls(lambda done, n: peek_scheduler_lrs(scheduler,
                                                       max(1, math.ceil(n / steps_per_call))))
 
+    @classmethod
+    def from_decays(cls, decays: Sequence[tuple[int, float, float]], horizon: int
+                    ) -> "LrLookahead":
+        """Replay a schedule recorded as data (``CompressionPlan.accordion_lr_decays``): at
+        each window end ``steps_done`` listed, ``(steps_done, lr_now, lr_next)`` with a decay
+        ahead; at the others up to ``horizon`` optimizer steps, no decay ahead."""
+        ahead = cls(lambda done, n: [])
+        ahead._decays = {int(done): (float(now), float(nxt)) for done, now, nxt in decays}
+        ahead.horizon = int(horizon)
+        return ahead
+
     def now_and_next(self, steps_done: int, interval: int, current_lr: float
-                     ) -> tuple[float, float]:
+                     ) -> Optional[tuple[float, float]]:
         """``(lr_now, lr_next)`` for Algorithm 1 at the end of a window: the rate of the last
         step (the schedule's, else ``current_lr``, the optimizer's) and the lowest rate of
-        optimizer steps ``steps_done .. steps_done + interval - 1``."""
+        optimizer steps ``steps_done .. steps_done + interval - 1``; None when that window
+        lies beyond the lookahead's horizon (a recorded schedule)."""
+        if self.horizon is not None and steps_done + interval > self.horizon:
+            return None
+        if self._decays is not None:
+            return self._decays.get(steps_done, (float(current_lr), float(current_lr)))
         now = self._now(steps_done) if self._now is not None else float(current_lr)
         return now, min(self._ahead(steps_done, interval))
 

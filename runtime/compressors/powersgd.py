@@ -10,7 +10,7 @@ seeds the next step. Tensors with one dimension, or whose compression rate
 
 Example:
     >>> import torch
-    >>> from tidal.passes.compressors import PowerSGD, synchronize
+    >>> from tidal.runtime.compressors import PowerSGD, synchronize
     >>> c = PowerSGD(rank=2, min_compression_rate=0)
     >>> g = torch.randn(6, 2) @ torch.randn(2, 5)            # a rank-2 gradient
     >>> torch.allclose(synchronize(c, {"w": g})["w"], g, atol=1e-5)
@@ -20,23 +20,18 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Union
 
 import torch
 
-from tidal.passes.compressors.base import (ALL_REDUCE, Compressor, Message, World, plain_decode,
-                                           plain_message, seeded_generator)
+from tidal.ir.compression_model import check_option, matrix_dims, powersgd_rank
+from tidal.runtime.compressors.base import (ALL_REDUCE, Compressor, Message, World, plain_decode,
+                                            plain_message, seeded_generator)
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``p``'s columns (reduced QR; n >= r)."""
     return torch.linalg.qr(p, mode="reduced").Q
-
-
-def matrix_dims(shape: tuple[int, ...]) -> tuple[int, int]:
-    """``(n, m)`` of the matrix view of a tensor: the first dim by the product of the rest."""
-    return shape[0], math.prod(shape[1:])
 
 
 class PowerSGD(Compressor):
@@ -45,45 +40,19 @@ class PowerSGD(Compressor):
     ``Q``. ``seed``: the initial ``Q`` (identical on all ranks)."""
 
     name = "powersgd"
-    all_reduce_compatible = True
-    rounds = 2
 
     def __init__(self, rank: int = 4, *, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, seed: int = 0):
         super().__init__(error_feedback=error_feedback, seed=seed)
         self.rank = self.check_level(rank)
-        if not min_compression_rate >= 0:
-            raise ValueError(f"PowerSGD(min_compression_rate={min_compression_rate!r}): "
-                             "must be >= 0")
-        self.min_compression_rate = float(min_compression_rate)
+        self.min_compression_rate = check_option(self.name, "min_compression_rate",
+                                                 min_compression_rate)
         self.warm_start = bool(warm_start)
         self._qs: dict[str, torch.Tensor] = {}
 
     @property
     def default_level(self) -> int:
         return self.rank
-
-    def check_level(self, level: Any) -> int:
-        if isinstance(level, bool) or not isinstance(level, int) or level < 1:
-            raise ValueError(f"PowerSGD rank {level!r}: must be an integer >= 1")
-        return level
-
-    def _rank_for(self, shape: tuple[int, ...], level: Any) -> int:
-        n, m = matrix_dims(shape)
-        return min(level if level is not None else self.rank, n, m)
-
-    def uncompressed(self, shape: tuple[int, ...], level: Any = None) -> bool:
-        if len(shape) < 2:
-            return True
-        n, m = matrix_dims(shape)
-        r = self._rank_for(shape, level)
-        return n * m < self.min_compression_rate * (n + m) * r
-
-    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        if self.uncompressed(shape, level):
-            return 4 * math.prod(shape)
-        n, m = matrix_dims(shape)
-        return 4 * (n + m) * self._rank_for(shape, level)
 
     def _q(self, key: str, m: int, r: int) -> torch.Tensor:
         """The ``m x r`` starting ``Q``: the warm-start one (columns added or dropped when the
@@ -106,7 +75,7 @@ class PowerSGD(Compressor):
             return plain_message(tensor)
         n, m = matrix_dims(shape)
         mat = self._with_error(key, tensor).reshape(n, m)
-        q = self._q(key, m, self._rank_for(shape, level)).to(mat.dtype)
+        q = self._q(key, m, powersgd_rank(shape, level)).to(mat.dtype)
         return Message((mat @ q,), ALL_REDUCE, ctx=("p", shape, mat))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],

@@ -7,7 +7,7 @@ tensor's message of the current round is packed, by collective and dtype, into o
 
 Example:
     >>> import torch
-    >>> from tidal.passes.compressors import make_compressor, synchronize
+    >>> from tidal.runtime.compressors import make_compressor, synchronize
     >>> out = synchronize(make_compressor("powersgd:1", min_compression_rate=0),
     ...                   {"w": torch.ones(4, 3)})
     >>> torch.allclose(out["w"], torch.ones(4, 3))   # a rank-1 matrix survives rank 1
@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from tidal.passes.compressors.base import ALL_REDUCE, Compressor, Message, World
+from tidal.runtime.compressors.base import ALL_REDUCE, Compressor, Message, World
 
 
 class Comm:

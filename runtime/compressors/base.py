@@ -2,7 +2,7 @@
 
 A compressor turns one local gradient tensor into a :class:`Message` (the tensors to put on the
 wire and which collective they need: ``"all_reduce"`` (sum) or ``"all_gather"``). The driver
-(:func:`tidal.passes.compressors.comm.synchronize`) runs the collective and hands the result to
+(:func:`tidal.runtime.compressors.comm.synchronize`) runs the collective and hands the result to
 ``decode``, which returns either the synchronized tensor (the average over ranks, or the majority
 vote for signSGD) or another :class:`Message` for a further round (PowerSGD's P then Q).
 
@@ -16,7 +16,7 @@ state to checkpoint is the per-key step counter.
 
 Example:
     >>> import torch
-    >>> from tidal.passes.compressors import make_compressor, synchronize
+    >>> from tidal.runtime.compressors import make_compressor, synchronize
     >>> c = make_compressor("topk:0.5")
     >>> out = synchronize(c, {"w": torch.tensor([1.0, -4.0, 0.5, 3.0])})
     >>> out["w"].tolist(), c.residual("w").tolist()
@@ -24,12 +24,14 @@ Example:
 """
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Union
 
 import torch
+
+from tidal.ir import compression_model
+from tidal.ir.compression_model import CompressorSpec
 
 ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather"
@@ -74,13 +76,22 @@ def seeded_generator(*parts: Union[int, str]) -> torch.Generator:
 
 
 class Compressor:
-    """Base class. Subclasses set ``name``, ``all_reduce_compatible`` and implement ``encode``,
-    ``decode`` and ``payload_bytes``; ``level`` is the knob Accordion turns (PowerSGD rank,
-    Top-K/random-K fraction, QSGD levels), settable per key with ``set_level``."""
+    """Base class. Subclasses set ``name`` (a name of :data:`tidal.ir.compression_model.KINDS`,
+    which gives ``all_reduce_compatible``, ``rounds``, the levels and the options) and implement
+    ``encode`` and ``decode``; ``level`` is the knob Accordion turns (PowerSGD rank,
+    Top-K/random-K fraction, QSGD levels), settable per key with ``set_level``. Levels,
+    payload bytes and the spec come from :mod:`tidal.ir.compression_model`, as the
+    ``compression`` pass counts them."""
 
     name: ClassVar[str] = ""
     all_reduce_compatible: ClassVar[bool] = True
     rounds: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            k = compression_model.kind(cls.name)
+            cls.all_reduce_compatible, cls.rounds = k.all_reduce, k.rounds
 
     def __init__(self, *, error_feedback: bool, seed: int = 0):
         self.error_feedback = bool(error_feedback)
@@ -97,8 +108,7 @@ class Compressor:
 
     def check_level(self, level: Any) -> Any:
         """Validate ``level``; raise ``ValueError`` naming it when it is out of range."""
-        raise ValueError(f"compressor {self.name!r} has no compression level to set "
-                         f"(got {level!r})")
+        return compression_model.check_level(self.name, level)
 
     def level(self, key: str) -> Any:
         """The level in force for ``key``."""
@@ -108,10 +118,20 @@ class Compressor:
         """Use ``level`` for ``key`` from the next step on."""
         self._levels[key] = self.check_level(level)
 
+    def options(self) -> dict[str, Any]:
+        """The keyword options this compressor was built with (``seed``, ``error_feedback``,
+        ...), by name."""
+        return {k: getattr(self, k) for k in compression_model.kind(self.name).defaults}
+
+    def spec_data(self) -> CompressorSpec:
+        """The spec as data: name, default level and the options that differ from the
+        defaults."""
+        return CompressorSpec.of(self.name, self.default_level, **self.options())
+
     def spec(self) -> str:
-        """``name:level`` as :func:`make_compressor` parses it."""
-        lvl = self.default_level
-        return self.name if lvl is None else f"{self.name}:{lvl:g}"
+        """``name[:level][,option=value...]`` as :func:`make_compressor` parses it: it
+        rebuilds this compressor (without its state)."""
+        return str(self.spec_data())
 
     # -- the protocol ------------------------------------------------------------------------
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
@@ -125,12 +145,15 @@ class Compressor:
         raise NotImplementedError
 
     def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        """Bytes one rank sends for a tensor of ``shape`` per step, summed over rounds."""
-        raise NotImplementedError
+        """Bytes one rank sends for a tensor of ``shape`` per step, summed over rounds
+        (:func:`tidal.ir.compression_model.payload_bytes`)."""
+        return compression_model.payload_bytes(
+            self.name, shape, self.default_level if level is None else level, self.options())
 
     def uncompressed(self, shape: tuple[int, ...], level: Any = None) -> bool:
         """Whether a tensor of ``shape`` is sent as is (too small to be worth compressing)."""
-        return False
+        return compression_model.uncompressed(
+            self.name, shape, self.default_level if level is None else level, self.options())
 
     # -- helpers for subclasses --------------------------------------------------------------
     def _with_error(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -200,12 +223,6 @@ class NoCompression(Compressor):
 
     def __init__(self, *, seed: int = 0):
         super().__init__(error_feedback=False, seed=seed)
-
-    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        return 4 * math.prod(shape)
-
-    def uncompressed(self, shape: tuple[int, ...], level: Any = None) -> bool:
-        return True
 
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
         return plain_message(tensor, dtype=None)  # in the gradient's dtype: exactly sync SGD

@@ -3,7 +3,7 @@
 
 Example:
     >>> import torch
-    >>> from tidal.compiler.capture import trace, capture_train_step
+    >>> from tidal.ir.capture import trace, capture_train_step
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3))
     >>> x, y = torch.randn(2, 4), torch.tensor([0, 2])
     >>> gm = trace(model, (x,))

@@ -14,7 +14,7 @@ averaged. Levels go on the wire as int8 (s <= 127) or int16 (s <= 32767).
 
 Example:
     >>> import torch
-    >>> from tidal.passes.compressors import SignSGD, synchronize
+    >>> from tidal.runtime.compressors import SignSGD, synchronize
     >>> synchronize(SignSGD(), {"g": torch.tensor([0.5, -2.0, 0.0])})["g"].tolist()
     [1.0, -1.0, 1.0]
     >>> SignSGD().payload_bytes((1000,))          # 1000 bits
@@ -23,11 +23,11 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from tidal.passes.compressors.base import ALL_GATHER, Compressor, Message, World, seeded_generator
+from tidal.ir.compression_model import qsgd_value_bytes
+from tidal.runtime.compressors.base import ALL_GATHER, Compressor, Message, World, seeded_generator
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 
@@ -50,13 +50,9 @@ class SignSGD(Compressor):
     """signSGD with majority vote (optionally EF-signSGD scaling)."""
 
     name = "signsgd"
-    all_reduce_compatible = False
 
     def __init__(self, *, error_feedback: bool = False, seed: int = 0):
         super().__init__(error_feedback=error_feedback, seed=seed)
-
-    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        return (math.prod(shape) + 7) // 8 + (4 if self.error_feedback else 0)
 
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
         m = self._with_error(key, tensor).reshape(-1)
@@ -85,7 +81,6 @@ class QSGD(Compressor):
     seeded by ``(seed, key, step, rank)``."""
 
     name = "qsgd"
-    all_reduce_compatible = False
 
     def __init__(self, levels: int = 4, *, error_feedback: bool = False, seed: int = 0):
         super().__init__(error_feedback=error_feedback, seed=seed)
@@ -95,18 +90,10 @@ class QSGD(Compressor):
     def default_level(self) -> int:
         return self.levels
 
-    def check_level(self, level: Any) -> int:
-        if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= 32767:
-            raise ValueError(f"QSGD levels {level!r}: must be an integer in [1, 32767]")
-        return level
-
     @staticmethod
     def _dtype(levels: int) -> torch.dtype:
-        return torch.int8 if levels <= 127 else torch.int16
-
-    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        s = self.levels if level is None else level
-        return 4 + math.prod(shape) * torch.empty(0, dtype=self._dtype(s)).element_size()
+        """The wire dtype of the levels (as many bytes as ``qsgd_value_bytes`` counts)."""
+        return torch.int8 if qsgd_value_bytes(levels) == 1 else torch.int16
 
     @staticmethod
     def quantize(v: torch.Tensor, uniforms: torch.Tensor, levels: int

@@ -9,7 +9,7 @@ average over ranks of the sparse vectors; the rest stays in the residual.
 
 Example:
     >>> import torch
-    >>> from tidal.passes.compressors import TopK, synchronize
+    >>> from tidal.runtime.compressors import TopK, synchronize
     >>> c = TopK(0.25)
     >>> synchronize(c, {"g": torch.tensor([0.1, -2.0, 0.3, 1.0])})["g"].tolist()
     [0.0, -2.0, 0.0, 0.0]
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from tidal.passes.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message, World,
+from tidal.ir.compression_model import sparse_k
+from tidal.runtime.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message, World,
                                            seeded_generator)
 
 
@@ -38,27 +39,15 @@ class _Sparsifier(Compressor):
     def default_level(self) -> float:
         return self.fraction
 
-    def check_level(self, level: Any) -> float:
-        if isinstance(level, bool) or not isinstance(level, (int, float)) \
-                or not 0 < level <= 1:
-            raise ValueError(f"{type(self).__name__} fraction {level!r}: K must be a fraction "
-                             "in (0, 1]")
-        return float(level)
-
     def k(self, numel: int, level: Any = None) -> int:
         """How many coordinates are kept of ``numel``."""
-        frac = self.fraction if level is None else level
-        return max(1, min(numel, math.ceil(frac * numel)))
+        return sparse_k(numel, self.fraction if level is None else level)
 
 
 class TopK(_Sparsifier):
     """Top-K sparsification with error feedback; all-gather of values and indices."""
 
     name = "topk"
-    all_reduce_compatible = False
-
-    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        return 8 * self.k(math.prod(shape), level)
 
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
         m = self._with_error(key, tensor).reshape(-1)
@@ -84,10 +73,6 @@ class RandomK(_Sparsifier):
     the values are all-reduced."""
 
     name = "randomk"
-    all_reduce_compatible = True
-
-    def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
-        return 4 * self.k(math.prod(shape), level)
 
     def indices(self, key: str, step: int, numel: int, k: int) -> torch.Tensor:
         """The ``k`` coordinates of ``key`` at ``step`` (the same on every rank)."""

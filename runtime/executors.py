@@ -1,0 +1,55 @@
+"""Executors from plans: passes emit ``(graph, Plan)``; the runtime decides how a plan runs.
+
+``BUILDERS`` maps a plan's registered kind name (``tidal.ir.plan.plan_kind``) to the function
+that builds its executor from the transformed graph and the plan. :func:`build` walks the plans
+of a compile in pass order: a parallelism plan gives the executor, and a ``CompressionPlan``
+after one wraps its gradient sync (alone, it trains data parallel with compressed gradients).
+Plans with no builder (CHAI's, a layer-group plan without a weight store) leave the graph to
+run as it is. The runtime never imports a pass: a plan is read by its fields.
+
+Example:
+    >>> import torch, tidal
+    >>> from tidal.runtime import executors
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> c = tidal.compile(model, (torch.randn(4, 8),), passes=["burst_parallel"],
+    ...                   cluster=tidal.Cluster(gpus=2), loss_fn=torch.nn.functional.cross_entropy,
+    ...                   optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    >>> type(executors.build(c.graph_module, [p for _, p in c.plan.passes])).__name__
+    'BurstExecutor'
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Optional, Sequence
+
+import torch.fx as fx
+
+from tidal.ir.pass_api import Executor
+from tidal.ir.plan import Plan, plan_kind
+from tidal.runtime import burst_exec, round_robin_exec, wave_exec, weight_loader
+from tidal.runtime.data_parallel import compression_executor
+
+Builder = Callable[[fx.GraphModule, Any], Optional[Executor]]
+
+BUILDERS: "MappingProxyType[str, Builder]" = MappingProxyType({
+    "BurstPlan": burst_exec.from_plan,
+    "TickTockPlan": wave_exec.from_plan,
+    "RoundRobinPlan": round_robin_exec.from_plan,
+    "LayerGroupPlan": weight_loader.from_plan,
+})
+"""Plan kind -> the builder of the executor that runs it."""
+
+COMPRESSION = "CompressionPlan"
+
+
+def build(gm: fx.GraphModule, plans: Sequence[Plan]) -> Optional[Executor]:
+    """The executor for ``plans`` (in pass order) on the final graph ``gm``, or None when the
+    graph runs as it is."""
+    executor: Optional[Executor] = None
+    for plan in plans:
+        kind = plan_kind(type(plan))
+        if kind == COMPRESSION:
+            executor = compression_executor(plan, executor)
+        elif kind in BUILDERS:
+            executor = BUILDERS[kind](gm, plan) or executor
+    return executor

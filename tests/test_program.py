@@ -1,0 +1,115 @@
+"""Programs (``tidal.runtime.program``): a data-parallel step as pieces on a compute and a comm
+stream. On 2 gloo ranks the step equals one single-process SGD step on the global batch, and the
+gradient all-reduce of the first bucket runs while the compute stream is still in backward
+(overlap is real); with ``overlap=False`` every all-reduce waits for the whole backward."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.ir.capture import capture_train_step
+from tidal.runtime.distributed import spawn
+from tidal.runtime.program import COMM, COMPUTE, ProgramRunner, chrome_trace, data_parallel
+
+BATCH = 64
+WIDTH = 1024  # each hidden layer's backward takes milliseconds: the first all-reduce overlaps
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, WIDTH), torch.nn.ReLU(),
+                               torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
+                               torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
+                               torch.nn.Linear(WIDTH, 10))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, 128, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def test_program_cuts_the_backward_where_each_bucket_is_ready():
+    model, (x, y) = _model(), _data()
+    step = capture_train_step(model, (x,), y, F.cross_entropy)
+    p = data_parallel(step, world=2, bucket_bytes=1 << 20)
+    names = [q.name for q in p.pieces]
+    assert names[0] == "segment 0" and names[-1] == "optimizer"
+    comm = [i for i, q in enumerate(p.pieces) if q.stream == COMM]
+    assert len(comm) >= 2 and comm[0] < len(p.pieces) - 2  # an all-reduce before backward ends
+    for i in comm:  # each waits for the segment just before it, which finishes its gradients
+        assert p.pieces[i].deps == (i - 1,) and p.pieces[i - 1].stream == COMPUTE
+    grads = sorted(g for i in comm for g in p.pieces[i].grads)
+    assert grads == list(range(len(step.param_names)))  # every gradient in one bucket
+    serial = data_parallel(step, world=2, bucket_bytes=1 << 20, overlap=False)
+    first_comm = min(i for i, q in enumerate(serial.pieces) if q.stream == COMM)
+    assert all(q.stream == COMM for q in serial.pieces[first_comm:-1])
+
+
+def _dp_steps(rank, size):
+    return {overlap: _dp_step(rank, size, overlap) for overlap in (True, False)}
+
+
+def _dp_step(rank, size, overlap):
+    torch.set_num_threads(1)
+    model, (x, y) = _model(), _data()
+    ref = copy.deepcopy(model)
+    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    step = capture_train_step(model, (x[rows],), y[rows], F.cross_entropy)
+    p = data_parallel(step, size, bucket_bytes=1 << 20, overlap=overlap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    traces, losses = [], []
+    with ProgramRunner() as run:
+        for _ in range(2):
+            opt.zero_grad()
+            loss, _, trace = run(p, step, model, (x[rows],), y[rows], opt)
+            losses.append(float(loss))
+            traces.append(trace)
+            ref_opt.zero_grad()
+            want = F.cross_entropy(ref(x), y)
+            want.backward()
+            ref_opt.step()
+            losses.append(float(want.detach()))
+    err = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+    return losses, err, traces[-1]
+
+
+def test_two_ranks_step_equals_one_process_and_overlap_is_real():
+    for overlap, (losses, err, trace) in [(o, r) for ranks in spawn(_dp_steps, 2, timeout_s=120)
+                                          for o, r in ranks.items()]:
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        assert losses[2] == pytest.approx(losses[3], rel=1e-5)
+        assert err < 1e-5
+        backward_end = max(t.end_us for t in trace if t.name.startswith("segment"))
+        first_reduce = min(t.start_us for t in trace if t.stream == COMM)
+        if overlap:  # the first bucket's all-reduce starts while backward still runs
+            assert first_reduce < backward_end, trace
+        else:
+            assert first_reduce >= backward_end, trace
+        events = chrome_trace({0: trace})["traceEvents"]
+        assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {COMPUTE, COMM}
+
+
+def test_the_simulator_runs_the_same_program_in_the_same_order():
+    # the executor's trace and the simulator's timeline of the same Program object, with the
+    # measured durations: the same piece order on each stream, and the simulated all-reduce of
+    # the first bucket overlaps backward too
+    from tidal.runtime.sim.engine import simulate
+    from tidal.runtime.sim.programs import program_tasks
+
+    model, (x, y) = _model(), _data()
+    step = capture_train_step(model, (x[:BATCH // 2],), y[:BATCH // 2], F.cross_entropy)
+    p = data_parallel(step, world=2, bucket_bytes=1 << 20)
+    with ProgramRunner() as run:
+        run(p, step, model, (x[:BATCH // 2],), y[:BATCH // 2])
+        _, _, trace = run(p, step, model, (x[:BATCH // 2],), y[:BATCH // 2])
+    measured = {t.name: t.end_us - t.start_us for t in trace}
+    sim = simulate(program_tasks(p, measured.__getitem__))
+    for stream, lane in ((COMPUTE, "compute"), (COMM, "link")):
+        real = [t.name for t in sorted(trace, key=lambda t: t.start_us) if t.stream == stream]
+        modelled = [i.name for i in sorted(sim, key=lambda i: i.start_us)
+                    if i.gpu == 0 and i.lane == lane]
+        assert real == modelled, (stream, real, modelled)
+    backward_end = max(i.end_us for i in sim if i.name.startswith("segment"))
+    assert min(i.start_us for i in sim if i.lane == "link") < backward_end
