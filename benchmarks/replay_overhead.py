@@ -5,7 +5,9 @@ a deep narrow MLP (200 Linear(16, 16) + GELU + LayerNorm blocks) and the zoo's l
 bert_small. For each: the median forward time of eager ``model(x)``, of the fx graph module
 ``gm(x)`` (what ``Compiled`` runs today) and of ``lower(gm, x)(x)`` (one captured segment),
 measured interleaved under ``torch.no_grad``; printed as ratios (lowered / eager: < 1 means less
-host overhead per step).
+host overhead per step). Then a whole training step at batch 1 (forward, loss, backward, SGD) of
+the MLP: eager autograd against the captured joint graph (``tidal.capture_train_step``, the
+graph the runtime's programs cut into segments), as a ratio.
 
     python benchmarks/replay_overhead.py [--repeats 200]
 """
@@ -67,6 +69,45 @@ def measure(name: str, model: torch.nn.Module, inputs: tuple, repeats: int) -> l
             round(med["lowered"] / med["eager"], 3), round(med["lowered"] / med["fx"], 3)]
 
 
+def measure_step(name: str, model: torch.nn.Module, inputs: tuple, targets, loss_fn,
+                 repeats: int) -> list:
+    """Median µs per training step (forward, loss, backward, SGD) for eager autograd and for
+    the captured joint graph (``tidal.capture_train_step``: one straight-line replay that
+    returns the loss and every gradient, then the same SGD step)."""
+    from tidal.ir.capture import capture_train_step
+
+    model.train()
+    step = capture_train_step(model, inputs, targets, loss_fn)
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the model stays as it is
+
+    def eager() -> None:
+        opt.zero_grad()
+        loss_fn(model(*inputs), targets).backward()
+        opt.step()
+
+    def captured() -> None:
+        _, grads = step.run(model, inputs, targets)
+        for k, g in grads.items():
+            params[k].grad = g
+        opt.step()
+
+    _, grads = step.run(model, inputs, targets)
+    eager()
+    for k, g in grads.items():
+        torch.testing.assert_close(g, params[k].grad, rtol=1e-5, atol=1e-6)
+    times: dict[str, list[float]] = {"eager": [], "captured": []}
+    for _ in range(repeats):
+        for k, fn in (("eager", eager), ("captured", captured)):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    nodes = sum(1 for n in step.gm.graph.nodes if n.op.startswith("call"))
+    return [name, nodes, round(med["eager"], 1), round(med["captured"], 1),
+            round(med["captured"] / med["eager"], 3)]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
@@ -79,6 +120,13 @@ def main(argv=None) -> int:
         rows.append(measure(f"{name} b1", model, model.example_inputs(1), args.repeats // 2))
     print(format_table(["model", "ops", "eager us", "fx us", "lowered us", "lowered/eager",
                         "lowered/fx"], rows))
+    mlp = DeepNarrowMLP()
+    x, y = torch.randn(1, 16), torch.randn(1, 16)
+    steps = [measure_step("deep_narrow_mlp b1", mlp, (x,), y, torch.nn.functional.mse_loss,
+                          args.repeats // 2)]
+    print("\ntraining step (forward + backward + SGD), batch 1:")
+    print(format_table(["model", "aten ops", "eager us", "captured us", "captured/eager"],
+                       steps))
     return 0
 
 

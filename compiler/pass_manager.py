@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from tidal.ir import meta
 from tidal.ir.errors import PassError
-from tidal.ir.pass_api import Executor, Pass, PassContext, PassResult
+from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plan import Plan
 
 
@@ -112,10 +112,6 @@ def run_pass(gm: fx.GraphModule, p: Pass, ctx: PassContext) -> tuple[fx.GraphMod
         if n.name in added and meta.get_added_by(n) is None:
             meta.set_added_by(n, p.name)
     removed = tuple(sorted(names_before - set(names_after)))
-    if result.executor is not None:
-        raise PassError(f"pass {p.name!r} returned an executor: a pass emits (graph, plan) "
-                        f"and the runtime builds the executor from the plan "
-                        f"(tidal.runtime.executors)")
     if result.plan is not None:
         ctx.plans[p.name] = result.plan
     record = PassRecord(

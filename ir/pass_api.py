@@ -64,8 +64,9 @@ class PassContext:
 
 @runtime_checkable
 class Executor(Protocol):
-    """How a compiled model runs when a pass changes the schedule (multi-rank execution, waves,
-    pipelined loading). ``Compiled`` delegates to the executor of the last pass that set one.
+    """How a compiled model runs when a plan changes the schedule (multi-rank execution, waves,
+    pipelined loading). The runtime builds it from the plans (``tidal.runtime.executors``);
+    ``Compiled`` delegates to it.
 
     ``forward(gm, *args, **kwargs)`` runs inference; ``step(gm, model, inputs, targets,
     loss_fn, optimizer)`` runs one training step on the global batch (every rank passes the
@@ -82,14 +83,13 @@ class Executor(Protocol):
 class PassResult:
     """What a pass returns: the (possibly new) graph module, the plan it chose (or None for a
     pure rewrite), extra ``artifacts`` for dumps (file name -> text, e.g. an extra DOT or an SVG
-    chart), one-line ``notes`` for the report, and an ``executor`` when the pass changes how the
-    model runs (None: run the graph module as it is)."""
+    chart) and one-line ``notes`` for the report. How the result runs is the runtime's to
+    decide, from the plan: a pass builds no executor."""
 
     gm: fx.GraphModule
     plan: Optional[Plan] = None
     artifacts: Mapping[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
-    executor: Optional[Executor] = None
 
 
 class Pass:

@@ -87,25 +87,10 @@ def test_user_pass_object_runs_and_is_reported():
     assert [r.name for r in compiled.records] == ["trace", "annotate", "double_output"]
 
 
-def test_a_pass_that_returns_an_executor_is_refused():
+def test_a_pass_result_has_no_executor():
     # passes emit (graph, plan); the runtime builds the executor from the plan
-    class Scaled:
-        def forward(self, gm, *args):
-            return gm(*args) * 3
-
-        def step(self, gm, model, inputs, targets, loss_fn, optimizer):
-            return loss_fn(gm(*inputs), targets).detach()
-
-    class UsesExecutor(tidal.Pass):
-        """Tries to run through an executor of its own."""
-        name = "uses_executor"
-
-        def __call__(self, gm, ctx):
-            return tidal.PassResult(gm, executor=Scaled())
-
-    with pytest.raises(tidal.PassError, match="'uses_executor' returned an executor: a pass "
-                                              "emits \\(graph, plan\\)"):
-        tidal.compile(torch.nn.Linear(3, 2), torch.randn(2, 3), passes=[UsesExecutor()])
+    with pytest.raises(TypeError, match="executor"):
+        tidal.PassResult(torch.fx.symbolic_trace(torch.nn.Linear(3, 2)), executor=object())
 
 
 def test_alternative_passes_cannot_be_combined_and_auto_keeps_the_first():
