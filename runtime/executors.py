@@ -48,8 +48,8 @@ def build(gm: fx.GraphModule, plans: Sequence[Plan]) -> Optional[Executor]:
     executor: Optional[Executor] = None
     for plan in plans:
         kind = plan_kind(type(plan))
-        if kind == COMPRESSION:
-            executor = compression_executor(plan, executor)
+        if kind == COMPRESSION:  # wraps the sync of the parallelism plan it names, if any
+            executor = compression_executor(plan, executor if plan.wraps else None)
         elif kind in BUILDERS:
             executor = BUILDERS[kind](gm, plan) or executor
     return executor

@@ -253,6 +253,21 @@ def test_compression_after_a_pass_without_grad_sync_hook_is_refused():
         executors.build(None, [plan])
 
 
+def test_compression_after_a_plan_it_does_not_wrap_trains_data_parallel():
+    # layer_groups' weight-loading executor takes no gradient sync: a compression plan that
+    # wraps nothing runs its own data-parallel executor, as it did before plans composed
+    from tidal.ir.plans.compression import CompressionPlan
+    from tidal.runtime import executors
+
+    class LayerGroupPlan:  # stands for the real plan: only its kind and weight store matter
+        weight_store = "never-opened.tws"
+
+    plan = CompressionPlan(compressor="topk:0.5", mode="on", enabled=True, bucket_bytes=1 << 20,
+                           buckets=(("w",),), grad_bytes=4, payload_bytes=4)
+    assert type(executors.build(None, [LayerGroupPlan(), plan])).__name__ == \
+        "DataParallelExecutor"
+
+
 STALL_TIMEOUT_S = 3.0
 
 
