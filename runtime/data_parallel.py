@@ -47,15 +47,15 @@ from tidal.runtime.compressors import Compressor, make_compressor
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 
 
-def _shard(value: Any, rank: int, size: int, batch: int) -> Any:
+def shard(value: Any, rank: int, size: int, batch: int) -> Any:
     """This rank's slice of dim 0 of every tensor whose dim 0 is the global batch."""
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
         per = batch // size
         return value[rank * per:(rank + 1) * per]
     if isinstance(value, (tuple, list)):
-        return type(value)(_shard(v, rank, size, batch) for v in value)
+        return type(value)(shard(v, rank, size, batch) for v in value)
     if isinstance(value, Mapping):
-        return {k: _shard(v, rank, size, batch) for k, v in value.items()}
+        return {k: shard(v, rank, size, batch) for k, v in value.items()}
     return value
 
 
@@ -141,8 +141,8 @@ class DataParallelExecutor:
                              f"{world.size} ranks")
         self._broadcast_state(model, params=self.steps == 0)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(gm(*_shard(inputs, world.rank, world.size, batch)),
-                       _shard(targets, world.rank, world.size, batch))
+        loss = loss_fn(gm(*shard(inputs, world.rank, world.size, batch)),
+                       shard(targets, world.rank, world.size, batch))
         loss.backward()
         synced = self.sync_gradients(model)
         optimizer.step()

@@ -3,7 +3,9 @@
 ``BUILDERS`` maps a plan's registered kind name (``tidal.ir.plan.plan_kind``) to the function
 that builds its executor from the transformed graph and the plan. :func:`build` walks the plans
 of a compile in pass order: a parallelism plan gives the executor, and a ``CompressionPlan``
-after one wraps its gradient sync (alone, it trains data parallel with compressed gradients).
+after one wraps its gradient sync (alone, it trains data parallel with compressed gradients; with
+compression off, as a program whose all-reduces overlap backward,
+``tidal.runtime.program.DataParallelProgram``).
 Plans with no builder (CHAI's, a layer-group plan without a weight store) leave the graph to
 run as it is. The runtime never imports a pass: a plan is read by its fields.
 
@@ -28,6 +30,7 @@ from tidal.ir.pass_api import Executor
 from tidal.ir.plan import Plan, plan_kind
 from tidal.runtime import burst_exec, round_robin_exec, wave_exec, weight_loader
 from tidal.runtime.data_parallel import compression_executor
+from tidal.runtime.program import DataParallelProgram
 
 Builder = Callable[[fx.GraphModule, Any], Optional[Executor]]
 
@@ -48,8 +51,17 @@ def build(gm: fx.GraphModule, plans: Sequence[Plan]) -> Optional[Executor]:
     executor: Optional[Executor] = None
     for plan in plans:
         kind = plan_kind(type(plan))
-        if kind == COMPRESSION:  # wraps the sync of the parallelism plan it names, if any
+        if kind == COMPRESSION and _plain_data_parallel(plan):
+            executor = DataParallelProgram(plan.bucket_bytes,
+                                           fallback=compression_executor(plan, None))
+        elif kind == COMPRESSION:  # wraps the sync of the parallelism plan it names, if any
             executor = compression_executor(plan, executor if plan.wraps else None)
         elif kind in BUILDERS:
             executor = BUILDERS[kind](gm, plan) or executor
     return executor
+
+
+def _plain_data_parallel(plan: Any) -> bool:
+    """A compression plan that is plain data parallelism (compression off, nothing wrapped):
+    it runs as a program (``tidal.runtime.program``), all-reduces overlapping backward."""
+    return not plan.enabled and plan.wraps is None

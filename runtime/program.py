@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx import _pytree as fx_pytree
 
-from tidal.ir.capture import TrainStep, _as_inputs
+from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
 from tidal.runtime.backend import HIGH, LOW, CpuBackend, Launch
 
@@ -204,8 +204,15 @@ class ProgramRunner:
                                                 uses_device=piece.stream == COMPUTE))
             events.append(self.backend.event())
             stream.record(events[-1])
-        for launch in launches:
-            launch.wait()
+        errors = []
+        for launch in launches:  # all of them, so nothing still runs when an error is raised
+            try:
+                launch.wait()
+            except Exception as e:  # noqa: BLE001 - the first one is raised below, named
+                errors.append((launch.label, e))
+        if errors:
+            label, e = errors[0]
+            raise RuntimeError(f"piece {label!r} failed: {type(e).__name__}: {e}") from e
         loss = interp.env[loss_node].detach().clone()
         if world > 1:
             dist.all_reduce(loss, group=self.group)
@@ -234,3 +241,88 @@ def chrome_trace(traces: Mapping[int, Sequence[PieceTrace]]) -> dict:
             events.append({"ph": "X", "name": t.name, "pid": rank, "tid": rows[t.stream],
                            "ts": t.start_us, "dur": max(t.end_us - t.start_us, 0.0)})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+class DataParallelProgram:
+    """``Compiled.step`` as a data-parallel program: each rank captures the joint
+    forward+backward graph of its shard of the global batch once per input shape
+    (``tidal.ir.capture.capture_train_step`` of the graph module, which shares the model's
+    parameters), builds :func:`data_parallel` with gradient
+    all-reduces that overlap the rest of backward, and runs it with a :class:`ProgramRunner`;
+    the loss returned is the global batch's (the mean of the shards'). ``last_trace`` holds the
+    pieces of the latest step (:func:`chrome_trace` writes them). A step whose graph cannot be
+    captured (data-dependent control flow, host syncs) runs through ``fallback`` (an executor
+    with the same semantics), and ``fallback_reason`` says why."""
+
+    def __init__(self, bucket_bytes: float = DDP_BUCKET_BYTES, fallback: Any = None):
+        self.bucket_bytes = bucket_bytes
+        self.fallback = fallback
+        self.fallback_reason = ""
+        self.last_trace: list[PieceTrace] = []
+        self._steps: dict[tuple, tuple[TrainStep, Program]] = {}
+        self._runner: Optional[ProgramRunner] = None
+        self._started = False
+
+    def __getattr__(self, name: str) -> Any:
+        """What the program does not define (``compressor``, ``state_dict``) is the
+        fallback executor's."""
+        fallback = self.__dict__.get("fallback")
+        if fallback is None:
+            raise AttributeError(name)
+        return getattr(fallback, name)
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """Inference is not distributed: every rank runs the whole batch."""
+        return gm(*args, **kwargs)
+
+    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        from tidal.ir.cost import example_batch
+        from tidal.ir.errors import TraceError
+        from tidal.runtime.data_parallel import shard
+
+        if self.fallback_reason:
+            return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
+        rank, size = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        batch = example_batch(inputs)
+        if batch % size:
+            raise ValueError(f"data parallel: global batch {batch} does not split evenly over "
+                             f"{size} ranks")
+        if not self._started and size > 1:  # every rank starts from rank 0's model
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        self._started = True
+        local = shard(inputs, rank, size, batch)
+        local_targets = shard(targets, rank, size, batch)
+        key = tuple((tuple(t.shape), t.dtype) for t in _tensors((local, local_targets)))
+        if key not in self._steps:
+            try:
+                step = capture_train_step(gm, local, local_targets, loss_fn)
+            except TraceError as e:
+                if self.fallback is None:
+                    raise
+                self.fallback_reason = str(e)
+                return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
+            self._steps[key] = (step, data_parallel(step, size, self.bucket_bytes))
+            first = True
+        else:
+            first = False
+        step, program = self._steps[key]
+        if self._runner is None:
+            self._runner = ProgramRunner()
+        optimizer.zero_grad(set_to_none=True)
+        try:  # gm shares the model's parameters
+            loss, _, self.last_trace = self._runner(program, step, gm, local, local_targets,
+                                                    optimizer)
+        except Exception as e:  # noqa: BLE001 - a first replay that fails falls back, named
+            if not first or self.fallback is None:
+                raise
+            self.fallback_reason = f"the captured step failed to run: {type(e).__name__}: {e}"
+            return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
+        return loss
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]

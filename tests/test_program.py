@@ -113,3 +113,44 @@ def test_the_simulator_runs_the_same_program_in_the_same_order():
         assert real == modelled, (stream, real, modelled)
     backward_end = max(i.end_us for i in sim if i.name.startswith("segment"))
     assert min(i.start_us for i in sim if i.lane == "link") < backward_end
+
+
+def _compiled_dp(rank, size):
+    import tidal
+    from tidal.passes.compression import CompressionPass
+
+    out = {}
+    for name, model, x, y in (
+            ("mlp", _model(), *_data()),
+            ("lstm", torch.nn.LSTM(8, 8, batch_first=True), torch.randn(BATCH, 3, 8),
+             torch.randn(BATCH, 3, 8))):
+        ref = copy.deepcopy(model)
+
+        def loss_fn(out, target):
+            return F.mse_loss(out[0], target) if isinstance(out, tuple) else \
+                F.cross_entropy(out, target)
+
+        c = tidal.compile(model, (x,), passes=[CompressionPass(mode="off")], loss_fn=loss_fn,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        loss = float(c.step((x,), y))
+        want = loss_fn(ref(x), y)
+        want.backward()
+        torch.optim.SGD(ref.parameters(), lr=0.1).step()
+        err = max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
+                                                             ref.parameters()))
+        out[name] = (type(c.executor).__name__, loss, float(want.detach()), err,
+                     [t.stream for t in c.executor.last_trace], c.executor.fallback_reason)
+    return out
+
+
+def test_compile_runs_plain_data_parallelism_as_a_program():
+    # compression off is plain data parallelism: Compiled.step runs the program (with its
+    # trace); a step whose captured graph cannot run (the LSTM's fused kernel) falls back to
+    # the eager data-parallel executor and says why; both equal the one-process step
+    for result in spawn(_compiled_dp, 2, timeout_s=180):
+        kind, loss, want, err, streams, why = result["mlp"]
+        assert kind == "DataParallelProgram" and why == "" and COMM in streams
+        assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
+        kind, loss, want, err, streams, why = result["lstm"]
+        assert "failed to run" in why and streams == []
+        assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
