@@ -1,10 +1,12 @@
 """``Compiled``: what ``tidal.compile`` returns — a runnable model plus what each pass did."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from tidal.compiler.pass_manager import PassRecord
@@ -13,6 +15,7 @@ from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 from tidal.runtime import executors
+from tidal.runtime.program import chrome_trace
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
 
@@ -87,6 +90,23 @@ class Compiled:
         loss.backward()
         opt.step()
         return loss.detach()
+
+    def trace(self, path: Union[str, Path]) -> Path:
+        """Write the pieces of the latest ``step`` (per stream, this rank as the process) as a
+        Chrome trace (``chrome://tracing``, ui.perfetto.dev); returns the path. Raises
+        ``ValueError`` when the plans run through an executor that records no pieces yet, or
+        before the first step."""
+        pieces = getattr(self.executor, "last_trace", None) if self.executor is not None \
+            else None
+        if not pieces:
+            what = type(self.executor).__name__ if self.executor is not None else "the graph"
+            raise ValueError(f"Compiled.trace: no pieces recorded ({what} runs the steps; "
+                             f"programs record them: plain data parallelism so far), or no "
+                             f"step has run yet")
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        out = Path(path)
+        out.write_text(json.dumps(chrome_trace({rank: pieces})))
+        return out
 
     def cold_start(self, path: Union[str, Path], *inputs: Any, **kwargs: Any) -> Any:
         """The first output while the weights stream in, group by group, from the store at

@@ -3,6 +3,9 @@ stream. On 2 gloo ranks the step equals one single-process SGD step on the globa
 gradient all-reduce of the first bucket runs while the compute stream is still in backward
 (overlap is real); with ``overlap=False`` every all-reduce waits for the whole backward."""
 import copy
+import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +143,14 @@ def _compiled_dp(rank, size):
                                                              ref.parameters()))
         out[name] = (type(c.executor).__name__, loss, float(want.detach()), err,
                      [t.stream for t in c.executor.last_trace], c.executor.fallback_reason)
+        if name == "mlp":
+            path = c.trace(Path(tempfile.mkdtemp()) / f"rank{rank}.json")
+            events = json.loads(path.read_text())["traceEvents"]
+            out["trace"] = sorted({(e["pid"], e["args"]["name"]) for e in events
+                                   if e["ph"] == "M"})
+        else:
+            with pytest.raises(ValueError, match="no pieces recorded"):
+                c.trace("unused.json")
     return out
 
 
@@ -147,10 +158,13 @@ def test_compile_runs_plain_data_parallelism_as_a_program():
     # compression off is plain data parallelism: Compiled.step runs the program (with its
     # trace); a step whose captured graph cannot run (the LSTM's fused kernel) falls back to
     # the eager data-parallel executor and says why; both equal the one-process step
-    for result in spawn(_compiled_dp, 2, timeout_s=180):
+    spawn_results = spawn(_compiled_dp, 2, timeout_s=180)
+    for result in spawn_results:
         kind, loss, want, err, streams, why = result["mlp"]
         assert kind == "DataParallelProgram" and why == "" and COMM in streams
         assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
         kind, loss, want, err, streams, why = result["lstm"]
         assert "failed to run" in why and streams == []
         assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
+    assert [r["trace"] for r in spawn_results] == [[(0, COMM), (0, COMPUTE)],
+                                                   [(1, COMM), (1, COMPUTE)]]
