@@ -316,10 +316,17 @@ class BurstParallel(Pass):
         if sync not in SYNC_MODELS:
             raise ValueError(f"burst_parallel(sync={sync!r}): expected one of {SYNC_MODELS}")
         self.sync = sync
+        self._analysed: Optional[tuple[tuple, burst_units.Units]] = None
 
     def _units(self, gm: fx.GraphModule, ctx: PassContext) -> burst_units.Units:
-        batch_dim.analyze(gm, ctx.example_inputs, ctx.batch_size)
-        return burst_units.build(gm)
+        """The graph's units, analysed once per graph (``auto`` asks ``why_not`` first, then
+        runs the pass on the same, unchanged graph)."""
+        key = (id(gm), tuple(n.name for n in gm.graph.nodes), ctx.batch_size,
+               tuple(getattr(v, "shape", None) for v in ctx.example_inputs))
+        if self._analysed is None or self._analysed[0] != key:
+            batch_dim.analyze(gm, ctx.example_inputs, ctx.batch_size)
+            self._analysed = (key, burst_units.build(gm))
+        return self._analysed[1]
 
     def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         if ctx.cluster.gpus < 2:

@@ -187,3 +187,17 @@ def _written_step(rank, size):
 def test_a_value_written_in_place_moves_again_for_a_later_reader():
     for got, want in spawn(_written_step, 2, timeout_s=120):
         torch.testing.assert_close(got, want)
+
+
+def test_auto_analyses_the_graph_once(monkeypatch):
+    # auto asks burst_parallel why_not, then runs it on the same graph: one batch-dimension
+    # analysis, not two (it is the slow part on a large model)
+    from tidal.ir import batch_dim
+
+    calls = []
+    real = batch_dim.analyze
+    monkeypatch.setattr(batch_dim, "analyze", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, x = Centred(), torch.randn(8, 6)
+    c = tidal.compile(model, (x,), passes="auto", cluster=_fast_cluster(2),
+                      loss_fn=lambda out, y: out.sum(), optimizer=lambda p: torch.optim.SGD(p, 0.1))
+    assert c.plan.get("burst_parallel") is not None and len(calls) == 1
