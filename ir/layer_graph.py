@@ -134,14 +134,14 @@ def branch_blocks(g: nx.DiGraph, label: Callable[[Any], str] = str) -> list[Bran
         join = ipdom[fork]
         if join == _SINK:
             continue  # several model outputs, not a block
-        inside = (nx.descendants(h, fork) & nx.ancestors(h, join))
+        inside = _between(h, fork, join, order)
         branches = []
         seen: set[str] = set()
         for s in succs:
             if s == join:
                 branches.append(())
                 continue
-            members = ({s} | nx.descendants(h, s)) & inside
+            members = _reach(h, s, inside)
             if members & seen:
                 shared = sorted(members & seen, key=order.__getitem__)[:3]
                 raise NotSeriesParallel(  # the region: from the fork to where branches meet
@@ -152,6 +152,35 @@ def branch_blocks(g: nx.DiGraph, label: Callable[[Any], str] = str) -> list[Bran
             branches.append(tuple(sorted(members, key=order.__getitem__)))
         blocks.append(BranchBlock(fork=fork, join=join, branches=tuple(branches)))
     return _nest(blocks, order)
+
+
+def _between(h: nx.DiGraph, fork: Any, join: Any, order: dict) -> set:
+    """The nodes on a path from ``fork`` to ``join`` (both excluded). Only nodes ordered
+    between the two can be on one (the order is topological), so the search stays in that
+    stretch of the graph instead of walking everything after the fork."""
+    last = order[join]
+    ahead: set = set()
+    todo = [fork]
+    while todo:
+        for s in h.successors(todo.pop()):
+            if s != join and s not in ahead and order.get(s, last) < last:
+                ahead.add(s)
+                todo.append(s)
+    return _reach(h, join, ahead, forward=False) - {join}
+
+
+def _reach(h: nx.DiGraph, start: Any, allowed: set, forward: bool = True) -> set:
+    """``start`` and the nodes reachable from it (backwards with ``forward=False``) through
+    ``allowed`` nodes only."""
+    step = h.successors if forward else h.predecessors
+    out = {start}
+    todo = [start]
+    while todo:
+        for n in step(todo.pop()):
+            if n in allowed and n not in out:
+                out.add(n)
+                todo.append(n)
+    return out & (allowed | {start})
 
 
 def _nest(blocks: list[BranchBlock], order: dict[str, int]) -> list[BranchBlock]:

@@ -332,16 +332,14 @@ def _non_series_parallel(topo: list[str], preds: list[tuple[int, ...]], g: nx.Di
 
     try:
         check_structure(topo, preds)
-    except NotSeriesParallel as e:
-        ig = nx.DiGraph()
-        ig.add_nodes_from(range(len(topo)))
-        ig.add_edges_from((p, i) for i, ps in enumerate(preds) for p in ps)
-        region = e.region(ig)
+    except NotSeriesParallel as e:  # its fork and join are indices into topo
+        fork = None if e.fork is None else topo[e.fork]
+        region = NotSeriesParallel(str(e), fork, topo[e.join]).region(g)
         if len(region) < 2:  # a unit that reads no unit where a chain needs one: join the
-            region.add(max(e.join - 1, 0) if e.join > 0 else 1)  # one before it
-        if e.fork is None:
+            region.add(topo[max(e.join - 1, 0) if e.join > 0 else 1])  # one before it
+        if fork is None:
             why = f"{topo[e.join]!r} reads no layer where the chain needs one"
         else:
-            why = f"branches from {topo[e.fork]!r} meet at {topo[e.join]!r}"
-        return {topo[i] for i in region}, why
+            why = f"branches from {fork!r} meet at {topo[e.join]!r}"
+        return region, why
     return None
