@@ -76,8 +76,8 @@ def specialise(gm: fx.GraphModule, layer_ranks: dict[str, tuple[int, ...]], rank
     a unit of several nodes (``unit_members``, by layer name; default: the layer node alone):
     each member whose value a node outside the unit reads is replaced, tied to the unit's
     inputs that come before it (an input after every such member feeds only members whose
-    values nothing reads, on any rank), and the members nothing reads any more are dropped. A member whose output is not
-    one tensor keeps running (on zero rows)."""
+    values nothing reads, on any rank), and the members nothing reads any more are dropped.
+    A member whose output is not one tensor keeps running (on zero rows)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
