@@ -59,6 +59,18 @@ def shard(value: Any, rank: int, size: int, batch: int) -> Any:
     return value
 
 
+def broadcast_state(model: torch.nn.Module, params: bool,
+                    group: Optional[dist.ProcessGroup] = None) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics each rank updated from its own
+    shard) and, with ``params``, its parameters (before the first step); a no-op on one rank.
+    Data-parallel executors call it at the start of every step."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    tensors = list(model.buffers()) + ([p.data for p in model.parameters()] if params else [])
+    for t in tensors:
+        dist.broadcast(t, src=0, group=group)
+
+
 def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters that get gradients, by name, in registration order."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -108,14 +120,6 @@ class DataParallelExecutor:
         """Inference is not distributed: every rank runs the whole batch."""
         return gm(*args, **kwargs)
 
-    def _broadcast_state(self, model: torch.nn.Module, params: bool) -> None:
-        world = self.comm.world
-        if world.size == 1:
-            return
-        tensors = [b for b in model.buffers()] + ([p.data for p in model.parameters()]
-                                                  if params else [])
-        for t in tensors:
-            dist.broadcast(t, src=0, group=self.comm.group)
 
     def sync_gradients(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Synchronize every parameter's ``.grad`` bucket by bucket through the compressor
@@ -139,7 +143,7 @@ class DataParallelExecutor:
         if batch % world.size:
             raise ValueError(f"compression: global batch {batch} does not split evenly over "
                              f"{world.size} ranks")
-        self._broadcast_state(model, params=self.steps == 0)
+        broadcast_state(model, params=self.steps == 0, group=self.comm.group)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(gm(*shard(inputs, world.rank, world.size, batch)),
                        shard(targets, world.rank, world.size, batch))

@@ -45,7 +45,11 @@ from torch.fx import _pytree as fx_pytree
 
 from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
+from tidal.ir.cost import example_batch
+from tidal.ir.errors import TraceError
+from tidal.ir.node_runner import flat_tensors
 from tidal.runtime.backend import HIGH, LOW, CpuBackend, Launch
+from tidal.runtime.data_parallel import broadcast_state, shard
 
 COMPUTE, COMM = "compute", "comm"
 
@@ -277,10 +281,6 @@ class DataParallelProgram:
 
     def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        from tidal.ir.cost import example_batch
-        from tidal.ir.errors import TraceError
-        from tidal.runtime.data_parallel import shard
-
         if self.fallback_reason:
             return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
         rank, size = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
@@ -288,13 +288,11 @@ class DataParallelProgram:
         if batch % size:
             raise ValueError(f"data parallel: global batch {batch} does not split evenly over "
                              f"{size} ranks")
-        if not self._started and size > 1:  # every rank starts from rank 0's model
-            for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src=0)
+        broadcast_state(model, params=not self._started)  # as DataParallelExecutor does
         self._started = True
         local = shard(inputs, rank, size, batch)
         local_targets = shard(targets, rank, size, batch)
-        key = tuple((tuple(t.shape), t.dtype) for t in _tensors((local, local_targets)))
+        key = tuple((tuple(t.shape), t.dtype) for t in flat_tensors((local, local_targets)))
         if key not in self._steps:
             try:
                 step = capture_train_step(gm, local, local_targets, loss_fn)
@@ -320,9 +318,3 @@ class DataParallelProgram:
             self.fallback_reason = f"the captured step failed to run: {type(e).__name__}: {e}"
             return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
         return loss
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-
-    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]

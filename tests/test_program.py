@@ -168,3 +168,33 @@ def test_compile_runs_plain_data_parallelism_as_a_program():
         assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
     assert [r["trace"] for r in spawn_results] == [[(0, COMM), (0, COMPUTE)],
                                                    [(1, COMM), (1, COMPUTE)]]
+
+
+def _batchnorm_state(rank, size):
+    # the program and the eager data-parallel executor hold the same BatchNorm statistics on
+    # every rank after two steps: both start each step from rank 0's buffers
+    from tidal.ir.plans.compression import CompressionPlan
+    from tidal.runtime.data_parallel import compression_executor
+    from tidal.runtime.program import DataParallelProgram
+
+    x, y = _data()
+    out = []
+    for make in (lambda plan: DataParallelProgram(), lambda plan: compression_executor(plan, None)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 32), torch.nn.BatchNorm1d(32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        gm = torch.fx.symbolic_trace(model)
+        names = tuple(n for n, _ in model.named_parameters())
+        plan = CompressionPlan(compressor="none", mode="off", enabled=False, bucket_bytes=1 << 20,
+                               buckets=(names,), grad_bytes=0, payload_bytes=0)
+        ex, opt = make(plan), torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            ex.step(gm, model, (x,), y, F.cross_entropy, opt)
+        out.append([b.clone() for b in model.buffers()])
+    return out
+
+
+def test_the_program_keeps_batchnorm_statistics_as_eager_data_parallelism():
+    for program, eager in spawn(_batchnorm_state, 2, timeout_s=120):
+        for a, b in zip(program, eager):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -229,30 +229,6 @@ def test_compression_wraps_tick_tock_sync_and_off_equals_all_reduce():
         assert not torch.allclose(psgd[0][0]["T"]["0.weight"], plain[0][0]["T"]["0.weight"])
 
 
-def test_compression_after_a_pass_without_grad_sync_hook_is_refused():
-    # the runtime composes a compression plan with the executor of the parallelism plan before
-    # it; an executor that cannot take a gradient sync, or none at all, is a clear error
-    from tidal.ir.errors import PassError
-    from tidal.ir.plans.compression import CompressionPlan
-    from tidal.runtime import executors
-
-    class NoHook:
-        def forward(self, gm, *a):
-            return None
-
-        def step(self, *a):
-            return None
-
-    plan = CompressionPlan(compressor="topk:0.5", mode="on", enabled=True, bucket_bytes=1 << 20,
-                           buckets=(("w",),), grad_bytes=4, payload_bytes=4,
-                           wraps="burst_parallel")
-    with pytest.raises(PassError, match="'burst_parallel''s executor \\(NoHook\\) does not "
-                                        "take one"):
-        executors.compression_executor(plan, NoHook())
-    with pytest.raises(PassError, match="no executor was built for 'burst_parallel'"):
-        executors.build(None, [plan])
-
-
 def test_compression_after_a_plan_it_does_not_wrap_trains_data_parallel():
     # layer_groups' weight-loading executor takes no gradient sync: a compression plan that
     # wraps nothing runs its own data-parallel executor, as it did before plans composed
