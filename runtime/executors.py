@@ -21,6 +21,7 @@ Example:
 """
 from __future__ import annotations
 
+import importlib
 from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,19 +29,34 @@ import torch.fx as fx
 
 from tidal.ir.pass_api import Executor
 from tidal.ir.plan import Plan, plan_kind
-from tidal.runtime import burst_exec, round_robin_exec, wave_exec, weight_loader
 from tidal.runtime.data_parallel import compression_executor
-from tidal.runtime.program import DataParallelProgram
+from tidal.runtime.program import ProgramExecutor
+from tidal.runtime.programs import builders
+from tidal.runtime.programs.data_parallel import DataParallelProgram
 
 Builder = Callable[[fx.GraphModule, Any], Optional[Executor]]
 
-BUILDERS: "MappingProxyType[str, Builder]" = MappingProxyType({
-    "BurstPlan": burst_exec.from_plan,
-    "TickTockPlan": wave_exec.from_plan,
-    "RoundRobinPlan": round_robin_exec.from_plan,
-    "LayerGroupPlan": weight_loader.from_plan,
+_LEGACY: "MappingProxyType[str, str]" = MappingProxyType({
+    "BurstPlan": "tidal.runtime.burst_exec",
+    "TickTockPlan": "tidal.runtime.wave_exec",
+    "RoundRobinPlan": "tidal.runtime.round_robin_exec",
+    "LayerGroupPlan": "tidal.runtime.weight_loader",
 })
-"""Plan kind -> the builder of the executor that runs it."""
+"""Plan kind -> the module of the executor that runs it while it has no program builder
+(``tidal.runtime.programs``) yet."""
+
+
+def _builder(kind: str) -> Optional[Builder]:
+    found = builders()
+    if kind in found:
+        return lambda gm, plan: _as_executor(found[kind](gm, plan))
+    if kind in _LEGACY:
+        return importlib.import_module(_LEGACY[kind]).from_plan
+    return None
+
+
+def _as_executor(rank_program: Any) -> Optional[Executor]:
+    return None if rank_program is None else ProgramExecutor(rank_program)
 
 COMPRESSION = "CompressionPlan"
 
@@ -56,8 +72,8 @@ def build(gm: fx.GraphModule, plans: Sequence[Plan]) -> Optional[Executor]:
                                            fallback=compression_executor(plan, None))
         elif kind == COMPRESSION:  # wraps the sync of the parallelism plan it names, if any
             executor = compression_executor(plan, executor if plan.wraps else None)
-        elif kind in BUILDERS:
-            executor = BUILDERS[kind](gm, plan) or executor
+        elif _builder(kind) is not None:
+            executor = _builder(kind)(gm, plan) or executor
     return executor
 
 

@@ -35,21 +35,18 @@ Example:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.fx import _pytree as fx_pytree
 
-from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
+from tidal.ir.capture import TrainStep, _as_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.ir.cost import example_batch
-from tidal.ir.errors import TraceError
-from tidal.ir.node_runner import flat_tensors
 from tidal.runtime.backend import HIGH, LOW, CpuBackend, Launch
-from tidal.runtime.data_parallel import broadcast_state, shard
 
 COMPUTE, COMM = "compute", "comm"
 
@@ -134,23 +131,80 @@ class PieceTrace:
     end_us: float
 
 
+STREAMS = {COMPUTE: (HIGH, True), COMM: (LOW, False), "load": (LOW, False)}
+"""Stream name -> (priority, occupies the device). A stream a program names that is not here
+(a wave's own compute stream, ``"tick"``/``"tock"``) is a high-priority compute stream."""
+
+
+def stream_kind(name: str) -> tuple[int, bool]:
+    """(priority, occupies the device) of the stream ``name`` (see :data:`STREAMS`)."""
+    return STREAMS.get(name, (HIGH, True))
+
+
+Work = Callable[[int, Piece], Callable[[], Any]]
+"""What a program's pieces do in one step: ``work(index, piece)`` returns the function that
+runs piece ``index`` (a builder's per-step binding of the program to tensors)."""
+
+
 class ProgramRunner:
-    """Runs programs on a CPU backend: ``runner(program, step, model, inputs, targets)``
-    returns ``(loss, {parameter name: averaged gradient}, [PieceTrace])``. The loss is averaged
-    over the ranks (each rank passes its own shard). ``optimizer``, when given, takes its step
-    in the program's ``optimizer`` piece on the averaged gradients."""
+    """Runs programs on a CPU backend, one stream per stream name the program uses
+    (:func:`stream_kind`), cross-stream dependencies through events.
+
+    :meth:`launch` runs any program given what its pieces do; calling the runner runs a
+    :func:`data_parallel` program of a captured step: ``runner(program, step, model, inputs,
+    targets)`` returns ``(loss, {parameter name: averaged gradient}, [PieceTrace])``. The loss
+    is averaged over the ranks (each rank passes its own shard). ``optimizer``, when given,
+    takes its step in the program's ``optimizer`` piece on the averaged gradients."""
 
     def __init__(self, backend: Optional[CpuBackend] = None,
                  group: Optional[dist.ProcessGroup] = None):
         self.backend = backend or CpuBackend(slots=None)
         self.group = group
-        self.streams = {COMPUTE: self.backend.stream(HIGH), COMM: self.backend.stream(LOW)}
+        self.streams: dict[str, Any] = {}
 
     def __enter__(self) -> "ProgramRunner":
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the backend's stream workers."""
         self.backend.close()
+        self.streams.clear()
+
+    def _stream(self, name: str) -> Any:
+        if name not in self.streams:
+            self.streams[name] = self.backend.stream(stream_kind(name)[0])
+        return self.streams[name]
+
+    def launch(self, program: Program, work: Work) -> list[PieceTrace]:
+        """Run every piece of ``program`` (``work(index, piece)`` gives what it does) on its
+        stream, after the pieces it depends on, and return when all have ended: one
+        :class:`PieceTrace` per piece. A piece that raises makes this raise a ``RuntimeError``
+        naming it, once nothing runs any more."""
+        launches: list[Launch] = []
+        events = []
+        for index, piece in enumerate(program.pieces):
+            stream = self._stream(piece.stream)
+            for d in piece.deps:
+                if program.pieces[d].stream != piece.stream:
+                    stream.wait_event(events[d])
+            launches.append(self.backend.launch(stream, work(index, piece), label=piece.name,
+                                                uses_device=stream_kind(piece.stream)[1]))
+            events.append(self.backend.event())
+            stream.record(events[-1])
+        errors = []
+        for launch in launches:  # all of them, so nothing still runs when an error is raised
+            try:
+                launch.wait()
+            except Exception as e:  # noqa: BLE001 - the first one is raised below, named
+                errors.append((launch.label, e))
+        if errors:
+            label, e = errors[0]
+            raise RuntimeError(f"piece {label!r} failed: {type(e).__name__}: {e}") from e
+        return [PieceTrace(p.name, p.stream, l.start_us, l.end_us)
+                for p, l in zip(program.pieces, launches)]
 
     def __call__(self, program: Program, step: TrainStep, model: torch.nn.Module,
                  inputs: Any, targets: Any, optimizer: Optional[torch.optim.Optimizer] = None
@@ -191,40 +245,87 @@ class ProgramRunner:
             if optimizer is not None:
                 optimizer.step()
 
-        launches: list[Launch] = []
-        events = []
-        for piece in program.pieces:
-            stream = self.streams[piece.stream]
-            for d in piece.deps:
-                if program.pieces[d].stream != piece.stream:
-                    stream.wait_event(events[d])
+        def work(index: int, piece: Piece) -> Callable[[], Any]:
             if piece.nodes:
-                fn, args = segment, (piece.nodes,)
-            elif piece.grads:
-                fn, args = all_reduce, (piece.grads,)
-            else:
-                fn, args = apply, ()
-            launches.append(self.backend.launch(stream, fn, *args, label=piece.name,
-                                                uses_device=piece.stream == COMPUTE))
-            events.append(self.backend.event())
-            stream.record(events[-1])
-        errors = []
-        for launch in launches:  # all of them, so nothing still runs when an error is raised
-            try:
-                launch.wait()
-            except Exception as e:  # noqa: BLE001 - the first one is raised below, named
-                errors.append((launch.label, e))
-        if errors:
-            label, e = errors[0]
-            raise RuntimeError(f"piece {label!r} failed: {type(e).__name__}: {e}") from e
+                return functools.partial(segment, piece.nodes)
+            if piece.grads:
+                return functools.partial(all_reduce, piece.grads)
+            return apply
+
+        trace = self.launch(program, work)
         loss = interp.env[loss_node].detach().clone()
         if world > 1:
             dist.all_reduce(loss, group=self.group)
             loss /= world
         grads = {name: averaged[i] for i, name in enumerate(step.param_names)}
-        trace = [PieceTrace(p.name, p.stream, l.start_us, l.end_us)
-                 for p, l in zip(program.pieces, launches)]
         return loss, grads, trace
+
+
+class StepWork(Protocol):
+    """One step of a rank's program bound to tensors (what :meth:`RankProgram.bind` returns):
+    the ``program`` to run, ``work(index, piece)`` (see :data:`Work`) and ``loss()``, the
+    step's loss once every piece has run."""
+
+    program: Program
+
+    def work(self, index: int, piece: Piece) -> Callable[[], Any]: ...
+
+    def loss(self) -> torch.Tensor: ...
+
+
+class RankProgram(Protocol):
+    """What a program builder returns (``tidal.runtime.programs.BUILDERS``): this rank's side of
+    a plan. ``bind`` prepares one training step (the program for these inputs, built once per
+    shape, and what each piece does); ``forward`` runs inference."""
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any: ...
+
+    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> StepWork: ...
+
+
+class ProgramExecutor:
+    """The one executor: runs the program a builder gives for each step on the runtime's
+    streams (:class:`ProgramRunner`) and keeps its pieces (``last_program``, ``last_trace``;
+    :func:`chrome_trace` writes them). What the executor does not define (a builder's
+    statistics, ``state_dict``, ``use_grad_sync``) is the rank program's."""
+
+    def __init__(self, rank_program: RankProgram, runner: Optional[ProgramRunner] = None):
+        self.rank_program = rank_program
+        self._runner = runner
+        self.last_program: Optional[Program] = None
+        self.last_trace: list[PieceTrace] = []
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("rank_program")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    @property
+    def runner(self) -> ProgramRunner:
+        """The runner (its backend's streams are made on first use)."""
+        if self._runner is None:
+            self._runner = ProgramRunner()
+        return self._runner
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """Inference, as the rank program runs it."""
+        return self.rank_program.forward(gm, *args, **kwargs)
+
+    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """One training step: bind the program to this step's tensors and run it."""
+        bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
+        self.last_program = bound.program
+        self.last_trace = self.runner.launch(bound.program, bound.work)
+        return bound.loss()
+
+    def close(self) -> None:
+        """Stop the runner's stream workers (a later step starts new ones)."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
 
 
 def _distributed() -> bool:
@@ -245,76 +346,3 @@ def chrome_trace(traces: Mapping[int, Sequence[PieceTrace]]) -> dict:
             events.append({"ph": "X", "name": t.name, "pid": rank, "tid": rows[t.stream],
                            "ts": t.start_us, "dur": max(t.end_us - t.start_us, 0.0)})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-class DataParallelProgram:
-    """``Compiled.step`` as a data-parallel program: each rank captures the joint
-    forward+backward graph of its shard of the global batch once per input shape
-    (``tidal.ir.capture.capture_train_step`` of the graph module, which shares the model's
-    parameters), builds :func:`data_parallel` with gradient
-    all-reduces that overlap the rest of backward, and runs it with a :class:`ProgramRunner`;
-    the loss returned is the global batch's (the mean of the shards'). ``last_trace`` holds the
-    pieces of the latest step (:func:`chrome_trace` writes them). A step whose graph cannot be
-    captured (data-dependent control flow, host syncs) runs through ``fallback`` (an executor
-    with the same semantics), and ``fallback_reason`` says why."""
-
-    def __init__(self, bucket_bytes: float = DDP_BUCKET_BYTES, fallback: Any = None):
-        self.bucket_bytes = bucket_bytes
-        self.fallback = fallback
-        self.fallback_reason = ""
-        self.last_trace: list[PieceTrace] = []
-        self._steps: dict[tuple, tuple[TrainStep, Program]] = {}
-        self._runner: Optional[ProgramRunner] = None
-        self._started = False
-
-    def __getattr__(self, name: str) -> Any:
-        """What the program does not define (``compressor``, ``state_dict``) is the
-        fallback executor's."""
-        fallback = self.__dict__.get("fallback")
-        if fallback is None:
-            raise AttributeError(name)
-        return getattr(fallback, name)
-
-    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        """Inference is not distributed: every rank runs the whole batch."""
-        return gm(*args, **kwargs)
-
-    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
-             loss_fn: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        if self.fallback_reason:
-            return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
-        rank, size = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-        batch = example_batch(inputs)
-        if batch % size:
-            raise ValueError(f"data parallel: global batch {batch} does not split evenly over "
-                             f"{size} ranks")
-        broadcast_state(model, params=not self._started)  # as DataParallelExecutor does
-        self._started = True
-        local = shard(inputs, rank, size, batch)
-        local_targets = shard(targets, rank, size, batch)
-        key = tuple((tuple(t.shape), t.dtype) for t in flat_tensors((local, local_targets)))
-        if key not in self._steps:
-            try:
-                step = capture_train_step(gm, local, local_targets, loss_fn)
-            except TraceError as e:
-                if self.fallback is None:
-                    raise
-                self.fallback_reason = str(e)
-                return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
-            self._steps[key] = (step, data_parallel(step, size, self.bucket_bytes))
-            first = True
-        else:
-            first = False
-        step, program = self._steps[key]
-        if self._runner is None:
-            self._runner = ProgramRunner()
-        optimizer.zero_grad(set_to_none=True)
-        try:  # gm shares the model's parameters
-            loss, _, self.last_trace = self._runner(program, step, gm, local, local_targets,
-                                                    optimizer)
-        except Exception as e:  # noqa: BLE001 - a first replay that fails falls back, named
-            if not first or self.fallback is None:
-                raise
-            self.fallback_reason = f"the captured step failed to run: {type(e).__name__}: {e}"
-            return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
-        return loss

@@ -175,7 +175,7 @@ def _batchnorm_state(rank, size):
     # every rank after two steps: both start each step from rank 0's buffers
     from tidal.ir.plans.compression import CompressionPlan
     from tidal.runtime.data_parallel import compression_executor
-    from tidal.runtime.program import DataParallelProgram
+    from tidal.runtime.programs.data_parallel import DataParallelProgram
 
     x, y = _data()
     out = []
