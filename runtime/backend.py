@@ -292,6 +292,14 @@ class CpuBackend(Backend):
                     return
                 self._done.wait(left)
 
+    def record(self, stream: CpuStream, event: Event) -> None:
+        """Complete ``event`` when ``stream`` reaches this point."""
+        stream.record(event)
+
+    def wait(self, stream: CpuStream, event: Event) -> None:
+        """Later work on ``stream`` waits for ``event``."""
+        stream.wait_event(event)
+
     def capture(self, program: Callable, static_inputs: Sequence[Any]) -> Captured:
         """Warm the program up once on ``static_inputs`` (it must run) and bind it."""
         with torch.no_grad():
@@ -426,6 +434,12 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
                 launch.error = e
             launch.end_ev.record()
         return launch
+
+    def record(self, stream, event):
+        event.record(stream)
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
 
     def wait_any(self, launches, timeout_us=None):
         deadline = None if timeout_us is None else time.perf_counter() + timeout_us * 1e-6

@@ -92,6 +92,9 @@ def _mutates_input(gm: fx.GraphModule, n: fx.Node) -> bool:
         return n.target.endswith("_") and not n.target.endswith("__")
     if n.op == "call_module":
         return bool(getattr(gm.get_submodule(n.target), "inplace", False))
+    schema = getattr(n.target, "_schema", None)  # an aten op that writes its first argument
+    if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None:
+        return bool(schema.arguments[0].alias_info.is_write)
     return bool(n.kwargs.get("inplace", False))
 
 
@@ -274,17 +277,20 @@ def _classify(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
 
 
 def _group(gm: fx.GraphModule, verdicts: dict, time_us: Callable[[fx.Node], float],
-           piece_us: Optional[float]) -> list[tuple[str, list[fx.Node], int, str]]:
-    """(kind, nodes, segment, reason) in graph order."""
+           piece_us: Optional[float], cuts: frozenset[str] = frozenset()
+           ) -> list[tuple[str, list[fx.Node], int, str]]:
+    """(kind, nodes, segment, reason) in graph order; a step ends after a node named in
+    ``cuts``."""
     groups: list[tuple[str, list[fx.Node], int, str]] = []
     segment, run, run_t = -1, [], 0.0
-    prev_captured = False
+    prev_captured, cut = False, False
     for n in gm.graph.nodes:
         if n.op not in COMPUTE_OPS:
+            cut = cut or n.name in cuts
             continue
         v = verdicts.get(n)
         if v is None:
-            if not prev_captured:
+            if not prev_captured or cut:
                 segment += 1
                 run, run_t = [], 0.0
             t = time_us(n)
@@ -294,14 +300,15 @@ def _group(gm: fx.GraphModule, verdicts: dict, time_us: Callable[[fx.Node], floa
                 groups.append(("captured", run, segment, ""))
             run.append(n)
             run_t += t
-            prev_captured = True
+            prev_captured, cut = True, n.name in cuts
             continue
         prev_captured = False
         kind, reason = v
-        if kind == "eager" and groups and groups[-1][0] == "eager":
+        if kind == "eager" and groups and groups[-1][0] == "eager" and not cut:
             groups[-1][1].append(n)
         else:
             groups.append((kind, [n], -1, reason))
+        cut = n.name in cuts
     return groups
 
 
@@ -425,7 +432,10 @@ class LoweredModule(torch.nn.Module):
         key = _signature(values)
         calls = self._captures.get(key)
         if calls is None:
-            env = {self._cg.var(n): v for n, v in zip(self._placeholders, values)}
+            # capture on copies: an uncaptured step that writes an input in place (a
+            # BatchNorm statistic) runs during capture, and must not write the real one
+            env = {self._cg.var(n): v.detach().clone() if isinstance(v, torch.Tensor) else v
+                   for n, v in zip(self._placeholders, values)}
             calls = []
             for s in self._steps:
                 ins = [env[v] for v in s.ins]
@@ -481,6 +491,11 @@ class PieceRun:
                 env.pop(v, None)
         return run
 
+    def value(self, node: fx.Node) -> Any:
+        """The value of ``node`` once the piece that computes it ran (a node whose value is
+        freed after its last use is gone; outputs never are)."""
+        return self._env[self._lowered._cg.var(node)]
+
     def result(self) -> Any:
         """The forward's output (after every piece ran)."""
         lowered = self._lowered
@@ -491,7 +506,8 @@ class PieceRun:
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = None,
           backend: Optional[Backend] = None, piece_us: Optional[float] = None,
           cluster: Optional[Cluster] = None,
-          time_us: Optional[Callable[[fx.Node], float]] = None) -> LoweredModule:
+          time_us: Optional[Callable[[fx.Node], float]] = None,
+          cuts: Sequence[str] = ()) -> LoweredModule:
     """Lower ``gm`` into captured segments (see the module docstring) and capture them on
     ``example_inputs``.
 
@@ -499,6 +515,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = No
     ``backend_for(device)``). ``piece_us``: split captured segments into pieces predicted under
     this many µs (None: no split). Predictions come from ``time_us(node)`` or else
     ``node_time_us(gm, node, batch, cluster)`` (annotating ``gm`` if it has no costs).
+    ``cuts``: names of nodes after which a step always ends (a program's segment boundaries).
     """
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"lower: expected a torch.fx.GraphModule, got {type(gm).__name__}")
@@ -513,7 +530,8 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = No
         time_us = _cost_time_fn(gm, inputs, cluster) if piece_us is not None else (lambda n: 0.0)
     verdicts = _classify(gm)
     cg = _Codegen(gm)
-    steps = _build_steps(gm, cg, _group(gm, verdicts, time_us, piece_us), time_us)
+    steps = _build_steps(gm, cg, _group(gm, verdicts, time_us, piece_us, frozenset(cuts)),
+                         time_us)
     report = LowerReport(tuple(s.info for s in steps), piece_us)
     lowered = LoweredModule(gm, steps, report, backend, cg)
     with torch.no_grad():

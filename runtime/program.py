@@ -47,6 +47,9 @@ from torch.fx import _pytree as fx_pytree
 from tidal.ir.capture import TrainStep, _as_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
 from tidal.runtime.backend import HIGH, LOW, CpuBackend, Launch
+from tidal.runtime.lower import lower
+from tidal.runtime.scheduler import FunctionJob, Runtime
+from tidal.runtime.scheduler import Piece as SchedulerPiece
 
 COMPUTE, COMM = "compute", "comm"
 
@@ -146,6 +149,17 @@ Work = Callable[[int, Piece], Callable[[], Any]]
 runs piece ``index`` (a builder's per-step binding of the program to tensors)."""
 
 
+def program_pieces(program: Program, work: Work) -> list[SchedulerPiece]:
+    """``program`` as the pieces of one scheduler iteration (``tidal.runtime.scheduler``):
+    same names, streams and dependencies; communication pieces leave the device free."""
+    out = []
+    for i, p in enumerate(program.pieces):
+        uses_device = stream_kind(p.stream)[1]
+        out.append(SchedulerPiece(p.name, work(i, p), kind="compute" if uses_device else p.stream,
+                                  uses_device=uses_device, stream=p.stream, after=p.deps))
+    return out
+
+
 class ProgramRunner:
     """Runs programs on a CPU backend, one stream per stream name the program uses
     (:func:`stream_kind`), cross-stream dependencies through events.
@@ -160,7 +174,8 @@ class ProgramRunner:
                  group: Optional[dist.ProcessGroup] = None):
         self.backend = backend or CpuBackend(slots=None)
         self.group = group
-        self.streams: dict[str, Any] = {}
+        self.streams: dict = {}  # the scheduler's streams, kept from step to step
+        self._captures: dict[tuple[int, int], CapturedProgram] = {}
 
     def __enter__(self) -> "ProgramRunner":
         return self
@@ -173,38 +188,24 @@ class ProgramRunner:
         self.backend.close()
         self.streams.clear()
 
-    def _stream(self, name: str) -> Any:
-        if name not in self.streams:
-            self.streams[name] = self.backend.stream(stream_kind(name)[0])
-        return self.streams[name]
-
     def launch(self, program: Program, work: Work) -> list[PieceTrace]:
-        """Run every piece of ``program`` (``work(index, piece)`` gives what it does) on its
-        stream, after the pieces it depends on, and return when all have ended: one
-        :class:`PieceTrace` per piece. A piece that raises makes this raise a ``RuntimeError``
-        naming it, once nothing runs any more."""
-        launches: list[Launch] = []
-        events = []
-        for index, piece in enumerate(program.pieces):
-            stream = self._stream(piece.stream)
-            for d in piece.deps:
-                if program.pieces[d].stream != piece.stream:
-                    stream.wait_event(events[d])
-            launches.append(self.backend.launch(stream, work(index, piece), label=piece.name,
-                                                uses_device=stream_kind(piece.stream)[1]))
-            events.append(self.backend.event())
-            stream.record(events[-1])
-        errors = []
-        for launch in launches:  # all of them, so nothing still runs when an error is raised
-            try:
-                launch.wait()
-            except Exception as e:  # noqa: BLE001 - the first one is raised below, named
-                errors.append((launch.label, e))
-        if errors:
-            label, e = errors[0]
-            raise RuntimeError(f"piece {label!r} failed: {type(e).__name__}: {e}") from e
-        return [PieceTrace(p.name, p.stream, l.start_us, l.end_us)
-                for p, l in zip(program.pieces, launches)]
+        """Run every piece of ``program`` (``work(index, piece)`` gives what it does) as the
+        foreground job of a :class:`~tidal.runtime.scheduler.Runtime` on this runner's
+        backend: each piece on its stream, after the pieces it depends on (events across
+        streams), launches paced as the scheduler paces them. Returns when all have ended,
+        one :class:`PieceTrace` per piece. A piece that raises makes this raise a
+        ``RuntimeError`` naming it, once nothing runs any more."""
+        runtime = Runtime(backend=self.backend, stream_pool=self.streams)
+        handle = runtime.submit(FunctionJob("program", lambda i: program_pieces(program, work),
+                                            iterations=1), priority="high")
+        runtime.run()
+        records = sorted(runtime.trace, key=lambda r: r.index)
+        if handle.failure is not None:
+            failed = min((r for r in records if r.error), key=lambda r: r.end_us, default=None)
+            label = failed.piece if failed is not None else "?"
+            raise RuntimeError(f"piece {label!r} failed: {type(handle.failure).__name__}: "
+                               f"{handle.failure}") from handle.failure
+        return [PieceTrace(r.piece, r.stream, r.start_us, r.end_us) for r in records]
 
     def __call__(self, program: Program, step: TrainStep, model: torch.nn.Module,
                  inputs: Any, targets: Any, optimizer: Optional[torch.optim.Optimizer] = None
@@ -215,21 +216,18 @@ class ProgramRunner:
         flat = fx_pytree.tree_flatten_spec(
             ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
              _as_inputs(inputs), targets), spec)
-        interp = fx.Interpreter(step.gm, garbage_collect_values=False)
-        interp.args_iter = iter(flat)
-        by_name = {n.name: n for n in step.gm.graph.nodes}
+        captured = self._captured(program, step, flat)
+        run = captured.lowered.pieces(*flat)
         loss_node, grad_nodes = _grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
         world = dist.get_world_size(self.group) if _distributed() else 1
 
-        def segment(names: Sequence[str]) -> None:
-            with torch.no_grad():
-                for name in names:
-                    node = by_name[name]
-                    interp.env[node] = interp.run_node(node)
+        def segment(steps: Sequence[int]) -> None:
+            for k in steps:
+                run.pieces[k].fn()
 
         def all_reduce(indices: Sequence[int]) -> None:
-            grads = [interp.env[grad_nodes[i]] for i in indices]
+            grads = [run.value(grad_nodes[i]) for i in indices]
             buf = torch.cat([g.reshape(-1) for g in grads])
             if world > 1:
                 dist.all_reduce(buf, group=self.group)
@@ -247,18 +245,51 @@ class ProgramRunner:
 
         def work(index: int, piece: Piece) -> Callable[[], Any]:
             if piece.nodes:
-                return functools.partial(segment, piece.nodes)
+                return functools.partial(segment, captured.steps[index])
             if piece.grads:
                 return functools.partial(all_reduce, piece.grads)
             return apply
 
         trace = self.launch(program, work)
-        loss = interp.env[loss_node].detach().clone()
+        loss = run.value(loss_node).detach().clone()
         if world > 1:
             dist.all_reduce(loss, group=self.group)
             loss /= world
         grads = {name: averaged[i] for i, name in enumerate(step.param_names)}
         return loss, grads, trace
+
+    def _captured(self, program: Program, step: TrainStep, flat: Sequence[Any]
+                  ) -> "CapturedProgram":
+        key = (id(program), id(step))
+        if key not in self._captures:
+            self._captures[key] = CapturedProgram.build(program, step, flat, self.backend)
+        return self._captures[key]
+
+
+@dataclass(frozen=True)
+class CapturedProgram:
+    """A program's compute segments lowered and captured (``tidal.runtime.lower``): the joint
+    graph cut after each segment's last node, each run of static nodes a captured step (CUDA:
+    a CUDA graph; CPU: its straight-line replay), the rest run as they are and named in
+    ``lowered.report``. ``steps[i]``: the lowered steps piece ``i`` runs, in order."""
+
+    lowered: Any
+    steps: Mapping[int, tuple[int, ...]]
+
+    @classmethod
+    def build(cls, program: Program, step: TrainStep, flat: Sequence[Any], backend: Any
+              ) -> "CapturedProgram":
+        cuts = [p.nodes[-1] for p in program.pieces if p.nodes]
+        lowered = lower(step.gm, list(flat), backend=backend, cuts=cuts)
+        owner = {name: k for k, info in enumerate(lowered.report.steps) for name in info.nodes}
+        steps = {i: tuple(dict.fromkeys(owner[n] for n in p.nodes if n in owner))
+                 for i, p in enumerate(program.pieces) if p.nodes}
+        return cls(lowered, steps)
+
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of each step that runs uncaptured."""
+        return [(info.nodes[0], info.reason) for info in self.lowered.report.steps
+                if info.kind != "captured"]
 
 
 class StepWork(Protocol):

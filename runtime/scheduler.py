@@ -48,13 +48,19 @@ from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for
 class Piece:
     """A unit of dispatch: ``fn()`` runs on the job's stream. ``kind`` names the operator class
     (``"compute"``, ``"all_reduce"``...); ``uses_device=False`` marks host-side waiting (for
-    peers, for data) that leaves the device free; ``predicted_us`` is the cost model's guess."""
+    peers, for data) or communication that leaves the device free; ``predicted_us`` is the
+    cost model's guess. A job with several streams (a training program: compute, comm, load)
+    names the piece's ``stream`` (``""``: the job's own) and the pieces of the same iteration
+    it waits for (``after``, their indices in the iteration's list): a dependency on another
+    stream is an event, so the piece is enqueued at once and starts when the other ends."""
 
     name: str
     fn: Callable[[], Any]
     kind: str = "compute"
     uses_device: bool = True
     predicted_us: float = 0.0
+    stream: str = ""
+    after: tuple[int, ...] = ()
 
 
 class Job(Protocol):
@@ -158,6 +164,8 @@ class TraceRecord:
     collocated: bool = False
     slowdown: Optional[float] = None
     error: Optional[str] = None
+    stream: str = ""
+    index: int = -1
 
 
 @dataclass
@@ -165,6 +173,7 @@ class _Queued:
     piece: Piece
     iteration: int
     last: bool
+    index: int = 0
     dispatch_us: float = 0.0
     launch: Optional[Launch] = None
     seq: int = 0
@@ -189,6 +198,13 @@ class JobHandle:
         self.last_end_us = 0.0
         self.iteration_start: Optional[float] = None
         self.stream: Any = None
+        self.failure: Optional[BaseException] = None
+        self.dispatched: dict[int, _Queued] = {}  # this iteration's pieces, by index
+        self.events: dict[int, Any] = {}          # ... and the event each one records
+
+    def device_outstanding(self) -> int:
+        """Outstanding pieces that occupy the device (what launch pacing counts)."""
+        return sum(1 for q in self.outstanding if q.piece.uses_device)
 
     @property
     def finished(self) -> bool:
@@ -214,13 +230,16 @@ class Runtime:
     use high/low stream priorities (False: all equal). ``feedback``: the slowdown feedback loop;
     ``sensitive_kinds``: piece kinds treated as sensitive from the start. ``poll_us``: how
     long the dispatcher sleeps when it waits for time to pass (compute shares).
+    ``stream_pool``: a dict that keeps the streams this runtime makes (by job role and stream
+    name) for the next ``Runtime`` on the same backend (a program runner's per-step runtimes).
+    Launch pacing counts the pieces that occupy the device (communication overlaps freely).
     """
 
     def __init__(self, device: Any = "cpu", *, backend: Optional[Backend] = None,
                  fg_depth: Optional[int] = 2, be_depth: Optional[int] = 1,
                  target_slowdown: float = 1.1, feedback: bool = True, priorities: bool = True,
                  calibrate: int = 1, sensitive_kinds: Sequence[str] = (),
-                 poll_us: float = 1000.0):
+                 poll_us: float = 1000.0, stream_pool: Optional[dict] = None):
         for name, depth in (("fg_depth", fg_depth), ("be_depth", be_depth)):
             if depth is not None and (not isinstance(depth, int) or depth < 1):
                 raise ValueError(f"Runtime({name}={depth!r}): must be a positive int or None")
@@ -241,6 +260,8 @@ class Runtime:
         self._bg_recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         self._seq = itertools.count()
         self._paused = False
+        self._streams: dict = stream_pool if stream_pool is not None else {}
+        self._events = callable(getattr(self.backend, "event", None))
 
     # -- submission -------------------------------------------------------------------------
     def submit(self, job: Job, priority: Union[str, int] = "low", *,
@@ -264,10 +285,31 @@ class Runtime:
         if not 0 < compute_share <= 1:
             raise ValueError(f"submit({job.name!r}): compute_share must be in (0, 1]")
         h = JobHandle(job, fg, Limits(memory_cap, compute_share), on_iteration)
-        h.stream = self.backend.stream(HIGH if fg and self.priorities else LOW)
+        h.stream = self._stream(fg, "", True)
         self.handles.append(h)
         self.handles.sort(key=lambda x: not x.foreground)
         return h
+
+    def _stream(self, foreground: bool, name: str, uses_device: bool) -> Any:
+        """The stream of a job role (``foreground``) and stream name: compute streams take
+        the job's priority, communication streams (``uses_device=False``) the low one."""
+        key = (foreground, name, uses_device)
+        if key not in self._streams:
+            urgent = foreground and self.priorities and uses_device
+            self._streams[key] = self.backend.stream(HIGH if urgent else LOW)
+        return self._streams[key]
+
+    def _stream_of(self, h: JobHandle, p: Piece) -> Any:
+        return h.stream if not p.stream else self._stream(h.foreground, p.stream,
+                                                          p.uses_device)
+
+    def _deps_met(self, h: JobHandle) -> bool:
+        """Whether the head of ``h``'s queue may be dispatched: always with events (the
+        stream waits for them); else once the pieces it waits for on other streams ended."""
+        q = h.queue[0]
+        if self._events or not q.piece.after:
+            return True
+        return all(d in h.dispatched and h.dispatched[d].launch.done() for d in q.piece.after)
 
     def _foreground(self) -> Optional[JobHandle]:
         return next((h for h in self.handles if h.foreground), None)
@@ -338,7 +380,11 @@ class Runtime:
             return False
         pieces = list(pieces)
         for i, p in enumerate(pieces):
-            h.queue.append(_Queued(p, h.next_index, i == len(pieces) - 1))
+            if any(not 0 <= d < i for d in p.after):
+                self._fail(h, ValueError(f"iteration {h.next_index}: piece {p.name!r} waits "
+                                         f"for {p.after}, not all earlier pieces"))
+                return False
+            h.queue.append(_Queued(p, h.next_index, i == len(pieces) - 1, index=i))
         h.next_index += 1
         return True
 
@@ -347,10 +393,10 @@ class Runtime:
             depth = self.fg_depth if h.foreground else self.be_depth
             if depth is None and h.name in dispatched:
                 continue  # unpaced: one launch per dispatcher round (the host's launch rate)
-            full = depth is not None and len(h.outstanding) >= depth
+            full = depth is not None and h.device_outstanding() >= depth
             if full and not h.foreground:
                 continue  # background iterations (and their memory check) start when dispatched
-            if not self._refill(h) or full:
+            if not self._refill(h) or full or not self._deps_met(h):
                 continue  # the foreground queue is refilled early: feedback looks ahead
             if h.foreground or self._bg_allowed(h, now):
                 return h
@@ -404,8 +450,20 @@ class Runtime:
             h.stats.first_us = now
         if h.iteration_start is None:
             h.iteration_start = now
-        q.launch = self.backend.launch(h.stream, q.piece.fn, uses_device=q.piece.uses_device,
+        if q.index == 0:
+            h.dispatched.clear()
+            h.events.clear()
+        stream = self._stream_of(h, q.piece)
+        for d in q.piece.after:
+            dep = h.dispatched[d]
+            if self._events and self._stream_of(h, dep.piece) is not stream:
+                self.backend.wait(stream, h.events[d])
+        q.launch = self.backend.launch(stream, q.piece.fn, uses_device=q.piece.uses_device,
                                        label=f"{h.name}/{q.piece.name}")
+        h.dispatched[q.index] = q
+        if self._events:
+            h.events[q.index] = self.backend.event()
+            self.backend.record(stream, h.events[q.index])
         h.outstanding.append(q)
         h.stats.max_outstanding = max(h.stats.max_outstanding, len(h.outstanding))
 
@@ -445,7 +503,7 @@ class Runtime:
         h.last_end_us = max(h.last_end_us, lh.end_us)
         self.trace.append(TraceRecord(h.name, h.stats.priority, p.name, p.kind, q.iteration,
                                       q.dispatch_us, lh.ready_us, lh.start_us, lh.end_us,
-                                      collocated, slowdown, err))
+                                      collocated, slowdown, err, p.stream, q.index))
         if err is not None:
             if h.stats.error is None:
                 self._fail(h, lh.error)
@@ -472,6 +530,7 @@ class Runtime:
         self.isolated_us[key] = statistics.median(samples)
 
     def _fail(self, h: JobHandle, error: BaseException) -> None:
+        h.failure = error
         h.stats.error = "".join(traceback.format_exception_only(type(error), error)).strip()
         h.queue.clear()
         h.exhausted = True

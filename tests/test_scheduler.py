@@ -198,3 +198,54 @@ def test_submit_errors_are_clear():
         rt.submit(step_job("a", lambda: None))
     with pytest.raises(ValueError, match="fg_depth"):
         Runtime(backend=LogicalBackend(lambda label, c: 1.0), fg_depth=0)
+
+
+def _three_streams(log):
+    from tidal.runtime.scheduler import Piece
+
+    return [Piece("a", lambda: log.append("a")),
+            Piece("sync", lambda: log.append("sync"), kind="comm", uses_device=False,
+                  stream="comm", after=(0,)),
+            Piece("b", lambda: log.append("b"), after=(0,)),
+            Piece("update", lambda: log.append("update"), after=(1, 2))]
+
+
+def test_a_job_with_several_streams_overlaps_what_its_dependencies_allow():
+    """A program's pieces on compute and comm streams: the sync starts when ``a`` ends, runs
+    beside ``b``, and ``update`` waits for both (a logical clock: exact times)."""
+    from tidal.runtime.backend import LogicalBackend
+    from tidal.runtime.scheduler import FunctionJob, Runtime
+
+    durations = {"a": 10.0, "sync": 30.0, "b": 10.0, "update": 5.0}
+    rt = Runtime(backend=LogicalBackend(lambda label, _: durations[label.split("/")[1]]))
+    log: list = []
+    rt.submit(FunctionJob("train", lambda i: _three_streams(log), iterations=1), "high")
+    rt.run()
+    t = {r.piece: (r.start_us, r.end_us, r.stream) for r in rt.trace}
+    assert t["sync"][:2] == (10.0, 40.0) and t["b"][:2] == (10.0, 20.0)
+    assert t["update"][0] == 40.0 and t["sync"][2] == "comm"
+
+
+def test_cross_stream_dependencies_are_events_on_the_cpu_backend():
+    from tidal.runtime.backend import CpuBackend
+    from tidal.runtime.scheduler import FunctionJob, Runtime
+
+    log: list = []
+    with Runtime(backend=CpuBackend(slots=None)) as rt:
+        h = rt.submit(FunctionJob("train", lambda i: _three_streams(log), iterations=2), "high")
+        rt.run()
+    assert h.stats.iterations == 2 and h.stats.error is None
+    for it in range(2):
+        order = log[4 * it:4 * it + 4]
+        assert order[0] == "a" and order[-1] == "update" and set(order[1:3]) == {"sync", "b"}
+
+
+def test_a_piece_that_waits_for_a_later_piece_fails_its_job_by_name():
+    from tidal.runtime.backend import LogicalBackend
+    from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
+
+    rt = Runtime(backend=LogicalBackend(lambda label, _: 1.0))
+    h = rt.submit(FunctionJob("bad", lambda i: [Piece("x", lambda: None, after=(1,)),
+                                                Piece("y", lambda: None)], iterations=1), "high")
+    rt.run()
+    assert "'x' waits for (1,)" in h.stats.error
