@@ -25,7 +25,8 @@ burst plan is hand-written (the first half of the layers on all ranks, the secon
 them: the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
 this profile and link (which on this CPU often puts every layer on one rank); it is run through
 ``tidal.compile(..., passes=[BurstParallel(plan=...)])`` and ``Compiled.step`` and simulated as
-``runtime.burst_exec`` runs it (``runtime.sim.programs.burst_execution``). CPU numbers only;
+the burst-parallel program (``runtime.programs.burst``) runs it
+(``sim.programs.burst_execution``). CPU numbers only;
 timings are noisy on a shared machine: every step time (one-process and multi-rank alike)
 is the minimum over ``--steps`` steps by default (``--stat median`` for the median); the
 multi-rank time is the median over ranks. The whole comparison (link fits, profiles,
@@ -60,8 +61,8 @@ from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E4
 from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
 from tidal.runtime.link_fit import measure_ring_link  # noqa: E402
-from tidal.runtime.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
-                                        output_bytes, summarize)
+from tidal.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
+                                output_bytes, summarize)
 
 WORLDS = (2, 4)
 STATS = {"median": statistics.median, "min": min}

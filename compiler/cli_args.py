@@ -168,7 +168,7 @@ def steps_table(args: argparse.Namespace):
     file when it is missing or malformed (checked before any simulation runs)."""
     if not getattr(args, "scaling", None):
         return None
-    from tidal.runtime.sim.scaling import StepsTable
+    from tidal.sim.scaling import StepsTable
 
     try:
         return StepsTable.load(args.scaling)

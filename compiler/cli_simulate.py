@@ -98,7 +98,7 @@ def _link_defaults(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``tidal simulate``; return the exit status."""
     import tidal
-    from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
+    from tidal.sim.programs import data_parallel, layer_times, summarize
 
     _link_defaults(args)
     global_batch = args.global_batch or args.batch
@@ -136,7 +136,7 @@ def _write_trace(path: str, dp) -> None:
     """Write the data-parallel timeline as Chrome trace JSON to ``--trace`` ``path``."""
     import json
 
-    from tidal.runtime.sim.engine import chrome_trace
+    from tidal.sim.engine import chrome_trace
 
     write_text(path, json.dumps(chrome_trace(dp.intervals, "data parallel")), "--trace")
     print(f"  timeline: {path}")
@@ -144,7 +144,7 @@ def _write_trace(path: str, dp) -> None:
 
 def _simulate_burst(args, model, inputs, cluster) -> None:
     """``--plan burst`` and ``burst+bg``: DeepPool's Figure 9 scenarios."""
-    from tidal.runtime.sim.scenarios import fig9_scenarios
+    from tidal.sim.scenarios import fig9_scenarios
 
     s = fig9_scenarios(model, inputs, cluster, bg_batch=args.bg_batch,
                        interference=args.interference, leaf_modules=args.leaf,
@@ -194,7 +194,7 @@ def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
     """``--plan tick_tock`` and ``round_robin``: the pass's schedule, whose steps each train on
     the global batch (tick-tock: two waves of half of it), as timelines."""
     import tidal
-    from tidal.runtime.sim.programs import schedule_result
+    from tidal.sim.programs import schedule_result
 
     compiled = tidal.compile(model, inputs, passes=[args.plan], cluster=cluster,
                              leaf_modules=args.leaf, **pass_options(args),
@@ -214,7 +214,7 @@ def _simulate_wavelet(args, model, inputs, cluster, global_batch, one) -> None:
 
 def _simulate_scaling(args, gm, cluster, table, global_batch: int) -> None:
     """Weak, strong and batch-optimal scaling over the ``--scaling`` steps ``table``."""
-    from tidal.runtime.sim.scaling import scaling_svg, simulate_scaling
+    from tidal.sim.scaling import scaling_svg, simulate_scaling
 
     gpus, per_gpu, s = simulate_scaling(gm, cluster, table, global_batch)
     print(f"  scaling (speedup in time to accuracy; weak: {per_gpu}/GPU, strong: "

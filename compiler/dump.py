@@ -19,7 +19,7 @@ def scaling_section(out_dir: Path, gm, cluster, global_batch: int, steps_table,
     Figure 1; ``steps_table`` a ``StepsTable`` or the path of its CSV), write
     ``scaling.svg`` and ``scaling.txt`` into ``out_dir`` and return the index section."""
     from tidal.compiler import viz
-    from tidal.runtime.sim.scaling import StepsTable, scaling_svg, scaling_text, simulate_scaling
+    from tidal.sim.scaling import StepsTable, scaling_svg, scaling_text, simulate_scaling
 
     table = steps_table if isinstance(steps_table, StepsTable) else StepsTable.load(steps_table)
     gpus, per_gpu, speedups = simulate_scaling(gm, cluster, table, global_batch)

@@ -10,8 +10,8 @@ import torch
 
 import tidal
 from tidal.ir.comm_cost import all_to_all_us, ring_allreduce_us, tree_broadcast_us
-from tidal.runtime.sim.engine import Task, simulate
-from tidal.runtime.sim.programs import LayerTimes, data_parallel, layer_times, summarize
+from tidal.sim.engine import Task, simulate
+from tidal.sim.programs import LayerTimes, data_parallel, layer_times, summarize
 
 A100 = Path(tidal.__file__).resolve().parent.parent / "shared" / "data" / "deeppool-a100-profiles"
 needs_a100 = pytest.mark.skipif(not A100.is_dir(), reason=f"DeepPool A100 profiles not at {A100}")
@@ -123,7 +123,7 @@ def test_simulate_cli_prints_simulated_summary_and_rejects_bad_batch():
 
 
 def test_collocation_fills_idle_time_and_slows_foreground():
-    from tidal.runtime.sim.collocation import BackgroundJob, collocate
+    from tidal.sim.collocation import BackgroundJob, collocate
 
     lt = LayerTimes(("a", "b"), (10.0, 30.0), (20.0, 60.0), (0, 0))
     tasks = data_parallel(lambda b: lt, 1, 4)
@@ -141,8 +141,8 @@ def test_collocation_fills_idle_time_and_slows_foreground():
 
 
 def test_sm_sharing_bound_uses_what_small_kernels_leave():
-    from tidal.runtime.sim.collocation import (BackgroundJob, collocate, job_utilization,
-                                               kernel_utilization)
+    from tidal.sim.collocation import (BackgroundJob, collocate, job_utilization,
+                                       kernel_utilization)
 
     # layer a scales linearly (full use at any batch); b costs the same at batch 1 and 4
     def times(b):
@@ -170,7 +170,7 @@ def test_sm_sharing_bound_uses_what_small_kernels_leave():
 def test_burst_plan_simulation_matches_the_planner_on_a_chain():
     from examples.models import ZOO
     from tidal.ir import layer_graph
-    from tidal.runtime.sim.programs import burst_parallel
+    from tidal.sim.programs import burst_parallel
 
     model = ZOO["vgg16_small"]()
     x = model.example_inputs(8)
@@ -198,7 +198,7 @@ def test_burst_plan_simulation_matches_the_planner_on_a_chain():
 
 def test_wavelet_schedules_become_timelines():
     from tidal.ir.schedule import Action, Schedule
-    from tidal.runtime.sim.programs import schedule_result
+    from tidal.sim.programs import schedule_result
 
     acts = (Action("F", 0, wave="T", lane="T", start_us=0, dur_us=10),
             Action("F", 1, wave="K", lane="K", start_us=10, dur_us=10),
@@ -224,7 +224,7 @@ def test_simulate_cli_wavelet_plans(plan):
 
 
 def test_scaling_strategies_and_steps_table(tmp_path):
-    from tidal.runtime.sim.scaling import StepsTable, scaling_speedups
+    from tidal.sim.scaling import StepsTable, scaling_speedups
 
     f = tmp_path / "steps.csv"
     f.write_text("global_batch,steps\n8,1000\n64,200\n512,100\n")
@@ -293,7 +293,7 @@ def test_processor_sharing_slows_compute_beyond_the_cores():
 
 def test_burst_execution_follows_the_executor():
     from tidal.passes.burst_planner import BurstProblem, plan_from_counts
-    from tidal.runtime.sim.programs import burst_execution
+    from tidal.sim.programs import burst_execution
 
     counts = (1, 2)
     comp = np.array([[40.0, 20.0], [30.0, 15.0], [20.0, 10.0]])
@@ -355,7 +355,7 @@ def test_simulate_cli_a100_profile_shorthand(capsys, monkeypatch, tmp_path):
 
 
 def test_dump_index_shows_the_scaling_chart(tmp_path):
-    from tidal.runtime.sim.scaling import StepsTable
+    from tidal.sim.scaling import StepsTable
 
     shipped = Path(tidal.__file__).resolve().parent / "examples" / "data" / "scaling" / \
         "illustrative_steps.csv"
@@ -379,7 +379,7 @@ def test_dump_index_shows_the_scaling_chart(tmp_path):
 def test_wavelet_schedules_rerun_with_contention():
     from tidal.passes.round_robin import round_robin_schedule
     from tidal.passes.tick_tock import tick_tock_schedule
-    from tidal.runtime.sim.programs import schedule_result
+    from tidal.sim.programs import schedule_result
 
     # round_robin never overlaps two computations on a rank: the engine reproduces the builder
     rr = round_robin_schedule([10.0, 20.0, 5.0], [20.0, 40.0, 10.0], send_us=[1.0, 2.0],
@@ -415,7 +415,7 @@ def test_tree_broadcast_takes_ceil_log2_rounds():
 
 def test_burst_execution_with_overlapped_syncs():
     from tidal.passes.burst_planner import BurstProblem, plan_from_counts
-    from tidal.runtime.sim.programs import burst_execution
+    from tidal.sim.programs import burst_execution
 
     names = ("a", "b", "c", "d")
     comp = np.array([[40.0, 20.0, 10.0], [30.0, 15.0, 8.0], [20.0, 10.0, 5.0],
@@ -457,7 +457,7 @@ def test_burst_execution_with_overlapped_syncs():
 
 
 def test_job_utilization_never_rounds_above_one():
-    from tidal.runtime.sim.collocation import BackgroundJob, job_utilization
+    from tidal.sim.collocation import BackgroundJob, job_utilization
 
     # every layer runs at its best throughput (share 1); summed per layer, forward + backward
     # gives 7.9 + 1e-15 against 7.9 summed per pass: the mean must still be at most 1
@@ -486,7 +486,7 @@ def test_simulate_cli_burst_with_background_on_a_small_model():
 
 def test_wavelet_results_count_steps_of_the_global_batch():
     from tidal.passes.tick_tock import tick_tock_schedule
-    from tidal.runtime.sim.programs import schedule_result, schedule_steps
+    from tidal.sim.programs import schedule_result, schedule_steps
 
     tt = tick_tock_schedule(2, 10.0, 20.0, 0.0, steps=2)  # 4 waves of half the global batch
     assert schedule_steps(tt) == 2
@@ -505,3 +505,68 @@ def test_simulate_cli_tick_tock_prints_the_global_batch_it_was_given():
     lines = [line for line in r.stdout.splitlines() if line.startswith("  tick_tock")]
     assert len(lines) == 2 and all("global batch 16: 2 steps in" in line for line in lines)
     assert "global batch 32" not in r.stdout
+
+
+def _rank_programs():
+    """Two ranks' own programs: rank 0 computes, sends ``x`` to rank 1 and loads weights; its
+    tick and tock waves compute on their own streams; ``solo`` is a comm piece of rank 0 only."""
+    from tidal.runtime.program import Piece, Program
+
+    p0 = Program((Piece("f", "compute"), Piece("x", "comm", (0,)), Piece("w", "load"),
+                  Piece("tick", "tick", (2,)), Piece("tock", "tock", (2,)),
+                  Piece("solo", "comm", (3,)), Piece("opt", "compute", (1, 3, 4, 5))), world=2)
+    p1 = Program((Piece("x", "comm"), Piece("g", "compute", (0,))), world=2)
+    return {0: p0, 1: p1}
+
+
+def test_program_tasks_of_per_rank_programs():
+    from tidal.runtime.program import Piece, Program
+    from tidal.sim.programs import program_tasks
+
+    us = {"f": 5.0, "x": 2.0, "w": 3.0, "tick": 4.0, "tock": 4.0, "solo": 1.0, "opt": 1.0,
+          "g": 6.0}
+    tasks = program_tasks(_rank_programs(), lambda rank, name: us[name])
+    by = {(t.name, t.gpus): t for t in tasks}
+    assert by[("x", (0, 1))].lane == "link" and by[("solo", (0,))].lane == "link"
+    assert by[("w", (0,))].lane == "h2d" and by[("tick", (0,))].lane == "tick"
+    r = summarize(tasks, 2, 2)
+    iv = {(i.name, i.gpu): i for i in r.intervals}
+    assert iv[("x", 1)].start_us == iv[("x", 0)].start_us == 5.0  # one transfer on both links
+    assert iv[("g", 1)].start_us == 7.0
+    assert iv[("w", 0)].start_us == 0.0  # the weight load overlaps compute and the network
+    # the waves' streams are separate compute lanes of rank 0: they overlap each other and f;
+    # busy is the union of rank 0's compute (f 0-5, the waves 3-7, opt 8-9)
+    assert iv[("tick", 0)].start_us == iv[("tock", 0)].start_us == 3.0
+    assert iv[("opt", 0)].start_us == 8.0 and r.busy_us[0] == pytest.approx(7 + 1)
+    # one Program for every rank: each comm piece is one collective of all ranks, timed by the
+    # rank that waited least
+    p = Program((Piece("b", "compute"), Piece("ar", "comm", (0,)),
+                 Piece("opt", "compute", (0, 1))), world=3)
+    tasks = program_tasks(p, lambda rank, name: {"b": 1 + rank, "ar": 9 - rank, "opt": 1}[name])
+    assert [(t.name, t.gpus, t.duration_us) for t in tasks if t.kind == "comm"] == \
+        [("ar", (0, 1, 2), 7.0)]
+    assert max(i.end_us for i in simulate(tasks)) == 3.0 + 7.0 + 1.0
+    # collectives the ranks order differently would hang: named, never simulated
+    swapped = {0: Program((Piece("a", "comm"), Piece("b", "comm")), 2),
+               1: Program((Piece("b", "comm"), Piece("a", "comm")), 2)}
+    with pytest.raises(ValueError, match="rank 0 waits at piece 0 'a'.*rank 1 .* 0 'b'"):
+        program_tasks(swapped, lambda rank, name: 1.0)
+    with pytest.raises(ValueError, match="cannot use lane 'link'"):
+        Task("x", "j", "compute", (0,), 1.0, lane="link")
+
+
+def test_simulated_order_of_per_rank_programs_matches_the_runtime_trace():
+    from tidal.runtime.program import ProgramRunner
+    from tidal.sim.programs import simulated_order, trace_order
+
+    programs = _rank_programs()
+    traces = {}
+    for rank, program in programs.items():  # one rank at a time: its comm pieces do nothing
+        with ProgramRunner() as run:
+            traces[rank] = run.launch(program, lambda i, piece: lambda: None)
+    order = simulated_order(programs, traces)
+    assert order == trace_order(traces)
+    assert order[0] == {"comm": ["x", "solo"], "compute": ["f", "opt"], "load": ["w"],
+                        "tick": ["tick"], "tock": ["tock"]}
+    with pytest.raises(ValueError, match=r"no trace for rank\(s\) \[1\]"):
+        simulated_order(programs, {0: traces[0]})

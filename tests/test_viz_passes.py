@@ -21,7 +21,7 @@ from tidal.ir import cost
 from tidal.passes.burst_parallel import BurstParallel, build_problem
 from tidal.passes.burst_planner import plan_from_counts
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.sim.scaling import scaling_svg
+from tidal.sim.scaling import scaling_svg
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:pydot.dot_parser")
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz 'dot' not installed")

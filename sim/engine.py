@@ -1,16 +1,23 @@
-"""Discrete-event execution of a task list on N GPUs, each with a compute lane and a link lane.
+"""Discrete-event execution of a task list on N GPUs, each with compute lanes and two links.
 
 Tasks are issued in list order (each lane is a FIFO, like a CUDA stream). A compute task runs
-on one GPU's compute lane; a communication task occupies the link lanes of all its GPUs at once
+on one GPU's compute lane; a communication task occupies a link lane of all its GPUs at once
 (a collective starts when every participant's link is free). A task starts when its lanes are
 free and all its dependencies have ended.
+
+Lanes: a compute task names its lane (``"compute"`` by default; a GPU may have several, e.g.
+the ``"tick"`` and ``"tock"`` streams of two waves, which then run *at the same time* on that
+GPU, as separate compute resources: the engine does not slow down concurrent compute lanes of
+one GPU, except through ``cores`` below). A communication task uses the GPU's network link
+(``"link"``, the default) or its host-to-device link (``"h2d"``, weight loads); the two links
+are separate resources, each a FIFO.
 
 With ``cores`` set, the compute lanes of all GPUs share that many processors: while ``n``
 compute tasks run, each progresses at ``min(1, cores / n)`` of its full speed (processor
 sharing), the model of ranks oversubscribing a CPU's cores. Communication keeps its duration.
 
 Example:
-    >>> from tidal.runtime.sim.engine import Task, simulate
+    >>> from tidal.sim.engine import Task, simulate
     >>> tasks = [Task("f0", "fg", "compute", (0,), 5.0),
     ...          Task("f1", "fg", "compute", (1,), 7.0),
     ...          Task("ar", "fg", "comm", (0, 1), 3.0, deps=(0, 1))]
@@ -24,12 +31,18 @@ from dataclasses import dataclass
 from typing import Sequence
 
 KINDS = ("compute", "comm")
+COMPUTE_LANE, LINK, H2D = "compute", "link", "h2d"
+LINKS = (LINK, H2D)
+"""The lanes a ``comm`` task may use: the network link and the host-to-device link."""
 
 
 @dataclass(frozen=True)
 class Task:
     """One piece of work: ``kind`` is ``compute`` (one GPU) or ``comm`` (the links of all
-    ``gpus``); ``deps`` are indices of earlier tasks in the list."""
+    ``gpus``); ``deps`` are indices of earlier tasks in the list. ``lane``: which of the GPU's
+    lanes it occupies; left empty it is ``"compute"`` for a compute task and ``"link"`` for a
+    comm task. A compute task may name any other lane (another compute stream of the GPU) but
+    not a link; a comm task uses one of :data:`LINKS`."""
 
     name: str
     job: str
@@ -37,10 +50,17 @@ class Task:
     gpus: tuple[int, ...]
     duration_us: float
     deps: tuple[int, ...] = ()
+    lane: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"task {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+        if not self.lane:
+            object.__setattr__(self, "lane", COMPUTE_LANE if self.kind == "compute" else LINK)
+        if (self.kind == "comm") != (self.lane in LINKS):
+            raise ValueError(f"task {self.name!r}: a {self.kind} task cannot use lane "
+                             f"{self.lane!r} (comm tasks use one of {LINKS}, compute tasks "
+                             f"any other)")
         if not self.gpus:
             raise ValueError(f"task {self.name!r}: runs on no GPU")
         if self.kind == "compute" and len(self.gpus) != 1:
@@ -51,7 +71,7 @@ class Task:
 
 @dataclass(frozen=True)
 class Interval:
-    """When a task occupied one GPU's lane (``compute`` or ``link``)."""
+    """When a task occupied one GPU's lane (a compute lane, ``link`` or ``h2d``)."""
 
     gpu: int
     lane: str
@@ -68,8 +88,9 @@ def _check_deps(tasks: Sequence[Task]) -> None:
             raise ValueError(f"task {i} {t.name!r} depends on task {bad[0]}, which is not earlier")
 
 
-def _lane(t: Task) -> str:
-    return "compute" if t.kind == "compute" else "link"
+def is_compute_lane(lane: str) -> bool:
+    """Whether intervals on ``lane`` are computation (every lane but the links)."""
+    return lane not in LINKS
 
 
 def simulate(tasks: Sequence[Task], cores: float | None = None) -> list[Interval]:
@@ -85,7 +106,7 @@ def simulate(tasks: Sequence[Task], cores: float | None = None) -> list[Interval
     ends: list[float] = []
     out: list[Interval] = []
     for t in tasks:
-        lane = _lane(t)
+        lane = t.lane
         ready = max((ends[d] for d in t.deps), default=0.0)
         start = max([ready] + [free[(g, lane)] for g in t.gpus])
         end = start + t.duration_us
@@ -101,7 +122,7 @@ def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
     queues: dict[tuple[int, str], list[int]] = defaultdict(list)
     for i, t in enumerate(tasks):
         for g in t.gpus:
-            queues[(g, _lane(t))].append(i)
+            queues[(g, t.lane)].append(i)
     head = {k: 0 for k in queues}
     start = [0.0] * len(tasks)
     end: list[float | None] = [None] * len(tasks)
@@ -111,7 +132,7 @@ def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
 
     def at_head(i: int) -> bool:
         t = tasks[i]
-        return all(queues[(g, _lane(t))][head[(g, _lane(t))]] == i for g in t.gpus)
+        return all(queues[(g, t.lane)][head[(g, t.lane)]] == i for g in t.gpus)
 
     while done < len(tasks):
         started = True
@@ -149,21 +170,23 @@ def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
             done += 1
             t = tasks[i]
             for g in t.gpus:
-                head[(g, _lane(t))] += 1
+                head[(g, t.lane)] += 1
     out = []
     for i, t in enumerate(tasks):
         for g in t.gpus:
-            out.append(Interval(g, _lane(t), t.job, t.name, start[i], end[i]))
+            out.append(Interval(g, t.lane, t.job, t.name, start[i], end[i]))
     return out
 
 
 def chrome_trace(intervals: Sequence[Interval], label: str = "") -> dict:
     """Chrome trace-event JSON for simulated intervals: one process per GPU, one row per lane
-    (compute, link); loads in chrome://tracing and Perfetto."""
+    (compute, link, h2d, then other compute lanes in the order they first appear); loads in
+    chrome://tracing and Perfetto."""
     events: list[dict] = []
     seen: set[tuple[int, str]] = set()
+    rows = {COMPUTE_LANE: 0, LINK: 1, H2D: 2}
     for iv in intervals:
-        tid = 0 if iv.lane == "compute" else 1
+        tid = rows.setdefault(iv.lane, len(rows))
         if (iv.gpu, iv.lane) not in seen:
             seen.add((iv.gpu, iv.lane))
             events.append({"ph": "M", "name": "process_name", "pid": iv.gpu, "tid": tid,

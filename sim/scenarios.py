@@ -3,7 +3,7 @@ burst parallel with a background job collocated on every GPU (BP+Col), all simul
 
 Example (tiny model, FLOP-derived times):
     >>> import torch, tidal
-    >>> from tidal.runtime.sim.scenarios import fig9_scenarios
+    >>> from tidal.sim.scenarios import fig9_scenarios
     >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     >>> s = fig9_scenarios(model, (torch.randn(8, 64),), tidal.Cluster(gpus=2, peak_tflops=0.001))
     >>> sorted(s)
@@ -33,7 +33,7 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     ``bp_col`` (a dict with ``fg``, ``bg`` and ``cluster`` throughput when the same model at
     ``bg_batch`` runs in every GPU's idle time of ``bp_overlap``, the foreground slowed by
     ``interference``), ``bp_col_sm`` (the same, the background also using the GPU capacity each
-    foreground piece leaves unused: the SM-sharing bound of ``tidal.runtime.sim.collocation``)
+    foreground piece leaves unused: the SM-sharing bound of ``tidal.sim.collocation``)
     and ``bg_only`` (the
     background alone on every GPU); ``fallback`` says whether the planner chose data
     parallelism. The plan is made under DeepPool's model of gradient sync, one all-reduce per
@@ -41,10 +41,10 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     import tidal
     from tidal.ir import layer_graph
     from tidal.ir.cost import example_batch
-    from tidal.runtime.sim.collocation import (BackgroundJob, collocate, job_utilization,
-                                               kernel_utilization)
-    from tidal.runtime.sim.programs import (burst_execution, burst_parallel, data_parallel,
-                                            layer_times, output_bytes, summarize)
+    from tidal.sim.collocation import (BackgroundJob, collocate, job_utilization,
+                                       kernel_utilization)
+    from tidal.sim.programs import (burst_execution, burst_parallel, data_parallel,
+                                    layer_times, output_bytes, summarize)
 
     batch = example_batch(inputs)
     burst_options = {"sync": "per_layer", **burst_options}  # DeepPool §4's planning model

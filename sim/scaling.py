@@ -10,7 +10,7 @@ GPU), so every strategy is measured against the same baseline and batch-optimal 
 the others.
 
 Example:
-    >>> from tidal.runtime.sim.scaling import StepsTable, scaling_speedups
+    >>> from tidal.sim.scaling import StepsTable, scaling_speedups
     >>> table = StepsTable(((32, 4000.0), (256, 800.0), (2048, 400.0)))
     >>> iteration = lambda gpus, batch: 10.0 * batch / gpus + 50.0 * (gpus > 1)
     >>> s = scaling_speedups(iteration, table, gpus=(1, 8), per_gpu_batch=32, global_batch=256)
@@ -20,11 +20,12 @@ Example:
 from __future__ import annotations
 
 import csv
-import html
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, Union
+
+from tidal.ir.plot import Axis, Guide, Series, color, line_chart, log_ticks
 
 
 @dataclass(frozen=True)
@@ -93,112 +94,22 @@ def scaling_speedups(iteration_us: Callable[[int, int], float], table: StepsTabl
     return {mode: [base / x for x in t] for mode, t in times.items()}
 
 
-_COLORS = {"weak": "#1f77b4", "strong": "#ff7f0e", "batch-optimal": "#2ca02c"}
-
-
-@dataclass(frozen=True)
-class _Axes:
-    """The plot area of a log-log chart (pixels) and its data ranges (``x``: GPU counts,
-    ``y``: speedups); ``x``/``y`` map data to pixels, clamped into the plot area."""
-
-    left: float
-    right: float
-    top: float
-    bottom: float
-    x_range: tuple[float, float]
-    y_range: tuple[float, float]
-
-    @staticmethod
-    def _frac(v: float, lo: float, hi: float) -> float:
-        if not (v > 0 and math.isfinite(v)) or hi <= lo:
-            return 0.0 if not v > lo else 1.0
-        return min(max((math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo)), 0.0), 1.0)
-
-    def x(self, g: float) -> float:
-        return self.left + (self.right - self.left) * self._frac(g, *self.x_range)
-
-    def y(self, s: float) -> float:
-        return self.bottom - (self.bottom - self.top) * self._frac(s, *self.y_range)
-
-
-def _log_ticks(lo: float, hi: float) -> list[float]:
-    """1-2-5 ticks covering ``[lo, hi]`` (only powers of ten when that gives over 8), starting
-    at or below ``lo`` and ending at or above ``hi``."""
-    for mantissas in ((1, 2, 5), (1,)):
-        first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-        ticks = sorted(m * 10.0 ** e for e in range(first, last + 1) for m in mantissas)
-        below = [t for t in ticks if t <= lo * (1 + 1e-9)]
-        above = [t for t in ticks if t >= hi * (1 - 1e-9)]
-        ticks = [t for t in ticks if below[-1] <= t <= above[0]]
-        if len(ticks) <= 8:
-            return ticks
-    return ticks
-
-
-def _speedup_axes(gpus: Sequence[int], speedups: dict[str, list[float]], width: int,
-                  height: int) -> tuple[_Axes, list[float]]:
-    """Axes that hold every speedup and the linear-scaling diagonal, and the y ticks."""
-    values = [v for vals in speedups.values() for v in vals if v > 0 and math.isfinite(v)]
-    values += [1.0, gpus[-1] / gpus[0]]
-    ticks = _log_ticks(min(values), max(values))
-    x_range = (float(gpus[0]), float(max(gpus[-1], gpus[0])))
-    axes = _Axes(left=64, right=width - 20, top=62, bottom=height - 46, x_range=x_range,
-                 y_range=(ticks[0], ticks[-1]))
-    return axes, ticks
-
-
-def _axis_marks(axes: _Axes, gpus: Sequence[int], ticks: Sequence[float],
-                height: int) -> list[str]:
-    """Frame, y ticks with labels and grid lines, x tick labels, axis titles."""
-    a = axes
-    parts = [f'<rect x="{a.left}" y="{a.top}" width="{a.right - a.left}" '
-             f'height="{a.bottom - a.top}" fill="none" stroke="#888"/>', '<g class="y-ticks">']
-    for t in ticks:
-        y = a.y(t)
-        parts.append(f'<line x1="{a.left - 4}" y1="{y:.1f}" x2="{a.right}" y2="{y:.1f}" '
-                     f'stroke="#e5e5e5"/><text x="{a.left - 6}" y="{y + 4:.1f}" '
-                     f'text-anchor="end">{t:g}×</text>')
-    parts.append('</g><g class="x-ticks">')
-    parts += [f'<text x="{a.x(g):.1f}" y="{a.bottom + 16}" text-anchor="middle">{g}</text>'
-              for g in gpus]
-    parts.append(f'</g><text x="{(a.left + a.right) / 2}" y="{height - 10}" '
-                 f'text-anchor="middle">GPUs</text>')
-    parts.append(f'<text x="14" y="{(a.top + a.bottom) / 2}" text-anchor="middle" '
-                 f'transform="rotate(-90 14 {(a.top + a.bottom) / 2})">'
-                 f'speedup in time to accuracy</text>')
-    return parts
-
-
 def scaling_svg(gpus: Sequence[int], speedups: dict[str, list[float]], title: str,
                 width: int = 560, height: int = 380) -> str:
     """A log-log line chart of speedup against GPU count, one line per strategy, with the
     linear-scaling diagonal. The y range covers every value (labelled ticks at 1-2-5 steps);
     every mark lies inside the ``0 0 width height`` view box."""
-    axes, ticks = _speedup_axes(gpus, speedups, width, height)
-    a = axes
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-             f'<defs><clipPath id="plot"><rect x="{a.left}" y="{a.top}" width="{a.right - a.left}" '
-             f'height="{a.bottom - a.top}"/></clipPath></defs>',
-             f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13">'
-             f'{html.escape(title)}</text>']
-    parts += _axis_marks(axes, gpus, ticks, height)
-    parts.append(f'<g clip-path="url(#plot)"><line x1="{a.x(gpus[0]):.1f}" y1="{a.y(1):.1f}" '
-                 f'x2="{a.x(gpus[-1]):.1f}" y2="{a.y(gpus[-1] / gpus[0]):.1f}" stroke="#bbb" '
-                 f'stroke-dasharray="4 3"/>')
-    for mode, vals in speedups.items():
-        pts = " ".join(f"{a.x(g):.1f},{a.y(v):.1f}" for g, v in zip(gpus, vals))
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="{_COLORS.get(mode, "#555")}" '
-                     f'stroke-width="2"/>')
-    parts.append("</g>")
-    entries = [(f"{mode} ({vals[-1]:.2f}× at {gpus[-1]})", _COLORS.get(mode, "#555"))
-               for mode, vals in speedups.items()] + [("- - linear scaling", "#999")]
-    column = (width - a.left) / 2
-    parts += [f'<text x="{a.left + (k % 2) * column:.1f}" y="{34 + 14 * (k // 2)}" '
-              f'fill="{color}">{html.escape(text)}</text>'
-              for k, (text, color) in enumerate(entries)]
-    parts.append("</svg>")
-    return "\n".join(parts)
+    values = [v for vals in speedups.values() for v in vals if v > 0 and math.isfinite(v)]
+    values += [1.0, gpus[-1] / gpus[0]]
+    ticks = log_ticks(min(values), max(values))
+    x = Axis(float(gpus[0]), float(max(gpus[-1], gpus[0])), "GPUs", log=True,
+             ticks=tuple(float(g) for g in gpus))
+    y = Axis(ticks[0], ticks[-1], "speedup in time to accuracy", log=True, ticks=ticks,
+             fmt="{:g}×")
+    series = [Series(f"{mode} ({vals[-1]:.2f}× at {gpus[-1]})", tuple(zip(gpus, vals)),
+                     color(k), width=2.0) for k, (mode, vals) in enumerate(speedups.items())]
+    linear = Guide("linear scaling", gpus[0], 1.0, gpus[-1], gpus[-1] / gpus[0])
+    return line_chart(series, x, y, title=title, guides=[linear], width=width, height=height)
 
 
 def gpu_counts(gpus: int) -> list[int]:
@@ -210,11 +121,11 @@ def simulate_scaling(gm, cluster, table: StepsTable, global_batch: int
                      ) -> tuple[list[int], int, dict[str, list[float]]]:
     """Weak, strong and batch-optimal speedups of data parallelism for an annotated graph on
     ``cluster`` (1, 2, 4, ... ``cluster.gpus`` GPUs, iteration times simulated from
-    ``runtime.sim.programs``): returns the GPU counts, the weak-scaling per-GPU batch
+    ``sim.programs``): returns the GPU counts, the weak-scaling per-GPU batch
     (``global_batch / cluster.gpus``) and :func:`scaling_speedups`."""
     from dataclasses import replace
 
-    from tidal.runtime.sim.programs import data_parallel, layer_times, summarize
+    from tidal.sim.programs import data_parallel, layer_times, summarize
 
     gpus = gpu_counts(cluster.gpus)
     cache: dict[int, object] = {}

@@ -13,8 +13,8 @@ gets while the foreground computes bracket DeepPool's concurrent priority stream
   two streams' kernels share the SMs perfectly, which DeepPool's non-preemptive device does not.
 
 Example:
-    >>> from tidal.runtime.sim.collocation import BackgroundJob, collocate
-    >>> from tidal.runtime.sim.engine import Task
+    >>> from tidal.sim.collocation import BackgroundJob, collocate
+    >>> from tidal.sim.engine import Task
     >>> fg = [Task("f", "fg", "compute", (0,), 60.0), Task("g", "fg", "compute", (1,), 20.0)]
     >>> r = collocate(fg, gpus=2, global_batch=8, bg=BackgroundJob(iteration_us=10.0, batch=4))
     >>> round(r.bg_samples_per_iteration, 2)  # GPU 1 idles 40 us of the 60 us iteration
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from tidal.runtime.sim.engine import Task
-from tidal.runtime.sim.programs import LayerTimes, SimResult, summarize
+from tidal.sim.engine import Task, is_compute_lane
+from tidal.sim.programs import LayerTimes, SimResult, summarize
 
 PROBE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -130,6 +130,6 @@ def collocate(tasks: Sequence[Task], gpus: int, global_batch: int, bg: Backgroun
     if fg_utilization is not None:
         shared = sum((i.end_us - i.start_us) * min(1.0 - fg_utilization.get(i.name, 1.0),
                                                    bg.utilization)
-                     for i in fg.intervals if i.lane == "compute")
+                     for i in fg.intervals if is_compute_lane(i.lane))
         iterations += shared / (bg.iteration_us * bg.utilization)
     return CollocationResult(fg, iterations * bg.batch)

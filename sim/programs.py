@@ -9,10 +9,12 @@ either under the planner's own cost model (``burst_parallel``: per layer, transf
 backward, gradient sync) or as the runtime executes it (``burst_execution``: all forwards, all
 backwards, then the gradient sync per set of ranks). ``schedule_result`` turns a Wavelet schedule
 into timelines. ``program_tasks`` simulates the runtime's own ``Program`` objects (the pieces the
-executor runs), with durations from a model or a measured trace.
+executor runs; one Program for every rank or one per rank), with durations from a model or a
+measured trace; ``simulated_order`` compares such a run with the executor's trace
+(``trace_order``) in one call.
 
 Example:
-    >>> from tidal.runtime.sim.programs import LayerTimes, data_parallel, summarize
+    >>> from tidal.sim.programs import LayerTimes, data_parallel, summarize
     >>> lt = LayerTimes(("a", "b"), (10.0, 20.0), (20.0, 40.0), (4000, 0))
     >>> r = summarize(data_parallel(lambda b: lt, gpus=1, global_batch=8), gpus=1, global_batch=8)
     >>> r.iteration_us
@@ -21,7 +23,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
@@ -30,10 +32,11 @@ from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS
 from tidal.ir.comm_cost import (DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us,
                                  tree_broadcast_us)
-from tidal.runtime.sim.engine import Interval, Task, simulate
+from tidal.runtime.program import PieceTrace, Program, stream_kind
+from tidal.sim.engine import H2D, LINK, Interval, Task, is_compute_lane, simulate
 
-if TYPE_CHECKING:
-    from tidal.runtime.program import Program
+LOAD = "load"
+"""The runtime's stream of weight loads (``tidal.runtime.program.STREAMS``)."""
 
 
 @dataclass(frozen=True)
@@ -174,14 +177,14 @@ class SimResult:
 def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
               cores: float | None = None) -> SimResult:
     """Simulate ``tasks`` (compute lanes sharing ``cores`` processors when given, see
-    ``tidal.runtime.sim.engine.simulate``) and summarise them."""
+    ``tidal.sim.engine.simulate``) and summarise them."""
     intervals = simulate(tasks, cores)
     end = max((i.end_us for i in intervals), default=0.0)
-    busy = [0.0] * gpus
-    for i in intervals:
-        if i.lane == "compute":
-            busy[i.gpu] += i.end_us - i.start_us
-    return SimResult(tuple(intervals), gpus, global_batch, end, tuple(busy))
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(gpus)]
+    for i in intervals:  # several compute lanes of a GPU (tick, tock) may overlap
+        if is_compute_lane(i.lane):
+            spans[i.gpu].append((i.start_us, i.end_us))
+    return SimResult(tuple(intervals), gpus, global_batch, end, tuple(map(_covered, spans)))
 
 
 def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg",
@@ -223,14 +226,15 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
                     out_bytes: float = 0.0, update_us: float = 0.0,
                     job: str = "fg", sync: str = "end",
                     bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
-    """One training step of a burst-parallel plan as ``tidal.runtime.burst_exec.BurstExecutor``
-    runs it: the forward of every layer on its ranks (per-GPU batch ``ceil(B / gpus)``, times
-    from ``times_at``) after the transfer of its input where the GPU set changes (half of the
-    plan's ``comm_us``), the model output (``out_bytes``) gathered to every rank, the backward
-    in reverse order with the mirror transfers, then the gradients summed per set of ranks
-    (one flat ring all-reduce per set, then a broadcast from the set's first rank to the
-    others when the set is not every rank, in the executor's order) and ``update_us`` of
-    optimizer step on every rank. ``preds`` maps each layer to the layers it reads.
+    """One training step of a burst-parallel plan as the runtime's burst-parallel program
+    (``tidal.runtime.programs.burst``) runs it: the forward of every layer on its ranks
+    (per-GPU batch ``ceil(B / gpus)``, times from ``times_at``) after the transfer of its input
+    where the GPU set changes (half of the plan's ``comm_us``), the model output
+    (``out_bytes``) gathered to every rank, the backward in reverse order with the mirror
+    transfers, then the gradients summed per set of ranks (one flat ring all-reduce per set,
+    then a broadcast from the set's first rank to the others when the set is not every rank,
+    in the executor's order) and ``update_us`` of optimizer step on every rank. ``preds`` maps
+    each layer to the layers it reads.
 
     ``sync="overlap"`` models a runtime that keeps each layer's weights only on its ranks and
     synchronizes them as DDP does: in backward order, the gradients of consecutive layers on the
@@ -454,28 +458,186 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
                      tuple(busy), steps)
 
 
-def program_tasks(program: "Program", durations_us: Callable[[str], float],
-                  job: str = "fg") -> list[Task]:
-    """The tasks of one step of ``program`` (``tidal.runtime.program.Program``) run by every one
-    of its ``world`` ranks, the same Program object the executor runs: each compute piece once
-    per rank, each comm piece one collective on every rank's link, with the program's
-    dependencies. ``durations_us(piece name)`` gives each piece's modelled (or measured)
-    duration."""
-    from tidal.runtime.program import COMPUTE
+def _stream_lane(stream: str) -> str:
+    """The engine lane a piece on ``stream`` occupies: the ``load`` stream the host-to-device
+    link, another stream that does not occupy the device (``comm``) the network link, a compute
+    stream (``compute``, ``tick``, ...) its own compute lane of the same name."""
+    if stream == LOAD:
+        return H2D
+    return stream if stream_kind(stream)[1] else LINK
 
+
+def _by_rank(programs: "Program | Mapping[int, Program]") -> dict[int, Program]:
+    if isinstance(programs, Program):
+        return {r: programs for r in range(programs.world)}
+    if not programs:
+        raise ValueError("program_tasks: no program given (an empty mapping of ranks)")
+    return {r: programs[r] for r in sorted(programs)}
+
+
+def program_tasks(programs: "Program | Mapping[int, Program]",
+                  durations_us: Callable[[int, str], float], job: str = "fg") -> list[Task]:
+    """The tasks of one step of the runtime's programs (``tidal.runtime.program.Program``, the
+    same objects the executor runs). ``programs`` is one Program that every one of its
+    ``world`` ranks runs, or ``{rank: Program}`` (each rank its own). ``durations_us(rank,
+    piece name)`` gives each piece's modelled (or measured) duration on that rank.
+
+    Per rank, each piece on a compute stream is a compute task on that rank's lane of the same
+    name: ``compute``, or a wave's ``tick``/``tock``, which are separate compute resources of
+    the rank and so may overlap each other (``tidal.sim.engine``). A ``load`` piece uses the
+    rank's host-to-device link (``h2d``). The ``comm`` pieces with the same name on several
+    ranks (the k-th one of that name on each rank, when a name repeats) are *one* collective
+    across exactly those ranks, occupying all their network links at once, after the pieces it
+    depends on on every one of them; its duration is the least of the ranks' durations (a
+    measured rank that reached the collective early also timed its wait for the others). A
+    comm piece on one rank only is a transfer or collective on that rank's link. Each rank's
+    pieces of one stream are issued in program order (a stream is a FIFO).
+
+    Raises ``ValueError`` for a dependency on a later piece, a task the engine rejects (e.g. a
+    compute stream named ``link``), or programs whose collectives cannot be matched (ranks
+    that order them differently would hang), naming where each rank is stuck.
+
+    Example: rank 1 receives what rank 0 sends (one piece named ``x`` on both), rank 0 loads
+    its weights meanwhile:
+        >>> from tidal.runtime.program import Piece, Program
+        >>> p0 = Program((Piece("f", "compute"), Piece("x", "comm", (0,)),
+        ...               Piece("w", "load")), world=2)
+        >>> p1 = Program((Piece("x", "comm"), Piece("g", "compute", (0,))), world=2)
+        >>> tasks = program_tasks({0: p0, 1: p1}, lambda rank, name: 2.0 if name == "x" else 5.0)
+        >>> [(t.name, t.lane, t.gpus, t.deps) for t in tasks]  # doctest: +NORMALIZE_WHITESPACE
+        [('f', 'compute', (0,), ()), ('x', 'link', (0, 1), (0,)), ('w', 'h2d', (0,), ()),
+         ('g', 'compute', (1,), (1,))]
+        >>> [(i.gpu, i.name, i.start_us) for i in simulate(tasks) if i.name in ("w", "g")]
+        [(0, 'w', 0.0), (1, 'g', 7.0)]
+    """
+    by_rank = _by_rank(programs)
+    members: dict[tuple[str, int], list[tuple[int, int]]] = {}  # collective -> (rank, piece)
+    key_of: dict[tuple[int, int], tuple[str, int]] = {}
+    before: dict[tuple[int, int], int | None] = {}  # the rank's previous piece on the stream
+    for r, program in by_rank.items():
+        seen: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, piece in enumerate(program.pieces):
+            bad = [d for d in piece.deps if not 0 <= d < i]
+            if bad:
+                raise ValueError(f"program_tasks: rank {r}, piece {i} {piece.name!r} depends on "
+                                 f"piece {bad[0]}, which is not earlier in its program")
+            before[(r, i)], last[piece.stream] = last.get(piece.stream), i
+            if _stream_lane(piece.stream) == LINK:
+                key = key_of[(r, i)] = (piece.name, seen.get(piece.name, 0))
+                seen[piece.name] = key[1] + 1
+                members.setdefault(key, []).append((r, i))
+    task_of: dict[tuple[int, int], int] = {}
     tasks: list[Task] = []
-    index: dict[tuple[int, int], int] = {}  # (piece, rank) -> task; a collective: rank -1
-    ranks = range(program.world)
-    for i, piece in enumerate(program.pieces):
-        deps_of = [[index.get((d, r), index.get((d, -1))) for d in piece.deps] for r in ranks]
-        if piece.stream == COMPUTE:
-            for r in ranks:
-                tasks.append(Task(piece.name, job, "compute", (r,), durations_us(piece.name),
-                                  tuple(deps_of[r])))
-                index[(i, r)] = len(tasks) - 1
-        else:
-            deps = tuple(sorted({d for ds in deps_of for d in ds}))
-            tasks.append(Task(piece.name, job, "comm", tuple(ranks), durations_us(piece.name),
-                              deps))
-            index[(i, -1)] = len(tasks) - 1
+
+    def ready(r: int, i: int) -> bool:
+        prev = before[(r, i)]
+        return all((r, d) in task_of for d in by_rank[r].pieces[i].deps) and \
+            (prev is None or (r, prev) in task_of)
+
+    def group(r: int, i: int) -> list[tuple[int, int]]:
+        return members[key_of[(r, i)]] if (r, i) in key_of else [(r, i)]
+
+    total = sum(len(p.pieces) for p in by_rank.values())
+    while len(task_of) < total:
+        issued = len(task_of)
+        for r, program in by_rank.items():
+            for i, piece in enumerate(program.pieces):
+                if (r, i) in task_of or not all(ready(q, j) for q, j in group(r, i)):
+                    continue
+                lane = _stream_lane(piece.stream)
+                ranks = tuple(q for q, _ in group(r, i))
+                deps = tuple(sorted({task_of[(q, d)] for q, j in group(r, i)
+                                     for d in by_rank[q].pieces[j].deps}))
+                us = min(durations_us(q, piece.name) for q in ranks)
+                kind = "compute" if is_compute_lane(lane) else "comm"
+                tasks.append(Task(piece.name, job, kind, ranks, us, deps, lane))
+                for m in group(r, i):
+                    task_of[m] = len(tasks) - 1
+        if len(task_of) == issued:
+            raise ValueError("program_tasks: the ranks' collectives do not match (each rank "
+                             "would wait forever): " + _stuck(by_rank, task_of, group))
     return tasks
+
+
+def _stuck(by_rank: Mapping[int, Program], task_of: Mapping[tuple[int, int], int],
+           group: Callable[[int, int], list[tuple[int, int]]]) -> str:
+    """Where each unfinished rank waits: its first piece not issued, and who shares it."""
+    out = []
+    for r, program in by_rank.items():
+        i = next((i for i in range(len(program.pieces)) if (r, i) not in task_of), None)
+        if i is not None:
+            ranks = [q for q, _ in group(r, i)]
+            out.append(f"rank {r} waits at piece {i} {program.pieces[i].name!r} "
+                       f"({program.pieces[i].stream}, on ranks {ranks})")
+    return "; ".join(out)
+
+
+def measured_durations(traces: Mapping[int, Sequence[PieceTrace]]
+                       ) -> Callable[[int, str], float]:
+    """``durations_us(rank, piece name)`` for :func:`program_tasks` from measured traces
+    (``{rank: [tidal.runtime.program.PieceTrace]}``, e.g. ``ProgramExecutor.last_trace`` of
+    each rank): the mean of the piece's measured durations on that rank. The function raises
+    ``KeyError`` naming the rank and piece when the trace has no such piece."""
+    spans: dict[tuple[int, str], list[float]] = {}
+    for r, trace in traces.items():
+        for t in trace:
+            spans.setdefault((r, t.name), []).append(t.end_us - t.start_us)
+
+    def durations_us(rank: int, name: str) -> float:
+        if (rank, name) not in spans:
+            raise KeyError(f"measured_durations: the trace of rank {rank} has no piece {name!r}")
+        times = spans[(rank, name)]
+        return sum(times) / len(times)
+
+    return durations_us
+
+
+def trace_order(traces: Mapping[int, Sequence[PieceTrace]]) -> dict[int, dict[str, list[str]]]:
+    """``{rank: {stream: piece names in start order}}`` of measured traces (ties in the order
+    the trace lists them, which is program order)."""
+    out: dict[int, dict[str, list[str]]] = {}
+    for r in sorted(traces):
+        per: dict[str, list[str]] = {}
+        for t in sorted(traces[r], key=lambda t: t.start_us):
+            per.setdefault(t.stream, []).append(t.name)
+        out[r] = dict(sorted(per.items()))
+    return out
+
+
+def simulated_order(programs: "Program | Mapping[int, Program]",
+                    traces: Mapping[int, Sequence[PieceTrace]], job: str = "fg",
+                    cores: float | None = None) -> dict[int, dict[str, list[str]]]:
+    """Simulate ``programs`` (as :func:`program_tasks` takes them) with the durations measured
+    in ``traces`` (:func:`measured_durations`; ``cores`` as ``simulate`` takes it) and return,
+    in :func:`trace_order`'s shape, ``{rank: {stream: piece names in simulated start order}}``,
+    so that a test compares the simulator's run of the executor's own Program objects with the
+    executor's trace in one call.
+
+    Example: two ranks of one data-parallel step, the all-reduce overlapping backward:
+        >>> from tidal.runtime.program import Piece, PieceTrace, Program
+        >>> p = Program((Piece("backward 0", "compute"), Piece("all_reduce", "comm", (0,)),
+        ...              Piece("backward 1", "compute", (0,)),
+        ...              Piece("optimizer", "compute", (1, 2))), world=2)
+        >>> run = [PieceTrace("backward 0", "compute", 0, 4),
+        ...        PieceTrace("all_reduce", "comm", 4, 9),
+        ...        PieceTrace("backward 1", "compute", 4, 7),
+        ...        PieceTrace("optimizer", "compute", 9, 10)]
+        >>> traces = {0: run, 1: run}
+        >>> simulated_order(p, traces)  # doctest: +NORMALIZE_WHITESPACE
+        {0: {'comm': ['all_reduce'], 'compute': ['backward 0', 'backward 1', 'optimizer']},
+         1: {'comm': ['all_reduce'], 'compute': ['backward 0', 'backward 1', 'optimizer']}}
+        >>> simulated_order(p, traces) == trace_order(traces)
+        True
+    """
+    by_rank = _by_rank(programs)
+    missing = sorted(set(by_rank) - set(traces))
+    if missing:
+        raise ValueError(f"simulated_order: no trace for rank(s) {missing} of the programs")
+    stream_of = {(r, _stream_lane(p.stream)): p.stream
+                 for r, program in by_rank.items() for p in program.pieces}
+    intervals = simulate(program_tasks(by_rank, measured_durations(traces), job), cores)
+    out: dict[int, dict[str, list[str]]] = {r: {} for r in by_rank}
+    for iv in sorted(intervals, key=lambda iv: iv.start_us):  # stable: a lane's FIFO order
+        out[iv.gpu].setdefault(stream_of[(iv.gpu, iv.lane)], []).append(iv.name)
+    return {r: dict(sorted(per.items())) for r, per in out.items()}
