@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from tidal.ir.cluster import Cluster
+from tidal.ir.plot import Axis, Guide, Series, color, line_chart
 
 DEFAULT_MEM_GBPS = 1555.0
 """Default device-memory bandwidth in GB/s for the bytes term of a node's time (A100 40 GB)."""
@@ -288,42 +289,18 @@ def measure_saved_bytes(model: torch.nn.Module, inputs: tuple, targets: Any, los
 
 def timeline_svg(il: Interleaving, title: str = "activation memory", width: int = 720,
                  height: int = 260) -> str:
-    """The tick, tock and summed curves of an ``Interleaving`` as an SVG line chart."""
-    left, right, top, bottom = 60, 110, 24, 30
+    """The tick, tock and summed curves of an ``Interleaving`` as an SVG line chart (MiB over
+    one period in us), with the gang-scheduled peak (twice one wave's peak) as a dashed level."""
     period = (il.times_us[-1] + (il.times_us[1] - il.times_us[0])) if len(il.times_us) > 1 \
         else 1.0
-    ymax = max(max(il.total, default=0), il.peak_gang, 1)
-    sx = (width - left - right) / (period or 1.0)
-    sy = (height - top - bottom) / ymax
-
-    def path(values: tuple[int, ...]) -> str:
-        pts = []
-        for t, v in zip(il.times_us, values):
-            pts.append(f"{left + t * sx:.1f},{height - bottom - v * sy:.1f}")
-        return " ".join(pts)
-
     mib = 2 ** 20
-    gang_y = height - bottom - il.peak_gang * sy
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'font-family="monospace" font-size="10">',
-             f'<text x="4" y="14" font-size="12">{title}: tock offset {il.offset_us:.3g} us, '
-             f'peak tick+tock {il.peak_sum / mib:.3g} MiB vs gang {il.peak_gang / mib:.3g} MiB'
-             f'</text>',
-             f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" '
-             f'y2="{height - bottom}" stroke="#000"/>',
-             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="#000"/>',
-             f'<line x1="{left}" y1="{gang_y:.1f}" x2="{width - right}" y2="{gang_y:.1f}" '
-             f'stroke="#999" stroke-dasharray="4 3"/>']
-    for name, values, color in (("tick", il.tick, "#3182bd"), ("tock", il.tock, "#e6550d"),
-                                ("sum", il.total, "#31a354")):
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" '
-                     f'points="{path(values)}"/>')
-    for i, (name, color) in enumerate((("tick", "#3182bd"), ("tock", "#e6550d"),
-                                       ("sum", "#31a354"), ("2x peak (gang)", "#999"))):
-        y = top + 14 * i + 10
-        parts.append(f'<rect x="{width - right + 8}" y="{y - 8}" width="10" height="8" '
-                     f'fill="{color}"/><text x="{width - right + 22}" y="{y}">{name}</text>')
-    parts.append(f'<text x="{left}" y="{height - 8}">0</text>'
-                 f'<text x="{width - right - 60}" y="{height - 8}">{period:.4g} us</text>'
-                 f'<text x="4" y="{top + 8}">{ymax / mib:.3g} MiB</text></svg>')
-    return "\n".join(parts)
+    ymax = max(max(il.total, default=0), il.peak_gang, 1) / mib
+    series = [Series(name, tuple((t, v / mib) for t, v in zip(il.times_us, values)), color(i))
+              for i, (name, values) in enumerate((("tick", il.tick), ("tock", il.tock),
+                                                  ("sum", il.total)))]
+    gang = Guide("2x peak (gang)", 0.0, il.peak_gang / mib, period, il.peak_gang / mib)
+    return line_chart(series, Axis(0.0, period, "time in one period (us)"),
+                      Axis(0.0, ymax, "live activations (MiB)", fmt="{:.3g}"),
+                      title=f"{title}: tock offset {il.offset_us:.3g} us, peak tick+tock "
+                            f"{il.peak_sum / mib:.3g} MiB vs gang {il.peak_gang / mib:.3g} MiB",
+                      guides=[gang], width=width, height=height)

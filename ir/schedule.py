@@ -35,10 +35,11 @@ import torch
 
 from tidal.ir.errors import PlanError
 from tidal.ir.plan import Plan
+from tidal.ir.plot import Bar, Key, Row, color, gantt_chart
 
 _KINDS = ("F", "B", "S", "X", "A", "U")
-_COLORS = {"F": "#6baed6", "B": "#fd8d3c", "S": "#969696", "X": "#bcbddc", "A": "#74c476",
-           "U": "#fdd0a2"}
+_KIND_NAMES = {"F": "forward", "B": "backward", "S": "weight switch", "X": "transfer",
+               "A": "all-reduce", "U": "update"}
 _EPS = 1e-6
 
 
@@ -198,43 +199,23 @@ class Schedule(Plan):
 
     # -- drawing -------------------------------------------------------------------------
     def gantt_svg(self, width: int = 900, row_h: int = 22) -> str:
-        """A per-rank (and per-lane) Gantt chart of the schedule as an SVG string."""
-        rows: list[tuple[str, list[Action]]] = []
+        """A per-rank (and per-lane) Gantt chart of the schedule as an SVG string: one row per
+        rank and lane, one bar per action (coloured by kind, the tock wave paler), a legend of
+        the kinds used."""
+        rows: list[Row] = []
+        part = self.partitions > 1
         for r, acts in enumerate(self.ranks):
             lanes: dict[str, list[Action]] = {}
             for a in acts:
                 lanes.setdefault(a.lane, []).append(a)
             for lane, items in lanes.items():
-                rows.append((f"rank {r}" + (f" {lane}" if lane else ""), items))
-        span = self.makespan_us or 1.0
-        left, top = 110, 24
-        scale = (width - left - 10) / span
-        height = top + row_h * len(rows) + 24
-        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-               f'font-family="monospace" font-size="10">',
-               f'<text x="4" y="14" font-size="12">{_esc(self.summary())}</text>']
-        part = self.partitions > 1
-        for i, (name, items) in enumerate(rows):
-            y = top + i * row_h
-            out.append(f'<text x="4" y="{y + row_h * 0.65:.1f}">{_esc(name)}</text>')
-            for a in items:
-                x, w = left + a.start_us * scale, max(a.dur_us * scale, 1.0)
-                fill = _COLORS[a.kind]
-                opacity = "0.6" if a.wave == "K" else "1"
-                out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
-                           f'fill="{fill}" fill-opacity="{opacity}" stroke="#333" '
-                           f'stroke-width="0.5"><title>{_esc(a.label(part))} '
-                           f'{a.start_us:.3g}-{a.end_us:.3g} us</title></rect>')
-                if w > 26:
-                    out.append(f'<text x="{x + 2:.1f}" y="{y + row_h * 0.65:.1f}">'
-                               f'{_esc(a.label(part))}</text>')
-        out.append(f'<text x="{left}" y="{height - 6}">0 us</text>'
-                   f'<text x="{width - 80}" y="{height - 6}">{span:.4g} us</text></svg>')
-        return "\n".join(out)
-
-
-def _esc(s: str) -> str:
-    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+                bars = tuple(Bar(a.start_us, a.end_us, color(_KINDS.index(a.kind)), a.label(part),
+                                 opacity=0.6 if a.wave == "K" else 1.0) for a in items)
+                rows.append(Row(f"rank {r}" + (f" {lane}" if lane else ""), bars))
+        used = {a.kind for acts in self.ranks for a in acts}
+        keys = [Key(f"{k} {_KIND_NAMES[k]}", color(i)) for i, k in enumerate(_KINDS) if k in used]
+        return gantt_chart(rows, title=self.summary(), span=self.makespan_us or 1.0,
+                           legend=keys, width=width, row_h=row_h)
 
 
 def split_batch(values: Any, parts: int, what: str = "batch") -> list[Any]:

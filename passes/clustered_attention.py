@@ -58,6 +58,7 @@ from tidal.ir.head_clusters import (FIRST_TOKENS, Membership, check_count, onlin
                                     static_membership)
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+from tidal.ir.plot import Axis, Series, line_chart, palette
 from tidal.passes.attention_match import (AttentionMatch, find_attention, hidden_attention,
                                           no_attention_message)
 from tidal.passes.chai_calibrate import (Budget, HeadStats, choose_counts, elbow,
@@ -334,29 +335,21 @@ def _membership_text(gm: fx.GraphModule) -> str:
 
 
 def elbow_svg(plan: ChaiPlan) -> str:
-    """A small SVG chart of every layer's normalised clustering-error curve, its elbow (circle)
-    and chosen k (square)."""
-    w, h, pad = 480, 300, 30
+    """A small SVG chart of every layer's normalised clustering-error curve against k, its
+    elbow (circle) and chosen k (square)."""
     layers = [c for c in plan.layers if c.errors and c.errors[0] > 0]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">',
-             f'<text x="{pad}" y="18" font-size="12">clustering error vs k (normalised), '
-             f'o elbow, [] chosen</text>']
-    for c in layers:
-        n = len(c.errors)
-        pts = [(pad + (w - 2 * pad) * i / max(n - 1, 1),
-                h - pad - (h - 2 * pad) * v / c.errors[0]) for i, v in enumerate(c.errors)]
-        hue = int(300 * c.layer / max(len(plan.layers) - 1, 1))
-        color = f"hsl({hue},70%,40%)"
-        parts.append(f'<polyline fill="none" stroke="{color}" points="'
-                     + " ".join(f"{x:.1f},{y:.1f}" for x, y in pts) + '"/>')
-        ex, ey = pts[c.elbow_k - 1]
-        parts.append(f'<circle cx="{ex:.1f}" cy="{ey:.1f}" r="3" fill="{color}"/>')
-        if c.chosen_k is not None:
-            cx, cy = pts[c.chosen_k - 1]
-            parts.append(f'<rect x="{cx - 3:.1f}" y="{cy - 3:.1f}" width="6" height="6" '
-                         f'fill="none" stroke="{color}"/>')
-    parts.append("</svg>")
-    return "\n".join(parts)
+    colors = palette(len(layers))
+    series = []
+    for c, hue in zip(layers, colors):
+        pts = tuple((k, v / c.errors[0]) for k, v in enumerate(c.errors, 1))
+        series.append(Series(f"layer {c.layer}", pts, hue, circles=(pts[c.elbow_k - 1],),
+                             squares=() if c.chosen_k is None else (pts[c.chosen_k - 1],)))
+    n = max((len(c.errors) for c in layers), default=1)
+    top = max((v for s in series for _, v in s.points), default=1.0)
+    return line_chart(series, Axis(1, n, "clusters k"),
+                      Axis(0, max(top, 1.0), "error / error at k=1"),
+                      title="clustering error vs k (normalised), o elbow, [] chosen",
+                      width=480, height=300)
 
 
 class ClusteredAttention(Pass):

@@ -39,6 +39,7 @@ from tidal.ir import cost, meta, ops
 from tidal.ir.cluster import Cluster
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.layer_groups import LayerGroupPlan
+from tidal.ir.plot import Bar, Row, color, gantt_chart
 from tidal.passes.group_planner import SOLVERS, make_plan, per_layer, single_group
 
 _STRUCTURAL = ("placeholder", "output")
@@ -160,41 +161,22 @@ class LayerGroups(Pass):
                           notes=notes)
 
 
-_COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1")
-
-
 def timeline_svg(plan: LayerGroupPlan, width: int = 900) -> str:
     """A two-lane (transfer, execution) timeline of the plan's grouping beside the per-layer
-    and single-group pipelines, as SVG text."""
+    and single-group pipelines, as SVG text: one heading per pipeline with its predicted
+    total, then its transfer and execute lanes with one bar per group."""
     n = len(plan.layers)
-    rows = [(f"{plan.strategy} ({len(plan.groups)} groups)", plan.times),
-            (f"per-layer ({n} groups)", plan.timeline_of(per_layer(n))),
-            ("one group", plan.timeline_of(single_group(n)))]
+    pipelines = [(f"{plan.strategy} ({len(plan.groups)} groups)", plan.times),
+                 (f"per-layer ({n} groups)", plan.timeline_of(per_layer(n))),
+                 ("one group", plan.timeline_of(single_group(n)))]
     span = max(plan.total_us, plan.per_layer_us, plan.single_group_us) or 1.0
-    left, lane, gap = 150, 18, 14
-    scale = (width - left - 20) / span
-    height = 30 + len(rows) * (2 * lane + gap + 18)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="sans-serif" font-size="11">',
-           f'<text x="10" y="16" font-weight="bold">layer_groups: predicted pipeline '
-           f'(0 .. {span:.0f} us)</text>']
-    y = 30
-    for title, times in rows:
-        total = times[-1].ex_end
-        out.append(f'<text x="10" y="{y + 11}" font-weight="bold">{title}: {total:.0f} us</text>')
-        y += 16
-        for lane_name, pick in (("transfer", lambda t: (t.tx_start, t.tx_end)),
-                                ("execute", lambda t: (t.ex_start, t.ex_end))):
-            out.append(f'<text x="20" y="{y + 13}">{lane_name}</text>')
-            out.append(f'<rect x="{left}" y="{y}" width="{span * scale:.1f}" height="{lane}" '
-                       'fill="#f4f4f4"/>')
-            for k, t in enumerate(times):
-                a, b = pick(t)
-                out.append(f'<rect x="{left + a * scale:.2f}" y="{y + 1}" '
-                           f'width="{max((b - a) * scale, 0.5):.2f}" height="{lane - 2}" '
-                           f'fill="{_COLORS[k % len(_COLORS)]}"><title>group {k}: '
-                           f'{a:.1f}-{b:.1f} us</title></rect>')
-            y += lane + 2
-        y += gap
-    out.append("</svg>")
-    return "\n".join(out)
+    rows: list[Row] = []
+    for title, times in pipelines:
+        rows.append(Row(f"{title}: {times[-1].ex_end:.0f} us", heading=True))
+        for lane, spans in (("transfer", [(t.tx_start, t.tx_end) for t in times]),
+                            ("execute", [(t.ex_start, t.ex_end) for t in times])):
+            bars = tuple(Bar(a, b, color(k), title=f"group {k}: {a:.1f}-{b:.1f} us")
+                         for k, (a, b) in enumerate(spans))
+            rows.append(Row(lane, bars, track=True))
+    return gantt_chart(rows, title=f"layer_groups: predicted pipeline (0 .. {span:.0f} us)",
+                       span=span, width=width, row_h=20)

@@ -15,11 +15,10 @@ Example:
 """
 from __future__ import annotations
 
-import html
-import math
 from dataclasses import dataclass
 
 from tidal.ir.plan import Plan
+from tidal.ir.plot import Axis, Column, Key, bar_chart, color
 
 
 @dataclass(frozen=True)
@@ -121,54 +120,17 @@ class BurstPlan(Plan):
 
     def svg(self, width: int = 720) -> str:
         """A bar chart of GPUs per layer (DeepPool's Figure 5 view) as SVG text: one bar per
-        layer in execution order, labelled with the layer name below and its GPU count above,
-        y ticks at the counts used; the canvas widens so every bar keeps room for its label."""
-        n = max(len(self.layers), 1)
-        left, top, plot_h = 40, 34, 150
-        bar = max(14.0, (width - left - 10) / n)
-        width = int(math.ceil(left + n * bar + 10))
-        longest = max((len(l.layer) for l in self.layers), default=1)
-        base = top + plot_h
-        height = int(base + 0.9 * 5.6 * min(longest, _LABEL_CHARS) + 30)
-        parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-                 f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">',
-                 f'<text x="{left}" y="14">GPUs per layer (of {self.world}); predicted '
-                 f'{self.time_us:.0f} us vs DP {self.dp_time_us:.0f} us</text>']
-        parts += _svg_gpu_ticks(self.world, {l.gpus for l in self.layers}, left, width, top,
-                                plot_h)
-        parts += [_svg_layer_bar(l, left + k * bar, bar, base, plot_h / max(self.world, 1))
-                  for k, l in enumerate(self.layers)]
-        parts.append(f'<text x="{left}" y="{height - 8}">layers in execution order '
-                     f'(orange: branch on GPUs of its own)</text></svg>')
-        return "\n".join(parts)
-
-
-_LABEL_CHARS = 24
-
-
-def _svg_gpu_ticks(world: int, counts: set, left: float, width: float, top: float,
-                   plot_h: float) -> list[str]:
-    """The axis line and a labelled tick with a grid line at 0, ``world`` and each count used."""
-    base = top + plot_h
-    parts = [f'<line x1="{left}" y1="{base}" x2="{width - 10}" y2="{base}" stroke="#000"/>']
-    for g in sorted({0, world} | set(counts)):
-        y = base - g * plot_h / max(world, 1)
-        parts.append(f'<line x1="{left - 3}" y1="{y:.1f}" x2="{width - 10}" y2="{y:.1f}" '
-                     f'stroke="#ddd"/><text x="{left - 5}" y="{y + 3:.1f}" '
-                     f'text-anchor="end">{g}</text>')
-    return parts
-
-
-def _svg_layer_bar(l: "LayerPlacement", x: float, bar: float, base: float, scale: float) -> str:
-    """One layer's bar, its GPU count above it and its name below the axis (rotated)."""
-    bh = l.gpus * scale
-    color = "#d95f02" if l.parallel else "#1b9e77"
-    name = l.layer if len(l.layer) <= _LABEL_CHARS else l.layer[:_LABEL_CHARS - 1] + "…"
-    cx, ly = x + bar / 2, base + 8
-    return (f'<rect x="{x:.2f}" y="{base - bh:.2f}" width="{max(bar - 1, 0.5):.2f}" '
-            f'height="{bh:.2f}" fill="{color}"><title>{html.escape(l.layer)}: {l.gpus} GPUs'
-            f'</title></rect>'
-            f'<text x="{cx:.1f}" y="{base - bh - 2:.1f}" text-anchor="middle" font-size="8">'
-            f'{l.gpus}</text>'
-            f'<text class="layer" x="{cx:.1f}" y="{ly:.1f}" text-anchor="end" font-size="9" '
-            f'transform="rotate(-60 {cx:.1f} {ly:.1f})">{html.escape(name)}</text>')
+        layer in execution order, labelled with the layer name below (class ``layer``) and its
+        GPU count above, y ticks at the counts used; the canvas widens so every bar keeps room
+        for its label."""
+        ticks = tuple(sorted({0, self.world} | {l.gpus for l in self.layers}))
+        columns = [Column(l.layer, l.gpus, color(1) if l.parallel else color(0),
+                          f"{l.layer}: {l.gpus} GPUs") for l in self.layers]
+        keys = [Key("layer on its GPUs", color(0))]
+        if any(l.parallel for l in self.layers):
+            keys.append(Key("branch on GPUs of its own", color(1)))
+        return bar_chart(columns, Axis(0, max(self.world, 1), "GPUs", ticks=ticks),
+                         title=f"GPUs per layer (of {self.world}); predicted "
+                               f"{self.time_us:.0f} us vs DP {self.dp_time_us:.0f} us",
+                         x_label="layers in execution order", legend=keys, width=width,
+                         label_class="layer")
