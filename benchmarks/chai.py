@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tidal.examples.data import calibration_text, evaluation_text  # noqa: E402
+from examples.data import calibration_text, evaluation_text  # noqa: E402
 from tidal.ir.plan import Plan  # noqa: E402
 from tidal.ir.plans.chai import ChaiPlan  # noqa: E402
 from tidal.passes.chai_calibrate import Budget  # noqa: E402

@@ -19,10 +19,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-import tidal
-from tidal.ir.table import format_table
-from tidal.examples.models import bert_base, inception_v3, resnet152
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the zoo, examples.models, imports from a checkout
+    sys.path.insert(0, str(ROOT))
+
+import tidal  # noqa: E402
+from tidal.ir.table import format_table  # noqa: E402
+from examples.models import bert_base, inception_v3, resnet152
 from tidal.passes.group_planner import (SearchBudgetExceeded, dp_grouping, optimal_grouping,
                                         pipeswitch_search)
 from tidal.passes.layer_groups import LayerGroups

@@ -95,20 +95,13 @@ def _compressor(text: str) -> Compressor:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def resnet101(num_classes: int = 1000) -> "torch.nn.Module":
-    """ResNet-101: the zoo's bottleneck ResNet with layers [3, 4, 23, 3]."""
-    from examples.models.resnet import ResNet
-
-    return ResNet([3, 4, 23, 3], num_classes=num_classes)
-
-
 def model_factory(name: str):
-    """``resnet101`` or any MODEL spec (``module:factory``, ``file.py:factory``, a zoo name)
-    -> its factory; ``ModelSpecError`` naming an unknown one."""
+    """Any MODEL spec (``module:factory``, ``file.py:factory``, a zoo name such as
+    ``resnet101``) -> its factory; ``ModelSpecError`` naming an unknown one."""
     from tidal.compiler.model_spec import cwd_importable, load_factory
 
     cwd_importable()
-    return resnet101 if name == "resnet101" else load_factory(name)
+    return load_factory(name)
 
 
 @dataclass(frozen=True)

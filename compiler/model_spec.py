@@ -21,12 +21,18 @@ class ModelSpecError(UsageError):
     """A MODEL argument that names no model factory, or inputs or a loss that do not fit it."""
 
 
+ZOO_MODULE = "examples.models"
+"""Where short MODEL names (``resnet50_small``) are looked up: a module with a ``ZOO`` mapping
+of name -> factory, loaded like any ``module:factory`` spec (the in-repo zoo, importable from a
+checkout; the environment variable ``TIDAL_ZOO`` names another)."""
+
+
 def _zoo() -> dict[str, Callable[[], torch.nn.Module]] | None:
     try:
-        from examples.models import ZOO  # only importable from a checkout of the repository
+        module = importlib.import_module(os.environ.get("TIDAL_ZOO", ZOO_MODULE))
     except ImportError:
         return None
-    return dict(ZOO)
+    return dict(getattr(module, "ZOO", {}))
 
 
 def cwd_importable() -> None:

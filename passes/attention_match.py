@@ -22,7 +22,7 @@ its projection sizes.
 
 Example:
     >>> import torch, tidal
-    >>> from tidal.examples.models import llama_small
+    >>> from examples.models import llama_small
     >>> from tidal.passes.attention_match import find_attention
     >>> model = llama_small()
     >>> gm = tidal.trace(model, model.example_inputs(1))

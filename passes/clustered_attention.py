@@ -30,7 +30,7 @@ the smaller K cache are realised in ``tidal.runtime.chai_decode``.
 
 Example:
     >>> import torch, tidal
-    >>> from tidal.examples.models import llama_small
+    >>> from examples.models import llama_small
     >>> from tidal.passes.clustered_attention import ClusteredAttention
     >>> model = llama_small().eval()
     >>> ids = model.example_inputs(2)

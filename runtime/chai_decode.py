@@ -18,7 +18,7 @@ Online membership is per sequence, so clustered online decoding takes one sequen
 
 Example:
     >>> import torch
-    >>> from tidal.examples.models import llama_small
+    >>> from examples.models import llama_small
     >>> from tidal.runtime.chai_decode import ChaiDecoder
     >>> model = llama_small().eval()
     >>> ids = torch.randint(0, 256, (1, 12))
@@ -163,7 +163,7 @@ class ChaiDecoder:
         in memory.
 
         Example:
-            >>> from tidal.examples.models import llama_small
+            >>> from examples.models import llama_small
             >>> full = ChaiDecoder(llama_small().eval())
             >>> one = full.with_clusters(counts=1)
             >>> one.lm_head is full.lm_head, one.counts[0], full.counts[0]

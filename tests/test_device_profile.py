@@ -29,7 +29,7 @@ def _vgg16_leaves() -> list[nn.Module]:
     """VGG-16 (cfg D) leaf modules in execution order, on the meta device."""
     with torch.device("meta"):
         try:
-            from tidal.examples.models import vgg16
+            from examples.models import vgg16
         except ImportError:
             vgg16 = None
         if vgg16 is not None:
@@ -128,7 +128,7 @@ def test_vgg16_layers_at_batch_32_match_rows():
 
 @needs_data
 def test_wide_resnet_bottlenecks_match_rows():
-    models = pytest.importorskip("tidal.examples.models")
+    models = pytest.importorskip("examples.models")
     prof = DeviceProfile.from_deeppool(DATA / "A100_wrn.prof")
     with torch.device("meta"):
         m = models.wide_resnet101_2()

@@ -2,10 +2,7 @@
 ``runtime`` import only ``ir``, ``sim`` (the simulator, which runs the runtime's Program objects
 with the ir cost models) imports ``ir`` and ``runtime``, ``compiler`` imports those four; nothing
 below ``sim`` imports it, and nothing imports ``examples``.
-Every ``import`` statement counts, function-level ones included (read from the AST).
-
-``KNOWN`` lists the edges that still go the wrong way while issue 17's redesign lands: the test
-fails on any other wrong edge, and on an entry of ``KNOWN`` that no longer exists (remove it)."""
+Every ``import`` statement counts, function-level ones included (read from the AST)."""
 import ast
 from pathlib import Path
 
@@ -17,10 +14,6 @@ MAY_IMPORT = {
     "runtime": {"ir"},
     "sim": {"ir", "runtime"},
     "compiler": {"ir", "passes", "runtime", "sim"},
-}
-KNOWN = {
-    ("compiler/cli_whatif.py", "examples"),
-    ("compiler/model_spec.py", "examples"),
 }
 
 
@@ -59,14 +52,8 @@ def wrong_edges() -> dict[tuple[str, str], list[str]]:
 
 def test_imports_go_one_way():
     edges = wrong_edges()
-    new = {k: v for k, v in edges.items() if k not in KNOWN}
-    assert not new, "imports that go the wrong way:\n" + "\n".join(
-        line for lines in new.values() for line in lines)
-
-
-def test_known_wrong_edges_are_still_there():
-    gone = sorted(KNOWN - set(wrong_edges()))
-    assert not gone, f"fixed, remove from KNOWN: {gone}"
+    assert not edges, "imports that go the wrong way:\n" + "\n".join(
+        line for lines in edges.values() for line in lines)
 
 
 def test_relative_imports_are_not_used():
@@ -75,3 +62,13 @@ def test_relative_imports_are_not_used():
            for p in (ROOT / layer).rglob("*.py")
            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom) and n.level]
     assert not rel, rel
+
+
+def test_the_zoo_has_one_import_name():
+    import importlib
+
+    import pytest
+
+    assert hasattr(importlib.import_module("examples.models"), "ZOO")
+    with pytest.raises(ImportError, match="examples.models"):
+        importlib.import_module("tidal.examples.models")

@@ -16,7 +16,7 @@ import tidal
 from tidal.compiler import viz
 from tidal.compiler.dump import write_dump
 from tidal.compiler.viz_passes import overlay_for
-from tidal.examples import models
+from examples import models
 from tidal.ir import cost
 from tidal.passes.burst_parallel import BurstParallel, build_problem
 from tidal.passes.burst_planner import plan_from_counts

@@ -23,7 +23,7 @@ from examples.models import (
 from greedy import assert_greedy
 
 EXPECTED_NAMES = {
-    "vgg16", "vgg16_small", "vgg19", "resnet50", "resnet50_small", "resnet152",
+    "vgg16", "vgg16_small", "vgg19", "resnet50", "resnet50_small", "resnet101", "resnet152",
     "wide_resnet101_2", "wrn_small", "inception_v3", "inception_small",
     "bert_base", "bert_small", "llama_decoder", "llama_small",
 }
@@ -33,6 +33,7 @@ FULL_SIZE_PARAMS = {
     "vgg16": 138_357_544,
     "vgg19": 143_667_240,
     "resnet50": 25_557_032,
+    "resnet101": 44_549_160,
     "resnet152": 60_192_808,
     "wide_resnet101_2": 126_886_696,
     "inception_v3": 23_834_568,

@@ -4,7 +4,7 @@ The file is split at the blank line nearest its middle: the first half calibrate
 second half evaluates (see README.md in this folder for the source).
 
 Example:
-    >>> from tidal.examples.data import calibration_text, evaluation_text
+    >>> from examples.data import calibration_text, evaluation_text
     >>> "GNU GENERAL PUBLIC LICENSE" in calibration_text()
     True
     >>> evaluation_text().lstrip().startswith("7. Additional Terms.")

@@ -131,6 +131,11 @@ def resnet50(num_classes: int = 1000) -> ResNet:
     return ResNet([3, 4, 6, 3], num_classes=num_classes)
 
 
+def resnet101(num_classes: int = 1000) -> ResNet:
+    """ResNet-101 ([3, 4, 23, 3] bottlenecks), 3x224x224 inputs; 44,549,160 parameters at 1000 classes."""
+    return ResNet([3, 4, 23, 3], num_classes=num_classes)
+
+
 def resnet152(num_classes: int = 1000) -> ResNet:
     """ResNet-152 ([3, 8, 36, 3] bottlenecks), 3x224x224 inputs; 60,192,808 parameters at 1000 classes."""
     return ResNet([3, 8, 36, 3], num_classes=num_classes)

@@ -7,7 +7,8 @@ from types import MappingProxyType
 from .bert import bert_base, bert_small
 from .inception import inception_small, inception_v3
 from .llama import llama_decoder, llama_small
-from .resnet import resnet50, resnet50_small, resnet152, wide_resnet101_2, wrn_small
+from .resnet import (resnet50, resnet50_small, resnet101, resnet152, wide_resnet101_2,
+                     wrn_small)
 from .vgg import vgg16, vgg16_small, vgg19
 
 ZOO = MappingProxyType(
@@ -17,6 +18,7 @@ ZOO = MappingProxyType(
         "vgg19": vgg19,
         "resnet50": resnet50,
         "resnet50_small": resnet50_small,
+        "resnet101": resnet101,
         "resnet152": resnet152,
         "wide_resnet101_2": wide_resnet101_2,
         "wrn_small": wrn_small,
