@@ -25,13 +25,18 @@ from pathlib import Path
 
 import torch
 
-import tidal
-from tidal.ir.table import format_table
-from tidal.examples.models import ZOO
-from tidal.ir import cost
-from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.weight_loader import run_pipelined, write_groups
-from tidal.runtime.weight_store import drop_page_cache
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tidal  # noqa: E402
+from examples.models import ZOO  # noqa: E402
+from tidal.ir import cost  # noqa: E402
+from tidal.ir.table import format_table  # noqa: E402
+from tidal.passes.layer_groups import LayerGroups  # noqa: E402
+from tidal.runtime.programs.layer_groups import run_pipelined  # noqa: E402
+from tidal.runtime.weight_loader import write_groups  # noqa: E402
+from tidal.runtime.weight_store import drop_page_cache  # noqa: E402
 
 STRATEGIES = (("load all, then run", "single"), ("per-layer pipelining", "per_layer"),
               ("optimal grouping", "optimal"))

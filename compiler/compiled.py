@@ -15,7 +15,8 @@ from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 from tidal.runtime import executors
-from tidal.runtime.program import chrome_trace
+from tidal.runtime.program import ProgramExecutor, ProgramJob, chrome_trace
+from tidal.runtime.scheduler import Piece as SchedulerPiece
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
 
@@ -91,6 +92,40 @@ class Compiled:
         opt.step()
         return loss.detach()
 
+    def job(self, batches: Callable[[int], tuple[Any, Any]], *, name: str = "train",
+            iterations: Optional[int] = None) -> Any:
+        """Training as a job for ``tidal.runtime.scheduler.Runtime``: iteration ``i`` trains
+        on ``batches(i)`` (``(inputs, targets)``, as ``step`` takes them); its losses collect
+        in ``job.losses``. Submit it as the foreground or as a background job beside another
+        model's::
+
+            rt = Runtime("cpu")
+            rt.submit(fg.job(batches, iterations=10), priority="high")
+            rt.submit(bg.job(other_batches, name="extra"), priority="low")
+            rt.run()
+
+        With plans, the job's pieces are the rank's program (compute, communication and
+        optimizer pieces on their streams); without, each iteration is one ``step`` piece."""
+        if self.context.loss_fn is None:
+            raise ValueError("Compiled.job needs a loss: tidal.compile(..., loss_fn=fn)")
+
+        def bound(i: int) -> tuple[Any, Any]:
+            inputs, targets = batches(i)
+            return bind_inputs(self.graph_module, inputs, "Compiled.job inputs"), targets
+
+        if isinstance(self.executor, ProgramExecutor):
+            return self.executor.job(name, self.graph_module, self.model, bound,
+                                     self.context.loss_fn, self.optimizer, iterations)
+
+        def one_piece(i: int) -> tuple[list[SchedulerPiece], Callable[[], Any]]:
+            done: dict[str, torch.Tensor] = {}
+            inputs, targets = batches(i)
+            piece = SchedulerPiece("step", lambda: done.setdefault("loss", self.step(inputs,
+                                                                                     targets)))
+            return [piece], lambda: done["loss"]
+
+        return ProgramJob(name, one_piece, iterations)
+
     def trace(self, path: Union[str, Path]) -> Path:
         """Write the pieces of the latest ``step`` (per stream, this rank as the process) as a
         Chrome trace (``chrome://tracing``, ui.perfetto.dev); returns the path. Raises
@@ -100,9 +135,9 @@ class Compiled:
             else None
         if not pieces:
             what = type(self.executor).__name__ if self.executor is not None else "the graph"
-            raise ValueError(f"Compiled.trace: no pieces recorded ({what} runs the steps; "
-                             f"programs record them: plain data parallelism so far), or no "
-                             f"step has run yet")
+            raise ValueError(f"Compiled.trace: no pieces recorded ({what} runs the steps: "
+                             f"compile with a parallelism or compression pass to train through "
+                             f"a program), or no step has run yet")
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         out = Path(path)
         out.write_text(json.dumps(chrome_trace({rank: pieces})))
@@ -112,7 +147,7 @@ class Compiled:
         """The first output while the weights stream in, group by group, from the store at
         ``path`` (written by ``tidal.runtime.weight_loader.write_groups``; needs the
         ``layer_groups`` pass). Inputs default to the compile-time example inputs."""
-        from tidal.runtime.weight_loader import cold_start
+        from tidal.runtime.programs.layer_groups import cold_start
 
         return cold_start(self, path, *inputs, **kwargs)
 

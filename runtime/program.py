@@ -36,7 +36,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -119,6 +119,48 @@ def data_parallel(step: TrainStep, world: int, bucket_bytes: float = DDP_BUCKET_
     return Program(tuple(pieces), world)
 
 
+def split_pieces(program: Program, time_us: Callable[[str], float], piece_us: float
+                 ) -> Program:
+    """``program`` with each compute segment split into consecutive pieces whose predicted
+    duration (``time_us(node name)``, summed) stays under ``piece_us`` where a node allows
+    (DeepPool splits background graphs at 0.5 ms), so the scheduler can fit other work between
+    them. A piece that waited for a segment waits for its last part; names get ``.k``.
+
+    Example:
+        >>> p = Program((Piece("segment 0", COMPUTE, (), ("a", "b", "c")),
+        ...              Piece("all_reduce 0", COMM, (0,), grads=(0,))), world=2)
+        >>> [(q.name, q.deps) for q in split_pieces(p, lambda n: 10.0, 25.0).pieces]
+        [('segment 0.0', ()), ('segment 0.1', (0,)), ('all_reduce 0', (1,))]
+    """
+    if not piece_us > 0:
+        raise ValueError(f"split_pieces(piece_us={piece_us!r}): must be > 0")
+    pieces: list[Piece] = []
+    last_part: dict[int, int] = {}
+    for i, piece in enumerate(program.pieces):
+        deps = tuple(last_part[d] for d in piece.deps)
+        parts = _split_nodes(piece.nodes, time_us, piece_us) if piece.nodes else [piece.nodes]
+        for k, nodes in enumerate(parts):
+            name = piece.name if len(parts) == 1 else f"{piece.name}.{k}"
+            pieces.append(replace(piece, name=name, nodes=nodes,
+                                  deps=deps if k == 0 else (len(pieces) - 1,)))
+        last_part[i] = len(pieces) - 1
+    return Program(tuple(pieces), program.world)
+
+
+def _split_nodes(nodes: Sequence[str], time_us: Callable[[str], float], piece_us: float
+                 ) -> list[tuple[str, ...]]:
+    parts: list[list[str]] = [[]]
+    spent = 0.0
+    for name in nodes:
+        t = time_us(name)
+        if parts[-1] and spent + t > piece_us:
+            parts.append([])
+            spent = 0.0
+        parts[-1].append(name)
+        spent += t
+    return [tuple(part) for part in parts]
+
+
 def _nbytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
@@ -193,8 +235,8 @@ class ProgramRunner:
         foreground job of a :class:`~tidal.runtime.scheduler.Runtime` on this runner's
         backend: each piece on its stream, after the pieces it depends on (events across
         streams), launches paced as the scheduler paces them. Returns when all have ended,
-        one :class:`PieceTrace` per piece. A piece that raises makes this raise a
-        ``RuntimeError`` naming it, once nothing runs any more."""
+        one :class:`PieceTrace` per piece. A piece that raises makes this raise its error
+        (a note names the piece), once nothing runs any more."""
         runtime = Runtime(backend=self.backend, stream_pool=self.streams)
         handle = runtime.submit(FunctionJob("program", lambda i: program_pieces(program, work),
                                             iterations=1), priority="high")
@@ -202,9 +244,9 @@ class ProgramRunner:
         records = sorted(runtime.trace, key=lambda r: r.index)
         if handle.failure is not None:
             failed = min((r for r in records if r.error), key=lambda r: r.end_us, default=None)
-            label = failed.piece if failed is not None else "?"
-            raise RuntimeError(f"piece {label!r} failed: {type(handle.failure).__name__}: "
-                               f"{handle.failure}") from handle.failure
+            error = handle.failure
+            error.add_note(f"in piece {failed.piece if failed else '?'!r} of the program")
+            raise error
         return [PieceTrace(r.piece, r.stream, r.start_us, r.end_us) for r in records]
 
     def __call__(self, program: Program, step: TrainStep, model: torch.nn.Module,
@@ -352,6 +394,18 @@ class ProgramExecutor:
         self.last_trace = self.runner.launch(bound.program, bound.work)
         return bound.loss()
 
+    def job(self, name: str, gm: fx.GraphModule, model: torch.nn.Module,
+            batches: Callable[[int], tuple[Any, Any]], loss_fn: Callable,
+            optimizer: torch.optim.Optimizer, iterations: Optional[int] = None) -> "ProgramJob":
+        """This rank's training as a job for :class:`~tidal.runtime.scheduler.Runtime` (see
+        :class:`ProgramJob`)."""
+        def pieces(index: int) -> list[SchedulerPiece]:
+            inputs, targets = batches(index)
+            bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
+            return program_pieces(bound.program, bound.work), bound.loss
+
+        return ProgramJob(name, pieces, iterations)
+
     def close(self) -> None:
         """Stop the runner's stream workers (a later step starts new ones)."""
         if self._runner is not None:
@@ -377,3 +431,31 @@ def chrome_trace(traces: Mapping[int, Sequence[PieceTrace]]) -> dict:
             events.append({"ph": "X", "name": t.name, "pid": rank, "tid": rows[t.stream],
                            "ts": t.start_us, "dur": max(t.end_us - t.start_us, 0.0)})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+@dataclass
+class ProgramJob:
+    """A training job for :class:`~tidal.runtime.scheduler.Runtime` (``Runtime.submit``):
+    iteration ``i`` runs the program of one step on batch ``i``, then a host piece appends the
+    step's loss to ``losses``. Submitted as the foreground or as a background job beside
+    another, its pieces are dispatched on its own streams under the scheduler's priorities,
+    pacing and slowdown feedback (``ProgramExecutor.job`` or ``Compiled.job`` make one).
+    ``make(i)`` returns the iteration's scheduler pieces and the function that gives its loss
+    once they ran."""
+
+    name: str
+    make: Callable[[int], tuple[list[SchedulerPiece], Callable[[], Any]]]
+    iterations: Optional[int] = None
+    memory_bytes: int = 0
+    losses: list = field(default_factory=list)
+
+    def iteration(self, index: int) -> Optional[list[SchedulerPiece]]:
+        """The pieces of iteration ``index`` (None past the last)."""
+        if self.iterations is not None and index >= self.iterations:
+            return None
+        pieces, loss = self.make(index)
+        pieces = list(pieces)
+        pieces.append(SchedulerPiece("loss", lambda: self.losses.append(loss()),
+                                     kind="loss", uses_device=False, stream=COMM,
+                                     after=tuple(range(len(pieces)))))
+        return pieces

@@ -10,9 +10,8 @@ from tidal.ir import ops
 from tidal.ir.plan import Plan
 from tidal.ir.plans.layer_groups import LayerGroupPlan
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.weight_loader import (
-    cold_start, group_tensors, run_pipelined, write_groups,
-)
+from tidal.runtime.programs.layer_groups import LayerGroupsProgram, cold_start, run_pipelined
+from tidal.runtime.weight_loader import group_tensors, write_groups
 from tidal.runtime.weight_store import WeightStoreError, write_store
 
 # a slow device and link so that the optimal grouping has several groups
@@ -206,8 +205,7 @@ def test_bad_options_are_value_errors():
     with pytest.raises(ValueError, match="grouping"):
         LayerGroups(grouping="greedy")
     with pytest.raises(ValueError, match="link_bytes_per_us"):
-        from tidal.runtime.weight_loader import WeightLoader
-        WeightLoader(None, [], link_bytes_per_us=0)
+        LayerGroupsProgram("w.safetensors", link_bytes_per_us=0)
 
 
 def test_compiled_cold_start_streams_weights_from_the_store(tmp_path):
@@ -227,3 +225,108 @@ def test_compiled_cold_start_streams_weights_from_the_store(tmp_path):
             p.mul_(0.0)  # the weights now come only from the store
         out = compiled.cold_start(store)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- training as a program
+class _HostGate(torch.nn.Module):
+    """A layer whose forward reads a value on the host: a training step that ``make_fx``
+    cannot capture (kept whole as a leaf module), so the program backpropagates eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x) if float(x.detach().abs().sum()) >= 0 else x
+
+
+def _train_cases():
+    """(name, model, inputs, targets, compile options) of each trained model (plain torch.nn)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(64, 5))
+    gated = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), _HostGate(),
+                                torch.nn.Linear(6, 5))
+    return [("conv", conv, torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,)), {}),
+            ("gated", gated, torch.randn(4, 4), torch.randint(0, 5, (4,)),
+             {"leaf_modules": [_HostGate]})]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _train_from_store(rank, world, stores):
+    """One gloo rank: each model trains two steps through ``Compiled.step`` with its weights
+    only in the store (the first step's program loads them). Returns per model the losses, the
+    final state, each step's program and trace, and the fallback reason."""
+    out = {}
+    for name, model, x, y, options in _train_cases():
+        c = tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer",
+                                                           weight_store=stores[name])],
+                          loss_fn=torch.nn.functional.cross_entropy, optimizer=_sgd, **options)
+        _scramble(model)
+        runs = []
+        for _ in range(2):
+            loss = c.step((x,), y)
+            runs.append((loss.item(), c.executor.last_program, tuple(c.executor.last_trace)))
+        out[name] = (runs, model.state_dict(), c.executor.fallback_reason)
+    return out
+
+
+def _per_stream_order(spans, stream_of):
+    """{stream: piece names by start time} from (name, start, end) spans."""
+    order = {}
+    for name, start, _ in sorted(spans, key=lambda s: s[1]):
+        order.setdefault(stream_of[name], []).append(name)
+    return order
+
+
+def _check_dependencies(program, spans, what):
+    at = {name: (start, end) for name, start, end in spans}
+    for p in program.pieces:
+        for d in p.deps:
+            dep = program.pieces[d].name
+            assert at[p.name][0] >= at[dep][1] - 1e-6, f"{what}: {p.name} began before {dep} ended"
+
+
+def test_training_program_on_two_ranks_equals_eager_and_simulates_in_order(tmp_path):
+    from tidal.runtime.distributed import spawn
+    from tidal.sim.engine import simulate
+    from tidal.sim.programs import program_tasks
+
+    stores, expected = {}, {}
+    for name, model, x, y, options in _train_cases():
+        c = tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer")], **options)
+        stores[name] = str(tmp_path / f"{name}.safetensors")
+        write_groups(c.graph_module, stores[name])
+        opt, losses = _sgd(model.parameters()), []
+        for _ in range(2):  # the single-process eager step
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        expected[name] = (losses, model.state_dict())
+
+    for rank, result in enumerate(spawn(_train_from_store, 2, stores, timeout_s=300)):
+        for name, (runs, state, reason) in result.items():
+            losses, want = expected[name]
+            assert ("runs the groups with autograd" in reason) == (name == "gated"), reason
+            assert [r[0] for r in runs] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+            for k, v in want.items():
+                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            for step, (_, program, trace) in enumerate(runs):
+                names = [p.name for p in program.pieces]
+                loads = [n for n in names if n.startswith("load group")]
+                assert bool(loads) == (step == 0), names  # loaded once, by the first step
+                assert names[-1] == "optimizer" and sorted(t.name for t in trace) == sorted(names)
+                real = [(t.name, t.start_us, t.end_us) for t in trace]
+                took = {t.name: t.end_us - t.start_us for t in trace}
+                sim = [(i.name, i.start_us, i.end_us) for i in simulate(
+                    program_tasks({rank: program}, lambda r, piece: took[piece]))]
+                stream_of = {p.name: p.stream for p in program.pieces}
+                what = f"rank {rank} {name} step {step}"
+                assert _per_stream_order(sim, stream_of) == _per_stream_order(real, stream_of), what
+                _check_dependencies(program, real, what)
+                _check_dependencies(program, sim, what + " (simulated)")

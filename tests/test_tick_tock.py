@@ -1,5 +1,7 @@
 """tick_tock: the gradient each wave applies is Lemma 1's mean over 2N shards; both replicas
-match an independent simulation of the two waves; schedule, plan and bad input."""
+match an independent simulation of the two waves; on 2 gloo ranks the simulator runs each rank's
+program (its pieces on the tick, tock and comm streams) in the order the executor ran it;
+schedule, plan and bad input."""
 import copy
 
 import pytest
@@ -123,11 +125,50 @@ def test_one_process_waves_follow_lemma_1():
     _check(_run_tick_tock(0, 1), 1)
 
 
+def _two_ranks(rank, world):
+    """The 2-rank run as _check reads it, with the executor's last program, its trace (the
+    pieces as they ran) and why the waves ran eagerly ('' when they ran captured segments)."""
+    c, result = _train(world)
+    return result, c.executor.last_program, c.executor.last_trace, c.executor.fallback_reason
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return spawn(_two_ranks, 2)
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_waves_follow_lemma_1_and_replicas_match_reference():
-    results = spawn(_run_tick_tock, 2)
-    for r in results:
-        _check(r, 2)
+def test_two_gloo_ranks_waves_follow_lemma_1_and_replicas_match_reference(two_ranks):
+    for result, _, _, why in two_ranks:
+        assert why == ""  # the waves ran segments of the captured joint graph
+        _check(result, 2)
+
+
+@pytest.mark.slow
+def test_the_simulator_runs_the_ranks_programs_in_the_order_they_ran(two_ranks):
+    # the program of each rank (ProgramExecutor's last_program) and its measured trace: the
+    # simulator, timing each piece as measured, starts the pieces of every stream of every rank
+    # in the order they ran, and both respect what the dependencies force across streams
+    from tidal.sim.engine import simulate
+    from tidal.sim.programs import (measured_durations, program_tasks, simulated_order,
+                                    trace_order)
+
+    programs = {r: out[1] for r, out in enumerate(two_ranks)}
+    traces = {r: out[2] for r, out in enumerate(two_ranks)}
+    for r, program in programs.items():
+        assert [t.name for t in traces[r]] == [p.name for p in program.pieces]
+        assert {p.stream for p in program.pieces} == {"tick", "tock", "comm"}
+        assert all(p.nodes for p in program.pieces if p.name[-1] in "FB")  # captured segments
+    assert simulated_order(programs, traces) == trace_order(traces)
+    sim = simulate(program_tasks(programs, measured_durations(traces)))
+    forced = (("tick F", "tock F"), ("tick B", "tock A"), ("tock B", "tock A"),
+              ("tick A", "tick U"), ("tock A", "tock U"), ("tock F", "loss"))
+    for r in programs:
+        real = {t.name: (t.start_us, t.end_us) for t in traces[r]}
+        modelled = {i.name: (i.start_us, i.end_us) for i in sim if i.gpu == r}
+        for when in (real, modelled):
+            for first, then in forced:
+                assert when[first][1] <= when[then][0], (r, first, then, when)
 
 
 def _bn_statistics(rank, world):
@@ -231,7 +272,7 @@ def test_compression_wraps_tick_tock_sync_and_off_equals_all_reduce():
 
 def test_compression_after_a_plan_it_does_not_wrap_trains_data_parallel():
     # layer_groups' weight-loading executor takes no gradient sync: a compression plan that
-    # wraps nothing runs its own data-parallel executor, as it did before plans composed
+    # wraps nothing runs its own data-parallel program, as it did before plans composed
     from tidal.ir.plans.compression import CompressionPlan
     from tidal.runtime import executors
 
@@ -240,8 +281,8 @@ def test_compression_after_a_plan_it_does_not_wrap_trains_data_parallel():
 
     plan = CompressionPlan(compressor="topk:0.5", mode="on", enabled=True, bucket_bytes=1 << 20,
                            buckets=(("w",),), grad_bytes=4, payload_bytes=4)
-    assert type(executors.build(None, [LayerGroupPlan(), plan])).__name__ == \
-        "DataParallelExecutor"
+    executor = executors.build(None, [LayerGroupPlan(), plan])
+    assert type(executor.rank_program).__name__ == "DataParallelProgram"
 
 
 STALL_TIMEOUT_S = 3.0
@@ -262,7 +303,7 @@ def _stalled_peer(rank, world):
     start = time.monotonic()
     try:
         c.step(x, y)
-    except tidal.TidalError as e:
+    except tidal.TidalError as e:  # the wave sync's own error (a note names the piece)
         raise RuntimeError(f"{e} [after {time.monotonic() - start:.1f} s]") from None
     return None
 

@@ -1,0 +1,447 @@
+"""The ``tick_tock`` plan as a program: two data-parallel waves on two compute streams.
+
+One step of the global batch runs one tick iteration and one tock iteration: the global batch
+is cut into 2N shards (N ranks); rank i's tick wave trains on shard i with the model's own
+parameters, its tock wave on shard N + i with a second replica (made from the model at the
+first step, with a clone of the optimizer: :func:`clone_optimizer`). The program
+(:func:`tick_tock`) follows the first iteration of each lane of the plan's schedule:
+
+- ``F`` forward and ``B`` backward (to the wave's raw local gradient ``g_m``) on the wave's own
+  compute stream, ``tick`` or ``tock`` (two high-priority streams, so one wave's backward
+  overlaps the other's forward); the tock's forward waits for the tick's forward to end (the
+  paper's ``F_end`` signal). Each is a segment of the joint forward+backward graph
+  (``tidal.ir.capture.capture_train_step``, captured once per input shape and run by each wave
+  on its own parameters); a step that cannot be captured or whose captured graph fails to run
+  runs ``F``/``B`` eagerly with autograd, and ``fallback_reason`` says why.
+- ``A`` on the ``comm`` stream: the cross-wave average of Eq. 1, ``(g_m + g_{m-1}) / 2`` with
+  the other wave's latest raw gradient (the tock's ``A`` waits for the tick's ``B``; the tick's
+  uses the tock gradient of the previous step), then the wave's own gradient sync (a process
+  group per wave with the world's timeout, and a :class:`~tidal.runtime.grad_sync.GradSync` per
+  wave: a plain averaging all-reduce, or a compressor when the ``compression`` pass wraps it,
+  :meth:`TickTockProgram.use_grad_sync`), then the average of the wave's floating-point buffers
+  (BatchNorm's running statistics) over its ranks. The two waves' syncs share the one ``comm``
+  stream, in the schedule's order on every rank.
+- ``U`` the wave's optimizer step on its own replica, on its compute stream after its ``A``.
+- ``loss`` on ``comm``: the step's loss, the mean of the two waves' over all ranks.
+
+By Lemma 1 the gradient a wave applies is the mean over the 2N shards of iterations m−1 and m.
+Once one piece failed, the later ones are skipped (no collective waits for a peer in vain).
+
+Example:
+    >>> import torch, tidal
+    >>> from tidal.passes.tick_tock import TickTock
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    >>> c = tidal.compile(model, (torch.randn(4, 4),), passes=[TickTock()],
+    ...                   loss_fn=torch.nn.functional.cross_entropy,
+    ...                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    >>> _ = c.step((torch.randn(4, 4),), torch.tensor([0, 1, 1, 0]))
+    >>> sorted(c.executor.last_applied), c.executor.fallback_reason
+    (['K', 'T'], '')
+    >>> [(t.name, t.stream) for t in c.executor.last_trace][:4]
+    [('tick F', 'tick'), ('tick B', 'tick'), ('tock F', 'tock'), ('tock B', 'tock')]
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.fx import _pytree as fx_pytree
+
+from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
+from tidal.ir.collectives import new_group
+from tidal.ir.errors import TidalError, TraceError
+from tidal.ir.node_runner import flat_tensors
+from tidal.ir.schedule import Action, Schedule, split_batch
+from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
+from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
+from tidal.runtime.program import COMM, Piece, Program
+
+PLAN_KIND = "TickTockPlan"
+
+WAVES = ("T", "K")
+"""The schedule's lanes: ``T`` the tick wave, ``K`` the tock wave."""
+STREAMS = ("tick", "tock")
+"""Each wave's compute stream (and the word its pieces' names start with), in WAVES order."""
+LOSS = "loss"
+
+
+def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
+                    ) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``opt``'s class and hyper-parameters over the tensors ``mapping``
+    gives for its parameters (by ``id``); parameters not in ``mapping`` are left out.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(a.parameters(), lr=0.5, momentum=0.9)
+        >>> twin = clone_optimizer(opt, {id(p): q for p, q in zip(a.parameters(),
+        ...                                                      b.parameters())})
+        >>> twin.param_groups[0]["lr"], twin.param_groups[0]["params"][0] is b.weight
+        (0.5, True)
+    """
+    groups = []
+    for g in opt.param_groups:
+        params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
+        if params:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    if not groups:
+        raise ValueError("tick_tock: the optimizer holds none of the model's parameters")
+    return type(opt)(groups, **opt.defaults)
+
+
+def _stream(wave: str) -> str:
+    return STREAMS[WAVES.index(wave)]
+
+
+def first_iteration(schedule: Schedule) -> list[Action]:
+    """The actions of rank 0's first iteration of each wave (lanes ``T`` and ``K``), in the
+    schedule's order. Raises ``ValueError`` naming the schedule when a lane is missing or an
+    iteration lacks one of ``F``, ``B``, ``A``, ``U``."""
+    acts = schedule.for_rank(0)
+    first: dict[str, int] = {}
+    for a in acts:
+        if a.kind == "F" and a.lane in WAVES:
+            first[a.lane] = min(first.get(a.lane, a.batch), a.batch)
+    out = [a for a in acts if a.lane in first and a.batch == first[a.lane]]
+    for wave in WAVES:
+        kinds = sorted(a.kind for a in out if a.lane == wave)
+        if kinds != sorted("FBAU"):
+            raise ValueError(f"tick_tock: schedule {schedule.name!r} lane {wave!r} has actions "
+                             f"{kinds} in its first iteration; expected one each of F, B, A, U")
+    return out
+
+
+def tick_tock(schedule: Schedule, world: int, forward: Sequence[str] = (),
+              backward: Sequence[str] = (), grads: int = 0) -> Program:
+    """The program of one tick-tock step on ``world`` ranks from the plan's ``schedule`` (see
+    the module docstring): one piece per action of :func:`first_iteration`, ``F``/``B``/``U`` on
+    the wave's stream, ``A`` on ``comm``, each after its lane's previous action, the tock's
+    ``F`` after the tick's ``F`` and its ``A`` after the tick's ``B`` (Eq. 1), and the ``loss``
+    last. ``forward``/``backward`` name the joint-graph nodes of the ``F``/``B`` segments
+    (empty: eager pieces); ``grads`` is how many gradients an ``A`` averages.
+
+    Example:
+        >>> from tidal.passes.tick_tock import tick_tock_schedule
+        >>> p = tick_tock(tick_tock_schedule(ranks=2, fwd_us=1.0, bwd_us=2.0, steps=2), world=2)
+        >>> [(x.name, x.stream, x.deps) for x in p.pieces]  # doctest: +NORMALIZE_WHITESPACE
+        [('tick F', 'tick', ()), ('tick B', 'tick', (0,)), ('tock F', 'tock', (0,)),
+         ('tock B', 'tock', (2,)), ('tick A', 'comm', (1,)), ('tick U', 'tick', (4,)),
+         ('tock A', 'comm', (1, 3)), ('tock U', 'tock', (6,)), ('loss', 'comm', (0, 2))]
+    """
+    pieces: list[Piece] = []
+    index: dict[tuple[str, str], int] = {}
+    last: dict[str, int] = {}
+    cross = {("K", "F"): ("T", "F"), ("K", "A"): ("T", "B")}  # tock F: F_end; tock A: Eq. 1
+    for a in first_iteration(schedule):
+        deps = [last[a.lane]] if a.lane in last else []
+        if (a.lane, a.kind) in cross:
+            other = cross[(a.lane, a.kind)]
+            if other not in index:
+                raise ValueError(f"tick_tock: schedule {schedule.name!r} runs {a.label(False)} "
+                                 f"before the {_stream(other[0])} wave's {other[1]}, which it "
+                                 f"waits for")
+            deps.append(index[other])
+        name = f"{_stream(a.lane)} {a.kind}"
+        nodes = {"F": tuple(forward), "B": tuple(backward)}.get(a.kind, ())
+        pieces.append(Piece(name, COMM if a.kind == "A" else _stream(a.lane),
+                            tuple(sorted(deps)), nodes,
+                            tuple(range(grads)) if a.kind == "A" else ()))
+        index[(a.lane, a.kind)] = last[a.lane] = len(pieces) - 1
+    pieces.append(Piece(LOSS, COMM, (index[("T", "F")], index[("K", "F")])))
+    return Program(tuple(pieces), world)
+
+
+def _split(step: TrainStep) -> tuple[list[fx.Node], list[fx.Node], fx.Node, list[fx.Node]]:
+    """The joint graph's forward nodes (through the loss), the backward ones, the loss node and
+    each parameter's gradient node."""
+    out = next(n for n in step.gm.graph.nodes if n.op == "output")
+    loss, grads = out.args[0][0], list(out.args[0][1:1 + len(step.param_names)])
+    nodes = [n for n in step.gm.graph.nodes if n.op != "output"]
+    cut = nodes.index(loss) + 1
+    return nodes[:cut], nodes[cut:], loss, grads
+
+
+class _Segments:
+    """Runs the joint graph of ``step`` segment by segment on one wave's tensors: ``start``
+    binds the inputs, ``run(nodes)`` runs a segment (values freed after their last use)."""
+
+    def __init__(self, step: TrainStep):
+        self.step = step
+        self.interp = fx.Interpreter(step.gm, garbage_collect_values=True)
+
+    def start(self, params: dict, buffers: dict, inputs: Any, targets: Any) -> None:
+        spec = self.step.gm.graph._codegen.pytree_info.in_spec
+        flat = fx_pytree.tree_flatten_spec(
+            ({k: params[k] for k in self.step.param_names},
+             {k: buffers[k] for k in self.step.buffer_names}, _as_inputs(inputs), targets), spec)
+        self.interp.env = {}
+        self.interp.args_iter = iter(flat)
+
+    def run(self, nodes: Sequence[fx.Node]) -> None:
+        env, last_uses = self.interp.env, self.interp.user_to_last_uses
+        with torch.no_grad():
+            for node in nodes:
+                env[node] = self.interp.run_node(node)
+                for dead in last_uses.get(node, ()):
+                    env.pop(dead, None)
+
+    def value(self, node: fx.Node) -> Any:
+        return self.interp.env[node]
+
+    def clear(self) -> None:
+        """Drop every value still held (the backward's gradients are the wave's by then)."""
+        self.interp.env = {}
+
+
+@dataclass
+class _Captured:
+    """A step captured for one input shape: the graph (None: eager pieces), its program, the
+    forward/backward/loss/gradient nodes and each wave's segment runner."""
+
+    program: Program
+    step: Optional[TrainStep] = None
+    segments: dict[str, _Segments] = field(default_factory=dict)
+    forward: list[fx.Node] = field(default_factory=list)
+    backward: list[fx.Node] = field(default_factory=list)
+    loss: Optional[fx.Node] = None
+    grads: list[fx.Node] = field(default_factory=list)
+
+
+@dataclass
+class _Wave:
+    name: str
+    gm: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: tuple
+    targets: Any
+    group: Any = None
+    sync: Optional[GradSync] = None
+    names: tuple[str, ...] = ()
+    params: tuple[torch.nn.Parameter, ...] = ()
+    loss: Optional[torch.Tensor] = None
+    raw: Optional[list[torch.Tensor]] = None
+    applied: dict = field(default_factory=dict)
+
+    @property
+    def stream(self) -> str:
+        return _stream(self.name)
+
+
+class TickTockProgram:
+    """This rank's side of a tick-tock plan (see the module docstring), run by
+    ``tidal.runtime.program.ProgramExecutor``. ``tock`` is the tock replica (after the first
+    step); ``last_applied[wave][name]`` the gradient each wave applied in the last step;
+    ``syncs[wave]`` the wave's gradient sync (after the first step); ``fallback_reason`` why
+    the waves run ``F``/``B`` eagerly ('' when they run captured segments)."""
+
+    def __init__(self, plan: Any):
+        self.plan = plan
+        self.tock: Optional[torch.nn.Module] = None
+        self._tock_opt: Optional[torch.optim.Optimizer] = None
+        self._prev_tock: Optional[list[torch.Tensor]] = None
+        self._groups: tuple[Any, Any] = (None, None)
+        self._sync_factory: GradSyncFactory = plain_sync
+        self._captured: dict[tuple, _Captured] = {}
+        self.syncs: dict[str, GradSync] = {}
+        self.last_applied: dict[str, dict[str, torch.Tensor]] = {}
+        self.fallback_reason = ""
+
+    def use_grad_sync(self, factory: GradSyncFactory) -> None:
+        """Sync each wave's gradients with ``factory(group)`` (e.g. a compressor's) instead of
+        the plain all-reduce; set before the first step."""
+        if self.syncs:
+            raise RuntimeError("tick_tock: the gradient sync is fixed after the first step")
+        self._sync_factory = factory
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """Inference runs the tick replica (the model's own parameters)."""
+        return gm(*args, **kwargs)
+
+    def _start(self, gm: fx.GraphModule, optimizer: torch.optim.Optimizer, world: int) -> None:
+        """The first step: the tock replica, its optimizer, the waves' groups and syncs."""
+        self.tock = copy.deepcopy(gm)
+        tock_params = dict(self.tock.named_parameters())
+        mapping = {id(p): tock_params[k] for k, p in gm.named_parameters()}
+        self._tock_opt = clone_optimizer(optimizer, mapping)
+        if world > 1:  # every rank, in the same order; the world's timeout
+            self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
+        self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
+
+    def _capture(self, gm: fx.GraphModule, inputs: tuple, targets: Any, loss_fn: Callable,
+                 world: int) -> _Captured:
+        """The captured step and program for these shard shapes (once per shape)."""
+        key = (world,) + tuple((tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
+        if key in self._captured:
+            return self._captured[key]
+        grads = sum(1 for p in gm.parameters() if p.requires_grad)
+        eager = _Captured(tick_tock(self.plan.schedule, world, grads=grads))
+        if self.fallback_reason:
+            self._captured[key] = eager
+            return eager
+        try:
+            step = capture_train_step(gm, inputs, targets, loss_fn)
+        except TraceError as e:
+            self.fallback_reason = str(e)
+            self._captured[key] = eager
+            return eager
+        forward, backward, loss, grad_nodes = _split(step)
+        why = _dry_run(step, gm, forward + backward, inputs, targets)
+        if why:
+            self.fallback_reason = why
+            self._captured[key] = eager
+            return eager
+        program = tick_tock(self.plan.schedule, world, [n.name for n in forward],
+                            [n.name for n in backward], len(grad_nodes))
+        self._captured[key] = _Captured(program, step, {w: _Segments(step) for w in WAVES},
+                                        forward, backward, loss, grad_nodes)
+        return self._captured[key]
+
+    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_TickTockStep":
+        """One tick iteration and one tock iteration on the global batch (2N shards)."""
+        rank, world = rank_and_size()
+        xs = split_batch(tuple(inputs), 2 * world, "tick_tock global batch")
+        ys = split_batch(targets, 2 * world, "tick_tock targets")
+        if self.tock is None:
+            self._start(gm, optimizer, world)
+        captured = self._capture(gm, xs[rank], ys[rank], loss_fn, world)
+        waves = {"T": _Wave("T", gm, optimizer, xs[rank], ys[rank], self._groups[0],
+                            self.syncs["T"]),
+                 "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
+                            self._groups[1], self.syncs["K"])}
+        for w in waves.values():
+            named = [(k, p) for k, p in w.gm.named_parameters() if p.requires_grad]
+            w.names, w.params = tuple(k for k, _ in named), tuple(p for _, p in named)
+            w.optimizer.zero_grad(set_to_none=True)
+        return _TickTockStep(self, captured, waves, loss_fn, world)
+
+
+def _dry_run(step: TrainStep, gm: fx.GraphModule, nodes: list[fx.Node], inputs: tuple,
+             targets: Any) -> str:
+    """Run the captured step once on ``gm``'s parameters and copies of its buffers (random
+    state restored): '' when it runs, else why not, naming the node (e.g. a fused kernel the
+    capture recorded but cannot replay)."""
+    seg = _Segments(step)
+    seg.start(dict(gm.named_parameters()),
+              {k: b.clone() for k, b in gm.named_buffers()}, inputs, targets)
+    with torch.random.fork_rng(devices=[]):
+        for node in nodes:
+            try:
+                seg.run([node])
+            except Exception as e:  # noqa: BLE001 - any failure means: run eagerly, say why
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                return (f"the captured step fails at node {node.name!r} ({node.target}): "
+                        f"{type(e).__name__}: {first}")
+    return ""
+
+
+class _TickTockStep:
+    """One step of :class:`TickTockProgram` bound to its tensors (a ``StepWork``)."""
+
+    def __init__(self, owner: TickTockProgram, captured: _Captured, waves: dict[str, _Wave],
+                 loss_fn: Callable, world: int):
+        self.owner, self.captured, self.waves = owner, captured, waves
+        self.program = captured.program
+        self.loss_fn, self.world = loss_fn, world
+        self.prev_tock = owner._prev_tock
+        self.failed: list[str] = []
+        self._loss: Optional[torch.Tensor] = None
+
+    def work(self, index: int, piece: Piece) -> Callable[[], None]:
+        """What piece ``index`` does; once a piece failed, the later ones are skipped."""
+        if piece.name == LOSS:
+            action: Callable[[], None] = self._average_loss
+        else:
+            stream, kind = piece.name.split()
+            wave = self.waves[WAVES[STREAMS.index(stream)]]
+            action = functools.partial({"F": self._forward, "B": self._backward,
+                                        "A": self._sync, "U": self._update}[kind], wave)
+
+        def run() -> None:
+            if self.failed:
+                raise RuntimeError(f"tick_tock: piece {piece.name!r} skipped: piece "
+                                   f"{self.failed[0]!r} failed")
+            try:
+                action()
+            except BaseException:
+                self.failed.append(piece.name)
+                raise
+        return run
+
+    def _forward(self, w: _Wave) -> None:
+        c = self.captured
+        if c.step is None:
+            w.loss = self.loss_fn(w.gm(*w.inputs), w.targets)
+            return
+        seg = c.segments[w.name]
+        seg.start(dict(w.gm.named_parameters()), dict(w.gm.named_buffers()), w.inputs, w.targets)
+        seg.run(c.forward)
+        w.loss = seg.value(c.loss)
+
+    def _backward(self, w: _Wave) -> None:
+        c = self.captured
+        if c.step is None:
+            grads = torch.autograd.grad(w.loss, w.params, allow_unused=True)
+            w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(w.params, grads)]
+            return
+        seg = c.segments[w.name]
+        seg.run(c.backward)
+        w.raw = [seg.value(g) for g in c.grads]
+        seg.clear()  # the activations go
+
+    def _sync(self, w: _Wave) -> None:
+        other = self.waves["T"].raw if w.name == "K" else self.prev_tock
+        if other is None:
+            avg = list(w.raw)  # the very first tick iteration has no predecessor
+        else:
+            avg = [(g + h) / 2 for g, h in zip(w.raw, other)]  # Eq. 1
+        with _collective(f"the {w.stream} wave's gradient sync"):
+            synced = w.sync(dict(zip(w.names, avg)))  # the wave's all-reduce (or compressor)
+            if self.world > 1:  # running statistics (BatchNorm): the same on every wave rank
+                all_reduce_tensors([b for b in w.gm.buffers() if b.is_floating_point()],
+                                   w.group, average=True)
+        for p, k in zip(w.params, w.names):
+            p.grad = synced[k].clone()
+            w.applied[k] = p.grad.detach().clone()
+
+    def _update(self, w: _Wave) -> None:
+        w.optimizer.step()
+
+    def _average_loss(self) -> None:
+        loss = (self.waves["T"].loss.detach() + self.waves["K"].loss.detach()) / 2
+        if self.world > 1:
+            with _collective("the loss all-reduce"):
+                dist.all_reduce(loss)
+            loss = loss / self.world
+        self._loss = loss
+
+    def loss(self) -> torch.Tensor:
+        """The step's loss (both waves, all ranks); keeps this step's tock gradient for the
+        next tick average and the gradients the waves applied."""
+        self.owner._prev_tock = self.waves["K"].raw
+        self.owner.last_applied = {w.name: w.applied for w in self.waves.values()}
+        return self._loss
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    """Turn a failed or timed-out collective (its group has the world's timeout) into one
+    clear error instead of a deep gloo/NCCL traceback."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise TidalError(f"tick_tock: {what} did not complete within the process group's "
+                         f"timeout: a peer rank stalled or died ({type(e).__name__}: "
+                         f"{first})") from e
+
+
+def from_plan(gm: fx.GraphModule, plan: Any) -> TickTockProgram:
+    """The rank program of a ``tick_tock`` plan (its waves, ranks and schedule)."""
+    return TickTockProgram(plan)

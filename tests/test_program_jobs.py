@@ -1,0 +1,48 @@
+"""Training jobs submitted to the scheduler: a compiled model's program as the foreground, a
+second model as a background job; each trains exactly as its own ``Compiled.step`` loop."""
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import tidal
+from tidal.runtime.backend import CpuBackend
+from tidal.runtime.scheduler import Runtime
+
+
+def _compiled(model, passes):
+    return tidal.compile(model, (torch.randn(8, 6),), passes=passes, loss_fn=F.cross_entropy,
+                         cluster=tidal.Cluster(gpus=2),
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def _batches(seed):
+    gen = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(4)]
+    return lambda i: data[i % len(data)]
+
+
+def test_a_program_job_and_a_background_job_train_as_their_own_steps():
+    torch.manual_seed(0)
+    fg_model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    bg_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fg_ref, bg_ref = copy.deepcopy(fg_model), copy.deepcopy(bg_model)
+    fg, bg = _compiled(fg_model, ["burst_parallel"]), _compiled(bg_model, [])
+    fg_batches, bg_batches = _batches(1), _batches(2)
+    with Runtime(backend=CpuBackend(slots=1)) as rt:
+        fg_job = rt.submit(fg.job(fg_batches, iterations=3), priority="high")
+        bg_job = rt.submit(bg.job(bg_batches, name="extra"), priority="low")
+        stats = rt.run()
+    assert stats["train"].iterations == 3 and stats["train"].error is None
+    assert stats["extra"].error is None
+    assert {r.stream for r in rt.trace if r.job == "train"} >= {"compute"}
+    fg_c, bg_c = _compiled(fg_ref, ["burst_parallel"]), _compiled(bg_ref, [])
+    expected = [float(fg_c.step(*fg_batches(i))) for i in range(3)]
+    torch.testing.assert_close(torch.stack(fg_job.job.losses), torch.tensor(expected),
+                               rtol=1e-5, atol=1e-6)
+    done = len(bg_job.job.losses)
+    expected_bg = [float(bg_c.step(*bg_batches(i))) for i in range(done)]
+    assert done > 0
+    torch.testing.assert_close(torch.stack(bg_job.job.losses), torch.tensor(expected_bg),
+                               rtol=1e-5, atol=1e-6)
