@@ -71,10 +71,13 @@ def measure(name: str, model: torch.nn.Module, inputs: tuple, repeats: int) -> l
 
 def measure_step(name: str, model: torch.nn.Module, inputs: tuple, targets, loss_fn,
                  repeats: int) -> list:
-    """Median µs per training step (forward, loss, backward, SGD) for eager autograd and for
+    """Median µs per training step (forward, loss, backward, SGD) for eager autograd, for
     the captured joint graph (``tidal.capture_train_step``: one straight-line replay that
-    returns the loss and every gradient, then the same SGD step)."""
+    returns the loss and every gradient, then the same SGD step) and for the same step as a
+    program (``tidal.runtime.program``: the joint graph lowered into captured segments, run
+    as pieces through the scheduler's streams, the optimizer a piece of its own)."""
     from tidal.ir.capture import capture_train_step
+    from tidal.runtime.program import ProgramRunner, data_parallel
 
     model.train()
     step = capture_train_step(model, inputs, targets, loss_fn)
@@ -92,20 +95,29 @@ def measure_step(name: str, model: torch.nn.Module, inputs: tuple, targets, loss
             params[k].grad = g
         opt.step()
 
+    runner = ProgramRunner()
+    program = data_parallel(step, world=1)
+
+    def as_program() -> None:
+        runner(program, step, model, inputs, targets, opt)
+
     _, grads = step.run(model, inputs, targets)
+    as_program()
     eager()
     for k, g in grads.items():
         torch.testing.assert_close(g, params[k].grad, rtol=1e-5, atol=1e-6)
-    times: dict[str, list[float]] = {"eager": [], "captured": []}
+    times: dict[str, list[float]] = {"eager": [], "captured": [], "program": []}
     for _ in range(repeats):
-        for k, fn in (("eager", eager), ("captured", captured)):
+        for k, fn in (("eager", eager), ("captured", captured), ("program", as_program)):
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     nodes = sum(1 for n in step.gm.graph.nodes if n.op.startswith("call"))
+    runner.close()
     return [name, nodes, round(med["eager"], 1), round(med["captured"], 1),
-            round(med["captured"] / med["eager"], 3)]
+            round(med["captured"] / med["eager"], 3), round(med["program"], 1),
+            round(med["program"] / med["eager"], 3)]
 
 
 def main(argv=None) -> int:
@@ -125,8 +137,8 @@ def main(argv=None) -> int:
     steps = [measure_step("deep_narrow_mlp b1", mlp, (x,), y, torch.nn.functional.mse_loss,
                           args.repeats // 2)]
     print("\ntraining step (forward + backward + SGD), batch 1:")
-    print(format_table(["model", "aten ops", "eager us", "captured us", "captured/eager"],
-                       steps))
+    print(format_table(["model", "aten ops", "eager us", "captured us", "captured/eager",
+                        "program us", "program/eager"], steps))
     return 0
 
 

@@ -265,8 +265,9 @@ class ProgramRunner:
         world = dist.get_world_size(self.group) if _distributed() else 1
 
         def segment(steps: Sequence[int]) -> None:
-            for k in steps:
-                run.pieces[k].fn()
+            with torch.no_grad():  # the joint graph computes gradients itself
+                for k in steps:
+                    run.pieces[k].fn()
 
         def all_reduce(indices: Sequence[int]) -> None:
             grads = [run.value(grad_nodes[i]) for i in indices]

@@ -341,7 +341,11 @@ class Runtime:
                     break
                 if dispatched:
                     continue
-            be.wait_any(launches, timeout_us=self.poll_us)
+            # only background work waits for time to pass (compute shares, feedback): a lone
+            # job wakes when a piece ends, not every poll (the wake-ups take the GIL from
+            # the stream workers that run the pieces)
+            alone = all(h.foreground or h.finished for h in self.handles)
+            be.wait_any(launches, timeout_us=None if alone else self.poll_us)
         return {h.name: h.stats for h in self.handles}
 
     def _should_stop(self, until: str) -> bool:
