@@ -1,7 +1,9 @@
-"""burst_parallel: the rewritten graph and its executor. In one process it is plain training;
+"""burst_parallel: the rewritten graph and its program. In one process it is plain training;
 on 2 and 4 gloo ranks, for a chain and an Inception-style model and several plans (searched and
 hand-written), the loss and every parameter gradient equal the single-process global-batch run
-(float64, rtol=1e-5, atol=1e-6) and the parameters stay identical on every rank."""
+(float64, rtol=1e-5, atol=1e-6) and the parameters stay identical on every rank. The step runs
+as a program (``tidal.runtime.programs.burst``) whose pieces the simulator runs in the same
+order."""
 import copy
 
 import pytest
@@ -92,7 +94,25 @@ class Normed(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-MODELS = {"chain": Chain, "branchy": Branchy, "flat": Flat, "normed": Normed}
+class Inplace(nn.Module):
+    """In-place ReLUs and a residual add on values that cross the program's backward cuts."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.act(self.c1(x))
+        x = x + self.act(self.c2(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+MODELS = {"chain": Chain, "branchy": Branchy, "flat": Flat, "normed": Normed,
+          "inplace": Inplace}
 
 
 def _data():
@@ -164,7 +184,9 @@ def _equivalence(rank, size, cases):
         torch.testing.assert_close(flat, torch.cat([p.detach().reshape(-1)
                                                     for p in ref.parameters()]),
                                    rtol=1e-5, atol=1e-6)
-        out.append((flat.tolist(), [l.gpus for l in plan.layers], plan.parallel_branches))
+        ex = compiled.executor
+        out.append((flat.tolist(), [l.gpus for l in plan.layers], plan.parallel_branches,
+                    (type(ex).__name__, ex.fallback_reason, ex.last_program, ex.last_trace)))
     return out
 
 
@@ -174,6 +196,11 @@ CASES = [("chain", "auto"), ("chain", ("cycle", [4, 1, 2])), ("chain", ("cycle",
 
 def _check_ranks(size, cases):
     results = spawn(_equivalence, size, cases, timeout_s=600)
+    _check_results(cases, results)
+    return results
+
+
+def _check_results(cases, results):
     for k, (model_name, spec) in enumerate(cases):
         params = [r[k][0] for r in results]
         for other in params[1:]:  # identical on every rank after 3 optimizer steps
@@ -190,12 +217,56 @@ def test_two_ranks_match_single_process():
     _check_ranks(2, [CASES[1], CASES[4], CASES[5]])
 
 
-def test_ranks_outside_a_layers_set_skip_it():
+SKIP_CASES = [("flat", ("layers", {"view": 1, "fc1": 1})),
+              ("flat", ("layers", {"pool": 1, "relu_1": 1})),
+              ("inplace", ("layers", {"c1": 1}))]  # an in-place ReLU on a value cut for backward
+
+
+@pytest.fixture(scope="module")
+def skip_results():
+    """One 2-rank job for the skip cases, read by the two tests below."""
+    return spawn(_equivalence, 2, SKIP_CASES, timeout_s=600)
+
+
+def test_ranks_outside_a_layers_set_skip_it(skip_results):
     # rank 1 holds none of view/fc1's rows (it skips them: view(0, -1) would fail), and
     # view's size(0) must count the rows view gets, not those of pool's GPU set
-    cases = [("flat", ("layers", {"view": 1, "fc1": 1})),
-             ("flat", ("layers", {"pool": 1, "relu_1": 1}))]
-    _check_ranks(2, cases)
+    _check_results(SKIP_CASES, skip_results)
+
+
+def test_the_program_runs_on_two_ranks_and_in_the_simulator(skip_results):
+    # the steps above ran as programs (ProgramExecutor through Compiled.step, equal to the
+    # one-process step); the simulator runs the same Program objects with the measured
+    # durations: per rank and stream the same piece order as the real trace, and every piece
+    # after the pieces it depends on, in both
+    from tidal.sim.engine import simulate
+    from tidal.sim.programs import program_tasks
+
+    lanes = {"compute": "compute", "comm": "link"}
+    for k, case in enumerate(SKIP_CASES):
+        runs = {rank: r[k][3] for rank, r in enumerate(skip_results)}
+        programs, measured = {}, {}
+        for rank, (kind, reason, program, trace) in runs.items():
+            assert kind == "ProgramExecutor" and "scatter" in reason, (case, kind, reason)
+            assert [t.name for t in trace] == [p.name for p in program.pieces], case
+            assert any(p.stream == "comm" for p in program.pieces), case
+            programs[rank] = program
+            measured[rank] = {t.name: t.end_us - t.start_us for t in trace}
+        sim = simulate(program_tasks(programs, lambda rank, name: measured[rank][name]))
+        for rank, (_, _, program, trace) in runs.items():
+            mine = [i for i in sim if i.gpu == rank]
+            for stream, lane in lanes.items():
+                real = [t.name for t in sorted(trace, key=lambda t: t.start_us)
+                        if t.stream == stream]
+                modelled = [i.name for i in sorted(mine, key=lambda i: i.start_us)
+                            if i.lane == lane]
+                assert real == modelled, (case, rank, stream, real, modelled)
+            when = {i.name: (i.start_us, i.end_us) for i in mine}
+            for piece, t in zip(program.pieces, trace):
+                for d in piece.deps:
+                    dep = program.pieces[d].name
+                    assert trace[d].end_us <= t.start_us, (case, rank, piece.name, dep)
+                    assert when[dep][1] <= when[piece.name][0] + 1e-6, (case, rank, piece.name)
 
 
 def _buffers_after_one_step(rank, size):
@@ -256,6 +327,33 @@ def test_one_process_is_plain_training_and_graph_is_rewritten():
         torch.testing.assert_close(loss, ref_loss.detach(), **exact)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **exact)
+
+
+def test_backward_stages_give_the_gradients_of_one_backward():
+    # the 2-rank layout of rank 0, its forward and backward pieces run in one process (the
+    # collectives are the identity): the backward, cut after the collectives where a GPU set's
+    # gradients become final, gives exactly the gradients of one eager backward
+    from tidal.runtime.programs.burst import BurstStep
+
+    for model_cls, spec in ((Inplace, ("layers", {"c1": 1})), (Branchy, ("cycle", [2, 1]))):
+        torch.manual_seed(0)
+        model = model_cls().double()
+        ref = copy.deepcopy(model)
+        x, y = _data()
+        compiled = _compile(model, x, 2, spec)
+        burst = compiled.executor.rank_program
+        layout = burst.layout(compiled.graph_module, rank=0, size=2)
+        assert layout.stages.cuts, (model_cls.__name__, layout.program.table())
+        step = BurstStep(burst, layout, compiled.graph_module, compiled.graph_module, (x,), y,
+                         F.cross_entropy, compiled.optimizer)
+        for i, piece in enumerate(layout.program.pieces):
+            if piece.name.startswith(("forward", "backward")):
+                step.work(i, piece)()
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(step.loss(), ref_loss.detach(), rtol=0, atol=0)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_report_artifacts_replay_and_fallback():

@@ -19,10 +19,11 @@ from tidal.ir.plan import CompiledPlan, Plan, plan_classes, plan_kind
 from tidal.ir.plans.burst import BurstPlan
 from tidal.passes.burst_planner import split_batch
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.burst_exec import BurstExecutor
+from tidal.runtime.program import ProgramExecutor
+from tidal.runtime.programs.burst import BurstProgram
 from tidal.runtime.distributed import spawn
-from tidal.runtime.weight_loader import (cold_start, expected_specs, group_tensors,
-                                         run_pipelined, write_groups)
+from tidal.runtime.programs.layer_groups import cold_start, run_pipelined
+from tidal.runtime.weight_loader import expected_specs, group_tensors, write_groups
 from tidal.runtime.weight_store import WeightStore, WeightStoreError, write_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,9 +260,9 @@ def test_replayed_plan_needing_more_gpus_than_the_cluster_is_refused():
 def _executor_beyond_world(rank, size):
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     gm = fx.symbolic_trace(model)
-    ex = BurstExecutor(world=size, batch=4, param_ranks=(("0.weight", (0, 1)),
-                                                         ("0.bias", (0, 1))),
-                       layer_ranks=(("_0", tuple(range(2 * size))),))
+    ex = ProgramExecutor(BurstProgram(world=size, batch=4,
+                                      param_ranks=(("0.weight", (0, 1)), ("0.bias", (0, 1))),
+                                      layer_ranks=(("_0", tuple(range(2 * size))),)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         ex.step(gm, model, (torch.randn(4, 3),), torch.tensor([0, 1, 0, 1]), F.cross_entropy,
