@@ -6,67 +6,24 @@ marked side-effectful so fx's dead-code elimination keeps it even though nothing
 Without a process group every op is the identity on the values it touches, so a transformed
 graph always runs in one process with the original semantics. Passes add their own ops here.
 
-``tidal::group_boundary(k)`` waits for layer group ``k``'s weights when a weight loader is
-active in the calling context (:func:`loading`); otherwise it does nothing. The active loader
-lives in a :class:`contextvars.ContextVar`, so it is per thread/task and never global.
+``tidal::group_boundary(k)`` marks where layer group ``k`` starts; it computes nothing. The
+runtime's layer-group program (``tidal.runtime.programs.layer_groups``) cuts the graph at these
+markers and runs group ``k`` after the piece that loads its weights.
 
 Example:
     >>> import torch
     >>> from tidal.ir import ops
-    >>> torch.ops.tidal.group_boundary(3)   # a marker: does nothing in one process
-    >>> class Loader:
-    ...     def __init__(self): self.waited = []
-    ...     def wait(self, group): self.waited.append(group)
-    >>> loader = Loader()
-    >>> with ops.loading(loader):
-    ...     torch.ops.tidal.group_boundary(0)
-    >>> loader.waited
-    [0]
+    >>> torch.ops.tidal.group_boundary(3)   # a marker: does nothing
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from typing import Iterator, Optional, Protocol
 
 import torch
 from torch.fx.node import has_side_effect
 
 
-class GroupWaiter(Protocol):
-    """What ``group_boundary`` waits on: ``wait(group)`` returns once the group's weights are
-    resident (and raises if loading them failed)."""
-
-    def wait(self, group: int) -> None: ...
-
-
-_ACTIVE_LOADER: contextvars.ContextVar[Optional[GroupWaiter]] = contextvars.ContextVar(
-    "tidal_active_loader", default=None)
-
-
-@contextlib.contextmanager
-def loading(loader: GroupWaiter) -> Iterator[GroupWaiter]:
-    """Make ``loader`` the one ``group_boundary`` waits on inside the ``with`` block (in this
-    thread/context only)."""
-    token = _ACTIVE_LOADER.set(loader)
-    try:
-        yield loader
-    finally:
-        _ACTIVE_LOADER.reset(token)
-
-
-def active_loader() -> Optional[GroupWaiter]:
-    """The loader ``group_boundary`` waits on in this context, or None."""
-    return _ACTIVE_LOADER.get()
-
-
 @torch.library.custom_op("tidal::group_boundary", mutates_args=())
 def group_boundary(group: int) -> None:
-    """Marks the start of layer group ``group`` (PipeSwitch weight transmission): waits until
-    the group's weights are resident when a loader is active (:func:`loading`), else a no-op."""
-    loader = _ACTIVE_LOADER.get()
-    if loader is not None:
-        loader.wait(group)
+    """Marks the start of layer group ``group`` (PipeSwitch weight transmission)."""
 
 
 @group_boundary.register_fake

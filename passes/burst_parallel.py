@@ -8,9 +8,9 @@ the forward graph: where a value crosses from one layer's GPU set to another's i
 ``tidal::scatter`` (the set grows) or ``tidal::gather`` (it shrinks); model inputs are scattered
 from every rank's copy of the global batch and the output is gathered to every rank. Each layer
 node is marked with its placement (``meta.get_pass_meta(node, "burst_parallel")``, a
-``tidal.ir.meta.BurstPlacement``); the runtime builds the executor from the plan and these
-marks (``tidal.runtime.burst_exec.from_plan``), which all-reduces each layer's gradients on the
-layer's ranks. In one process the ops are the identity: the rewritten graph
+``tidal.ir.meta.BurstPlacement``); the runtime builds each rank's program from the plan and
+these marks (``tidal.runtime.programs.burst.from_plan``), which all-reduces each GPU set's
+gradients on its ranks as soon as backward has finished them. In one process the ops are the identity: the rewritten graph
 computes exactly what the model does.
 
 Options (``tidal.compile(..., amp_limit=2.0, power_of_two=True, plan=None)``): ``amp_limit``,

@@ -9,7 +9,8 @@ With ``T(i, j) = overhead + bytes / bandwidth`` the planner (:mod:`.group_planne
 grouping whose pipelined transfer + execution finishes first, and the pass inserts a
 ``tidal::group_boundary(k)`` marker before the first node of each group. Without a weight
 loader the markers do nothing, so the graph computes exactly what the model computes; under
-:func:`tidal.runtime.weight_loader.run_pipelined` each marker waits for its group's weights.
+:func:`tidal.runtime.programs.layer_groups.run_pipelined` each group's compute waits for
+its load.
 
 Options: ``group_bandwidth_gbps`` (link, default the cluster's ``bandwidth_gbps``),
 ``group_overhead_us`` (per transfer, default the cluster's ``latency_us``), ``grouping``

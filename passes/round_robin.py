@@ -12,7 +12,7 @@ on top of the tick wave. Every rank switches partition every cycle; the switches
 weight bytes they load are counted and reported as the context-switch cost.
 
 The graph is rewritten with ``torch.fx.passes.split_module`` into ``submod_0 .. submod_{N-1}``
-(same parameters, same outputs); the executor (``tidal.runtime.round_robin_exec``) runs the
+(same parameters, same outputs); the runtime's program (``tidal.runtime.programs.round_robin``) runs the
 schedule on N gloo ranks, or all N ranks in one process without a process group.
 
 Example:

@@ -9,7 +9,8 @@ the other wave's latest one, ``g_m = (g_m + g_{m-1}) / 2`` (Eq. 1), all-reduces 
 wave and updates its own replica; by Lemma 1 this is synchronous SGD over 2N shards.
 
 The schedule is explicit data (``T:F0 T:B0 T:A0 T:U0`` in the tick lane, ``K:F1 K:B1 ...``
-in the tock lane), executed by ``tidal.runtime.wave_exec.TickTockExecutor`` on two threads; the
+in the tock lane), executed by the program ``tidal.runtime.programs.tick_tock`` (tick and tock compute streams,
+the waves' syncs on the comm stream); the
 dump draws the memory timeline (tick, tock and their sum) and a Gantt chart.
 
 Example:

@@ -1,7 +1,7 @@
 """The burst-parallel plan (DeepPool §4): where each layer runs, on how many GPUs and which
 ranks, the samples each rank processes and the predicted costs, beside the data-parallel
 baseline. The planner that makes it is ``tidal.passes.burst_planner``; the runtime
-(``tidal.runtime.burst_exec``) reads it.
+(``tidal.runtime.programs.burst``) reads it.
 
 Example:
     >>> from tidal.ir.plan import Plan

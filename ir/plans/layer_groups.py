@@ -5,7 +5,7 @@ Groups are sent one after another over one link; a group of layers ``i..j`` take
 ``T(i, j) = overhead_us + bytes(i..j) / bytes_per_us`` to send and ``E(i, j) = sum(exec_us[i..j])``
 to run; group ``k`` runs once its transfer is done and group ``k-1`` has run. The planner that
 chooses the groups is ``tidal.passes.group_planner``; the runtime
-(``tidal.runtime.weight_loader``) streams the weights in group by group.
+(``tidal.runtime.programs.layer_groups``) streams the weights in group by group.
 
 Example:
     >>> from tidal.ir.plans.layer_groups import timeline

@@ -1,6 +1,6 @@
 """The plan of the ``round_robin`` pass (Wavelet §3.3): the partitions, their predicted times
 and weight bytes, the cut bytes and the round-robin schedule. The pass is
-``tidal.passes.round_robin``; the runtime (``tidal.runtime.round_robin_exec``) runs the plan."""
+``tidal.passes.round_robin``; the runtime's program builder (``tidal.runtime.programs.round_robin``) runs the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """The plan of the ``tick_tock`` pass (Wavelet §3.2): ranks, the per-wave batch, the tock offset,
 the activation-memory peaks and the tick/tock schedule. The pass is ``tidal.passes.tick_tock``;
-the runtime (``tidal.runtime.wave_exec``) runs the plan."""
+the runtime's program builder (``tidal.runtime.programs.tick_tock``) runs the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
