@@ -6,8 +6,9 @@ its parameter bytes; ``layer_times(gm, cluster, batch)`` reads them from an anno
 ``data_parallel`` builds one training iteration of data parallelism with ring all-reduces of
 DDP-style gradient buckets that overlap the rest of backward. A burst-parallel plan becomes tasks
 either under the planner's own cost model (``burst_parallel``: per layer, transfer, forward +
-backward, gradient sync) or as the runtime executes it (``burst_execution``: all forwards, all
-backwards, then the gradient sync per set of ranks). ``schedule_result`` turns a Wavelet schedule
+backward, gradient sync) or from per-layer costs (``burst_execution``: all forwards, all backwards,
+then the gradient sync per set of ranks; the runtime's own program now issues each set's sync
+as soon as backward has finished it, and ``program_tasks`` of that program models it exactly). ``schedule_result`` turns a Wavelet schedule
 into timelines. ``program_tasks`` simulates the runtime's own ``Program`` objects (the pieces the
 executor runs; one Program for every rank or one per rank), with durations from a model or a
 measured trace; ``simulated_order`` compares such a run with the executor's trace
@@ -226,8 +227,10 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
                     out_bytes: float = 0.0, update_us: float = 0.0,
                     job: str = "fg", sync: str = "end",
                     bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
-    """One training step of a burst-parallel plan as the runtime's burst-parallel program
-    (``tidal.runtime.programs.burst``) runs it: the forward of every layer on its ranks
+    """One training step of a burst-parallel plan from per-layer costs, as a runtime that
+    syncs after the whole backward runs it (``tidal.runtime.programs.burst`` with
+    ``overlap=False``; its default program syncs each GPU set as soon as backward has finished
+    it, which ``program_tasks`` of the program models exactly): the forward of every layer on its ranks
     (per-GPU batch ``ceil(B / gpus)``, times from ``times_at``) after the transfer of its input
     where the GPU set changes (half of the plan's ``comm_us``), the model output
     (``out_bytes``) gathered to every rank, the backward in reverse order with the mirror
