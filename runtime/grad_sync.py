@@ -1,6 +1,6 @@
 """Gradient synchronization shared by the executors: plain averaging all-reduce or a compressor.
 
-An executor that trains data-parallel (:mod:`tidal.runtime.data_parallel`'s, ``tick_tock``'s
+A program that trains data-parallel (``tidal.runtime.programs.data_parallel``'s, ``tick_tock``'s
 waves) hands its gradients to a :class:`GradSync` for a process group. The gradients are
 bucketed like DDP (in backward order, i.e. the reverse of the order given, 25 MiB buckets) and
 each bucket goes through :func:`tidal.runtime.compressors.synchronize`: encode, one collective
@@ -10,9 +10,9 @@ all-reduce, so an executor has one code path whether compression is on or off.
 
 The ``compression`` pass composes with a parallelism pass at the plan level: its
 ``CompressionPlan`` names the compressor and the buckets, and
-:func:`tidal.runtime.data_parallel.compression_executor` hands a :class:`GradSyncFactory` built
-from that plan to the parallelism executor's ``use_grad_sync``, which builds one
-:class:`GradSync` per process group it syncs on.
+:func:`tidal.runtime.programs.compression.compression_executor` hands a
+:class:`GradSyncFactory` built from that plan to the parallelism executor's ``use_grad_sync``,
+which builds one :class:`GradSync` per process group it syncs on.
 
 Example:
     >>> import torch
@@ -71,7 +71,17 @@ class GradSync:
         rank of the group calls it with the same names."""
         out: dict[str, torch.Tensor] = {}
         for bucket in self.buckets(grads):
-            out.update(synchronize(self.compressor, {n: grads[n] for n in bucket}, self.comm))
+            out.update(self.bucket({n: grads[n] for n in bucket}))
+        return {n: out[n] for n in grads}
+
+    def bucket(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One bucket synchronized: encode, the collective(s), decode
+        (:func:`~tidal.runtime.compressors.synchronize`); same names, shapes and dtypes. A
+        program runs each bucket as a comm piece (``tidal.runtime.programs.data_parallel``).
+        Every compressor works per tensor (its state and seeds are keyed by name), so how the
+        names are grouped into buckets changes how messages are packed, never the result.
+        Collective: every rank of the group calls it with the same names in the same order."""
+        out = synchronize(self.compressor, grads, self.comm)
         return {n: out[n].to(g.dtype) for n, g in grads.items()}
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from tidal.ir.plans.compression import CompressionPlan
 from tidal.passes.compression import CompressionPass
 from tidal.runtime import ddp_hooks
 from tidal.runtime.compressors import NoCompression, PowerSGD, make_compressor
-from tidal.runtime.data_parallel import DataParallelExecutor, compression_executor
+from tidal.runtime.programs.compression import compression_executor
+from tidal.runtime.programs.data_parallel import DataParallelProgram
 from tidal.runtime.distributed import spawn
 
 BATCH = 8
@@ -76,19 +77,23 @@ def _check_off_equals_eager(rank, size):
     the global batch."""
     for spec, kw in (("powersgd:4", {"mode": "off"}), ("powersgd:10", {}), ("topk:1.0", {}),
                      ("randomk:1.0", {})):
-        ref = _model()
-        opt = _sgd(ref.parameters())
-        compiled = _compiled(_model(), spec, **kw)
-        for step in range(2):
-            x, y = _data(step)
-            loss = compiled.step((x,), y)
-            opt.zero_grad()
-            ref_loss = _loss(ref(x), y)
-            ref_loss.backward()
-            opt.step()
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-            _assert_params(compiled.model, ref, f"{spec} {kw} step {step}")
+        _steps_equal_eager(_compiled(_model(), spec, **kw), f"{spec} {kw}")
     return True
+
+
+def _steps_equal_eager(compiled, what):
+    """Two steps of ``compiled`` equal eager SGD steps on the global batch."""
+    ref = _model()
+    opt = _sgd(ref.parameters())
+    for step in range(2):
+        x, y = _data(step)
+        loss = compiled.step((x,), y)
+        opt.zero_grad()
+        ref_loss = _loss(ref(x), y)
+        ref_loss.backward()
+        opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        _assert_params(compiled.model, ref, f"{what} step {step}")
 
 
 def _check_hooks_equal_compile(rank, size):
@@ -151,14 +156,49 @@ def _check_uneven_batch_is_an_error(rank, size):
     return True
 
 
+def _check_program_runs_as_simulated(rank, size):
+    """Compressed data parallelism as a program (Top-K 100 %, two buckets): two steps of
+    ``Compiled.step`` equal eager steps on the global batch; the first bucket's sync piece is
+    ready before backward ends; the simulator, running this rank's own ``last_program`` with
+    the durations of every rank's ``last_trace``, orders the pieces of each stream of each rank
+    as the executor did, and both start every piece after the pieces it depends on."""
+    import torch.distributed as dist
+
+    from tidal.runtime.program import COMM
+    from tidal.sim.engine import simulate
+    from tidal.sim.programs import (measured_durations, program_tasks, simulated_order,
+                                    trace_order)
+
+    compiled = _compiled(_model(), "topk:1.0", bucket_mb=600 * 4 / 2**20)
+    _steps_equal_eager(compiled, "program")
+    program, trace = compiled.executor.last_program, compiled.executor.last_trace
+    assert compiled.executor.fallback_reason == "" and len(trace) == len(program.pieces)
+    comm = [i for i, p in enumerate(program.pieces) if p.stream == COMM]
+    assert sorted(program.pieces[i].name for i in comm) == ["broadcast", "sync 0", "sync 1"]
+    assert comm[1] < max(i for i, p in enumerate(program.pieces) if p.nodes)  # overlap
+    traces = [None] * size
+    dist.all_gather_object(traces, trace)
+    traces = dict(enumerate(traces))
+    assert simulated_order(program, traces) == trace_order(traces)
+    sim = [i for i in simulate(program_tasks(program, measured_durations(traces)))
+           if i.gpu == rank]
+    modelled = {i.name: i for i in sim}
+    for piece, t in zip(program.pieces, trace):
+        for d in piece.deps:
+            assert t.start_us >= trace[d].end_us, (piece.name, trace)
+            assert modelled[piece.name].start_us >= modelled[program.pieces[d].name].end_us
+    return True
+
+
 def _all(rank, size):
     return [f(rank, size) for f in (_check_off_equals_eager, _check_hooks_equal_compile,
-                                    _check_checkpoint, _check_uneven_batch_is_an_error)]
+                                    _check_checkpoint, _check_uneven_batch_is_an_error,
+                                    _check_program_runs_as_simulated)]
 
 
 @pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_compression_pass_on_gloo_ranks(size):
-    assert spawn(_all, size) == [[True] * 4] * size
+    assert spawn(_all, size) == [[True] * 5] * size
 
 
 def test_one_process_step_equals_eager_with_compression_off():
@@ -221,7 +261,7 @@ def test_after_tick_tock_the_pass_wraps_its_sync_and_refuses_accordion():
     x, y = _data(0)
     kw = dict(loss_fn=_loss, optimizer=_sgd, example_targets=y)
     c = tidal.compile(_model(), x, passes=[TickTock(ranks=1), CompressionPass("topk:0.5")], **kw)
-    assert type(c.executor).__name__ == "TickTockExecutor"          # not the DP executor
+    assert type(c.executor.rank_program).__name__ == "TickTockProgram"   # not the DP program
     assert any("wraps the gradient sync of tick_tock" in n
                for r in c.records for n in r.notes)
     c.step((x,), y)
@@ -302,7 +342,7 @@ def test_accordion_schedule_is_recorded_as_data():
 def test_compression_executor_alone_is_data_parallel_from_the_plan():
     plan = _plan(compressor="qsgd:4", accordion=(8, 2), accordion_interval=2)
     ex = compression_executor(plan, None)
-    assert isinstance(ex, DataParallelExecutor) and ex.compressor.spec() == "qsgd:4"
+    assert isinstance(ex.rank_program, DataParallelProgram) and ex.compressor.spec() == "qsgd:4"
     assert ex.buckets == plan.buckets and ex.accordion_interval == 2
     assert (ex.accordion.low, ex.accordion.high, ex.accordion.eta) == (8, 2, 0.5)
     model = _model()

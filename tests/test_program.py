@@ -98,8 +98,8 @@ def test_the_simulator_runs_the_same_program_in_the_same_order():
     # the executor's trace and the simulator's timeline of the same Program object, with the
     # measured durations: the same piece order on each stream, and the simulated all-reduce of
     # the first bucket overlaps backward too
-    from tidal.runtime.sim.engine import simulate
-    from tidal.runtime.sim.programs import program_tasks
+    from tidal.sim.engine import simulate
+    from tidal.sim.programs import program_tasks
 
     model, (x, y) = _model(), _data()
     step = capture_train_step(model, (x[:BATCH // 2],), y[:BATCH // 2], F.cross_entropy)
@@ -108,7 +108,7 @@ def test_the_simulator_runs_the_same_program_in_the_same_order():
         run(p, step, model, (x[:BATCH // 2],), y[:BATCH // 2])
         _, _, trace = run(p, step, model, (x[:BATCH // 2],), y[:BATCH // 2])
     measured = {t.name: t.end_us - t.start_us for t in trace}
-    sim = simulate(program_tasks(p, measured.__getitem__))
+    sim = simulate(program_tasks(p, lambda rank, name: measured[name]))
     for stream, lane in ((COMPUTE, "compute"), (COMM, "link")):
         real = [t.name for t in sorted(trace, key=lambda t: t.start_us) if t.stream == stream]
         modelled = [i.name for i in sorted(sim, key=lambda i: i.start_us)
@@ -141,45 +141,48 @@ def _compiled_dp(rank, size):
         torch.optim.SGD(ref.parameters(), lr=0.1).step()
         err = max(float((a - b).abs().max()) for a, b in zip(model.parameters(),
                                                              ref.parameters()))
-        out[name] = (type(c.executor).__name__, loss, float(want.detach()), err,
-                     [t.stream for t in c.executor.last_trace], c.executor.fallback_reason)
-        if name == "mlp":
-            path = c.trace(Path(tempfile.mkdtemp()) / f"rank{rank}.json")
-            events = json.loads(path.read_text())["traceEvents"]
-            out["trace"] = sorted({(e["pid"], e["args"]["name"]) for e in events
-                                   if e["ph"] == "M"})
-        else:
-            with pytest.raises(ValueError, match="no pieces recorded"):
-                c.trace("unused.json")
+        out[name] = (type(c.executor.rank_program).__name__, loss, float(want.detach()), err,
+                     [t.stream for t in c.executor.last_trace], c.executor.fallback_reason,
+                     [p.name for p in c.executor.last_program.pieces])
+        path = c.trace(Path(tempfile.mkdtemp()) / f"rank{rank}.json")
+        events = json.loads(path.read_text())["traceEvents"]
+        out[name, "trace"] = sorted({(e["pid"], e["args"]["name"]) for e in events
+                                     if e["ph"] == "M"})
     return out
 
 
 def test_compile_runs_plain_data_parallelism_as_a_program():
     # compression off is plain data parallelism: Compiled.step runs the program (with its
     # trace); a step whose captured graph cannot run (the LSTM's fused kernel) falls back to
-    # the eager data-parallel executor and says why; both equal the one-process step
+    # the eager data-parallel program (forward and backward pieces, then the syncs) and says
+    # why, naming the node; both equal the one-process step
     spawn_results = spawn(_compiled_dp, 2, timeout_s=180)
     for result in spawn_results:
-        kind, loss, want, err, streams, why = result["mlp"]
+        kind, loss, want, err, streams, why, pieces = result["mlp"]
         assert kind == "DataParallelProgram" and why == "" and COMM in streams
+        assert pieces[:2] == ["broadcast", "segment 0"] and pieces[-1] == "optimizer"
         assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
-        kind, loss, want, err, streams, why = result["lstm"]
-        assert "failed to run" in why and streams == []
+        kind, loss, want, err, streams, why, pieces = result["lstm"]
+        assert "failed to run: node " in why and COMM in streams
+        assert pieces[:3] == ["broadcast", "forward", "backward"] and pieces[-1] == "optimizer"
         assert loss == pytest.approx(want, rel=1e-5) and err < 1e-5
-    assert [r["trace"] for r in spawn_results] == [[(0, COMM), (0, COMPUTE)],
-                                                   [(1, COMM), (1, COMPUTE)]]
+    for name in ("mlp", "lstm"):
+        assert [r[name, "trace"] for r in spawn_results] == [[(0, COMM), (0, COMPUTE)],
+                                                             [(1, COMM), (1, COMPUTE)]]
 
 
 def _batchnorm_state(rank, size):
-    # the program and the eager data-parallel executor hold the same BatchNorm statistics on
-    # every rank after two steps: both start each step from rank 0's buffers
+    # the captured program and the eager data-parallel program hold the same BatchNorm
+    # statistics on every rank after two steps: both start each step from rank 0's buffers
     from tidal.ir.plans.compression import CompressionPlan
-    from tidal.runtime.data_parallel import compression_executor
+    from tidal.runtime.program import ProgramExecutor
+    from tidal.runtime.programs.compression import from_plan
     from tidal.runtime.programs.data_parallel import DataParallelProgram
 
     x, y = _data()
     out = []
-    for make in (lambda plan: DataParallelProgram(), lambda plan: compression_executor(plan, None)):
+    for make in (lambda plan: ProgramExecutor(from_plan(None, plan)),
+                 lambda plan: ProgramExecutor(DataParallelProgram(capture=False))):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(128, 32), torch.nn.BatchNorm1d(32),
                                     torch.nn.ReLU(), torch.nn.Linear(32, 10))
@@ -198,3 +201,37 @@ def test_the_program_keeps_batchnorm_statistics_as_eager_data_parallelism():
     for program, eager in spawn(_batchnorm_state, 2, timeout_s=120):
         for a, b in zip(program, eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_segments_are_captured_and_an_input_write_runs_uncaptured_once():
+    """The joint graph is lowered: static runs are captured steps; a buffer written in place
+    runs uncaptured, is named, and is written once per step (capture runs on copies)."""
+    from tidal.ir.capture import capture_train_step
+    from tidal.runtime import program
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen.add_(x.shape[0])
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model, x, y = Counting(), torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    step = capture_train_step(model, (x,), y, torch.nn.functional.cross_entropy)
+    p = program.data_parallel(step, world=1)
+    with program.ProgramRunner() as run:
+        loss, grads, _ = run(p, step, model, (x,), y)
+        (captured,) = run._captures.values()
+    kinds = [info.kind for info in captured.lowered.report.steps]
+    assert "captured" in kinds
+    (node, reason), = captured.uncaptured()
+    assert node.startswith("add_") and "in-place update" in reason
+    assert float(model.seen) == 6.0
+    eager = copy.deepcopy(model)
+    torch.nn.functional.cross_entropy(eager(x), y).backward()
+    for name, param in eager.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6)

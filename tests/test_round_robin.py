@@ -1,6 +1,7 @@
-"""round_robin: the exact partition DP against brute force, Figure 10's schedule, and each
+"""round_robin: the exact partition DP against brute force, Figure 10's schedule, each
 partition's gradient after a step equal to N-micro-batch accumulation (in one process and on
-2 and 4 gloo ranks)."""
+2 and 4 gloo ranks), and the per-rank programs (captured F/B segments, transfers and
+all-reduces on the comm stream) replayed by the simulator in the order the runtime ran them."""
 import copy
 import random
 
@@ -245,15 +246,23 @@ def _run_token_model(rank, world):
     c.step((x,), y)
     owners = [[k for k, _ in part] for part in c.executor._owned]
     crossing = c.plan.get("round_robin").first_layers
-    return {k: p.detach().clone() for k, p in model.named_parameters()}, want, owners, crossing
+    run = (type(c.executor).__name__, c.executor.fallback_reason, c.executor.last_program,
+           c.executor.last_trace)
+    return {k: p.detach().clone() for k, p in model.named_parameters()}, want, owners, crossing, run
 
 
-def test_gloo_ranks_sync_get_attr_parameters_and_send_non_contiguous_activations():
+@pytest.fixture(scope="module")
+def token_model_ranks():
+    """One 2-rank job of the token model, shared by the tests that read it."""
+    return spawn(_run_token_model, 2)
+
+
+def test_gloo_ranks_sync_get_attr_parameters_and_send_non_contiguous_activations(
+        token_model_ranks):
     """Without the fix ``pos`` and ``cls`` were never all-reduced (the ranks drifted apart
     while the loss looked right), and the transposed boundary crashed ``batch_isend_irecv``
     with 'input tensor has to be contiguous'."""
-    results = spawn(_run_token_model, 2)
-    (p0, want, owners, crossing), (p1, _, _, _) = results
+    (p0, want, owners, crossing, _), (p1, *_) = token_model_ranks
     assert crossing[1] == "mix", crossing  # the boundary carries the transposed slice
     assert any("pos" in o for o in owners[0]) and any("cls" in o for o in owners[0])
     for k, w in want.items():
@@ -261,8 +270,68 @@ def test_gloo_ranks_sync_get_attr_parameters_and_send_non_contiguous_activations
         torch.testing.assert_close(p1[k], p0[k], rtol=0, atol=0, msg=k)  # zero spread
 
 
+def test_gloo_ranks_run_captured_programs_that_the_simulator_orders_as_the_trace(
+        token_model_ranks):
+    """Each rank's step is its own Program run by the one ProgramExecutor: F/B are segments
+    of the partition's captured joint graph on the compute stream, transfers, all-reduces and
+    the loss on comm, switches on load; the real trace respects every dependency, and the
+    simulator, running the same Program objects with the measured durations, starts the pieces
+    of every rank and stream in the trace's order."""
+    from tidal.sim.programs import simulated_order, trace_order
+
+    programs, traces = {}, {}
+    for rank, (*_, (executor, reason, program, trace)) in enumerate(token_model_ranks):
+        assert executor == "ProgramExecutor" and reason == "", reason
+        programs[rank], traces[rank] = program, trace
+        streams = {p.name: p.stream for p in program.pieces}
+        assert [p.name for p in program.pieces] == [
+            "S0", f"F0,{rank}", "X0 fwd", "S1", f"F1,{1 - rank}", "loss", f"B1,{1 - rank}",
+            "X1 bwd", "A1", "S0 bwd", f"B0,{rank}", "A0", "U"]
+        assert {k[0]: v for k, v in streams.items()} == {
+            "S": "load", "F": "compute", "B": "compute", "X": "comm", "A": "comm",
+            "l": "comm", "U": "compute"}
+        assert all(p.nodes for p in program.pieces if p.name[0] in "FB")
+        # A1 waits only for B1: it overlaps partition 0's backward, which waits for X1 only
+        a1, b0 = (next(p for p in program.pieces if p.name.startswith(k)) for k in ("A1", "B0"))
+        assert [program.pieces[d].name for d in a1.deps] == [f"B1,{1 - rank}"]
+        assert "A1" not in [program.pieces[d].name for d in b0.deps]
+        assert [t.name for t in trace] == [p.name for p in program.pieces]
+        for piece, t in zip(program.pieces, trace):
+            for d in piece.deps:
+                assert t.start_us >= trace[d].end_us, (piece.name, program.pieces[d].name)
+    assert simulated_order(programs, traces) == trace_order(traces)
+
+
+class _Gate(torch.nn.Module):
+    """Data-dependent control flow: kept whole by the tracer, not capturable by ``make_fx``."""
+
+    def forward(self, x):
+        return x * 2 if float(x.detach().sum()) > 0 else x - 1
+
+
+def test_a_partition_that_cannot_be_captured_runs_eagerly_and_is_named():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                _Gate(), torch.nn.Linear(8, 3))
+    x, y = (torch.randn(8, 8),), torch.randint(0, 3, (8,))
+    loss_fn = torch.nn.functional.cross_entropy
+    want = _accumulated(model, x, y, 2, loss_fn)
+    c = tidal.compile(model, x, passes=[RoundRobin(partitions=2)], leaf_modules=[_Gate],
+                      loss_fn=loss_fn, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    c.step(x, y)
+    got = {k: p.grad for k, p in model.named_parameters()}
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    reason = c.executor.fallback_reason
+    assert reason.startswith("partition 1") and "runs eagerly" in reason, reason
+    assert 'getattr(self, "3")' in reason, reason  # the node that stopped the capture
+    pieces = {p.name: p for p in c.executor.last_program.pieces}
+    assert pieces["r0:F0,0"].nodes and not pieces["r0:F1,1"].nodes
+
+
 def test_a_parameter_no_partition_owns_is_a_plan_error():
-    from tidal.runtime.round_robin_exec import check_all_owned
+    from tidal.runtime.programs.round_robin import check_all_owned
 
     model = _TokenModel()
     owned = {id(p) for k, p in model.named_parameters() if k != "pos"}

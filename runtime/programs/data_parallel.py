@@ -1,96 +1,413 @@
-"""Plain data parallelism as a program: gradient all-reduces that overlap the rest of backward.
+"""Data parallelism as a program: each bucket's gradient sync is a comm piece that overlaps backward.
 
-See :class:`DataParallelProgram`; the program itself is ``tidal.runtime.program.data_parallel``.
+:class:`DataParallelProgram` is the rank program (``tidal.runtime.program.RankProgram``) of
+data-parallel training, with or without gradient compression: every rank passes the same global
+batch and takes its shard of dim 0. Its program for one step (built once per input shape, so
+the simulator can run the same object) is the ``broadcast`` of rank 0's buffers (and, before the
+first step, parameters) on the ``comm`` stream, then
+
+* when the step captures (``tidal.ir.capture.capture_train_step``): the segments of the joint
+  forward+backward graph cut where each bucket's last gradient is ready
+  (``tidal.runtime.program.data_parallel``; lowered and captured as
+  ``tidal.runtime.program.CapturedProgram`` does), so the sync of a bucket runs on the ``comm``
+  stream while the ``compute`` stream goes on with the rest of backward;
+* else (data-dependent control flow, an op that cannot run captured): eager ``forward`` and
+  ``backward`` pieces (autograd), and ``fallback_reason`` says why, naming the node at fault;
+
+then one ``sync <b>`` comm piece per bucket (:meth:`tidal.runtime.grad_sync.GradSync.bucket`:
+the compressor's encode, the collective, decode with error feedback; a plain averaging
+all-reduce when compression is off), the ``optimizer`` piece on the synchronized gradients and,
+with Accordion, the ``accordion`` piece that ends a window every ``accordion_interval`` steps
+and switches each tensor's compression level (seeing a learning-rate decay ahead through
+``lr_lookahead`` or a torch scheduler given to :meth:`DataParallelProgram.watch_scheduler`,
+else one window late).
+
+Capturing a shape's step runs it once on copies (the random state kept), so a step that
+cannot run falls back before any piece is launched; every rank agrees on the outcome.
+
+Example:
+    >>> import torch
+    >>> from tidal.runtime.compressors import make_compressor
+    >>> from tidal.runtime.program import ProgramExecutor
+    >>> from tidal.runtime.programs.data_parallel import DataParallelProgram
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+    ...                             torch.nn.Linear(16, 3))
+    >>> ex = ProgramExecutor(DataParallelProgram(make_compressor("topk:0.5"), bucket_bytes=256))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    >>> loss = ex.step(model, model, (x,), y, torch.nn.functional.cross_entropy, opt)
+    >>> [(p.name, p.stream) for p in ex.last_program.pieces]  # doctest: +NORMALIZE_WHITESPACE
+    [('broadcast', 'comm'), ('segment 0', 'compute'), ('sync 0', 'comm'),
+     ('segment 1', 'compute'), ('sync 1', 'comm'), ('segment 2', 'compute'), ('sync 2', 'comm'),
+     ('optimizer', 'compute')]
+    >>> ex.fallback_reason, ex.compressor.residual("2.weight") is not None   # error feedback
+    ('', True)
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import functools
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.fx import _pytree as fx_pytree
 
-from tidal.ir.capture import TrainStep, capture_train_step
+from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.cost import example_batch
 from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import flat_tensors
-from tidal.runtime.data_parallel import broadcast_state, shard
-from tidal.runtime.program import PieceTrace, Program, ProgramRunner, data_parallel
+from tidal.runtime.accordion import Accordion, LrLookahead
+from tidal.runtime.backend import backend_for
+from tidal.runtime.compressors import Comm, Compressor
+from tidal.runtime.grad_sync import GradSync
+from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program, _grad_nodes,
+                                   data_parallel)
+
+BROADCAST, OPTIMIZER, ACCORDION = "broadcast", "optimizer", "accordion"
+
+
+def shard(value: Any, rank: int, size: int, batch: int) -> Any:
+    """This rank's slice of dim 0 of every tensor whose dim 0 is the global batch.
+
+    Example:
+        >>> import torch
+        >>> shard((torch.arange(4), "mask"), rank=1, size=2, batch=4)
+        (tensor([2, 3]), 'mask')
+    """
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        per = batch // size
+        return value[rank * per:(rank + 1) * per]
+    if isinstance(value, (tuple, list)):
+        return type(value)(shard(v, rank, size, batch) for v in value)
+    if isinstance(value, Mapping):
+        return {k: shard(v, rank, size, batch) for k, v in value.items()}
+    return value
+
+
+def broadcast_state(model: torch.nn.Module, params: bool,
+                    group: Optional[dist.ProcessGroup] = None) -> None:
+    """Give every rank rank 0's buffers (BatchNorm statistics each rank updated from its own
+    shard) and, with ``params``, its parameters (before the first step); a no-op on one rank.
+    Data-parallel programs call it at the start of every step."""
+    if not _distributed() or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    tensors = list(model.buffers()) + ([p.data for p in model.parameters()] if params else [])
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters that get gradients, by name, in registration order."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
 class DataParallelProgram:
-    """``Compiled.step`` as a data-parallel program: each rank captures the joint
-    forward+backward graph of its shard of the global batch once per input shape
-    (``tidal.ir.capture.capture_train_step`` of the graph module, which shares the model's
-    parameters), builds :func:`data_parallel` with gradient
-    all-reduces that overlap the rest of backward, and runs it with a :class:`ProgramRunner`;
-    the loss returned is the global batch's (the mean of the shards'). ``last_trace`` holds the
-    pieces of the latest step (:func:`chrome_trace` writes them). A step whose graph cannot be
-    captured (data-dependent control flow, host syncs) runs through ``fallback`` (an executor
-    with the same semantics), and ``fallback_reason`` says why."""
+    """Data-parallel training as a program (see the module docstring). ``compressor``: the
+    gradient compressor (default: none, a plain averaging all-reduce); ``buckets``: explicit
+    buckets of parameter names for the eager program (a plan's; default: DDP's, reverse order,
+    ``bucket_bytes`` each); the captured program cuts DDP's buckets of the captured gradients
+    under the same cap (the plan's, for float32 parameters: the grouping never changes a
+    compressor's result, see :meth:`~tidal.runtime.grad_sync.GradSync.bucket`).
+    ``accordion``: an :class:`~tidal.runtime.accordion.Accordion` deciding the levels every
+    ``accordion_interval`` steps. ``capture=False`` runs the eager program. ``state_dict``/
+    ``load_state_dict`` checkpoint the compressor and the Accordion controller; run it with
+    ``tidal.runtime.program.ProgramExecutor``."""
 
-    def __init__(self, bucket_bytes: float = DDP_BUCKET_BYTES, fallback: Any = None):
+    def __init__(self, compressor: Optional[Compressor] = None, *,
+                 buckets: Optional[Sequence[Sequence[str]]] = None,
+                 bucket_bytes: float = DDP_BUCKET_BYTES, accordion: Optional[Accordion] = None,
+                 accordion_interval: int = 100, lr_lookahead: Optional[LrLookahead] = None,
+                 group: Optional[dist.ProcessGroup] = None, capture: bool = True):
+        self.buckets = None if buckets is None else tuple(tuple(b) for b in buckets)
         self.bucket_bytes = bucket_bytes
-        self.fallback = fallback
-        self.fallback_reason = ""
-        self.last_trace: list[PieceTrace] = []
-        self._steps: dict[tuple, tuple[TrainStep, Program]] = {}
-        self._runner: Optional[ProgramRunner] = None
-        self._started = False
+        self.grad_sync = GradSync(compressor, bucket_bytes=bucket_bytes, buckets=self.buckets,
+                                  group=group)
+        self.accordion = accordion
+        self.accordion_interval = accordion_interval
+        self.lr_lookahead = lr_lookahead
+        self.steps = 0
+        self.fallback_reason = "" if capture else "capture=False: eager pieces were asked for"
+        self._window_lr: Optional[float] = None
+        self._programs: dict[tuple, tuple[Optional[_Captured], Program]] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        """What the program does not define (``compressor``, ``state_dict``) is the
-        fallback executor's."""
-        fallback = self.__dict__.get("fallback")
-        if fallback is None:
-            raise AttributeError(name)
-        return getattr(fallback, name)
+    @property
+    def compressor(self) -> Compressor:
+        """The gradient compressor (``NoCompression`` when compression is off)."""
+        return self.grad_sync.compressor
+
+    @property
+    def comm(self) -> Comm:
+        """The collectives' process group and the bytes sent so far."""
+        return self.grad_sync.comm
+
+    def watch_scheduler(self, scheduler: Any, steps_per_call: int = 1) -> None:
+        """Let Accordion see learning-rate decays ahead in ``scheduler`` (a torch scheduler on
+        ``Compiled.optimizer``, stepped once per ``steps_per_call`` steps); it is peeked,
+        never advanced. Replaces the decays the plan recorded."""
+        self.lr_lookahead = LrLookahead.from_scheduler(scheduler, steps_per_call)
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """Inference is not distributed: every rank runs the whole batch."""
         return gm(*args, **kwargs)
 
-    def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
-             loss_fn: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        if self.fallback_reason:
-            return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
-        rank, size = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_Step":
+        """This rank's step on its shard of the global batch: the program of these shapes
+        (built on first use) and what its pieces do. Raises ``ValueError`` when the global
+        batch does not split evenly over the ranks."""
+        world = self.comm.world
         batch = example_batch(inputs)
-        if batch % size:
+        if batch % world.size:
             raise ValueError(f"data parallel: global batch {batch} does not split evenly over "
-                             f"{size} ranks")
-        broadcast_state(model, params=not self._started)  # as DataParallelExecutor does
-        self._started = True
-        local = shard(inputs, rank, size, batch)
-        local_targets = shard(targets, rank, size, batch)
+                             f"{world.size} ranks")
+        local = shard(inputs, world.rank, world.size, batch)
+        local_targets = shard(targets, world.rank, world.size, batch)
         key = tuple((tuple(t.shape), t.dtype) for t in flat_tensors((local, local_targets)))
-        if key not in self._steps:
+        if key not in self._programs:
+            self._programs[key] = self._build(gm, model, local, local_targets, loss_fn)
+        captured, program = self._programs[key]
+        if captured is None:
+            return _EagerStep(self, program, model, optimizer, gm, local, local_targets, loss_fn)
+        return _CapturedStep(self, program, model, optimizer, gm, captured, local, local_targets)
+
+    def _build(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any, targets: Any,
+               loss_fn: Callable) -> tuple[Optional[_Captured], Program]:
+        """The captured step and its program, or (None, the eager program) when the step
+        cannot be captured or run on some rank (``fallback_reason`` says why). Lowering the
+        captured step runs it once on copies (``tidal.runtime.program.CapturedProgram``): a
+        step that cannot run falls back here, before any piece is launched."""
+        world = self.comm.world.size
+        reason, captured, program = self.fallback_reason, None, None
+        if not reason:
             try:
-                step = capture_train_step(gm, local, local_targets, loss_fn)
+                step = capture_train_step(gm, inputs, targets, loss_fn)
             except TraceError as e:
-                if self.fallback is None:
-                    raise
-                self.fallback_reason = str(e)
-                return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
-            self._steps[key] = (step, data_parallel(step, size, self.bucket_bytes))
-            first = True
-        else:
-            first = False
-        step, program = self._steps[key]
-        if self._runner is None:
-            self._runner = ProgramRunner()
-        optimizer.zero_grad(set_to_none=True)
-        try:  # gm shares the model's parameters
-            loss, _, self.last_trace = self._runner(program, step, gm, local, local_targets,
-                                                    optimizer)
-        except Exception as e:  # noqa: BLE001 - a first replay that fails falls back, named
-            if not first or self.fallback is None:
-                raise
-            self.fallback_reason = f"the captured step failed to run: {type(e).__name__}: {e}"
-            return self.fallback.step(gm, model, inputs, targets, loss_fn, optimizer)
-        return loss
+                reason = str(e)
+            else:
+                pieces = [replace(p, name=f"sync {p.name.split()[-1]}") if p.stream == COMM
+                          else p for p in data_parallel(step, world, self.bucket_bytes).pieces]
+                program = self._program(pieces, world)
+                flat = _flat(step, gm, inputs, targets)
+                with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
+                    try:
+                        captured = _Captured(step, CapturedProgram.build(
+                            program, step, flat, backend_for(flat_tensors(flat)[0].device)))
+                    except Exception as e:  # noqa: BLE001 - the eager program runs, named
+                        reason = "the captured step failed to run: " + (
+                            _failing_node(step, flat) or f"{type(e).__name__}: {e}")
+        reason = self._agreed(reason)
+        if not reason:
+            return captured, program
+        self.fallback_reason = reason
+        names = tuple(_trainable(model))
+        index = {n: i for i, n in enumerate(names)}
+        pieces = [Piece("forward", COMPUTE), Piece("backward", COMPUTE, (0,))]
+        pieces += [Piece(f"sync {b}", COMM, (1,), grads=tuple(index[n] for n in bucket))
+                   for b, bucket in enumerate(self.grad_sync.buckets(_trainable(model)))]
+        pieces.append(Piece(OPTIMIZER, COMPUTE, tuple(range(1, len(pieces)))))
+        return None, self._program(pieces, world)
+
+    def _program(self, pieces: Sequence[Piece], world: int) -> Program:
+        """``pieces`` (the first waits for nothing, the last is the optimizer) after the
+        ``broadcast`` of rank 0's state, then the ``accordion`` piece if any."""
+        framed = [Piece(BROADCAST, COMM)]
+        framed += [replace(p, deps=tuple(d + 1 for d in p.deps) or (0,)) for p in pieces]
+        if self.accordion is not None:
+            framed.append(Piece(ACCORDION, COMPUTE, (len(framed) - 1,)))
+        return Program(tuple(framed), world)
+
+    def _agreed(self, reason: str) -> str:
+        """``reason``, or a reason of its own when another rank cannot run the captured step:
+        every rank runs the same program."""
+        if not _distributed() or self.comm.world.size == 1:
+            return reason
+        flag = torch.tensor([1 if reason else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.comm.group)
+        return reason or ("another rank cannot run the captured step" if flag.item() else "")
+
+    def accordion_step(self, synced: Mapping[str, torch.Tensor],
+                       optimizer: torch.optim.Optimizer) -> None:
+        """Accumulate this step's synchronized gradients; at the end of a window, decide each
+        tensor's level (on rank 0, broadcast) and apply it to the compressor."""
+        self.accordion.accumulate(synced)
+        if self.steps % self.accordion_interval == 0:
+            lr = float(optimizer.param_groups[0]["lr"])
+            ahead = None
+            if self.lr_lookahead is not None:      # a decay within the next window
+                ahead = self.lr_lookahead.now_and_next(self.steps, self.accordion_interval, lr)
+            if ahead is None:                      # unknown schedule: a drop seen after it
+                ahead = (self._window_lr, lr)
+            self._window_lr = lr
+            levels = self.accordion.decide(*ahead)
+            self.accordion.apply(self.compressor, levels)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Compressor, Accordion and step counter."""
+        return {"steps": self.steps, "window_lr": self._window_lr,
+                "compressor": self.compressor.state_dict(),
+                "accordion": self.accordion.state_dict() if self.accordion else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.steps = state["steps"]
+        self._window_lr = state["window_lr"]
+        self.compressor.load_state_dict(state["compressor"])
+        if self.accordion is not None and state["accordion"] is not None:
+            self.accordion.load_state_dict(state["accordion"])
+
+
+def _flat(step: TrainStep, module: torch.nn.Module, inputs: Any, targets: Any) -> list[Any]:
+    """The captured step's flat inputs: ``module``'s parameters and buffers, the inputs, the
+    targets."""
+    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    return fx_pytree.tree_flatten_spec(
+        ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
+         _as_inputs(inputs), targets), step.gm.graph._codegen.pytree_info.in_spec)
+
+
+def _failing_node(step: TrainStep, flat: Sequence[Any]) -> str:
+    """Which node of the captured step fails on copies of ``flat``, and how ('' if none)."""
+    interp = fx.Interpreter(step.gm, garbage_collect_values=False)
+    interp.args_iter = iter([v.detach().clone() if isinstance(v, torch.Tensor) else v
+                             for v in flat])
+    with torch.no_grad():
+        for node in step.gm.graph.nodes:
+            try:
+                interp.env[node] = interp.run_node(node)
+            except Exception as e:  # noqa: BLE001 - what is wrong is the answer
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                return f"node {node.name!r} ({node.target}): {type(e).__name__}: {first}"
+    return ""
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """A captured step and its program's lowered, captured segments."""
+
+    step: TrainStep
+    program: CapturedProgram
+
+
+class _Step:
+    """One bound step (``tidal.runtime.program.StepWork``): the broadcast, sync, optimizer and
+    Accordion pieces; subclasses run the compute pieces and give the gradients and the loss."""
+
+    def __init__(self, owner: DataParallelProgram, program: Program, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                 names: Sequence[str]):
+        self.program = program
+        self._owner = owner
+        self._model = model
+        self._params = _trainable(module)
+        self._optimizer = optimizer
+        self._names = tuple(names)
+        self._first = owner.steps == 0
+        self._synced: dict[str, torch.Tensor] = {}
+
+    def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        if piece.name == BROADCAST:
+            return functools.partial(broadcast_state, self._model, self._first,
+                                     self._owner.comm.group)
+        if piece.stream == COMM:
+            return functools.partial(self._sync, piece.grads)
+        if piece.name == OPTIMIZER:
+            return self._apply
+        if piece.name == ACCORDION:
+            return functools.partial(self._owner.accordion_step, self._synced, self._optimizer)
+        return self.compute(index, piece)
+
+    def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    def grad(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def local_loss(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _sync(self, indices: Sequence[int]) -> None:
+        self._synced.update(self._owner.grad_sync.bucket(
+            {self._names[i]: self.grad(i) for i in indices}))
+
+    def _apply(self) -> None:
+        for name, g in self._synced.items():
+            p = self._params[name]
+            p.grad = g.reshape(p.shape)
+        self._optimizer.step()
+        self._owner.steps += 1
+
+    def loss(self) -> torch.Tensor:
+        """The global batch's loss: the mean of the ranks' shard losses."""
+        out = self.local_loss().detach().clone()
+        comm = self._owner.comm
+        if comm.world.size > 1:
+            dist.all_reduce(out, group=comm.group)
+            out /= comm.world.size
+        return out
+
+
+class _CapturedStep(_Step):
+    """The captured step's segments (lowered, captured); gradients are its outputs."""
+
+    def __init__(self, owner: DataParallelProgram, program: Program, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, gm: torch.nn.Module, captured: _Captured,
+                 inputs: Any, targets: Any):
+        super().__init__(owner, program, model, optimizer, gm, captured.step.param_names)
+        self._steps = captured.program.steps
+        self._run = captured.program.lowered.pieces(*_flat(captured.step, gm, inputs, targets))
+        self._loss_node, self._grad_nodes = _grad_nodes(captured.step)
+
+    def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
+        return functools.partial(self._segment, self._steps[index])
+
+    def _segment(self, steps: Sequence[int]) -> None:
+        for k in steps:
+            self._run.pieces[k].fn()
+
+    def grad(self, index: int) -> torch.Tensor:
+        return self._run.value(self._grad_nodes[index])
+
+    def local_loss(self) -> torch.Tensor:
+        return self._run.value(self._loss_node)
+
+
+class _EagerStep(_Step):
+    """Eager ``forward`` and ``backward`` pieces (autograd fills the parameters' ``.grad``)."""
+
+    def __init__(self, owner: DataParallelProgram, program: Program, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, gm: torch.nn.Module, inputs: Any,
+                 targets: Any, loss_fn: Callable):
+        super().__init__(owner, program, model, optimizer, model, tuple(_trainable(model)))
+        self._run = functools.partial(_eager_loss, gm, inputs, targets, loss_fn)
+        self._loss: Optional[torch.Tensor] = None
+
+    def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
+        return self._forward if piece.name == "forward" else self._backward
+
+    def _forward(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+        self._loss = self._run()
+
+    def _backward(self) -> None:
+        self._loss.backward()
+
+    def grad(self, index: int) -> torch.Tensor:
+        p = self._params[self._names[index]]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def local_loss(self) -> torch.Tensor:
+        return self._loss
+
+
+def _eager_loss(gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable
+                ) -> torch.Tensor:
+    out = gm(**inputs) if isinstance(inputs, Mapping) else gm(*inputs)
+    return loss_fn(out, targets)

@@ -1,0 +1,791 @@
+"""Wavelet's round-robin model parallelism (§3.3) as a program of pieces on streams.
+
+A ``RoundRobinPlan`` carries, per rank, the action list of Figure 10's schedule on a graph the
+pass split into ``submod_0 .. submod_{N-1}``. :class:`RoundRobinProgram` turns each rank's list
+into a :class:`~tidal.runtime.program.Program` that
+:class:`~tidal.runtime.program.ProgramExecutor` runs:
+
+- ``S p`` (stream ``load``) switches the rank to partition p: it counts the switch and the
+  weight bytes it loads (``stats``); ``F``/``B`` of p wait for it, it waits for nothing (a load
+  may run ahead of the compute, as a prefetch would);
+- ``F p,b`` (``compute``) runs partition p on batch b with the activations received from the
+  previous rank; ``B p,b`` (``compute``) runs its backward with the gradients received from the
+  next rank. Both are segments of one captured joint graph of the partition (``make_fx`` of its
+  forward, the loss on the last partition, and ``torch.autograd.grad`` with respect to its
+  parameters and its input activations, the gradients of its outputs as inputs): ``F`` runs the
+  nodes the outputs need (and the buffer updates), ``B`` the rest, on the values ``F`` left.
+  A partition that cannot be captured (data-dependent code) runs eagerly with autograd, and
+  ``fallback_reason`` says which and why;
+- ``X`` (``comm``) moves activations to the next rank (forward) or their gradients to the
+  previous rank (backward) with ``torch.distributed`` point-to-point ops;
+- ``A p`` (``comm``) all-reduces partition p's gradients (the sum over the N batches: each
+  micro-batch loss is divided by N, so the result is the global-batch mean gradient) and
+  averages its floating-point buffers; after the ``compression`` pass each partition's
+  gradients go through a compressor of their own instead (``use_grad_sync``);
+- ``loss`` (``comm``) all-reduces the step's loss as soon as the last forward ran;
+- ``U`` (``compute``) steps the optimizer after every all-reduce.
+
+Dependencies come from the schedule, so communication overlaps compute where the schedule lets
+it: the all-reduce of partition p runs during the backward of partition p − 1 (its gradient
+transfer goes first on the comm stream, so that backward waits only for the transfer), and the
+loss all-reduce during the first backward. Every rank's comm pieces are in the same order, so
+the point-to-point ops and collectives match across ranks; a piece that fails makes the rest of
+the step fail at once (naming it), so a rank waits for a dead peer at most the group's timeout.
+
+With a process group of N ranks each rank runs its own list; with none, all N ranks' lists run
+in this process as one program (pieces named ``r<rank>:``, the transfers move tensors between
+the ranks' states, the all-reduce is the shared ``.grad`` accumulation and no compressor runs),
+so the schedule runs anywhere.
+
+Example:
+    >>> import torch, tidal
+    >>> from tidal.passes.round_robin import RoundRobin
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    >>> c = tidal.compile(model, (torch.randn(4, 4),), passes=[RoundRobin(partitions=2)],
+    ...                   loss_fn=torch.nn.functional.cross_entropy,
+    ...                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    >>> _ = c.step((torch.randn(4, 4),), torch.tensor([0, 1, 1, 0]))
+    >>> c.executor.stats["switches"], c.executor.fallback_reason
+    (3, '')
+    >>> [(p.name, p.stream) for p in c.executor.last_program.pieces][:6]
+    [('r0:S0', 'load'), ('r1:S0', 'load'), ('r0:F0,0', 'compute'), ('r1:F0,1', 'compute'),
+     ('r0:X0 fwd', 'comm'), ('r1:X0 fwd', 'comm')]
+"""
+from __future__ import annotations
+
+import functools
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tidal.ir.errors import PlanError, TraceError
+from tidal.ir.node_runner import fetch_attr
+from tidal.ir.schedule import split_batch
+from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
+from tidal.runtime.grad_sync import GradSync, GradSyncFactory
+from tidal.runtime.program import COMM, COMPUTE, Piece, Program
+
+PLAN_KIND = "RoundRobinPlan"
+LOAD = "load"
+
+
+def from_plan(gm: fx.GraphModule, plan: Any) -> "RoundRobinProgram":
+    """The rank program of a ``round_robin`` plan on the graph the pass split into
+    partitions."""
+    return RoundRobinProgram(gm, plan)
+
+
+def check_all_owned(root: torch.nn.Module, owned_ids: set[int]) -> None:
+    """Raise ``PlanError`` naming the trainable parameters of ``root`` whose ids are not in
+    ``owned_ids``: no partition would all-reduce them, so the ranks' copies would drift apart
+    while the loss still looks right.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 2)
+        >>> check_all_owned(m, {id(m.weight)})
+        Traceback (most recent call last):
+        ...
+        tidal.ir.errors.PlanError: round_robin: parameter(s) 'bias' belong to no partition, ...
+    """
+    left = [k for k, prm in root.named_parameters()
+            if prm.requires_grad and id(prm) not in owned_ids]
+    if left:
+        raise PlanError(f"round_robin: parameter(s) {', '.join(map(repr, left[:5]))}"
+                        f"{' and more' if len(left) > 5 else ''} belong to no partition, so "
+                        "their gradients would never be all-reduced and the ranks would drift "
+                        "apart")
+
+
+# -- the split graph ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Stage:
+    module: torch.nn.Module
+    args: tuple[fx.Node, ...]
+    produced: tuple[str, ...]      # names of the top-level values this partition outputs
+    sends: tuple[str, ...]         # names live after this partition (sent to the next rank)
+
+
+class _Param(NamedTuple):
+    """A trainable parameter a partition uses: its ``name`` (``submod_p.<local>`` or the
+    top-level ``get_attr`` target), the parameter, and its name inside the partition's
+    submodule (None for one the top level hands over through ``get_attr``)."""
+
+    name: str
+    param: torch.nn.Parameter
+    local: Optional[str]
+
+
+def _recv_buffer(like: torch.Tensor) -> torch.Tensor:
+    """A contiguous buffer to receive a tensor shaped like ``like`` (point-to-point ops need
+    contiguous buffers; ``empty_like`` keeps a transposed tensor's strides)."""
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
+def _floats(values: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in values.items() if v.is_floating_point()]
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad`` as autograd accumulates (a copy first: graph outputs may alias)."""
+    if param.grad is None:
+        param.grad = grad.detach().clone()
+    else:
+        param.grad.add_(grad)
+
+
+def _failure(what: str, exc: BaseException) -> str:
+    """``what``, the innermost line of generated graph code (an fx node) that raised, and the
+    error's first line."""
+    where = next((f" at `{f.line.strip()}`" for f in reversed(traceback.extract_tb(
+        exc.__traceback__)) if f.filename.startswith("<eval_with_key") and f.line), "")
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{what}{where}: {type(exc).__name__}: {first}"
+
+
+# -- a partition's captured forward and backward ----------------------------------------------
+@dataclass(frozen=True)
+class _StageGraph:
+    """Partition p's forward and backward on one micro-batch shape, captured as one joint aten
+    graph and cut in two: ``forward(*bound)`` returns the forward values (or the micro-batch
+    loss) and then what the backward needs (``saved``); ``backward(*saved, *output_grads)``
+    returns the gradients of the float input activations and then those of the parameters
+    that get one (``has_grad``). Bound at ``F``: the trainable parameters, the float input
+    activations and the constants (buffers, model inputs, integer activations, targets).
+    ``forward_nodes``/``backward_nodes`` name the joint graph's nodes in each."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    forward_nodes: tuple[str, ...]
+    backward_nodes: tuple[str, ...]
+    n_forward: int
+    n_leaves: int
+    has_grad: tuple[bool, ...]
+
+
+def _subgraph(gm: fx.GraphModule, inputs: Sequence[fx.Node], body: Sequence[fx.Node],
+              outputs: Sequence[Any]) -> fx.GraphModule:
+    """The nodes ``body`` of ``gm`` as a module of their own taking ``inputs``."""
+    graph = fx.Graph()
+    env = {x: graph.placeholder(x.name) for x in inputs}
+    for n in body:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(fx.node.map_arg(list(outputs), env.__getitem__))
+    return fx.GraphModule(gm, graph)
+
+
+def _split_joint(gm: fx.GraphModule, n_bound: int, n_forward: int
+                 ) -> tuple[fx.GraphModule, fx.GraphModule, tuple[str, ...], tuple[str, ...]]:
+    """Cut a joint graph into the nodes the forward outputs (and the in-place buffer updates
+    that do not wait for output gradients) need, and the rest; see :class:`_StageGraph`."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    bound, grads_in = placeholders[:n_bound], placeholders[n_bound:]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = list(output.args[0])
+    roots = [o for o in outputs[:n_forward] if isinstance(o, fx.Node)]
+    # backward work: what reads an output gradient or a forward output (the loss's seed); an
+    # in-place op before the first of it is the forward's (a BatchNorm statistic's update)
+    late: set[fx.Node] = set(grads_in) | {o for o in roots if o.op != "placeholder"}
+    backward_began = False
+    for n in gm.graph.nodes:
+        if any(a in late for a in n.all_input_nodes):
+            late.add(n)
+            backward_began = True
+        elif (not backward_began and isinstance(n.target, torch._ops.OpOverload)
+              and n.target._schema.is_mutable):
+            roots.append(n)
+    need: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in need:
+            need.add(n)
+            stack.extend(n.all_input_nodes)
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    first = [n for n in body if n in need]
+    rest = [n for n in body if n not in need]
+    early = set(first) | set(bound)
+    saved = list(dict.fromkeys(
+        [a for n in rest for a in n.all_input_nodes if a in early]
+        + [o for o in outputs[n_forward:] if isinstance(o, fx.Node) and o in early]))
+    forward = _subgraph(gm, bound, first, outputs[:n_forward] + saved)
+    backward = _subgraph(gm, saved + grads_in, rest, outputs[n_forward:])
+    return forward, backward, tuple(n.name for n in first), tuple(n.name for n in rest)
+
+
+class _Probe(torch.nn.Module):
+    """Runs the split graph and returns every top-level value by node name (for shapes)."""
+
+    def __init__(self, split: fx.GraphModule):
+        super().__init__()
+        self.split = split
+
+    def forward(self, *args: Any) -> dict[str, Any]:
+        interp = fx.Interpreter(self.split, garbage_collect_values=False)
+        interp.run(*args)
+        return {n.name: v for n, v in interp.env.items()}
+
+
+# -- one step's state ------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """One (partition, batch) on one rank from its ``F`` to its ``B``."""
+
+    sent: dict[str, torch.Tensor] = field(default_factory=dict)  # to the next rank
+    loss: Optional[torch.Tensor] = None        # the last partition's micro-batch loss / N
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)   # eager: input leaves
+    saved: Optional[list] = None               # captured: what the B segment needs
+    leaf_grads: list[torch.Tensor] = field(default_factory=list)  # after B, to the previous rank
+
+
+@dataclass
+class _RankState:
+    inbox: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # partition -> inputs
+    runs: dict[tuple[int, int], _Run] = field(default_factory=dict)
+    grad_out: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    loss: float = 0.0
+
+
+class _Slot(NamedTuple):
+    """What a piece does: the schedule action ``kind`` ('S', 'F', 'B', 'X', 'A', 'U' or 'L'
+    for the loss all-reduce) of ``rank`` on (``partition``, ``batch``); ``backward`` tells a
+    backward transfer or switch from a forward one."""
+
+    kind: str
+    rank: int
+    partition: int = 0
+    batch: int = 0
+    backward: bool = False
+
+
+class RoundRobinProgram:
+    """The rank program of a round-robin plan on the split graph ``split`` (see the module
+    docstring). ``model``: the module whose trainable parameters must each be owned by one
+    partition (the traced graph before the split, which shares the model's parameters; default
+    ``split``). ``stats`` accumulates ``steps``, ``switches`` and ``switch_bytes`` (per rank);
+    ``syncs`` holds each partition's gradient sync once ``use_grad_sync`` set one and a step
+    ran; ``fallback_reason`` names the partitions that run eagerly and why ('' when every
+    partition runs as a captured graph)."""
+
+    def __init__(self, split: fx.GraphModule, plan: Any,
+                 model: Optional[torch.nn.Module] = None):
+        self.split = split
+        self._model = model if model is not None else split
+        self.plan = plan
+        self.n = plan.partitions
+        self.stats = {"steps": 0, "switches": 0, "switch_bytes": 0}
+        self.fallback_reason = ""
+        self._sync_factory: Optional[GradSyncFactory] = None
+        self.syncs: dict[int, GradSync] = {}
+        self._stages = self._build_stages()
+        self._placeholders = [x for x in split.graph.nodes if x.op == "placeholder"]
+        self._output = next(x for x in split.graph.nodes if x.op == "output")
+        self._params = [self._partition_params(p) for p in range(self.n)]
+        # each trainable parameter once (one may reach a partition both ways)
+        self._trainable = [list(dict.fromkeys(x.param for x in ps)) for ps in self._params]
+        self._owned = self._param_owners()
+        self._buffers = self._buffer_owners()
+        self._graphs: dict[tuple, list[Optional[_StageGraph]]] = {}
+        self._programs: dict[tuple, tuple[Program, tuple[_Slot, ...]]] = {}
+
+    def _build_stages(self) -> list[_Stage]:
+        g = self.split.graph
+        calls = [x for x in g.nodes if x.op == "call_module"]
+        if len(calls) != self.n:
+            raise ValueError(f"round_robin: the split graph has {len(calls)} partitions, "
+                             f"the plan {self.n}")
+        part_of: dict[str, int] = {}
+        produced: list[list[str]] = [[] for _ in calls]
+        for p, call in enumerate(calls):
+            for u in call.users:
+                part_of[u.name] = p
+                produced[p].append(u.name)
+        last_use: dict[str, int] = {}
+        for p, call in enumerate(calls):
+            for a in call.args:
+                if isinstance(a, fx.Node) and a.op != "placeholder":
+                    last_use[a.name] = max(last_use.get(a.name, -1), p)
+        out_node = next(x for x in g.nodes if x.op == "output")
+        for a in out_node.all_input_nodes:
+            if a.op != "placeholder":
+                last_use[a.name] = self.n
+        order = [x.name for x in g.nodes]
+        stages = []
+        for p, call in enumerate(calls):
+            sends = tuple(nm for nm in order if nm in part_of and part_of[nm] <= p
+                          and last_use.get(nm, -1) > p)
+            stages.append(_Stage(self.split.get_submodule(call.target), tuple(call.args),
+                                 tuple(produced[p]), sends))
+        return stages
+
+    def _partition_params(self, p: int) -> list[_Param]:
+        """The trainable parameters partition ``p`` uses: its submodule's and those the top
+        level hands it through ``get_attr`` (``x + self.pos_embedding``, a ``cls_token``,
+        weights used through ``addmm``)."""
+        st = self._stages[p]
+        named = [_Param(f"submod_{p}.{k}", prm, k) for k, prm in st.module.named_parameters()]
+        for a in st.args:
+            value = fetch_attr(self.split, a.target) if a.op == "get_attr" else None
+            if isinstance(value, torch.nn.Parameter):
+                named.append(_Param(str(a.target), value, None))
+        return [x for x in named if x.param.requires_grad]
+
+    def _param_owners(self) -> list[list[tuple[str, torch.nn.Parameter]]]:
+        """Each trainable parameter's owning partition, the one whose all-reduce syncs it: the
+        lowest partition using it (its last backward). Raises ``PlanError`` naming any
+        trainable parameter of the graph that no partition owns."""
+        owned: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(self.n)]
+        seen: set[int] = set()
+        for p in range(self.n):
+            for x in self._params[p]:
+                if id(x.param) not in seen:
+                    seen.add(id(x.param))
+                    owned[p].append((x.name, x.param))
+        check_all_owned(self._model, seen)
+        return owned
+
+    def _buffer_owners(self) -> list[list[torch.Tensor]]:
+        """Per partition, its floating-point buffers (each in its first partition only)."""
+        owned: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        seen: set[int] = set()
+        for p, st in enumerate(self._stages):
+            for b in st.module.buffers():
+                if id(b) not in seen and b.is_floating_point():
+                    seen.add(id(b))
+                    owned[p].append(b)
+        return owned
+
+    def use_grad_sync(self, factory: GradSyncFactory) -> None:
+        """Sync each partition's gradients through its own ``factory(None)`` (a
+        :class:`~tidal.runtime.grad_sync.GradSync`, e.g. the ``compression`` pass's
+        compressor, with its own error-feedback state) instead of a plain all-reduce."""
+        if self.syncs:
+            raise RuntimeError("round_robin: the gradient sync is fixed after the first step")
+        self._sync_factory = factory
+
+    # -- the RankProgram protocol -----------------------------------------------------------
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """Inference: the split graph in this process."""
+        return self.split(*args, **kwargs)
+
+    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_Step":
+        """One training step of the global batch under the round-robin schedule: the program
+        of this rank (all ranks without a process group), built once per micro-batch shape."""
+        rank, world = rank_and_size()
+        if world > 1 and world != self.n:
+            raise ValueError(f"round_robin: planned for {self.n} ranks but the world size is "
+                             f"{world}; compile with partitions={world}")
+        here = (rank,) if world > 1 else tuple(range(self.n))
+        batches = split_batch(tuple(inputs), self.n, "round_robin global batch")
+        tgts = split_batch(targets, self.n, "round_robin targets")
+        flat, spec = tree_flatten((batches[0], tgts[0]))
+        shape = (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
+                                  else repr(v) for v in flat))
+        if shape not in self._graphs:
+            cuda = sorted({t.device.index or 0 for t in [*self.split.parameters(), *flat]
+                           if isinstance(t, torch.Tensor) and t.is_cuda})
+            with torch.random.fork_rng(devices=cuda):  # a step draws as it would eagerly
+                self._graphs[shape] = self._capture_all(batches[0], tgts[0], loss_fn)
+        graphs = self._graphs[shape]
+        key = (shape, world, here)
+        if key not in self._programs:
+            self._programs[key] = self._program(here, world, graphs)
+        program, slots = self._programs[key]
+        optimizer.zero_grad(set_to_none=True)
+        return _Step(self, program, slots, graphs, here, world, batches, tgts, loss_fn,
+                     optimizer)
+
+    # -- capture ----------------------------------------------------------------------------
+    def _capture_all(self, inputs: tuple, target: Any, loss_fn: Callable
+                     ) -> list[Optional[_StageGraph]]:
+        """Every partition's joint graph for micro-batches shaped like ``inputs``/``target``
+        (None for a partition that runs eagerly; ``fallback_reason`` says why)."""
+        values = self._micro_values(inputs)
+        reasons = []
+        graphs: list[Optional[_StageGraph]] = []
+        for p in range(self.n):
+            try:
+                graphs.append(self._capture(p, values, inputs, target, loss_fn))
+            except Exception as e:  # noqa: BLE001 - this partition runs eagerly, named
+                graphs.append(None)
+                why = str(e) if isinstance(e, TraceError) else _failure("cannot capture it", e)
+                reasons.append(f"partition {p} ({self.plan.first_layers[p]}) runs eagerly: "
+                               f"{why}")
+        self.fallback_reason = "; ".join(reasons)
+        return graphs
+
+    def _micro_values(self, inputs: tuple) -> dict[str, Any]:
+        """Every top-level value of the split graph on one micro-batch (what crosses each cut):
+        a forward without autograd on copies of the buffers, so no statistic changes."""
+        state = {f"split.{k}": v.clone() for k, v in self.split.named_buffers()}
+        with torch.no_grad():
+            return torch.func.functional_call(_Probe(self.split), state, tuple(inputs))
+
+    def _constants(self, p: int, received: dict[str, Any], inputs: tuple, target: Any) -> Any:
+        """What partition ``p`` reads besides its trainable parameters and float activations:
+        its submodule's buffers and frozen parameters, the top-level attributes it is handed,
+        the model inputs, its integer activations and (last partition) the targets."""
+        st = self._stages[p]
+        trainable = {x.local for x in self._params[p]}
+        state = {k: v for k, v in [*st.module.named_parameters(), *st.module.named_buffers()]
+                 if k not in trainable}
+        attrs = {str(a.target): fetch_attr(self.split, a.target) for a in st.args
+                 if a.op == "get_attr"}
+        attrs = {k: v for k, v in attrs.items()
+                 if not (isinstance(v, torch.nn.Parameter) and v.requires_grad)}
+        ints = {k: v for k, v in received.items() if not v.is_floating_point()}
+        values = [self._input(x, inputs) for x in self._placeholders]
+        return state, attrs, values, ints, target if p == self.n - 1 else None
+
+    def _capture(self, p: int, values: dict[str, Any], inputs: tuple, target: Any,
+                 loss_fn: Callable) -> _StageGraph:
+        st, last = self._stages[p], p == self.n - 1
+        params, trainable = self._params[p], self._trainable[p]
+        at = {id(t): i for i, t in enumerate(trainable)}
+        names_in = self._stages[p - 1].sends if p > 0 else ()
+        # this partition's inputs on the first micro-batch (contiguous, as they are received)
+        example = {nm: values[nm].detach().clone(memory_format=torch.contiguous_format)
+                   for nm in names_in}
+        floats = _floats(example)
+        consts, spec = tree_flatten(self._constants(p, example, inputs, target))
+        tensor_at = [i for i, v in enumerate(consts) if isinstance(v, torch.Tensor)]
+        has_grad: list[bool] = []
+
+        def step(wrt: list, tensors: list, grads_out: list) -> list:
+            flat = list(consts)
+            for i, t in zip(tensor_at, tensors):
+                flat[i] = t
+            state, attrs, in_values, ints, tgt = tree_unflatten(flat, spec)
+            state, attrs = dict(state), dict(attrs)
+            for x in params:
+                v = wrt[at[id(x.param)]]
+                if x.local is None:
+                    attrs[x.name] = v
+                else:
+                    state[x.local] = v
+            env = dict(ints)
+            env.update(zip(floats, wrt[len(trainable):]))
+
+            def value(x: fx.Node) -> Any:
+                if x.op == "placeholder":
+                    return in_values[self._placeholders.index(x)]
+                return attrs[str(x.target)] if x.op == "get_attr" else env[x.name]
+
+            # a clone, so that an in-place first op (ReLU(inplace=True)) keeps the input intact
+            args = [value(x).clone() if x.name in floats and x.op not in ("placeholder",
+                    "get_attr") else value(x) for x in st.args]
+            env.update(zip(st.produced, torch.func.functional_call(st.module, state,
+                                                                   tuple(args))))
+            if last:
+                result = fx.node.map_arg(self._output.args[0], value)
+                forward = [loss_fn(result, tgt) / self.n]
+                pairs = [(forward[0], None)] if forward[0].requires_grad else []
+            else:
+                forward = [self._sent_value(p, nm, env[nm]) for nm in st.sends]
+                fl = [v for v in forward if v.is_floating_point()]
+                pairs = [(v, g) for v, g in zip(fl, grads_out) if v.requires_grad]
+            grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                         allow_unused=True) if pairs else [None] * len(wrt))
+            n = len(trainable)
+            has_grad[:] = [g is not None for g in grads[:n]]
+            leaf_grads = [torch.zeros_like(w) if g is None else g
+                          for w, g in zip(wrt[n:], grads[n:])]
+            return [*forward, *leaf_grads, *[g for g in grads[:n] if g is not None]]
+
+        wrt = trainable + [example[nm].requires_grad_(True) for nm in floats]
+        grads_out = [] if last else [torch.zeros_like(values[nm]) for nm in st.sends
+                                     if isinstance(values[nm], torch.Tensor)
+                                     and values[nm].is_floating_point()]
+        tensors = [consts[i] for i in tensor_at]
+        gm = make_fx(step, tracing_mode="fake")(wrt, tensors, grads_out)
+        n_forward = 1 if last else len(st.sends)
+        forward, backward, fnodes, bnodes = _split_joint(gm, len(wrt) + len(tensor_at),
+                                                         n_forward)
+        try:  # once on the first micro-batch, on copies of the buffers (nothing real changes)
+            with torch.no_grad():
+                out = forward(*wrt, *[t.clone() for t in tensors])
+                backward(*out[n_forward:], *grads_out)
+        except Exception as e:
+            raise TraceError(_failure("its captured graph fails to run", e)) from e
+        return _StageGraph(forward, backward, fnodes, bnodes, n_forward, len(floats),
+                           tuple(has_grad))
+
+    def _sent_value(self, p: int, name: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"round_robin: value {name!r} crossing from partition {p} "
+                            f"is a {type(value).__name__}, not a tensor")
+        return value
+
+    def _input(self, node: fx.Node, inputs: tuple) -> Any:
+        """The value of a model-input placeholder (the batch slice, or its pinned default) or
+        of a top-level attribute."""
+        if node.op == "get_attr":
+            return fetch_attr(self.split, node.target)
+        i = self._placeholders.index(node)
+        if i < len(inputs):
+            return inputs[i]
+        return node.args[0] if node.args else None
+
+    # -- the program --------------------------------------------------------------------------
+    def _program(self, here: tuple[int, ...], world: int,
+                 graphs: Sequence[Optional[_StageGraph]]) -> tuple[Program, tuple[_Slot, ...]]:
+        """The pieces of the ranks ``here`` (one rank with a process group, all without), in
+        schedule order with each all-reduce after the transfer that follows it."""
+        n, one = self.n, world == 1
+        actions = self.plan.schedule.ranks
+        order = list(range(len(actions[0])))
+        for k in range(len(order) - 1):  # A p, X p -> X p, A p: the transfer goes first
+            if actions[0][order[k]].kind == "A" and actions[0][order[k + 1]].kind == "X":
+                order[k], order[k + 1] = order[k + 1], order[k]
+        pieces: list[Piece] = []
+        slots: list[_Slot] = []
+        compute: dict[int, Optional[int]] = dict.fromkeys(here)
+        load: dict[int, Optional[int]] = dict.fromkeys(here)
+        ran: dict[tuple[str, int, int], int] = {}   # (kind, rank, partition) -> piece
+        shared: list[int] = []                      # all-reduces and the loss, for U
+
+        def add(name: str, stream: str, deps: Sequence[Optional[int]], slot: _Slot,
+                nodes: tuple[str, ...] = ()) -> int:
+            pieces.append(Piece(name, stream, tuple(sorted({d for d in deps if d is not None})),
+                                nodes))
+            slots.append(slot)
+            return len(pieces) - 1
+
+        in_backward: set[int] = set()
+        for k in order:
+            for r in here:
+                a = actions[r][k]
+                p, b, pre = a.partition, a.batch, f"r{r}:" if one else ""
+                backward, graph = r in in_backward, graphs[p]
+                if a.kind == "S":
+                    load[r] = add(f"{pre}S{p}{' bwd' if backward else ''}", LOAD, [],
+                                  _Slot("S", r, p, b, backward))
+                elif a.kind == "F":
+                    src = (r - 1) % n if one else r
+                    deps = [load[r], compute[r], ran.get(("Xf", src, p - 1))]
+                    compute[r] = ran[("F", r, p)] = add(
+                        f"{pre}F{p},{b}", COMPUTE, deps, _Slot("F", r, p, b),
+                        graph.forward_nodes if graph is not None else ())
+                    if p == n - 1 and not one:
+                        shared.append(add("loss", COMM, [compute[r]], _Slot("L", r)))
+                elif a.kind == "B":
+                    in_backward.add(r)
+                    src = (r + 1) % n if one else r
+                    deps = [load[r], compute[r], ran[("F", r, p)], ran.get(("Xb", src, p + 1))]
+                    compute[r] = ran[("B", r, p)] = add(
+                        f"{pre}B{p},{b}", COMPUTE, deps, _Slot("B", r, p, b),
+                        graph.backward_nodes if graph is not None else ())
+                elif a.kind == "X":
+                    tag = "Xb" if backward else "Xf"
+                    after = ran[("B" if backward else "F", r, p)]
+                    ran[(tag, r, p)] = add(f"{pre}X{p} {'bwd' if backward else 'fwd'}", COMM,
+                                           [after], _Slot("X", r, p, b, backward))
+                elif a.kind == "A" and r == here[0]:  # one collective for the ranks here
+                    shared.append(add(f"A{p}", COMM, [ran[("B", q, p)] for q in here],
+                                      _Slot("A", r, p)))
+                elif a.kind == "U" and r == here[0]:
+                    add("U", COMPUTE, [*shared, *compute.values()], _Slot("U", r))
+        return Program(tuple(pieces), world), tuple(slots)
+
+
+class _Step:
+    """One step of a :class:`RoundRobinProgram` bound to its tensors (a ``StepWork``)."""
+
+    def __init__(self, owner: RoundRobinProgram, program: Program, slots: tuple[_Slot, ...],
+                 graphs: Sequence[Optional[_StageGraph]], here: tuple[int, ...], world: int,
+                 batches: list, targets: list, loss_fn: Callable,
+                 optimizer: torch.optim.Optimizer):
+        self.owner, self.program, self.slots, self.graphs = owner, program, slots, graphs
+        self.here, self.world = here, world
+        self.batches, self.targets, self.loss_fn, self.optimizer = (batches, targets, loss_fn,
+                                                                    optimizer)
+        self.states = {r: _RankState() for r in here}
+        self.failed = ""
+        self._loss: Optional[torch.Tensor] = None
+
+    def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        """What piece ``index`` does (after a piece of this step failed: fail at once, naming
+        it, so that no rank waits on a peer that will not come)."""
+        slot = self.slots[index]
+        do = {"S": self._switch, "F": self._forward, "B": self._backward, "X": self._exchange,
+              "A": self._all_reduce, "L": self._all_reduce_loss, "U": self._update}[slot.kind]
+        return functools.partial(self._guarded, piece.name, functools.partial(do, slot))
+
+    def _guarded(self, name: str, do: Callable[[], None]) -> None:
+        if self.failed:
+            raise RuntimeError(f"round_robin: {name} not run: {self.failed}")
+        try:
+            do()
+        except BaseException as e:
+            self.failed = f"{name} failed: {type(e).__name__}: {e}"
+            raise
+
+    def loss(self) -> torch.Tensor:
+        """The global batch's loss (the sum of the micro-batch losses / N)."""
+        if self._loss is not None:
+            return self._loss
+        return torch.tensor(sum(s.loss for s in self.states.values()))
+
+    # -- the actions ------------------------------------------------------------------------
+    def _switch(self, slot: _Slot) -> None:
+        if slot.rank == self.here[0]:  # per rank
+            self.owner.stats["switches"] += 1
+            self.owner.stats["switch_bytes"] += self.owner.plan.param_bytes[slot.partition]
+
+    def _forward(self, slot: _Slot) -> None:
+        o, st, p, b = self.owner, self.states[slot.rank], slot.partition, slot.batch
+        names = o._stages[p - 1].sends if p > 0 else ()
+        received = st.inbox.pop(p, [])
+        if len(received) != len(names):
+            raise RuntimeError(f"round_robin: partition {p} batch {b} expected {len(names)} "
+                               f"activations, received {len(received)}")
+        inputs, target = self.batches[b], self.targets[b]
+        values = dict(zip(names, received))
+        graph = self.graphs[p]
+        run = (self._forward_eager(p, values, inputs, target) if graph is None
+               else self._forward_captured(graph, p, values, inputs, target))
+        if run.loss is not None:
+            st.loss += float(run.loss.detach())
+        st.runs[(p, b)] = run
+
+    def _forward_captured(self, graph: _StageGraph, p: int, values: dict[str, torch.Tensor],
+                          inputs: tuple, target: Any) -> _Run:
+        o = self.owner
+        floats = _floats(values)
+        consts = [v for v in tree_flatten(o._constants(p, values, inputs, target))[0]
+                  if isinstance(v, torch.Tensor)]
+        bound = o._trainable[p] + [values[nm] for nm in floats] + consts
+        with torch.no_grad():
+            out = graph.forward(*bound)
+        saved = out[graph.n_forward:]
+        if p == o.n - 1:
+            return _Run(loss=out[0], saved=saved)
+        return _Run(sent=dict(zip(o._stages[p].sends, out[:graph.n_forward])), saved=saved)
+
+    def _forward_eager(self, p: int, values: dict[str, torch.Tensor], inputs: tuple,
+                       target: Any) -> _Run:
+        o = self.owner
+        stage = o._stages[p]
+        leaves = {nm: t.detach().requires_grad_(True) if t.is_floating_point() else t
+                  for nm, t in values.items()}
+        # a clone, so that an in-place first op (ReLU(inplace=True)) does not touch the leaf
+        args = [o._input(x, inputs) if x.op in ("placeholder", "get_attr") else
+                (leaves[x.name].clone() if leaves[x.name].requires_grad else leaves[x.name])
+                for x in stage.args]
+        env = dict(leaves)
+        env.update(zip(stage.produced, stage.module(*args)))
+        if p < o.n - 1:
+            return _Run(sent={nm: o._sent_value(p, nm, env[nm]) for nm in stage.sends},
+                        leaves=leaves)
+        result = fx.node.map_arg(o._output.args[0], lambda x: env[x.name]
+                                 if x.op not in ("placeholder", "get_attr")
+                                 else o._input(x, inputs))
+        return _Run(loss=self.loss_fn(result, target) / o.n, leaves=leaves)
+
+    def _backward(self, slot: _Slot) -> None:
+        st, p, b = self.states[slot.rank], slot.partition, slot.batch
+        run = st.runs[(p, b)]
+        grads = [] if p == self.owner.n - 1 else st.grad_out.pop((p, b))
+        if self.graphs[p] is None:
+            self._backward_eager(p, run, grads)
+        else:
+            self._backward_captured(self.graphs[p], p, run, grads)
+
+    def _backward_captured(self, graph: _StageGraph, p: int, run: _Run,
+                           grads: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            out = graph.backward(*run.saved, *grads)
+        run.saved = None
+        run.leaf_grads = [g.contiguous() for g in out[:graph.n_leaves]]
+        param_grads = iter(out[graph.n_leaves:])
+        for param, has in zip(self.owner._trainable[p], graph.has_grad):
+            if has:
+                _accumulate(param, next(param_grads))
+
+    def _backward_eager(self, p: int, run: _Run, grads: list[torch.Tensor]) -> None:
+        if run.loss is not None:
+            run.loss.backward()
+        else:
+            produced = set(self.owner._stages[p].produced)
+            tensors, gts = [], []
+            for nm, g in zip(_floats(run.sent), grads):
+                if nm in produced:
+                    if run.sent[nm].requires_grad:
+                        tensors.append(run.sent[nm])
+                        gts.append(g)
+                else:  # passed through this partition unchanged
+                    leaf = run.leaves[nm]
+                    leaf.grad = g.clone() if leaf.grad is None else leaf.grad + g
+            if tensors:
+                torch.autograd.backward(tensors, gts)
+        leaves = run.leaves
+        run.leaf_grads = [(leaves[k].grad if leaves[k].grad is not None
+                           else torch.zeros_like(leaves[k])).contiguous()
+                          for k in _floats(leaves)]
+
+    def _exchange(self, slot: _Slot) -> None:
+        """Forward: send F p,b's activations to rank r+1 and receive partition p+1's input
+        from r−1. Backward: send B p,b's input gradients to r−1 and receive the gradients of
+        partition p−1's outputs (batch b's successor on this rank) from r+1."""
+        n, r, p, b = self.owner.n, slot.rank, slot.partition, slot.batch
+        st = self.states[r]
+        run = st.runs[(p, b)]
+        if not slot.backward:
+            send = [t.detach().contiguous() for t in run.sent.values()]
+            if self.world == 1:
+                self.states[(r + 1) % n].inbox[p + 1] = send
+                return
+            st.inbox[p + 1] = self._send_recv(send, [_recv_buffer(t) for t in send],
+                                              (r + 1) % n, (r - 1) % n)
+        else:
+            if self.world == 1:
+                self.states[(r - 1) % n].grad_out[(p - 1, b)] = run.leaf_grads
+                return
+            mine = (p - 1, (r - p + 1) % n)
+            prev = st.runs[mine].sent
+            st.grad_out[mine] = self._send_recv(
+                run.leaf_grads, [_recv_buffer(prev[k]) for k in _floats(prev)],
+                (r - 1) % n, (r + 1) % n)
+
+    @staticmethod
+    def _send_recv(send: list[torch.Tensor], recv: list[torch.Tensor], dest: int,
+                   src: int) -> list[torch.Tensor]:
+        ops = [dist.P2POp(dist.isend, t, dest) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, src) for t in recv]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return recv
+
+    def _all_reduce(self, slot: _Slot) -> None:
+        """Sum partition ``p``'s gradients over the ranks and average its floating-point
+        buffers (BatchNorm's running statistics: every rank ran ``p`` on its own batch)."""
+        if self.world == 1:
+            return
+        o, p = self.owner, slot.partition
+        named = [(k, prm) for k, prm in o._owned[p] if prm.grad is not None]
+        if o._sync_factory is None:
+            all_reduce_tensors([prm.grad for _, prm in named])
+        elif named:
+            if p not in o.syncs:
+                o.syncs[p] = o._sync_factory(None)
+            synced = o.syncs[p]({k: prm.grad for k, prm in named})
+            for k, prm in named:  # the sync averages; a round-robin step sums the N batches
+                prm.grad.copy_(synced[k] * self.world)
+        all_reduce_tensors(o._buffers[p], average=True)
+
+    def _all_reduce_loss(self, slot: _Slot) -> None:
+        loss = torch.tensor(self.states[slot.rank].loss)
+        dist.all_reduce(loss)
+        self._loss = loss
+
+    def _update(self, slot: _Slot) -> None:
+        self.optimizer.step()
+        self.owner.stats["steps"] += 1
