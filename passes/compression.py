@@ -5,11 +5,12 @@ The pass leaves the graph as it is and emits a
 ``"powersgd:4"`` or ``"topk:0.01"``, see :mod:`tidal.ir.compression_model`), the buckets
 (parameters in reverse order, 25 MiB buckets like DDP), the bytes sent, and Accordion's
 settings. The runtime runs the plan
-(:func:`tidal.runtime.data_parallel.compression_executor`): ``Compiled.step`` then does
+(:func:`tidal.runtime.programs.compression.compression_executor`): ``Compiled.step`` then does
 data-parallel training on the default process group (gloo on CPU, NCCL on GPU): every rank
 passes the same global batch and takes its shard of dim 0, runs forward and backward, and the
 gradients are synchronized bucket by bucket with the chosen compressor (PowerSGD, Top-K,
-random-K, signSGD, QSGD) after the backward (compression is not overlapped, §4.2.1).
+random-K, signSGD, QSGD) after the backward (compression is not overlapped, §4.2.1; with
+compression off each bucket's all-reduce overlaps the rest of backward, as DDP's does).
 Parameters and buffers are broadcast from rank 0 like DDP. With ``accordion=(low, high)``
 Accordion switches each tensor's level every ``accordion_interval`` steps; a learning-rate
 decay within the next window counts as critical when the schedule is known

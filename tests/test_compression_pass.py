@@ -158,8 +158,8 @@ def _check_uneven_batch_is_an_error(rank, size):
 
 def _check_program_runs_as_simulated(rank, size):
     """Compressed data parallelism as a program (Top-K 100 %, two buckets): two steps of
-    ``Compiled.step`` equal eager steps on the global batch; the first bucket's sync piece is
-    ready before backward ends; the simulator, running this rank's own ``last_program`` with
+    ``Compiled.step`` equal eager steps on the global batch; the syncs of a compressor start
+    after backward as the dissertation's §4.2.1 runs them; the simulator, running this rank's own ``last_program`` with
     the durations of every rank's ``last_trace``, orders the pieces of each stream of each rank
     as the executor did, and both start every piece after the pieces it depends on."""
     import torch.distributed as dist
@@ -175,7 +175,8 @@ def _check_program_runs_as_simulated(rank, size):
     assert compiled.executor.fallback_reason == "" and len(trace) == len(program.pieces)
     comm = [i for i, p in enumerate(program.pieces) if p.stream == COMM]
     assert sorted(program.pieces[i].name for i in comm) == ["broadcast", "sync 0", "sync 1"]
-    assert comm[1] < max(i for i, p in enumerate(program.pieces) if p.nodes)  # overlap
+    last_segment = max(i for i, p in enumerate(program.pieces) if p.nodes)
+    assert comm[1] > last_segment  # compressed syncs wait for the end of backward (§4.2.1)
     traces = [None] * size
     dist.all_gather_object(traces, trace)
     traces = dict(enumerate(traces))

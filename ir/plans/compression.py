@@ -7,7 +7,7 @@ the buckets (parameter names in sync order) and their byte cap, and Accordion's 
 ahead recorded from the schedule given to the pass (``accordion_lr_decays``, up to
 ``accordion_lr_horizon`` optimizer steps). ``wraps`` names the parallelism pass whose gradient
 sync it replaces (None: the runtime trains data parallel on its own). The runtime reads it in
-:func:`tidal.runtime.data_parallel.compression_executor`.
+:func:`tidal.runtime.programs.compression.compression_executor`.
 
 Example:
     >>> from tidal.ir.plan import Plan

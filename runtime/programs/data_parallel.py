@@ -1,4 +1,4 @@
-"""Data parallelism as a program: each bucket's gradient sync is a comm piece that overlaps backward.
+"""Data parallelism as a program: each bucket's gradient sync is a comm piece (beside backward).
 
 :class:`DataParallelProgram` is the rank program (``tidal.runtime.program.RankProgram``) of
 data-parallel training, with or without gradient compression: every rank passes the same global
@@ -10,7 +10,8 @@ first step, parameters) on the ``comm`` stream, then
   forward+backward graph cut where each bucket's last gradient is ready
   (``tidal.runtime.program.data_parallel``; lowered and captured as
   ``tidal.runtime.program.CapturedProgram`` does), so the sync of a bucket runs on the ``comm``
-  stream while the ``compute`` stream goes on with the rest of backward;
+  stream while the ``compute`` stream goes on with the rest of backward (without compression;
+  a compressor's syncs follow the end of backward, ``overlap``);
 * else (data-dependent control flow, an op that cannot run captured): eager ``forward`` and
   ``backward`` pieces (autograd), and ``fallback_reason`` says why, naming the node at fault;
 
@@ -37,9 +38,8 @@ Example:
     >>> x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     >>> loss = ex.step(model, model, (x,), y, torch.nn.functional.cross_entropy, opt)
     >>> [(p.name, p.stream) for p in ex.last_program.pieces]  # doctest: +NORMALIZE_WHITESPACE
-    [('broadcast', 'comm'), ('segment 0', 'compute'), ('sync 0', 'comm'),
-     ('segment 1', 'compute'), ('sync 1', 'comm'), ('segment 2', 'compute'), ('sync 2', 'comm'),
-     ('optimizer', 'compute')]
+    [('broadcast', 'comm'), ('segment 0', 'compute'), ('sync 0', 'comm'), ('sync 1', 'comm'),
+     ('sync 2', 'comm'), ('optimizer', 'compute')]
     >>> ex.fallback_reason, ex.compressor.residual("2.weight") is not None   # error feedback
     ('', True)
 """
@@ -61,7 +61,7 @@ from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import flat_tensors
 from tidal.runtime.accordion import Accordion, LrLookahead
 from tidal.runtime.backend import backend_for
-from tidal.runtime.compressors import Comm, Compressor
+from tidal.runtime.compressors import Comm, Compressor, NoCompression
 from tidal.runtime.grad_sync import GradSync
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program, _grad_nodes,
                                    data_parallel)
@@ -117,7 +117,11 @@ class DataParallelProgram:
     under the same cap (the plan's, for float32 parameters: the grouping never changes a
     compressor's result, see :meth:`~tidal.runtime.grad_sync.GradSync.bucket`).
     ``accordion``: an :class:`~tidal.runtime.accordion.Accordion` deciding the levels every
-    ``accordion_interval`` steps. ``capture=False`` runs the eager program. ``state_dict``/
+    ``accordion_interval`` steps. ``capture=False`` runs the eager program. ``overlap``: a
+    bucket's sync starts when its gradients are ready, beside the rest of backward (default:
+    only without compression; compressed syncs wait for the end of backward as the
+    dissertation's §4.2.1 does, since encoding competes with backward for the device and the
+    performance model, ``tidal.ir.perf_model``, assumes it). ``state_dict``/
     ``load_state_dict`` checkpoint the compressor and the Accordion controller; run it with
     ``tidal.runtime.program.ProgramExecutor``."""
 
@@ -125,13 +129,16 @@ class DataParallelProgram:
                  buckets: Optional[Sequence[Sequence[str]]] = None,
                  bucket_bytes: float = DDP_BUCKET_BYTES, accordion: Optional[Accordion] = None,
                  accordion_interval: int = 100, lr_lookahead: Optional[LrLookahead] = None,
-                 group: Optional[dist.ProcessGroup] = None, capture: bool = True):
+                 group: Optional[dist.ProcessGroup] = None, capture: bool = True,
+                 overlap: Optional[bool] = None):
         self.buckets = None if buckets is None else tuple(tuple(b) for b in buckets)
         self.bucket_bytes = bucket_bytes
         self.grad_sync = GradSync(compressor, bucket_bytes=bucket_bytes, buckets=self.buckets,
                                   group=group)
         self.accordion = accordion
         self.accordion_interval = accordion_interval
+        compressed = not isinstance(self.grad_sync.compressor, NoCompression)
+        self.overlap = not compressed if overlap is None else overlap
         self.lr_lookahead = lr_lookahead
         self.steps = 0
         self.fallback_reason = "" if capture else "capture=False: eager pieces were asked for"
@@ -193,7 +200,8 @@ class DataParallelProgram:
                 reason = str(e)
             else:
                 pieces = [replace(p, name=f"sync {p.name.split()[-1]}") if p.stream == COMM
-                          else p for p in data_parallel(step, world, self.bucket_bytes).pieces]
+                          else p for p in data_parallel(step, world, self.bucket_bytes,
+                                                       overlap=self.overlap).pieces]
                 program = self._program(pieces, world)
                 flat = _flat(step, gm, inputs, targets)
                 with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
