@@ -450,6 +450,12 @@ class ProgramJob:
     memory_bytes: int = 0
     losses: list = field(default_factory=list)
 
+    def ready(self, index: int) -> bool:
+        """Step ``index`` is bound once step ``index - 1`` has ended (binding reads the state
+        the previous step left, and may agree with the other ranks on a new shape's program:
+        a collective that must not interleave with the previous step's)."""
+        return len(self.losses) >= index
+
     def iteration(self, index: int) -> Optional[list[SchedulerPiece]]:
         """The pieces of iteration ``index`` (None past the last)."""
         if self.iterations is not None and index >= self.iterations:

@@ -65,7 +65,9 @@ class Piece:
 
 class Job(Protocol):
     """What ``Runtime.submit`` takes: a ``name``, ``memory_bytes`` it needs per iteration, and
-    ``iteration(i)`` returning the pieces of iteration ``i`` (None when the job is done)."""
+    ``iteration(i)`` returning the pieces of iteration ``i`` (None when the job is done). A job
+    may also have ``ready(i)``: iteration ``i`` is asked for only once it returns True (a
+    training step built from the state the previous step left)."""
 
     name: str
     memory_bytes: int
@@ -372,6 +374,9 @@ class Runtime:
             h.held = True
             return False
         h.held = False
+        ready = getattr(h.job, "ready", None)
+        if ready is not None and not ready(h.next_index):
+            return False  # the job builds this iteration once the previous one has ended
         try:
             pieces = h.job.iteration(h.next_index)
             if pieces is not None and not pieces:

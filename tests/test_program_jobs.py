@@ -44,3 +44,24 @@ def test_a_program_job_and_a_background_job_train_as_their_own_steps():
     expected_bg = [float(bg_c.step(*bg_batches(i))) for i in range(2)]
     torch.testing.assert_close(torch.stack(bg_job.job.losses), torch.tensor(expected_bg),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_program_job_builds_a_step_once_the_previous_one_ended():
+    """Binding step i reads what step i-1 left (and may run a collective): the scheduler asks
+    for it only after step i-1's last piece, though it refills queues early otherwise."""
+    import time
+
+    from tidal.runtime.program import ProgramJob
+    from tidal.runtime.scheduler import Piece
+
+    seen = []
+
+    def make(i):
+        seen.append(len(job.losses))
+        return [Piece("work", lambda: time.sleep(0.01))], lambda: torch.tensor(float(i))
+
+    job = ProgramJob("train", make, iterations=3)
+    with Runtime(backend=CpuBackend(slots=None)) as rt:
+        rt.submit(job, priority="high")
+        rt.run()
+    assert seen == [0, 1, 2] and [float(l) for l in job.losses] == [0.0, 1.0, 2.0]
