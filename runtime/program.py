@@ -258,16 +258,10 @@ class ProgramRunner:
         flat = fx_pytree.tree_flatten_spec(
             ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
              _as_inputs(inputs), targets), spec)
-        captured = self._captured(program, step, flat)
-        run = captured.lowered.pieces(*flat)
+        run = self._captured(program, step, flat).run(flat)
         loss_node, grad_nodes = _grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
         world = dist.get_world_size(self.group) if _distributed() else 1
-
-        def segment(steps: Sequence[int]) -> None:
-            with torch.no_grad():  # the joint graph computes gradients itself
-                for k in steps:
-                    run.pieces[k].fn()
 
         def all_reduce(indices: Sequence[int]) -> None:
             grads = [run.value(grad_nodes[i]) for i in indices]
@@ -288,7 +282,7 @@ class ProgramRunner:
 
         def work(index: int, piece: Piece) -> Callable[[], Any]:
             if piece.nodes:
-                return functools.partial(segment, captured.steps[index])
+                return run.segment(index)
             if piece.grads:
                 return functools.partial(all_reduce, piece.grads)
             return apply
@@ -305,7 +299,7 @@ class ProgramRunner:
                   ) -> "CapturedProgram":
         key = (id(program), id(step))
         if key not in self._captures:
-            self._captures[key] = CapturedProgram.build(program, step, flat, self.backend)
+            self._captures[key] = CapturedProgram.build(program, step.gm, flat, self.backend)
         return self._captures[key]
 
 
@@ -320,10 +314,13 @@ class CapturedProgram:
     steps: Mapping[int, tuple[int, ...]]
 
     @classmethod
-    def build(cls, program: Program, step: TrainStep, flat: Sequence[Any], backend: Any
+    def build(cls, program: Program, gm: fx.GraphModule, flat: Sequence[Any], backend: Any
               ) -> "CapturedProgram":
+        """Lower ``gm`` (a joint graph whose placeholders take ``flat``) cut after the last
+        node of each of ``program``'s segments, and capture it on ``flat`` (on copies: an
+        uncaptured step that writes an input runs during capture)."""
         cuts = [p.nodes[-1] for p in program.pieces if p.nodes]
-        lowered = lower(step.gm, list(flat), backend=backend, cuts=cuts)
+        lowered = lower(gm, list(flat), backend=backend, cuts=cuts)
         owner = {name: k for k, info in enumerate(lowered.report.steps) for name in info.nodes}
         steps = {i: tuple(dict.fromkeys(owner[n] for n in p.nodes if n in owner))
                  for i, p in enumerate(program.pieces) if p.nodes}
@@ -333,6 +330,33 @@ class CapturedProgram:
         """(node, reason) of each step that runs uncaptured."""
         return [(info.nodes[0], info.reason) for info in self.lowered.report.steps
                 if info.kind != "captured"]
+
+    def run(self, flat: Sequence[Any]) -> "CapturedRun":
+        """One run over the inputs ``flat`` (a fresh environment of values)."""
+        return CapturedRun(self, self.lowered.pieces(*flat))
+
+
+@dataclass(frozen=True)
+class CapturedRun:
+    """One run of a :class:`CapturedProgram`: ``segment(i)`` is the work of program piece
+    ``i`` (its lowered steps, in order, without autograd: the joint graph computes gradients
+    itself); ``value(node)`` reads a value once the piece that computes it ran."""
+
+    captured: CapturedProgram
+    pieces: Any  # tidal.runtime.lower.PieceRun
+
+    def segment(self, index: int) -> Callable[[], None]:
+        """The function that runs program piece ``index``."""
+        return functools.partial(self._steps, self.captured.steps[index])
+
+    def _steps(self, steps: Sequence[int]) -> None:
+        with torch.no_grad():
+            for k in steps:
+                self.pieces.pieces[k].fn()
+
+    def value(self, node: fx.Node) -> Any:
+        """The value of ``node`` (see ``tidal.runtime.lower.PieceRun.value``)."""
+        return self.pieces.value(node)
 
 
 class StepWork(Protocol):

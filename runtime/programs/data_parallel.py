@@ -207,7 +207,7 @@ class DataParallelProgram:
                 with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
                     try:
                         captured = _Captured(step, CapturedProgram.build(
-                            program, step, flat, backend_for(flat_tensors(flat)[0].device)))
+                            program, step.gm, flat, backend_for(flat_tensors(flat)[0].device)))
                     except Exception as e:  # noqa: BLE001 - the eager program runs, named
                         reason = "the captured step failed to run: " + (
                             _failing_node(step, flat) or f"{type(e).__name__}: {e}")
@@ -369,16 +369,11 @@ class _CapturedStep(_Step):
                  optimizer: torch.optim.Optimizer, gm: torch.nn.Module, captured: _Captured,
                  inputs: Any, targets: Any):
         super().__init__(owner, program, model, optimizer, gm, captured.step.param_names)
-        self._steps = captured.program.steps
-        self._run = captured.program.lowered.pieces(*_flat(captured.step, gm, inputs, targets))
+        self._run = captured.program.run(_flat(captured.step, gm, inputs, targets))
         self._loss_node, self._grad_nodes = _grad_nodes(captured.step)
 
     def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
-        return functools.partial(self._segment, self._steps[index])
-
-    def _segment(self, steps: Sequence[int]) -> None:
-        for k in steps:
-            self._run.pieces[k].fn()
+        return self._run.segment(index)
 
     def grad(self, index: int) -> torch.Tensor:
         return self._run.value(self._grad_nodes[index])
