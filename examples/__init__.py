@@ -3,7 +3,8 @@ repository (the repository root on ``sys.path``): ``examples.models``, ``example
 
 The repository root is also the package ``tidal``; importing this folder as ``tidal.examples``
 would load every zoo module a second time under another name (two ``LlamaForCausalLM`` classes
-that ``isinstance`` tells apart), so it is refused."""
-if __name__ != "examples":
+that ``isinstance`` tells apart), so it is refused. (A model file given to the CLI by path is
+imported under its package's name from where it lies; that is the user's choice.)"""
+if __name__ == "tidal.examples":
     raise ImportError(f"import the in-repo examples as 'examples' (examples.models), not as "
                       f"{__name__!r}")
