@@ -153,7 +153,8 @@ class Compiled:
 
     def report(self) -> str:
         """A table of the compile stages and passes: wall time, node counts, what was added
-        and removed, and each plan's summary, followed by the passes' notes."""
+        and removed, and each plan's summary, followed by the passes' notes and, after a
+        step, what the runtime ran uncaptured (the node and why)."""
         rows = []
         for r in self.records:
             rows.append([r.name, round(r.seconds * 1e3, 1), r.nodes_before, r.nodes_after,
@@ -161,6 +162,8 @@ class Compiled:
         text = format_table(["pass", "ms", "nodes in", "nodes out", "added", "removed", "plan"],
                             rows)
         notes = [f"  {r.name}: {n}" for r in self.records for n in r.notes]
+        if isinstance(self.executor, ProgramExecutor):  # known once a step has run
+            notes += [f"  runtime: {n}" for n in self.executor.notes()]
         return text + ("\nnotes:\n" + "\n".join(notes) if notes else "")
 
     def dump(self, out_dir: Union[str, Path], *, scaling: Any = None) -> Path:

@@ -431,6 +431,15 @@ class ProgramExecutor:
 
         return ProgramJob(name, pieces, iterations)
 
+    def notes(self) -> list[str]:
+        """One line per thing the latest step ran uncaptured (``uncaptured()`` of the rank
+        program, when it has one): the node and why, for ``Compiled.report()``."""
+        uncaptured = getattr(self.rank_program, "uncaptured", None)
+        if uncaptured is None:
+            return []
+        return [f"runs uncaptured: {node} ({reason})" if node != "-" else
+                f"runs uncaptured: {reason}" for node, reason in uncaptured()]
+
     def close(self) -> None:
         """Stop the runner's stream workers (a later step starts new ones)."""
         if self._runner is not None:

@@ -65,3 +65,26 @@ def test_a_program_job_builds_a_step_once_the_previous_one_ended():
         rt.submit(job, priority="high")
         rt.run()
     assert seen == [0, 1, 2] and [float(l) for l in job.losses] == [0.0, 1.0, 2.0]
+
+
+def test_the_report_names_what_a_step_ran_uncaptured():
+    """Data parallelism (compression off) lowers the joint graph: a buffer written in place in
+    forward runs uncaptured, and the report names its node after the first step."""
+    from tidal.passes.compression import CompressionPass
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 3)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen.add_(x.shape[0])
+            return self.lin(x)
+
+    c = _compiled(Counting(), [CompressionPass(mode="off")])
+    assert "runs uncaptured" not in c.report()
+    c.step(*_batches(3)(0))
+    line = next(l for l in c.report().splitlines() if "runs uncaptured" in l)
+    assert "runtime:" in line and "add_" in line and "in-place update" in line
+    assert float(c.model.seen) == 8.0

@@ -444,6 +444,11 @@ class BurstProgram:
         return StepLayout(Program(tuple(pieces), size), cut, tuple(actions), grads, buffers,
                           _eager_reason(gm))
 
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """What the latest step ran uncaptured: the whole step (its compute pieces are eager
+        forward/backward stages), with ``fallback_reason`` naming the collective node."""
+        return [("-", self.fallback_reason)] if self.fallback_reason else []
+
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "BurstStep":
         """One training step on the global batch (see the module docstring); its program is

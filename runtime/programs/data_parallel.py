@@ -144,6 +144,14 @@ class DataParallelProgram:
         self.fallback_reason = "" if capture else "capture=False: eager pieces were asked for"
         self._window_lr: Optional[float] = None
         self._programs: dict[tuple, tuple[Optional[_Captured], Program]] = {}
+        self._latest: Optional[_Captured] = None
+
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of what the latest step ran uncaptured: nodes of the lowered joint
+        graph, or ``("-", fallback_reason)`` when the step ran as the eager program."""
+        if self._latest is None:
+            return [("-", self.fallback_reason)] if self.fallback_reason else []
+        return self._latest.program.uncaptured()
 
     @property
     def compressor(self) -> Compressor:
@@ -181,6 +189,7 @@ class DataParallelProgram:
         if key not in self._programs:
             self._programs[key] = self._build(gm, model, local, local_targets, loss_fn)
         captured, program = self._programs[key]
+        self._latest = captured
         if captured is None:
             return _EagerStep(self, program, model, optimizer, gm, local, local_targets, loss_fn)
         return _CapturedStep(self, program, model, optimizer, gm, captured, local, local_targets)
