@@ -84,18 +84,44 @@ def _is_bool_tensor(arg: Any) -> bool:
     return False
 
 
-def _mutates_input(gm: fx.GraphModule, n: fx.Node) -> bool:
+_UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
+    "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
+    "aten::batch_norm", "aten::_batch_norm_impl_index")}
+"""Ops that update running statistics in training without saying so in their schema."""
+
+
+def _training(n: fx.Node, schema: Any) -> bool:
+    names = [a.name for a in schema.arguments]
+    if "training" not in names:
+        return True
+    i = names.index("training")
+    return bool(n.args[i] if i < len(n.args) else n.kwargs.get("training", True))
+
+
+def _written_input(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
+    """The graph input ``n`` writes in place, if any: an aten op's argument its schema marks
+    written (``add_``'s self, ``native_batch_norm``'s running statistics), or the first
+    argument of an in-place method or module."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        hidden = _UNDECLARED_WRITES.get(schema.name, ())
+        for i, arg in enumerate(schema.arguments):
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if isinstance(value, fx.Node) and value.op == "placeholder" and (
+                    written or (arg.name in hidden and _training(n, schema))):
+                return value
+        return None
     first = n.args[0] if n.args else None
     if not (isinstance(first, fx.Node) and first.op == "placeholder"):
-        return False
+        return None
     if n.op == "call_method":
-        return n.target.endswith("_") and not n.target.endswith("__")
-    if n.op == "call_module":
-        return bool(getattr(gm.get_submodule(n.target), "inplace", False))
-    schema = getattr(n.target, "_schema", None)  # an aten op that writes its first argument
-    if schema is not None and schema.arguments and schema.arguments[0].alias_info is not None:
-        return bool(schema.arguments[0].alias_info.is_write)
-    return bool(n.kwargs.get("inplace", False))
+        inplace = n.target.endswith("_") and not n.target.endswith("__")
+    elif n.op == "call_module":
+        inplace = bool(getattr(gm.get_submodule(n.target), "inplace", False))
+    else:
+        inplace = bool(n.kwargs.get("inplace", False))
+    return first if inplace else None
 
 
 def stop_reason(gm: fx.GraphModule, n: fx.Node) -> Optional[tuple[str, str]]:
@@ -117,8 +143,9 @@ def stop_reason(gm: fx.GraphModule, n: fx.Node) -> Optional[tuple[str, str]]:
         return "eager", "data-dependent output shape (where(cond))"
     if target is operator.getitem and len(n.args) > 1 and _is_bool_tensor(n.args[1]):
         return "eager", "data-dependent output shape (boolean-mask indexing)"
-    if _mutates_input(gm, n):
-        return "eager", f"in-place update of graph input {n.args[0].name}"
+    written = _written_input(gm, n)
+    if written is not None:
+        return "eager", f"in-place update of graph input {written.name}"
     return None
 
 

@@ -127,3 +127,24 @@ def test_hooks_keep_the_module_call_and_bad_inputs_are_named():
         lowered(y=x)
     with pytest.raises(TypeError, match="GraphModule"):
         lower(model, (x,))
+
+
+def test_batch_norm_statistics_written_by_a_joint_graph_run_uncaptured():
+    """``native_batch_norm`` updates the running statistics without saying so in its schema; a
+    CUDA graph would write its static copies, so the node runs uncaptured (named)."""
+    from tidal.ir.capture import capture_train_step
+    from tidal.runtime.lower import stop_reason
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    step = capture_train_step(model, (torch.randn(6, 4),), torch.randn(6, 8),
+                              torch.nn.functional.mse_loss)
+    reasons = {n.target.__name__.split(".")[0]: stop_reason(step.gm, n)
+               for n in step.gm.graph.nodes if n.op == "call_function"}
+    assert reasons["native_batch_norm"][0] == "eager"
+    assert "in-place update of graph input" in reasons["native_batch_norm"][1]
+    assert reasons["native_batch_norm_backward"] is None
+    model.eval()
+    frozen = capture_train_step(model, (torch.randn(6, 4),), torch.randn(6, 8),
+                                torch.nn.functional.mse_loss)
+    assert all(stop_reason(frozen.gm, n) is None for n in frozen.gm.graph.nodes
+               if n.op == "call_function" and "batch_norm" in str(n.target))

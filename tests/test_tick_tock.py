@@ -69,10 +69,11 @@ def _reference(world):
     return applied, tick.state_dict(), tock.state_dict()
 
 
-def _train(world, extra=()):
-    """tick_tock (plus ``extra`` passes) for STEPS steps: the compiled model and, as plain
-    data, each step's applied wave gradients, the final parameters and the tock replica."""
-    model = _model()
+def _train(world, extra=(), model_fn=None):
+    """tick_tock (plus ``extra`` passes) for STEPS steps on ``model_fn()`` (default: _model):
+    the compiled model and, as plain data, each step's applied wave gradients, the final
+    parameters and the tock replica."""
+    model = (model_fn or _model)()
     x, y = _data(0)
     c = tidal.compile(model, x, passes=[TickTock(ranks=world), *extra], example_targets=y,
                       loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
@@ -123,6 +124,33 @@ def _check(result, world):
 
 def test_one_process_waves_follow_lemma_1():
     _check(_run_tick_tock(0, 1), 1)
+
+
+class _Counting(torch.nn.Module):
+    """_model with a buffer its forward writes in place: how many samples it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(x.shape[0])
+        return self.net(x)
+
+
+def test_compute_pieces_are_captured_and_a_buffer_written_in_place_runs_uncaptured():
+    c, _ = _train(1)
+    assert c.executor.uncaptured() == []  # every node of both waves' F and B runs captured
+    c, (applied, tick_sd, tock_sd) = _train(1, model_fn=_Counting)
+    assert c.executor.fallback_reason == ""
+    ((node, why),) = c.executor.uncaptured()
+    assert node.startswith("add_") and "in-place update" in why, (node, why)
+    # as eager: each wave's forward counts its shard once a step, on its own replica
+    assert tick_sd.pop("seen") == tock_sd.pop("seen") == STEPS * BATCH // 2
+    net = lambda sd: {k.removeprefix("net."): v for k, v in sd.items()}  # noqa: E731
+    _check(([{w: net(g) for w, g in step.items()} for step in applied], net(tick_sd),
+            net(tock_sd)), 1)
 
 
 def _two_ranks(rank, world):

@@ -10,9 +10,13 @@ first step, with a clone of the optimizer: :func:`clone_optimizer`). The program
   compute stream, ``tick`` or ``tock`` (two high-priority streams, so one wave's backward
   overlaps the other's forward); the tock's forward waits for the tick's forward to end (the
   paper's ``F_end`` signal). Each is a segment of the joint forward+backward graph
-  (``tidal.ir.capture.capture_train_step``, captured once per input shape and run by each wave
-  on its own parameters); a step that cannot be captured or whose captured graph fails to run
-  runs ``F``/``B`` eagerly with autograd, and ``fallback_reason`` says why.
+  (``tidal.ir.capture.capture_train_step``, captured once per input shape), lowered and
+  captured as ``tidal.runtime.program.CapturedProgram`` does (CUDA graphs on a GPU, the
+  straight-line replay on the CPU), once per wave: the two waves run at the same time and a
+  captured step's buffers are static. Nodes that cannot run captured (an in-place update of a
+  buffer, a host sync) run uncaptured in their segment, and :meth:`TickTockProgram.uncaptured`
+  names them; a step that cannot be captured or whose captured graph fails to run runs
+  ``F``/``B`` eagerly with autograd, and ``fallback_reason`` says why, naming the node.
 - ``A`` on the ``comm`` stream: the cross-wave average of Eq. 1, ``(g_m + g_{m-1}) / 2`` with
   the other wave's latest raw gradient (the tock's ``A`` waits for the tick's ``B``; the tick's
   uses the tock gradient of the previous step), then the wave's own gradient sync (a process
@@ -35,8 +39,8 @@ Example:
     ...                   loss_fn=torch.nn.functional.cross_entropy,
     ...                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     >>> _ = c.step((torch.randn(4, 4),), torch.tensor([0, 1, 1, 0]))
-    >>> sorted(c.executor.last_applied), c.executor.fallback_reason
-    (['K', 'T'], '')
+    >>> sorted(c.executor.last_applied), c.executor.fallback_reason, c.executor.uncaptured()
+    (['K', 'T'], '', [])
     >>> [(t.name, t.stream) for t in c.executor.last_trace][:4]
     [('tick F', 'tick'), ('tick B', 'tick'), ('tock F', 'tock'), ('tock B', 'tock')]
 """
@@ -45,22 +49,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.fx import _pytree as fx_pytree
 
-from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
+from tidal.ir.capture import TrainStep, capture_train_step
 from tidal.ir.collectives import new_group
 from tidal.ir.errors import TidalError, TraceError
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.schedule import Action, Schedule, split_batch
+from tidal.runtime.backend import backend_for
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
-from tidal.runtime.program import COMM, Piece, Program
+from tidal.runtime.program import COMM, CapturedProgram, CapturedRun, Piece, Program
+from tidal.runtime.programs.data_parallel import _failing_node, _flat
 
 PLAN_KIND = "TickTockPlan"
 
@@ -167,48 +173,16 @@ def _split(step: TrainStep) -> tuple[list[fx.Node], list[fx.Node], fx.Node, list
     return nodes[:cut], nodes[cut:], loss, grads
 
 
-class _Segments:
-    """Runs the joint graph of ``step`` segment by segment on one wave's tensors: ``start``
-    binds the inputs, ``run(nodes)`` runs a segment (values freed after their last use)."""
-
-    def __init__(self, step: TrainStep):
-        self.step = step
-        self.interp = fx.Interpreter(step.gm, garbage_collect_values=True)
-
-    def start(self, params: dict, buffers: dict, inputs: Any, targets: Any) -> None:
-        spec = self.step.gm.graph._codegen.pytree_info.in_spec
-        flat = fx_pytree.tree_flatten_spec(
-            ({k: params[k] for k in self.step.param_names},
-             {k: buffers[k] for k in self.step.buffer_names}, _as_inputs(inputs), targets), spec)
-        self.interp.env = {}
-        self.interp.args_iter = iter(flat)
-
-    def run(self, nodes: Sequence[fx.Node]) -> None:
-        env, last_uses = self.interp.env, self.interp.user_to_last_uses
-        with torch.no_grad():
-            for node in nodes:
-                env[node] = self.interp.run_node(node)
-                for dead in last_uses.get(node, ()):
-                    env.pop(dead, None)
-
-    def value(self, node: fx.Node) -> Any:
-        return self.interp.env[node]
-
-    def clear(self) -> None:
-        """Drop every value still held (the backward's gradients are the wave's by then)."""
-        self.interp.env = {}
-
-
 @dataclass
 class _Captured:
     """A step captured for one input shape: the graph (None: eager pieces), its program, the
-    forward/backward/loss/gradient nodes and each wave's segment runner."""
+    loss and gradient nodes and each wave's lowered, captured segments (one
+    :class:`~tidal.runtime.program.CapturedProgram` per wave: both waves' runs are alive at
+    once, and on CUDA a captured step's input and output buffers are static)."""
 
     program: Program
     step: Optional[TrainStep] = None
-    segments: dict[str, _Segments] = field(default_factory=dict)
-    forward: list[fx.Node] = field(default_factory=list)
-    backward: list[fx.Node] = field(default_factory=list)
+    waves: dict[str, CapturedProgram] = field(default_factory=dict)
     loss: Optional[fx.Node] = None
     grads: list[fx.Node] = field(default_factory=list)
 
@@ -238,7 +212,8 @@ class TickTockProgram:
     ``tidal.runtime.program.ProgramExecutor``. ``tock`` is the tock replica (after the first
     step); ``last_applied[wave][name]`` the gradient each wave applied in the last step;
     ``syncs[wave]`` the wave's gradient sync (after the first step); ``fallback_reason`` why
-    the waves run ``F``/``B`` eagerly ('' when they run captured segments)."""
+    the waves run ``F``/``B`` eagerly ('' when they run captured segments); :meth:`uncaptured`
+    what the latest step ran uncaptured."""
 
     def __init__(self, plan: Any):
         self.plan = plan
@@ -251,6 +226,8 @@ class TickTockProgram:
         self.syncs: dict[str, GradSync] = {}
         self.last_applied: dict[str, dict[str, torch.Tensor]] = {}
         self.fallback_reason = ""
+        self._fallback_node = ""
+        self._latest: Optional[_Captured] = None
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:
         """Sync each wave's gradients with ``factory(group)`` (e.g. a compressor's) instead of
@@ -273,33 +250,51 @@ class TickTockProgram:
             self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
         self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
 
-    def _capture(self, gm: fx.GraphModule, inputs: tuple, targets: Any, loss_fn: Callable,
-                 world: int) -> _Captured:
-        """The captured step and program for these shard shapes (once per shape)."""
-        key = (world,) + tuple((tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of what the latest step ran uncaptured: the nodes of the lowered
+        joint graph that run outside a captured segment (both waves run the same graph), or
+        ``(node or "-", fallback_reason)`` when the waves ran ``F``/``B`` eagerly."""
+        if self._latest is None or self._latest.step is None:
+            return [(self._fallback_node or "-", self.fallback_reason)] \
+                if self.fallback_reason else []
+        return self._latest.waves[WAVES[0]].uncaptured()
+
+    def _capture(self, waves: dict[str, _Wave], loss_fn: Callable, world: int) -> _Captured:
+        """The captured step and program for these shard shapes (once per shape; the waves'
+        shards have the same shapes): each wave's segments lowered and captured on its own
+        tensors (on copies, the random state restored), or the eager program."""
+        tick = waves[WAVES[0]]
+        key = (world,) + tuple((tuple(t.shape), t.dtype)
+                               for t in flat_tensors((tick.inputs, tick.targets)))
         if key in self._captured:
             return self._captured[key]
-        grads = sum(1 for p in gm.parameters() if p.requires_grad)
+        grads = sum(1 for p in tick.gm.parameters() if p.requires_grad)
         eager = _Captured(tick_tock(self.plan.schedule, world, grads=grads))
+        self._captured[key] = eager
         if self.fallback_reason:
-            self._captured[key] = eager
             return eager
         try:
-            step = capture_train_step(gm, inputs, targets, loss_fn)
+            step = capture_train_step(tick.gm, tick.inputs, tick.targets, loss_fn)
         except TraceError as e:
             self.fallback_reason = str(e)
-            self._captured[key] = eager
             return eager
         forward, backward, loss, grad_nodes = _split(step)
-        why = _dry_run(step, gm, forward + backward, inputs, targets)
-        if why:
-            self.fallback_reason = why
-            self._captured[key] = eager
-            return eager
         program = tick_tock(self.plan.schedule, world, [n.name for n in forward],
                             [n.name for n in backward], len(grad_nodes))
-        self._captured[key] = _Captured(program, step, {w: _Segments(step) for w in WAVES},
-                                        forward, backward, loss, grad_nodes)
+        flats = {w.name: _flat(step, w.gm, w.inputs, w.targets) for w in waves.values()}
+        device = flat_tensors(flats[tick.name])[0].device
+        with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
+            try:  # a backend (CUDA: a graph memory pool) per wave: the waves replay at once
+                lowered = {w: CapturedProgram.build(program, step.gm, flat, backend_for(device))
+                           for w, flat in flats.items()}
+            except Exception as e:  # noqa: BLE001 - the waves run eagerly, the node named
+                why = _failing_node(step, flats[tick.name])
+                node = re.match(r"node '([^']+)'", why)
+                self._fallback_node = node.group(1) if node else ""
+                self.fallback_reason = "the captured step failed to run: " + (
+                    why or f"{type(e).__name__}: {e}")
+                return eager
+        self._captured[key] = _Captured(program, step, lowered, loss, grad_nodes)
         return self._captured[key]
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
@@ -310,7 +305,6 @@ class TickTockProgram:
         ys = split_batch(targets, 2 * world, "tick_tock targets")
         if self.tock is None:
             self._start(gm, optimizer, world)
-        captured = self._capture(gm, xs[rank], ys[rank], loss_fn, world)
         waves = {"T": _Wave("T", gm, optimizer, xs[rank], ys[rank], self._groups[0],
                             self.syncs["T"]),
                  "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
@@ -319,26 +313,8 @@ class TickTockProgram:
             named = [(k, p) for k, p in w.gm.named_parameters() if p.requires_grad]
             w.names, w.params = tuple(k for k, _ in named), tuple(p for _, p in named)
             w.optimizer.zero_grad(set_to_none=True)
+        self._latest = captured = self._capture(waves, loss_fn, world)
         return _TickTockStep(self, captured, waves, loss_fn, world)
-
-
-def _dry_run(step: TrainStep, gm: fx.GraphModule, nodes: list[fx.Node], inputs: tuple,
-             targets: Any) -> str:
-    """Run the captured step once on ``gm``'s parameters and copies of its buffers (random
-    state restored): '' when it runs, else why not, naming the node (e.g. a fused kernel the
-    capture recorded but cannot replay)."""
-    seg = _Segments(step)
-    seg.start(dict(gm.named_parameters()),
-              {k: b.clone() for k, b in gm.named_buffers()}, inputs, targets)
-    with torch.random.fork_rng(devices=[]):
-        for node in nodes:
-            try:
-                seg.run([node])
-            except Exception as e:  # noqa: BLE001 - any failure means: run eagerly, say why
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                return (f"the captured step fails at node {node.name!r} ({node.target}): "
-                        f"{type(e).__name__}: {first}")
-    return ""
 
 
 class _TickTockStep:
@@ -352,6 +328,10 @@ class _TickTockStep:
         self.prev_tock = owner._prev_tock
         self.failed: list[str] = []
         self._loss: Optional[torch.Tensor] = None
+        self.runs: dict[str, CapturedRun] = {}  # each wave's run of its captured segments
+        if captured.step is not None:
+            self.runs = {w.name: captured.waves[w.name].run(
+                _flat(captured.step, w.gm, w.inputs, w.targets)) for w in waves.values()}
 
     def work(self, index: int, piece: Piece) -> Callable[[], None]:
         """What piece ``index`` does; once a piece failed, the later ones are skipped."""
@@ -362,6 +342,8 @@ class _TickTockStep:
             wave = self.waves[WAVES[STREAMS.index(stream)]]
             action = functools.partial({"F": self._forward, "B": self._backward,
                                         "A": self._sync, "U": self._update}[kind], wave)
+            if kind in "FB" and self.runs:  # a captured segment: piece index's lowered steps
+                action = functools.partial(action, self.runs[wave.name].segment(index))
 
         def run() -> None:
             if self.failed:
@@ -374,26 +356,20 @@ class _TickTockStep:
                 raise
         return run
 
-    def _forward(self, w: _Wave) -> None:
-        c = self.captured
-        if c.step is None:
+    def _forward(self, w: _Wave, segment: Optional[Callable[[], None]] = None) -> None:
+        if segment is None:
             w.loss = self.loss_fn(w.gm(*w.inputs), w.targets)
             return
-        seg = c.segments[w.name]
-        seg.start(dict(w.gm.named_parameters()), dict(w.gm.named_buffers()), w.inputs, w.targets)
-        seg.run(c.forward)
-        w.loss = seg.value(c.loss)
+        segment()
+        w.loss = self.runs[w.name].value(self.captured.loss)
 
-    def _backward(self, w: _Wave) -> None:
-        c = self.captured
-        if c.step is None:
+    def _backward(self, w: _Wave, segment: Optional[Callable[[], None]] = None) -> None:
+        if segment is None:
             grads = torch.autograd.grad(w.loss, w.params, allow_unused=True)
             w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(w.params, grads)]
             return
-        seg = c.segments[w.name]
-        seg.run(c.backward)
-        w.raw = [seg.value(g) for g in c.grads]
-        seg.clear()  # the activations go
+        segment()  # the activations are freed after their last use
+        w.raw = [self.runs[w.name].value(g) for g in self.captured.grads]
 
     def _sync(self, w: _Wave) -> None:
         other = self.waves["T"].raw if w.name == "K" else self.prev_tock
@@ -424,7 +400,10 @@ class _TickTockStep:
     def loss(self) -> torch.Tensor:
         """The step's loss (both waves, all ranks); keeps this step's tock gradient for the
         next tick average and the gradients the waves applied."""
-        self.owner._prev_tock = self.waves["K"].raw
+        raw = self.waves["K"].raw
+        # a captured gradient is a static output buffer (CUDA): the next step's replay of the
+        # tock's captured segments overwrites it before the tick's average reads it
+        self.owner._prev_tock = [g.clone() for g in raw] if self.runs else raw
         self.owner.last_applied = {w.name: w.applied for w in self.waves.values()}
         return self._loss
 
