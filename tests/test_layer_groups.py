@@ -1,4 +1,5 @@
 """The layer_groups pass, the grouped weight store and the pipelined loader."""
+import copy
 import os
 
 import pytest
@@ -85,9 +86,11 @@ def test_loading_overlaps_execution(tmp_path):
         expected = model(*x)
     path = tmp_path / "w.safetensors"
     write_groups(compiled.graph_module, path)
-    # an emulated 0.2 GB/s link with 200 us per transfer keeps the loader busy
+    # an emulated 0.2 GB/s link with 20 ms per transfer keeps the loader busy: group 0 would
+    # have to wait for the host (a loaded one) longer than every later transfer together for
+    # the overlap not to show
     out, tl = run_pipelined(compiled.graph_module, path, x, link_bytes_per_us=200.0,
-                            link_overhead_us=200.0)
+                            link_overhead_us=20_000.0)
     assert torch.equal(out, expected)
     assert len(tl.transfer) >= 2
     assert tl.execute[0][0] < tl.transfer[-1][1], tl
@@ -330,3 +333,44 @@ def test_training_program_on_two_ranks_equals_eager_and_simulates_in_order(tmp_p
                 assert _per_stream_order(sim, stream_of) == _per_stream_order(real, stream_of), what
                 _check_dependencies(program, real, what)
                 _check_dependencies(program, sim, what + " (simulated)")
+
+
+class _Counted(torch.nn.Module):
+    """A linear layer that counts the rows it saw in a buffer written in place in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.seen.add_(x.shape[0])
+        return self.lin(x)
+
+
+def test_training_segments_are_captured_and_name_what_runs_uncaptured(tmp_path):
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    for first, uncaptured in ((torch.nn.Linear(4, 6), []), (_Counted(), ["add_"])):
+        model = torch.nn.Sequential(first, torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        reference = copy.deepcopy(model)
+        path = tmp_path / f"{type(first).__name__}.safetensors"
+        write_groups(tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer")])
+                     .graph_module, path)
+        c = tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer",
+                                                           weight_store=str(path))],
+                          loss_fn=torch.nn.functional.cross_entropy, optimizer=_sgd)
+        opt = _sgd(reference.parameters())
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            want = torch.nn.functional.cross_entropy(reference(x), y)
+            want.backward()
+            opt.step()
+            assert c.step((x,), y).item() == pytest.approx(want.item(), rel=1e-6)
+        assert c.executor.fallback_reason == ""
+        got = c.executor.uncaptured()
+        assert [node for node, _ in got] == uncaptured, got
+        assert all("in-place update" in why for _, why in got), got
+        for k, v in reference.state_dict().items():  # the counter too: 2 steps of 5 rows
+            torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=k)
+    assert int(model[0].seen) == 10

@@ -21,10 +21,14 @@ trace). A training step (:meth:`~LayerGroupsProgram.bind`) runs the groups' forw
 the captured joint forward+backward graph (``tidal.ir.capture.capture_train_step``, cut at the
 same markers), then ``backward k`` segments (each ends where the gradients of group ``k``'s
 parameters are complete, the last group first) and the ``optimizer`` piece; the loads are in the
-program only until the weights are resident. A step that cannot be captured runs the groups'
-segments of the graph module with autograd, then an eager ``backward`` piece
-(``fallback_reason`` says why). :func:`run_pipelined` and :func:`cold_start` are the cold-start
-forward of a graph module and of a compiled model.
+program only until the weights are resident. The segments are lowered and captured once per
+input shape (``tidal.runtime.program.CapturedProgram``: a CUDA graph on a GPU, the straight-line
+replay on the CPU); a node that cannot run captured (an in-place update of a buffer, a host
+sync) runs uncaptured in its piece and :meth:`~LayerGroupsProgram.uncaptured` names it. A step
+that cannot be captured runs the groups' segments of the graph module with autograd, then an
+eager ``backward`` piece (``fallback_reason`` says why). :func:`run_pipelined` and
+:func:`cold_start` are the cold-start forward of a graph module and of a compiled model (run
+node by node, not captured: see :meth:`~LayerGroupsProgram.run`).
 
 Example:
     >>> import os, tempfile, torch, tidal
@@ -50,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -62,8 +67,10 @@ from tidal.ir.capture import TrainStep, capture_train_step
 from tidal.ir.errors import TraceError
 from tidal.ir.inputs import as_kwargs, bind_inputs
 from tidal.ir.node_runner import flat_tensors
-from tidal.runtime.program import (COMPUTE, Piece, PieceTrace, Program, ProgramRunner,
-                                   _grad_nodes)
+from tidal.runtime.backend import Backend, backend_for
+from tidal.runtime.program import (COMPUTE, CapturedProgram, CapturedRun, Piece, PieceTrace,
+                                   Program, ProgramRunner, _grad_nodes)
+from tidal.runtime.programs.data_parallel import _failing_node, _flat
 from tidal.runtime.weight_loader import GroupedTensors, expected_specs, group_tensors
 from tidal.runtime.weight_store import PathLike, WeightStore, WeightStoreError, view_tensor
 
@@ -233,19 +240,18 @@ def _interpreter(gm: fx.GraphModule, *args: Any) -> fx.Interpreter:
 
 
 class _Bound:
-    """A pipelined program bound to one run's tensors (a ``StepWork``): ``group k`` and
-    ``backward k`` pieces run their nodes through one interpreter (with autograd when
-    ``grad``), load pieces go to ``loads``, and the pieces named in ``calls`` run those
-    functions; ``loss()`` gives the step's loss once every piece ran."""
+    """A pipelined program bound to one run's tensors (a ``StepWork``): load pieces go to
+    ``loads``, the pieces named in ``calls`` run those functions and every other piece is a
+    segment (``compute``, after ``loads.ready`` for a group's piece); ``loss()`` gives the
+    step's loss once every piece ran."""
 
-    def __init__(self, run: Pipelined, interp: fx.Interpreter, loads: Optional[_Loads],
-                 grad: bool = False, calls: Optional[Mapping[str, Callable[[], Any]]] = None,
+    def __init__(self, run: Pipelined, loads: Optional[_Loads],
+                 calls: Optional[Mapping[str, Callable[[], Any]]] = None,
                  loss: Optional[Callable[[], torch.Tensor]] = None):
         self.program, self.groups = run.program, run.groups
-        self.interp, self.loads, self.grad = interp, loads, grad
+        self.loads = loads
         self.calls = dict(calls or {})
         self._loss = loss
-        self.nodes = {n.name: n for n in interp.graph.nodes}
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
         group = self.groups[index]
@@ -255,13 +261,37 @@ class _Bound:
             return functools.partial(self.loads.load, group)
         if piece.name in self.calls:
             return self.calls[piece.name]
-        return functools.partial(self._segment, group, piece.nodes)
+        return functools.partial(self._segment, group, piece)
 
-    def _segment(self, group: Optional[int], names: Segment) -> None:
+    def _segment(self, group: Optional[int], piece: Piece) -> None:
         if group is not None and self.loads is not None:
             self.loads.ready(group)
+        self.compute(piece)
+
+    def compute(self, piece: Piece) -> None:
+        """Run the segment of ``piece``."""
+        raise NotImplementedError
+
+    def loss(self) -> torch.Tensor:
+        if self._loss is None:
+            raise ValueError("a forward run has no loss")
+        return self._loss()
+
+
+class _Interpreted(_Bound):
+    """Segments run node by node through one interpreter (with autograd when ``grad``): the
+    cold-start forward and the eager fallback of a step."""
+
+    def __init__(self, run: Pipelined, interp: fx.Interpreter, loads: Optional[_Loads],
+                 grad: bool = False, calls: Optional[Mapping[str, Callable[[], Any]]] = None,
+                 loss: Optional[Callable[[], torch.Tensor]] = None):
+        super().__init__(run, loads, calls, loss)
+        self.interp, self.grad = interp, grad
+        self.nodes = {n.name: n for n in interp.graph.nodes}
+
+    def compute(self, piece: Piece) -> None:
         with torch.set_grad_enabled(self.grad):
-            for name in names:
+            for name in piece.nodes:
                 node = self.nodes[name]
                 try:
                     self.interp.env[node] = self.interp.run_node(node)
@@ -274,10 +304,19 @@ class _Bound:
         node = next(n for n in reversed(self.interp.graph.nodes) if n.op == "output")
         return self.interp.graph.process_outputs(self.interp.env[node])
 
-    def loss(self) -> torch.Tensor:
-        if self._loss is None:
-            raise ValueError("a forward run has no loss")
-        return self._loss()
+
+class _Replayed(_Bound):
+    """Segments of a captured step: piece ``name`` runs the lowered, captured steps of that
+    piece of the step's resident program (``index[name]``) in ``run``."""
+
+    def __init__(self, run: Pipelined, captured: CapturedRun, index: Mapping[str, int],
+                 loads: Optional[_Loads], calls: Mapping[str, Callable[[], Any]],
+                 loss: Callable[[], torch.Tensor]):
+        super().__init__(run, loads, calls, loss)
+        self.captured, self.index = captured, index
+
+    def compute(self, piece: Piece) -> None:
+        self.captured.segment(self.index[piece.name])()
 
 
 def _positional(gm: fx.GraphModule, args: Sequence[Any], kwargs: Optional[dict]) -> tuple:
@@ -289,12 +328,15 @@ def _positional(gm: fx.GraphModule, args: Sequence[Any], kwargs: Optional[dict])
 
 @dataclass(frozen=True)
 class _Step:
-    """A training step for one input shape: the captured joint graph (None: eager backward),
-    its program with the loads and without them."""
+    """A training step for one input shape: the captured joint graph and its lowered, captured
+    segments (None: eager backward), its program with the loads and without them, and what it
+    runs uncaptured (the node and why; for the eager step, the fallback reason)."""
 
     train: Optional[TrainStep]
+    captured: Optional[CapturedProgram]
     loading: Pipelined
     resident: Pipelined
+    uncaptured: tuple[tuple[str, str], ...] = ()
 
 
 def _joint_segments(train: TrainStep, groups: GroupedTensors
@@ -346,6 +388,8 @@ class LayerGroupsProgram:
         self.fallback_reason = ""
         self.last_timeline: Optional[LoadTimeline] = None
         self._steps: dict[tuple, _Step] = {}
+        self._latest: Optional[_Step] = None
+        self._backends: dict[torch.device, Backend] = {}
 
     def _open(self, gm: fx.GraphModule) -> _Loads:
         """The loads of one run from the store, validated against ``gm``'s groups first."""
@@ -359,12 +403,14 @@ class LayerGroupsProgram:
     def run(self, gm: fx.GraphModule, args: Sequence[Any] = (), kwargs: Optional[dict] = None
             ) -> tuple[Any, LoadTimeline]:
         """Run ``gm``'s forward (no autograd) while its weights stream in; return the output
-        and the timeline read from the piece trace."""
+        and the timeline read from the piece trace. The groups run node by node, not captured:
+        this forward runs once, and capturing it (a warm-up run per segment) would double the
+        cold start it is there to shorten."""
         values = _positional(gm, args, kwargs)
         loads = self._open(gm)
         try:
             run = pipelined(cut_at_markers(gm.graph.nodes))
-            bound = _Bound(run, _interpreter(gm, *values), loads)
+            bound = _Interpreted(run, _interpreter(gm, *values), loads)
             with ProgramRunner() as runner:
                 trace = runner.launch(bound.program, bound.work)  # a corrupt load: WeightStoreError
         finally:
@@ -381,52 +427,102 @@ class LayerGroupsProgram:
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> _Bound:
-        """One training step (see the module docstring); the step's program is built once per
-        input shape, with the loads until the weights are resident."""
+        """One training step (see the module docstring); the step's program is built and
+        captured once per input shape, with the loads until the weights are resident. One
+        step of a shape runs at a time (a program job binds a step once the previous one
+        ended): its captured segments have one set of static buffers."""
         inputs = tuple(inputs)
         key = tuple((tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
         if key not in self._steps:
             self._steps[key] = self._capture(gm, inputs, targets, loss_fn)
-        step = self._steps[key]
+        step = self._latest = self._steps[key]
         loads = None if self.loaded else self._open(gm)
         run = step.resident if loads is None else step.loading
-        if step.train is None:
+        if step.captured is None or (loads is not None and _moves(loads)):
+            # the weights change device during this step: the captured segments cannot
+            # take them (their inputs' devices are fixed), this one step runs eagerly
             return _bind_eager(run, gm, inputs, targets, loss_fn, optimizer, loads)
-        return _bind_captured(run, step.train, gm, inputs, targets, optimizer, loads)
+        return _bind_captured(run, step, gm, inputs, targets, optimizer, loads)
+
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of each node the latest step's program runs uncaptured (the
+        ``group_boundary`` markers, which compute nothing, left out); for an eager step,
+        ``[(node or "-", fallback_reason)]``."""
+        return list(self._latest.uncaptured) if self._latest is not None else []
 
     def _capture(self, gm: fx.GraphModule, inputs: tuple, targets: Any,
                  loss_fn: Callable) -> _Step:
         tail: list[tuple[str, Segment]]
         try:
-            train: Optional[TrainStep] = capture_train_step(gm, inputs, targets, loss_fn)
+            train = capture_train_step(gm, inputs, targets, loss_fn)
             forward, tail = _joint_segments(train, group_tensors(gm))
         except (TraceError, ValueError) as e:
-            self.fallback_reason = (f"the training step runs the groups with autograd and an "
-                                    f"eager backward: {e}")
-            train, forward, tail = None, cut_at_markers(gm.graph.nodes), [("backward", ())]
+            return self._eager_step(gm, str(e))
         tail.append(("optimizer", ()))
-        return _Step(train, pipelined(forward, tail), pipelined(forward, tail, loads=False))
+        resident = pipelined(forward, tail, loads=False)
+        flat = _flat(train, gm, inputs, targets)
+        # on copies placed where the weights will be once loaded (capturing moves nothing)
+        where = [v.to(self.device) if isinstance(v, torch.Tensor) and not self.loaded else v
+                 for v in flat]
+        try:
+            with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
+                captured = CapturedProgram.build(resident.program, train.gm, where,
+                                                 self._backend(where))
+        except Exception as e:  # noqa: BLE001 - the eager step runs, the node named
+            failing = _failing_node(train, where)
+            named = re.match(r"node '([^']+)'", failing)
+            return self._eager_step(gm, "the captured step failed to run: " + (
+                failing or f"{type(e).__name__}: {e}"), named.group(1) if named else "-")
+        markers = {n.name for n in train.gm.graph.nodes if n.target is ops.GROUP_BOUNDARY}
+        uncaptured = tuple((node, why) for node, why in captured.uncaptured()
+                           if node not in markers)
+        return _Step(train, captured, pipelined(forward, tail), resident, uncaptured)
+
+    def _eager_step(self, gm: fx.GraphModule, why: str, node: str = "-") -> _Step:
+        """The step that runs the groups with autograd and an eager ``backward``."""
+        self.fallback_reason = (f"the training step runs the groups with autograd and an "
+                                f"eager backward: {why}")
+        forward, tail = cut_at_markers(gm.graph.nodes), [("backward", ()), ("optimizer", ())]
+        return _Step(None, None, pipelined(forward, tail), pipelined(forward, tail, loads=False),
+                     ((node, self.fallback_reason),))
+
+    def _backend(self, flat: Sequence[Any]) -> Backend:
+        """The capture backend of the device of ``flat``'s tensors (one per device, so a
+        GPU's CUDA graphs share one memory pool)."""
+        device = flat_tensors(flat)[0].device
+        if device not in self._backends:
+            self._backends[device] = backend_for(device)
+        return self._backends[device]
 
 
-def _bind_captured(run: Pipelined, train: TrainStep, gm: fx.GraphModule, inputs: tuple,
+def _moves(loads: _Loads) -> bool:
+    """Whether the loads put a tensor on another device than the one it is on."""
+    to = loads.device
+    return any(t.device.type != to.type or to.index is not None and t.device.index != to.index
+               for group in loads.targets for _, t in group)
+
+
+def _bind_captured(run: Pipelined, step: _Step, gm: fx.GraphModule, inputs: tuple,
                    targets: Any, optimizer: torch.optim.Optimizer,
                    loads: Optional[_Loads]) -> _Bound:
-    """A step of the captured joint graph: its segments compute the loss and the gradients,
-    the ``optimizer`` piece applies them."""
+    """A step of the captured joint graph: its segments (lowered, captured) compute the loss
+    and the gradients, the ``optimizer`` piece applies them. What outlives the step is copied
+    out of a CUDA graph's static outputs, which the next step's replay overwrites."""
+    train = step.train
     params = {k: p for k, p in gm.named_parameters() if p.requires_grad}
-    buffers = dict(gm.named_buffers())
-    interp = _interpreter(train.gm, {k: params[k] for k in train.param_names},
-                          {k: buffers[k] for k in train.buffer_names}, inputs, targets)
+    replay = step.captured.run(_flat(train, gm, inputs, targets))
     loss, grads = _grad_nodes(train)
 
     def apply() -> None:
         optimizer.zero_grad(set_to_none=True)
         for name, node in zip(train.param_names, grads):
-            params[name].grad = interp.env[node]
+            g = replay.value(node)
+            params[name].grad = g if g.device.type == "cpu" else g.clone()  # CPU: its own
         optimizer.step()
 
-    return _Bound(run, interp, loads, calls={"optimizer": apply},
-                  loss=lambda: interp.env[loss].detach())
+    index = {p.name: i for i, p in enumerate(step.resident.program.pieces)}
+    return _Replayed(run, replay, index, loads, calls={"optimizer": apply},
+                     loss=lambda: replay.value(loss).detach().clone())
 
 
 def _bind_eager(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
@@ -441,9 +537,9 @@ def _bind_eager(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
         loss.backward()
         done["loss"] = loss.detach()
 
-    bound = _Bound(run, _interpreter(gm, *inputs), loads, grad=True,
-                   calls={"backward": backward, "optimizer": optimizer.step},
-                   loss=lambda: done["loss"])
+    bound = _Interpreted(run, _interpreter(gm, *inputs), loads, grad=True,
+                         calls={"backward": backward, "optimizer": optimizer.step},
+                         loss=lambda: done["loss"])
     return bound
 
 
