@@ -298,8 +298,8 @@ def _classify(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
             v = ("eager", f"uses data-dependent value of {origin}")
         if v is not None:
             verdicts[n] = v
-            if v[0] == "eager":
-                tainted[n] = origin or n.name
+            if v[0] == "eager" and (origin is not None or _written_input(gm, n) is None):
+                tainted[n] = origin or n.name  # an input written in place is data as before
     return verdicts
 
 

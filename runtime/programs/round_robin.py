@@ -14,8 +14,12 @@ into a :class:`~tidal.runtime.program.Program` that
   forward, the loss on the last partition, and ``torch.autograd.grad`` with respect to its
   parameters and its input activations, the gradients of its outputs as inputs): ``F`` runs the
   nodes the outputs need (and the buffer updates), ``B`` the rest, on the values ``F`` left.
-  A partition that cannot be captured (data-dependent code) runs eagerly with autograd, and
-  ``fallback_reason`` says which and why;
+  The joint graph is lowered and captured (``tidal.runtime.program.CapturedProgram``: CUDA
+  graphs on a GPU, the straight-line replay on the CPU), one copy per rank of this process,
+  since the runs of a partition on different micro-batches are alive at once; a node that
+  cannot be captured (an in-place buffer update, a host sync) runs uncaptured in its segment,
+  and ``uncaptured()`` names it. A partition that cannot be captured at all (data-dependent
+  code) runs eagerly with autograd, and ``fallback_reason`` says which and why;
 - ``X`` (``comm``) moves activations to the next rank (forward) or their gradients to the
   previous rank (backward) with ``torch.distributed`` point-to-point ops;
 - ``A p`` (``comm``) all-reduces partition p's gradients (the sum over the N batches: each
@@ -45,8 +49,8 @@ Example:
     ...                   loss_fn=torch.nn.functional.cross_entropy,
     ...                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     >>> _ = c.step((torch.randn(4, 4),), torch.tensor([0, 1, 1, 0]))
-    >>> c.executor.stats["switches"], c.executor.fallback_reason
-    (3, '')
+    >>> c.executor.stats["switches"], c.executor.fallback_reason, c.executor.uncaptured()
+    (3, '', [])
     >>> [(p.name, p.stream) for p in c.executor.last_program.pieces][:6]
     [('r0:S0', 'load'), ('r1:S0', 'load'), ('r0:F0,0', 'compute'), ('r1:F0,1', 'compute'),
      ('r0:X0 fwd', 'comm'), ('r1:X0 fwd', 'comm')]
@@ -62,14 +66,16 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from tidal.ir.errors import PlanError, TraceError
 from tidal.ir.node_runner import fetch_attr
 from tidal.ir.schedule import split_batch
+from tidal.runtime.backend import backend_for
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
-from tidal.runtime.program import COMM, COMPUTE, Piece, Program
+from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, CapturedRun, Piece,
+                                   Program)
 
 PLAN_KIND = "RoundRobinPlan"
 LOAD = "load"
@@ -140,11 +146,23 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def _failed_line(exc: BaseException) -> str:
+    """The innermost line of generated graph code (an fx node) in ``exc``'s traceback, or in
+    that of the error it was raised from ('' if none)."""
+    for e in (exc, exc.__cause__):
+        if e is not None:
+            line = next((f.line.strip() for f in reversed(traceback.extract_tb(
+                e.__traceback__)) if f.filename.startswith("<eval_with_key") and f.line), "")
+            if line:
+                return line
+    return ""
+
+
 def _failure(what: str, exc: BaseException) -> str:
     """``what``, the innermost line of generated graph code (an fx node) that raised, and the
     error's first line."""
-    where = next((f" at `{f.line.strip()}`" for f in reversed(traceback.extract_tb(
-        exc.__traceback__)) if f.filename.startswith("<eval_with_key") and f.line), "")
+    line = _failed_line(exc)
+    where = f" at `{line}`" if line else ""
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return f"{what}{where}: {type(exc).__name__}: {first}"
 
@@ -152,40 +170,85 @@ def _failure(what: str, exc: BaseException) -> str:
 # -- a partition's captured forward and backward ----------------------------------------------
 @dataclass(frozen=True)
 class _StageGraph:
-    """Partition p's forward and backward on one micro-batch shape, captured as one joint aten
-    graph and cut in two: ``forward(*bound)`` returns the forward values (or the micro-batch
-    loss) and then what the backward needs (``saved``); ``backward(*saved, *output_grads)``
-    returns the gradients of the float input activations and then those of the parameters
-    that get one (``has_grad``). Bound at ``F``: the trainable parameters, the float input
-    activations and the constants (buffers, model inputs, integer activations, targets).
-    ``forward_nodes``/``backward_nodes`` name the joint graph's nodes in each."""
+    """Partition p's forward and backward on one micro-batch shape as one joint aten graph
+    (``joint``), its nodes ordered so that the ``F`` segment (``forward_nodes``: what the
+    forward outputs need, and the buffer updates) comes before the ``B`` segment
+    (``backward_nodes``: the rest). Its inputs: the trainable parameters, the float input
+    activations and the constants (buffers, model inputs, integer activations, targets), bound
+    at ``F``, then the gradients of the float outputs (``n_grads`` of them), filled in at ``B``;
+    its outputs: the forward values (``n_forward``; the micro-batch loss on the last
+    partition), the gradients of the float input activations (``n_leaves``), then those of the
+    parameters that get one (``has_grad``).
 
-    forward: fx.GraphModule
-    backward: fx.GraphModule
+    The joint graph runs lowered and captured (``tidal.runtime.program.CapturedProgram``: a
+    CUDA graph per static run of nodes on a GPU, the straight-line replay on the CPU; a node
+    that cannot be captured runs uncaptured, named by ``uncaptured``), one captured copy per
+    rank of this process (:meth:`run`): on a GPU a copy's inputs and outputs are static
+    buffers, and in one process the N ranks' runs of a partition are alive at once. ``example``
+    holds the flat inputs a copy is captured on (on copies of them), ``labels`` what the
+    constants' placeholders hold (``'buffer running_mean'``), for :meth:`uncaptured`."""
+
+    joint: fx.GraphModule
     forward_nodes: tuple[str, ...]
     backward_nodes: tuple[str, ...]
     n_forward: int
     n_leaves: int
+    n_grads: int
     has_grad: tuple[bool, ...]
+    example: tuple
+    labels: dict[str, str]
+    copies: dict = field(default_factory=dict, compare=False)  # rank -> CapturedProgram
 
+    def captured(self, rank: int) -> CapturedProgram:
+        """Rank ``rank``'s captured copy (lowered and captured on first use)."""
+        if rank not in self.copies:
+            device = next((t.device for t in self.example if isinstance(t, torch.Tensor)), "cpu")
+            pieces = (Piece("F", COMPUTE, (), self.forward_nodes),
+                      Piece("B", COMPUTE, (0,), self.backward_nodes))
+            self.copies[rank] = CapturedProgram.build(Program(pieces, 1), self.joint,
+                                                      self.example, backend_for(device))
+        return self.copies[rank]
 
-def _subgraph(gm: fx.GraphModule, inputs: Sequence[fx.Node], body: Sequence[fx.Node],
-              outputs: Sequence[Any]) -> fx.GraphModule:
-    """The nodes ``body`` of ``gm`` as a module of their own taking ``inputs``."""
-    graph = fx.Graph()
-    env = {x: graph.placeholder(x.name) for x in inputs}
-    for n in body:
-        env[n] = graph.node_copy(n, env.__getitem__)
-    graph.output(fx.node.map_arg(list(outputs), env.__getitem__))
-    return fx.GraphModule(gm, graph)
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of the joint graph's nodes that run uncaptured, the reason naming
+        what the node's constant inputs hold."""
+        nodes = {x.name: x for x in self.joint.graph.nodes}
+        out = []
+        for node, why in self.captured(next(iter(self.copies), 0)).uncaptured():
+            held = [self.labels[a.name] for a in nodes[node].all_input_nodes
+                    if a.name in self.labels]
+            out.append((node, f"{why} ({', '.join(held)})" if held else why))
+        return out
+
+    def run(self, rank: int, bound: Sequence[Any]) -> tuple[CapturedRun, list[torch.Tensor]]:
+        """A run of rank ``rank``'s copy on the inputs bound at ``F``, and the buffers its
+        ``B`` reads the output gradients from (copy them in before it runs)."""
+        grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                 for t in self.example[len(self.example) - self.n_grads:]]
+        return self.captured(rank).run([*bound, *grads]), grads
+
+    def segment(self, run: CapturedRun, index: int) -> None:
+        """Run ``F`` (``index`` 0) or ``B`` (1) of ``run`` (a segment with no nodes: nothing)."""
+        if index in run.captured.steps:
+            run.segment(index)()
+
+    def outputs(self, run: CapturedRun, start: int, stop: Optional[int]) -> list[Any]:
+        """The joint graph's outputs ``start:stop`` once the segment computing them ran (on a
+        GPU, static buffers that the copy's next run overwrites)."""
+        out = next(n for n in self.joint.graph.nodes if n.op == "output")
+        return [run.value(a) if isinstance(a, fx.Node) and a.op != "get_attr" else
+                fetch_attr(self.joint, a.target) if isinstance(a, fx.Node) else a
+                for a in list(out.args[0])[start:stop]]
 
 
 def _split_joint(gm: fx.GraphModule, n_bound: int, n_forward: int
-                 ) -> tuple[fx.GraphModule, fx.GraphModule, tuple[str, ...], tuple[str, ...]]:
-    """Cut a joint graph into the nodes the forward outputs (and the in-place buffer updates
-    that do not wait for output gradients) need, and the rest; see :class:`_StageGraph`."""
+                 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Split a joint graph into the nodes the forward outputs (and the in-place buffer updates
+    that do not wait for output gradients) need, and the rest, moving the rest after the
+    first in ``gm`` (still in topological order: nothing the forward needs comes from the
+    rest); see :class:`_StageGraph`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    bound, grads_in = placeholders[:n_bound], placeholders[n_bound:]
+    grads_in = placeholders[n_bound:]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = list(output.args[0])
     roots = [o for o in outputs[:n_forward] if isinstance(o, fx.Node)]
@@ -210,13 +273,10 @@ def _split_joint(gm: fx.GraphModule, n_bound: int, n_forward: int
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     first = [n for n in body if n in need]
     rest = [n for n in body if n not in need]
-    early = set(first) | set(bound)
-    saved = list(dict.fromkeys(
-        [a for n in rest for a in n.all_input_nodes if a in early]
-        + [o for o in outputs[n_forward:] if isinstance(o, fx.Node) and o in early]))
-    forward = _subgraph(gm, bound, first, outputs[:n_forward] + saved)
-    backward = _subgraph(gm, saved + grads_in, rest, outputs[n_forward:])
-    return forward, backward, tuple(n.name for n in first), tuple(n.name for n in rest)
+    for n in rest:
+        output.prepend(n)
+    gm.recompile()
+    return tuple(n.name for n in first), tuple(n.name for n in rest)
 
 
 class _Probe(torch.nn.Module):
@@ -240,7 +300,8 @@ class _Run:
     sent: dict[str, torch.Tensor] = field(default_factory=dict)  # to the next rank
     loss: Optional[torch.Tensor] = None        # the last partition's micro-batch loss / N
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)   # eager: input leaves
-    saved: Optional[list] = None               # captured: what the B segment needs
+    captured: Optional[CapturedRun] = None     # captured: the run B goes on with
+    grads_in: list[torch.Tensor] = field(default_factory=list)  # captured: B's output grads
     leaf_grads: list[torch.Tensor] = field(default_factory=list)  # after B, to the previous rank
 
 
@@ -292,6 +353,8 @@ class RoundRobinProgram:
         self._owned = self._param_owners()
         self._buffers = self._buffer_owners()
         self._graphs: dict[tuple, list[Optional[_StageGraph]]] = {}
+        self._stopped: dict[tuple, list[tuple[str, str]]] = {}  # eager partitions, named
+        self._latest: Optional[tuple] = None  # the shape of the latest bound step
         self._programs: dict[tuple, tuple[Program, tuple[_Slot, ...]]] = {}
 
     def _build_stages(self) -> list[_Stage]:
@@ -369,6 +432,20 @@ class RoundRobinProgram:
             raise RuntimeError("round_robin: the gradient sync is fixed after the first step")
         self._sync_factory = factory
 
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of the nodes of the latest bound step's program that run uncaptured:
+        per partition, the joint-graph nodes its lowering left out of the captured segments
+        (an in-place update of a buffer, a host sync...), and for a partition that runs eagerly
+        the node that stopped its capture ('-' when unknown) with ``fallback_reason``'s part
+        for it. Empty when every compute piece is captured (or before the first step)."""
+        if self._latest is None:
+            return []
+        out = list(self._stopped[self._latest])
+        for p, graph in enumerate(self._graphs[self._latest]):
+            if graph is not None:
+                out += [(node, f"partition {p}: {why}") for node, why in graph.uncaptured()]
+        return out
+
     # -- the RankProgram protocol -----------------------------------------------------------
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """Inference: the split graph in this process."""
@@ -388,12 +465,19 @@ class RoundRobinProgram:
         flat, spec = tree_flatten((batches[0], tgts[0]))
         shape = (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
                                   else repr(v) for v in flat))
+        cuda = sorted({t.device.index or 0 for t in [*self.split.parameters(), *flat]
+                       if isinstance(t, torch.Tensor) and t.is_cuda})
         if shape not in self._graphs:
-            cuda = sorted({t.device.index or 0 for t in [*self.split.parameters(), *flat]
-                           if isinstance(t, torch.Tensor) and t.is_cuda})
             with torch.random.fork_rng(devices=cuda):  # a step draws as it would eagerly
-                self._graphs[shape] = self._capture_all(batches[0], tgts[0], loss_fn)
+                self._graphs[shape], self._stopped[shape] = self._capture_all(
+                    batches[0], tgts[0], loss_fn, here[0])
         graphs = self._graphs[shape]
+        missing = [(g, r) for g in graphs if g is not None for r in here if r not in g.copies]
+        if missing:  # a captured copy per rank here: their runs are alive at once
+            with torch.random.fork_rng(devices=cuda):
+                for g, r in missing:
+                    g.captured(r)
+        self._latest = shape
         key = (shape, world, here)
         if key not in self._programs:
             self._programs[key] = self._program(here, world, graphs)
@@ -403,23 +487,26 @@ class RoundRobinProgram:
                      optimizer)
 
     # -- capture ----------------------------------------------------------------------------
-    def _capture_all(self, inputs: tuple, target: Any, loss_fn: Callable
-                     ) -> list[Optional[_StageGraph]]:
-        """Every partition's joint graph for micro-batches shaped like ``inputs``/``target``
-        (None for a partition that runs eagerly; ``fallback_reason`` says why)."""
+    def _capture_all(self, inputs: tuple, target: Any, loss_fn: Callable, rank: int
+                     ) -> tuple[list[Optional[_StageGraph]], list[tuple[str, str]]]:
+        """Every partition's joint graph for micro-batches shaped like ``inputs``/``target``,
+        captured for ``rank`` (None for a partition that runs eagerly; ``fallback_reason``
+        says why), and (node that stopped the capture or '-', reason) per such partition."""
         values = self._micro_values(inputs)
-        reasons = []
+        stopped: list[tuple[str, str]] = []
         graphs: list[Optional[_StageGraph]] = []
         for p in range(self.n):
             try:
-                graphs.append(self._capture(p, values, inputs, target, loss_fn))
+                graphs.append(self._capture(p, values, inputs, target, loss_fn, rank))
             except Exception as e:  # noqa: BLE001 - this partition runs eagerly, named
                 graphs.append(None)
                 why = str(e) if isinstance(e, TraceError) else _failure("cannot capture it", e)
-                reasons.append(f"partition {p} ({self.plan.first_layers[p]}) runs eagerly: "
-                               f"{why}")
-        self.fallback_reason = "; ".join(reasons)
-        return graphs
+                line = _failed_line(e)
+                node = line.split(" = ", 1)[0] if " = " in line else "-"
+                stopped.append((node, f"partition {p} ({self.plan.first_layers[p]}) runs "
+                                      f"eagerly: {why}"))
+        self.fallback_reason = "; ".join(reason for _, reason in stopped)
+        return graphs, stopped
 
     def _micro_values(self, inputs: tuple) -> dict[str, Any]:
         """Every top-level value of the split graph on one micro-batch (what crosses each cut):
@@ -445,7 +532,7 @@ class RoundRobinProgram:
         return state, attrs, values, ints, target if p == self.n - 1 else None
 
     def _capture(self, p: int, values: dict[str, Any], inputs: tuple, target: Any,
-                 loss_fn: Callable) -> _StageGraph:
+                 loss_fn: Callable, rank: int) -> _StageGraph:
         st, last = self._stages[p], p == self.n - 1
         params, trainable = self._params[p], self._trainable[p]
         at = {id(t): i for i, t in enumerate(trainable)}
@@ -454,7 +541,8 @@ class RoundRobinProgram:
         example = {nm: values[nm].detach().clone(memory_format=torch.contiguous_format)
                    for nm in names_in}
         floats = _floats(example)
-        consts, spec = tree_flatten(self._constants(p, example, inputs, target))
+        paths, spec = tree_flatten_with_path(self._constants(p, example, inputs, target))
+        consts = [v for _, v in paths]
         tensor_at = [i for i, v in enumerate(consts) if isinstance(v, torch.Tensor)]
         has_grad: list[bool] = []
 
@@ -506,16 +594,30 @@ class RoundRobinProgram:
         tensors = [consts[i] for i in tensor_at]
         gm = make_fx(step, tracing_mode="fake")(wrt, tensors, grads_out)
         n_forward = 1 if last else len(st.sends)
-        forward, backward, fnodes, bnodes = _split_joint(gm, len(wrt) + len(tensor_at),
-                                                         n_forward)
-        try:  # once on the first micro-batch, on copies of the buffers (nothing real changes)
-            with torch.no_grad():
-                out = forward(*wrt, *[t.clone() for t in tensors])
-                backward(*out[n_forward:], *grads_out)
+        fnodes, bnodes = _split_joint(gm, len(wrt) + len(tensor_at), n_forward)
+        slots = [x.name for x in gm.graph.nodes if x.op == "placeholder"][len(wrt):]
+        labels = {x: self._label(paths[i][0]) for x, i in zip(slots, tensor_at)}
+        graph = _StageGraph(gm, fnodes, bnodes, n_forward, len(floats), len(grads_out),
+                            tuple(has_grad), (*[w.detach() for w in wrt], *tensors, *grads_out),
+                            labels)
+        try:  # lowering runs it once on the first micro-batch, on copies (nothing real changes)
+            graph.captured(rank)
         except Exception as e:
+            try:  # the graph's own code, on copies, for a traceback naming the node at fault
+                with torch.no_grad():
+                    gm(*[[t.detach().clone() for t in ts] for ts in (wrt, tensors, grads_out)])
+            except Exception as named:  # noqa: BLE001 - the diagnosis
+                e = named
             raise TraceError(_failure("its captured graph fails to run", e)) from e
-        return _StageGraph(forward, backward, fnodes, bnodes, n_forward, len(floats),
-                           tuple(has_grad))
+        return graph
+
+    def _label(self, path: tuple) -> str:
+        """What a constant at ``path`` in :meth:`_constants`'s value is, in words."""
+        kind, key = path[0].idx, getattr(path[1], "key", None) if len(path) > 1 else None
+        if kind == 2:
+            return f"input {self._placeholders[path[1].idx].target}"
+        return ("buffer", "attribute", "", "activation", "targets")[kind] + (
+            f" {key}" if key is not None else "")
 
     def _sent_value(self, p: int, name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -650,24 +752,26 @@ class _Step:
         values = dict(zip(names, received))
         graph = self.graphs[p]
         run = (self._forward_eager(p, values, inputs, target) if graph is None
-               else self._forward_captured(graph, p, values, inputs, target))
+               else self._forward_captured(graph, slot.rank, p, values, inputs, target))
         if run.loss is not None:
             st.loss += float(run.loss.detach())
         st.runs[(p, b)] = run
 
-    def _forward_captured(self, graph: _StageGraph, p: int, values: dict[str, torch.Tensor],
-                          inputs: tuple, target: Any) -> _Run:
+    def _forward_captured(self, graph: _StageGraph, rank: int, p: int,
+                          values: dict[str, torch.Tensor], inputs: tuple, target: Any) -> _Run:
+        """The ``F`` segment of ``rank``'s captured copy of partition ``p``; the run stays
+        alive (its values, on a GPU the copy's static buffers) until ``B``."""
         o = self.owner
         floats = _floats(values)
         consts = [v for v in tree_flatten(o._constants(p, values, inputs, target))[0]
                   if isinstance(v, torch.Tensor)]
-        bound = o._trainable[p] + [values[nm] for nm in floats] + consts
-        with torch.no_grad():
-            out = graph.forward(*bound)
-        saved = out[graph.n_forward:]
+        run, grads_in = graph.run(rank, [*o._trainable[p], *[values[nm] for nm in floats],
+                                         *consts])
+        graph.segment(run, 0)
+        out = graph.outputs(run, 0, graph.n_forward)
         if p == o.n - 1:
-            return _Run(loss=out[0], saved=saved)
-        return _Run(sent=dict(zip(o._stages[p].sends, out[:graph.n_forward])), saved=saved)
+            return _Run(loss=out[0], captured=run, grads_in=grads_in)
+        return _Run(sent=dict(zip(o._stages[p].sends, out)), captured=run, grads_in=grads_in)
 
     def _forward_eager(self, p: int, values: dict[str, torch.Tensor], inputs: tuple,
                        target: Any) -> _Run:
@@ -700,9 +804,14 @@ class _Step:
 
     def _backward_captured(self, graph: _StageGraph, p: int, run: _Run,
                            grads: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            out = graph.backward(*run.saved, *grads)
-        run.saved = None
+        """The ``B`` segment of the run ``F`` left, on the output gradients ``grads`` (copied
+        into the run's gradient inputs unless received there)."""
+        for buf, g in zip(run.grads_in, grads):
+            if buf is not g:
+                buf.copy_(g)
+        graph.segment(run.captured, 1)
+        out = graph.outputs(run.captured, graph.n_forward, None)
+        run.captured, run.grads_in = None, []
         run.leaf_grads = [g.contiguous() for g in out[:graph.n_leaves]]
         param_grads = iter(out[graph.n_leaves:])
         for param, has in zip(self.owner._trainable[p], graph.has_grad):
@@ -749,10 +858,10 @@ class _Step:
                 self.states[(r - 1) % n].grad_out[(p - 1, b)] = run.leaf_grads
                 return
             mine = (p - 1, (r - p + 1) % n)
-            prev = st.runs[mine].sent
-            st.grad_out[mine] = self._send_recv(
-                run.leaf_grads, [_recv_buffer(prev[k]) for k in _floats(prev)],
-                (r - 1) % n, (r + 1) % n)
+            prev = st.runs[mine]  # a captured run receives into its gradient inputs
+            recv = (prev.grads_in if prev.captured is not None
+                    else [_recv_buffer(prev.sent[k]) for k in _floats(prev.sent)])
+            st.grad_out[mine] = self._send_recv(run.leaf_grads, recv, (r - 1) % n, (r + 1) % n)
 
     @staticmethod
     def _send_recv(send: list[torch.Tensor], recv: list[torch.Tensor], dest: int,
