@@ -265,6 +265,9 @@ class ProgramRunner:
 
         def all_reduce(indices: Sequence[int]) -> None:
             grads = [run.value(grad_nodes[i]) for i in indices]
+            if world == 1:  # nothing to average: the gradients are the step's own outputs
+                averaged.update(zip(indices, grads))
+                return
             buf = torch.cat([g.reshape(-1) for g in grads])
             if world > 1:
                 dist.all_reduce(buf, group=self.group)
@@ -275,8 +278,9 @@ class ProgramRunner:
                 offset += g.numel()
 
         def apply() -> None:
-            for i, name in enumerate(step.param_names):
-                params[name].grad = averaged[i].clone()
+            for i, name in enumerate(step.param_names):  # a replay reuses a CUDA graph's outputs
+                g = averaged[i]
+                params[name].grad = g.clone() if world == 1 and g.is_cuda else g
             if optimizer is not None:
                 optimizer.step()
 
