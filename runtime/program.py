@@ -77,11 +77,12 @@ class Program:
     def table(self) -> str:
         """One line per piece: stream, name, what it waits for and its size."""
         rows = []
+        width = max((len(p.name) for p in self.pieces), default=0)
         for i, p in enumerate(self.pieces):
             what = f"{len(p.nodes)} nodes" if p.nodes else f"{len(p.grads)} gradients" \
                 if p.grads else ""
             deps = ", ".join(self.pieces[d].name for d in p.deps)
-            rows.append(f"{i:3d} {p.stream:7s} {p.name:16s} {what:14s} after: {deps or '-'}")
+            rows.append(f"{i:3d} {p.stream:7s} {p.name:{width}s} {what:14s} after: {deps or '-'}")
         return "\n".join(rows)
 
 
