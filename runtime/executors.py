@@ -34,6 +34,7 @@ from tidal.runtime.programs import builders
 from tidal.runtime.programs.compression import PLAN_KIND as COMPRESSION
 from tidal.runtime.programs.compression import compression_executor
 
+
 def build(gm: fx.GraphModule, plans: Sequence[Plan]) -> Optional[Executor]:
     """The executor for ``plans`` (in pass order) on the final graph ``gm``, or None when the
     graph runs as it is: each plan with a builder gives its rank program in a

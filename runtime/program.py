@@ -1,20 +1,25 @@
 """Programs: one rank's training step as pieces on streams, run by one executor.
 
-A :class:`Program` is data: a list of :class:`Piece` objects, each on the ``compute`` or the
-``comm`` stream, with the indices of the pieces it waits for. A compute piece is a *segment* of
-the captured joint forward+backward graph (``tidal.ir.capture.capture_train_step``: aten ops,
-gradients as explicit outputs), a comm piece all-reduces one bucket of gradients, and the
-``optimizer`` piece applies the averaged gradients. :func:`data_parallel` builds the program of
-data-parallel training: the graph is cut after the node that finishes each bucket's last
-gradient (buckets of at most ``bucket_bytes`` in reverse registration order, as DDP makes them),
-so the all-reduce of a bucket runs on the comm stream while the compute stream goes on with the
-rest of backward. ``overlap=False`` puts every all-reduce after the last segment (the baseline).
+A :class:`Program` is data: a list of :class:`Piece` objects, each on a named stream
+(``compute``, ``comm``, ``load``, or another compute stream such as a wave's; :func:`stream_kind`)
+with the indices of the pieces it waits for. Builders (``tidal.runtime.programs``, one per plan
+kind) make one per rank and step. A compute piece is usually a *segment* of the captured joint
+forward+backward graph (``tidal.ir.capture.capture_train_step``: aten ops, gradients as explicit
+outputs), lowered and captured by :class:`CapturedProgram` (``tidal.runtime.lower``: a CUDA
+graph on a GPU, a straight-line replay on the CPU; what cannot be captured runs uncaptured and
+is named). :func:`data_parallel` builds the program of data-parallel training: the graph is cut
+after the node that finishes each bucket's last gradient (buckets of at most ``bucket_bytes`` in
+reverse registration order, as DDP makes them), so the all-reduce of a bucket runs on the comm
+stream while the compute stream goes on with the rest of backward. ``overlap=False`` puts every
+all-reduce after the last segment (the baseline). :func:`split_pieces` bounds segment durations.
 
-:class:`ProgramRunner` runs a program on a backend (``tidal.runtime.backend.CpuBackend`` here: a
-FIFO worker thread per stream, events between them; a segment is the straight-line replay of its
-nodes): compute pieces on a high-priority stream, comm pieces on a second stream that does not
-occupy the device. Each piece's launch carries its start and end time, so a run gives its trace
-(:func:`chrome_trace`: one row per stream).
+:class:`ProgramRunner` runs a program as a foreground job of the scheduler
+(``tidal.runtime.scheduler.Runtime``) on a backend (``CpuBackend`` here: a FIFO worker thread
+per stream, events between them): compute pieces on high-priority streams, comm and load pieces
+on streams that do not occupy the device. Each piece's launch carries its start and end time,
+so a run gives its trace (:func:`chrome_trace`: one row per stream). :class:`ProgramExecutor`
+is the one executor every plan runs through (``Compiled.step``); :class:`ProgramJob` is a
+training job to submit beside others.
 
 Example:
     >>> import torch
@@ -377,7 +382,7 @@ class StepWork(Protocol):
 
 
 class RankProgram(Protocol):
-    """What a program builder returns (``tidal.runtime.programs.BUILDERS``): this rank's side of
+    """What a program builder returns (``tidal.runtime.programs.builders()``): this rank's side of
     a plan. ``bind`` prepares one training step (the program for these inputs, built once per
     shape, and what each piece does); ``forward`` runs inference."""
 
