@@ -55,13 +55,15 @@ class Launch:
     result or re-raises the error. Device times (µs on the backend clock) once done:
     ``ready_us`` (it could start: the stream reached it), ``start_us``, ``end_us``."""
 
-    __slots__ = ("label", "result", "error", "ready_us", "start_us", "end_us", "_done")
+    __slots__ = ("label", "result", "error", "ready_us", "start_us", "end_us", "started",
+                 "_done")
 
     def __init__(self, label: str = ""):
         self.label = label
         self.result: Any = None
         self.error: Optional[BaseException] = None
         self.ready_us = self.start_us = self.end_us = 0.0
+        self.started = False  # it has begun on the device (start_us is set)
         self._done = threading.Event()
 
     def done(self) -> bool:
@@ -232,6 +234,7 @@ class CpuStream:
                 if uses_device:
                     be.gate.acquire(self.priority)
                 launch.start_us = be.now_us()
+                launch.started = True
                 try:
                     launch.result = fn(*args)
                 except BaseException as e:  # reported through the Launch, the stream goes on
@@ -377,6 +380,7 @@ class LogicalBackend(Backend):
             launch, uses_device, _ = s.pending.popleft()
             collocated = uses_device and self._busy() > 0
             launch.start_us = self._now
+            launch.started = True
             launch.end_us = self._now + float(self.duration_us(launch.label, collocated))
             s.running = (launch, uses_device)
             heapq.heappush(self._ends, (launch.end_us, next(self._arrivals), s))
@@ -426,6 +430,7 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
 
     def launch(self, stream, fn, *args, uses_device=True, label=""):
         launch = _CudaLaunch(label, self._ref)
+        launch.started = True  # enqueued: the device runs it in stream order
         with torch.cuda.stream(stream):
             launch.start_ev.record()
             try:

@@ -235,13 +235,19 @@ class Runtime:
     ``stream_pool``: a dict that keeps the streams this runtime makes (by job role and stream
     name) for the next ``Runtime`` on the same backend (a program runner's per-step runtimes).
     Launch pacing counts the pieces that occupy the device (communication overlaps freely).
+    ``idle_only``: background pieces go only into the foreground's idle spans — while no
+    foreground piece occupies the device, and only a piece predicted (from its isolated time)
+    to end before the foreground's next device piece can start, which is when the pieces it
+    waits for (a transfer, a collective) are predicted to end (DeepPool's BP+Col: the ranks
+    outside a layer's GPU set lend their idle time).
     """
 
     def __init__(self, device: Any = "cpu", *, backend: Optional[Backend] = None,
                  fg_depth: Optional[int] = 2, be_depth: Optional[int] = 1,
                  target_slowdown: float = 1.1, feedback: bool = True, priorities: bool = True,
                  calibrate: int = 1, sensitive_kinds: Sequence[str] = (),
-                 poll_us: float = 1000.0, stream_pool: Optional[dict] = None):
+                 poll_us: float = 1000.0, stream_pool: Optional[dict] = None,
+                 idle_only: bool = False):
         for name, depth in (("fg_depth", fg_depth), ("be_depth", be_depth)):
             if depth is not None and (not isinstance(depth, int) or depth < 1):
                 raise ValueError(f"Runtime({name}={depth!r}): must be a positive int or None")
@@ -263,6 +269,7 @@ class Runtime:
         self._seq = itertools.count()
         self._paused = False
         self._streams: dict = stream_pool if stream_pool is not None else {}
+        self.idle_only = idle_only
         self._events = callable(getattr(self.backend, "event", None))
 
     # -- submission -------------------------------------------------------------------------
@@ -416,10 +423,12 @@ class Runtime:
             if h.stats.busy_us > h.limits.compute_share * (now - h.stats.first_us):
                 return False
         fg = self._foreground()
-        if not self.feedback or fg is None or fg.finished:
+        if fg is None or fg.finished or not (self.feedback or self.idle_only):
             return True
         if fg.stats.iterations < self.calibrate and fg.stats.error is None:
             return False  # the foreground's isolated times are being recorded
+        if self.idle_only:
+            return self._fits_idle_span(fg, h, now)
         est = self.isolated_us.get((h.name, h.queue[0].piece.name), h.mean_piece_us()) \
             or h.queue[0].piece.predicted_us
         allowed = now + est <= self._next_sensitive_start(fg, now)
@@ -427,6 +436,39 @@ class Runtime:
             h.stats.feedback_pauses += 1
         self._paused = not allowed
         return allowed
+
+    def _fits_idle_span(self, fg: JobHandle, h: JobHandle, now: float) -> bool:
+        est = self.isolated_us.get((h.name, h.queue[0].piece.name), h.mean_piece_us()) \
+            or h.queue[0].piece.predicted_us
+        allowed = now + est <= self.idle_until(fg, now)
+        if not allowed:
+            h.stats.feedback_pauses += 1
+        return allowed
+
+    def idle_until(self, fg: JobHandle, now: float) -> float:
+        """When the foreground next needs the device: ``now`` while one of its device pieces
+        runs or can start; else the predicted end of the pieces its next device piece waits
+        for (inf when it has no device piece left)."""
+        if any(q.piece.uses_device and q.launch.started and not q.launch.done()
+               for q in fg.outstanding):
+            return now
+        pending = [q for q in fg.outstanding if q.piece.uses_device and not q.launch.done()]
+        pending += [q for q in fg.queue if q.piece.uses_device]
+        if not pending:
+            running = [self._predicted_end(fg, q, now) for q in fg.outstanding
+                       if not q.launch.done()]
+            return max(running) if running else (math.inf if fg.exhausted else now)
+        nxt = pending[0]
+        waits = [fg.dispatched[d] for d in nxt.piece.after
+                 if d in fg.dispatched and nxt.iteration == fg.dispatched[d].iteration
+                 and not fg.dispatched[d].piece.uses_device]
+        return max([now] + [self._predicted_end(fg, q, now) for q in waits
+                            if not q.launch.done()])
+
+    def _predicted_end(self, h: JobHandle, q: _Queued, now: float) -> float:
+        if q.launch is None or not q.launch.started:
+            return now + self._iso(h, q.piece)
+        return max(now, q.launch.start_us + self._iso(h, q.piece))
 
     def _iso(self, h: JobHandle, p: Piece) -> float:
         return self.isolated_us.get((h.name, p.name), p.predicted_us)

@@ -249,3 +249,32 @@ def test_a_piece_that_waits_for_a_later_piece_fails_its_job_by_name():
                                                 Piece("y", lambda: None)], iterations=1), "high")
     rt.run()
     assert "'x' waits for (1,)" in h.stats.error
+
+
+def test_idle_only_background_fills_the_foregrounds_waits_and_nothing_else():
+    """BP+Col on a logical clock: the foreground computes, waits 300 µs on a transfer (its
+    device is idle), computes again. Background pieces of 50 µs go only into the waits and end
+    before the foreground needs the device: the foreground is never delayed, and the background
+    turns every idle µs into work."""
+    from tidal.runtime.backend import LogicalBackend
+    from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
+
+    durations = {"a": 100.0, "wait": 300.0, "b": 100.0, "bg": 50.0}
+    rt = Runtime(backend=LogicalBackend(lambda label, _: durations[label.split("/")[1]],
+                                        slots=1), idle_only=True, fg_depth=None)
+    fg = FunctionJob("fg", lambda i: [Piece("a", lambda: None),
+                                      Piece("wait", lambda: None, kind="recv", uses_device=False,
+                                            stream="comm", after=(0,)),
+                                      Piece("b", lambda: None, after=(1,))], iterations=4)
+    rt.submit(fg, "high")
+    rt.submit(FunctionJob("bg", lambda i: [Piece("bg", lambda: None)]), "low")
+    stats = rt.run()
+    waits = [(r.start_us, r.end_us) for r in rt.trace if r.piece == "wait"]
+    bg = [(r.start_us, r.end_us) for r in rt.trace if r.job == "bg"]
+    assert stats["fg"].iterations == 4 and len(waits) == 4
+    assert all(any(s >= ws and e <= we for ws, we in waits) for s, e in bg), (bg, waits)
+    iso = [r.end_us - r.start_us for r in rt.trace if r.job == "fg" and r.piece in "ab"]
+    assert iso == [100.0] * 8                       # never slowed
+    calibrated = waits[1:]                          # the first iteration runs alone
+    reclaimed = sum(e - s for s, e in bg) / sum(e - s for s, e in calibrated)
+    assert reclaimed == 1.0, (bg, waits)
