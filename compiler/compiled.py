@@ -126,6 +126,40 @@ class Compiled:
 
         return ProgramJob(name, one_piece, iterations)
 
+    def train(self, batches: Callable[[int], tuple[Any, Any]], iterations: int, *,
+              background: Any = None, idle_only: bool = True) -> dict[str, Any]:
+        """Train ``iterations`` steps on ``batches(i)`` as the foreground job of a scheduler
+        on this process's device, with ``background`` (a job: another model's
+        ``compiled.job(...)``) packed into the foreground's idle spans (``idle_only``, DeepPool's
+        BP+Col; False: the slowdown-feedback policy). Returns the per-job statistics
+        (``tidal.runtime.scheduler.JobStats``: iterations, throughput, slowdowns); the
+        foreground's losses are in ``stats[...]`` and in the job (``job.losses``).
+
+        Example:
+            >>> import torch, tidal
+            >>> fg = tidal.compile(torch.nn.Linear(4, 2), (torch.randn(8, 4),),
+            ...                    loss_fn=torch.nn.functional.cross_entropy,
+            ...                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+            >>> bg = tidal.compile(torch.nn.Linear(4, 2), (torch.randn(8, 4),),
+            ...                    loss_fn=torch.nn.functional.cross_entropy,
+            ...                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+            >>> batch = lambda i: (torch.randn(8, 4), torch.randint(0, 2, (8,)))
+            >>> stats = fg.train(batch, 3, background=bg.job(batch, name="extra"))
+            >>> stats["train"].iterations
+            3
+        """
+        from tidal.runtime.backend import backend_for
+        from tidal.runtime.scheduler import Runtime
+
+        params = list(self.model.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        options = {"slots": 1} if device.type == "cpu" else {}
+        with Runtime(backend=backend_for(device, **options), idle_only=idle_only) as runtime:
+            runtime.submit(self.job(batches, iterations=iterations), priority="high")
+            if background is not None:
+                runtime.submit(background, priority="low")
+            return runtime.run()
+
     def trace(self, path: Union[str, Path]) -> Path:
         """Write the pieces of the latest ``step`` (per stream, this rank as the process) as a
         Chrome trace (``chrome://tracing``, ui.perfetto.dev); returns the path. Raises
