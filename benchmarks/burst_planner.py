@@ -21,10 +21,11 @@ DeepPool's strong-scaling regime, and a common fine-tuning batch for both models
 GPUs on DeepPool's A100 network (as above), with no profile: layer times are FLOPs at the A100's
 dense TF32 peak, 156 TFLOP/s (fp32 weights, TF32 matmuls). Each row gives the planner's median
 search time (same scheme as above) and its predicted iteration time against data parallelism,
-gradients synced as the executor syncs them (one all-reduce per GPU set), beside the speedup
-the planner would claim under DeepPool's one-all-reduce-per-layer model; these are cost-model
-predictions, nothing is run on a GPU. The zoo rows keep DeepPool's model (``sync="per_layer"``),
-as the paper's planner does.
+gradients synced as the runtime syncs them (``sync="overlap"``, the default: bucketed
+all-reduces beside the rest of backward; data parallelism as DDP), beside the speedup the
+planner would claim under DeepPool's one-all-reduce-per-layer model with no overlap
+(``sync="paper"``); these are cost-model predictions, nothing is run on a GPU. The zoo rows keep
+DeepPool's model (``sync="paper"``), as the paper's planner does.
 
     python benchmarks/burst_planner.py [--repeats 15] [--models all|zoo|transformers]
 """
@@ -73,7 +74,7 @@ def _problem(name: str, batch: int, prof: str, gpus: int) -> tuple[BurstProblem,
     profile = tidal.DeviceProfile.from_deeppool(PROFILES / prof)
     cluster = tidal.Cluster(gpus=min(gpus, batch), bandwidth_gbps=2.66e5 * 8 / 1e3,
                             latency_us=40.0, profile=profile)
-    small = build_problem(gm, cluster, batch, sync="per_layer")  # DeepPool: counts <= batch
+    small = build_problem(gm, cluster, batch, sync="paper")  # DeepPool: counts <= batch
     counts = tuple(1 << k for k in range(gpus.bit_length()))
     idx = [min(k, len(small.counts) - 1) for k in range(len(counts))]
     # counts above the batch: every GPU has (at most) one sample, like counts[batch]
@@ -168,7 +169,7 @@ def transformer_rows(repeats: int) -> None:
                 plan = plan_burst(p, 2.0, amp_min_us=300.0)
                 times.append(time.perf_counter() - t0)
             per_layer = plan_burst(build_problem(gm, _a100(gpus), batch, units=units,
-                                                 sync="per_layer"), 2.0, amp_min_us=300.0)
+                                                 sync="paper"), 2.0, amp_min_us=300.0)
             rows.append((name, batch, gpus, len(p.names), t_build, statistics.median(times),
                          plan, per_layer))
     print(f"{'model':12s} {'gb':>3s} {'GPUs':>4s} {'layers':>6s} {'build s':>8s} "
@@ -183,9 +184,10 @@ def transformer_rows(repeats: int) -> None:
     print("layers: planner units (a region that is not series-parallel is one unit); build s: "
           "build_problem (cost tables); plan s: median plan_burst search time; pred/DP ms: "
           "predicted iteration time of our plan and of data parallelism, gradients synced as "
-          "the executor does (one all-reduce per GPU set, build_problem's sync='bucketed'); "
-          "per-layer: the speedup the planner would claim under DeepPool's model of one "
-          "all-reduce per layer (sync='per_layer'), which charges every layer the ring latency")
+          "the runtime does (bucketed all-reduces beside the rest of backward, build_problem's "
+          "default sync='overlap'); per-layer: the speedup the planner would claim under "
+          "DeepPool's model of one all-reduce per layer after it (sync='paper'), which charges "
+          "every layer the ring latency")
 
 
 def zoo_rows(repeats: int) -> None:

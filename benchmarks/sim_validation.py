@@ -198,7 +198,7 @@ def _round(args, cores: int) -> list[tuple[str, int, str, float, float]]:
             times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
             dp_sim = summarize(data_parallel(times, w, gb, cluster, update_us=update), w, gb,
                                cores=cores).iteration_us
-            problem = build_problem(gm, cluster, gb, sync="per_layer")  # as the README figures
+            problem = build_problem(gm, cluster, gb, sync="paper")  # as the README figures
             plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
             if plan is None or plan.is_data_parallel:
                 plan = _half_plan(problem, w, args.amp_limit)

@@ -14,9 +14,10 @@ gradients on its ranks as soon as backward has finished them. In one process the
 computes exactly what the model does.
 
 Options (``tidal.compile(..., amp_limit=2.0, power_of_two=True, plan=None)``): ``amp_limit``,
-``power_of_two`` (GPU counts 1, 2, 4, ... or every count), ``sync`` (``"bucketed"``, the
-default: as the executor syncs, one all-reduce per GPU set; ``"per_layer"``: DeepPool's model,
-one per layer), ``plan`` (a saved ``BurstPlan`` or its JSON: replayed without search),
+``power_of_two`` (GPU counts 1, 2, 4, ... or every count), ``sync`` (how gradient sync is
+charged, :func:`build_problem`: ``"overlap"``, the default, as the runtime runs it, bucketed
+all-reduces beside the rest of backward; ``"bucketed"``: one all-reduce per GPU set after the
+layers; ``"paper"``: DeepPool's model, one per layer, no overlap), ``plan`` (a saved ``BurstPlan`` or its JSON: replayed without search),
 ``algorithm`` (``"exact"`` or ``"paper"``), ``parallel_branches`` and ``amp_min_us`` (see
 ``plan_burst``).
 
@@ -44,24 +45,39 @@ import torch.fx as fx
 
 from tidal.ir import batch_dim, cost, meta
 from tidal.ir.cluster import Cluster
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.collectives import GATHER, SCATTER, check_layer_ranks, layout, rows_like
 from tidal.ir.errors import PlanError
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.burst import BurstPlan, LayerPlacement
 from tidal.passes import burst_units
-from tidal.passes.burst_planner import (BurstProblem, allreduce_us, candidate_counts,
-                                        per_gpu_batch, plan_burst)
+from tidal.passes.burst_planner import (BurstProblem, OverlapSync, allreduce_us,
+                                        candidate_counts, per_gpu_batch, plan_burst)
 
 PASS_NAME = "burst_parallel"
 
 
-SYNC_MODELS = ("bucketed", "per_layer")
+SYNC_MODELS = ("overlap", "bucketed", "paper")
+SYNC_ALIASES = {"per_layer": "paper"}
+"""Older names of the sync models (``"per_layer"``: DeepPool's model, now ``"paper"``)."""
+
+
+def sync_model(sync: str) -> str:
+    """The sync model ``sync`` names (an alias resolved); ``ValueError`` for an unknown one.
+
+    >>> sync_model("per_layer"), sync_model("overlap")
+    ('paper', 'overlap')
+    """
+    name = SYNC_ALIASES.get(sync, sync) if isinstance(sync, str) else sync
+    if name not in SYNC_MODELS:
+        raise ValueError(f"burst_parallel(sync={sync!r}): expected one of {SYNC_MODELS}")
+    return name
 
 
 def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
                   power_of_two: bool = True, example_inputs: Any = None,
                   units: Optional[burst_units.Units] = None,
-                  sync: str = "bucketed") -> BurstProblem:
+                  sync: str = "overlap") -> BurstProblem:
     """The planner's input for an annotated graph (``tidal.ir.cost.annotate``) whose example
     batch is ``batch``: its units (``tidal.passes.burst_units``; the graph is analysed by
     ``tidal.ir.batch_dim`` first, from ``example_inputs``, unless it already was), per-unit
@@ -70,35 +86,42 @@ def build_problem(gm: fx.GraphModule, cluster: Cluster, batch: int,
     the values other units read. Raises ``ValueError`` naming a bad GPU count or an output
     that cannot be gathered by rows.
 
-    ``sync``: how gradient all-reduce is charged. ``"bucketed"`` (default) as the executor
-    runs it: the gradients of all layers on one set of GPUs go in one all-reduce, so each unit
-    pays its bytes over the ring and a share of the ring latency in proportion to its bytes (a
-    plan whose layers all use ``G`` GPUs pays one latency, like DDP's buckets).
-    ``"per_layer"``: DeepPool's model, a full ring all-reduce (latency included) per layer."""
-    if sync not in SYNC_MODELS:
-        raise ValueError(f"burst_parallel(sync={sync!r}): expected one of {SYNC_MODELS}")
+    ``sync``: how gradient all-reduce is charged. ``"overlap"`` (default) as the runtime runs
+    it (``tidal.passes.burst_planner.OverlapSync``): consecutive units on the same ranks sync
+    in DDP-sized buckets, each all-reduce issued when backward has finished its units and run
+    beside the rest of backward, so a plan pays only what runs past the end of backward (data
+    parallelism: the simulator's DDP model, ``tidal.sim.programs.data_parallel``); the search
+    charges a unit its bytes over the ring and a share of the latency of its bucket, less what
+    hides. ``"bucketed"``: no overlap, the gradients of all units on one set of GPUs in one
+    all-reduce, each unit paying its bytes and a share of the ring latency in proportion to
+    its bytes. ``"paper"`` (alias ``"per_layer"``): DeepPool's model (§4, Table 3, Fig. 9), a
+    full ring all-reduce (latency included) after each layer, no overlap."""
+    sync = sync_model(sync)
     if units is None:
         units = analyse(gm, example_inputs, batch)
     counts = candidate_counts(cluster.gpus, power_of_two)
     nodes = {n.name: n for n in gm.graph.nodes}
     L, K = len(units.units), len(counts)
-    comp, sync_us, act = np.zeros((L, K)), np.zeros((L, K)), np.zeros(L)
+    comp, bwd, sync_us, act = np.zeros((L, K)), np.zeros((L, K)), np.zeros((L, K)), np.zeros(L)
     times = {g: cost.node_times_us(gm, per_gpu_batch(batch, g), cluster) for g in counts}
     pbytes = _unit_param_bytes(gm, units)
-    total = max(sum(pbytes), 1)
+    # the bytes that share one latency: all of a GPU set's (bucketed), a bucket's (overlap)
+    shared = max(min(sum(pbytes), DDP_BUCKET_BYTES) if sync == "overlap" else sum(pbytes), 1)
     for i, unit in enumerate(units.units):
         read = [m for m in unit.outputs if any(
             u.op == "output" or units.roles.get(u.name) in (burst_units.CUT, burst_units.OTHER)
             for u in nodes[m].users)]
         act[i] = sum(t.nbytes for m in read for t in meta.get_tensors(nodes[m])) / batch
-        latency = cluster.latency_us * (pbytes[i] / total if sync == "bucketed" else 1.0)
+        latency = cluster.latency_us * (1.0 if sync == "paper" else min(1.0, pbytes[i] / shared))
         for k, g in enumerate(counts):
             comp[i, k] = sum(sum(times[g][m]) for m in unit.members)
+            bwd[i, k] = sum(times[g][m][1] for m in unit.members)
             sync_us[i, k] = allreduce_us(pbytes[i], g, cluster.bytes_per_us, latency)
         if unit.pinned:
-            comp[i, 1:] = np.inf
+            comp[i, 1:] = bwd[i, 1:] = np.inf
+    overlap = OverlapSync(bwd, np.array(pbytes)) if sync == "overlap" else None
     return BurstProblem([u.name for u in units.units], units.preds, comp, sync_us, act, counts,
-                        batch, cluster.bytes_per_us, cluster.latency_us)
+                        batch, cluster.bytes_per_us, cluster.latency_us, overlap=overlap)
 
 
 def _unit_param_bytes(gm: fx.GraphModule, units: burst_units.Units) -> list[float]:
@@ -298,7 +321,7 @@ class BurstParallel(Pass):
     def __init__(self, amp_limit: float = 2.0, power_of_two: bool = True,
                  plan: Union[BurstPlan, str, None] = None, algorithm: str = "exact",
                  parallel_branches: bool = True, amp_min_us: float = 0.0,
-                 sync: str = "bucketed"):
+                 sync: str = "overlap"):
         if isinstance(amp_limit, bool) or not isinstance(amp_limit, (int, float)) \
                 or not amp_limit >= 1:
             raise ValueError(f"burst_parallel(amp_limit={amp_limit!r}): must be a number >= 1")
@@ -313,9 +336,7 @@ class BurstParallel(Pass):
         self.algorithm = algorithm
         self.parallel_branches = parallel_branches
         self.amp_min_us = amp_min_us
-        if sync not in SYNC_MODELS:
-            raise ValueError(f"burst_parallel(sync={sync!r}): expected one of {SYNC_MODELS}")
-        self.sync = sync
+        self.sync = sync_model(sync)
         self._analysed: Optional[tuple[tuple, burst_units.Units]] = None
 
     def _units(self, gm: fx.GraphModule, ctx: PassContext) -> burst_units.Units:

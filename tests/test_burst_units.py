@@ -135,6 +135,10 @@ def test_hand_plans_move_values_between_gpu_sets_on_two_ranks():
 def test_a_long_sequence_decoder_gets_a_per_layer_plan():
     # batch 8 of 4096 tokens on 8 A100s over DeepPool's link: the embeddings (many parameter
     # bytes, no compute) run on fewer GPUs than the attention and MLP layers (all of the compute)
+    # when every sync follows its layers (sync="bucketed"); with syncs overlapping backward (the
+    # default) data parallelism wins here: its one bucket (the whole model) and this plan's
+    # bucket of 8-GPU layers are both issued with almost no backward left to hide behind, and
+    # the plan adds a transfer
     import transformers
 
     cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1000,
@@ -145,7 +149,7 @@ def test_a_long_sequence_decoder_gets_a_per_layer_plan():
     gm = tidal.trace(model, {"input_ids": ids})
     cost.annotate(gm, (ids,))
     cluster = tidal.Cluster(gpus=8, bandwidth_gbps=2.66e5 * 8 / 1e3, latency_us=40.0)
-    problem = build_problem(gm, cluster, 8, example_inputs=(ids,))
+    problem = build_problem(gm, cluster, 8, example_inputs=(ids,), sync="bucketed")
     plan = plan_burst(problem, 2.0)
     gpus = {l.layer: l.gpus for l in plan.layers}
     assert not plan.fallback and plan.time_us < plan.dp_time_us, plan.summary()

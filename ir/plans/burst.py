@@ -24,7 +24,10 @@ from tidal.ir.plot import Axis, Column, Key, bar_chart, color
 @dataclass(frozen=True)
 class LayerPlacement:
     """Where one layer runs: ``gpus`` ranks ``ranks`` (contiguous), the sample range
-    ``[lo, hi)`` of the global batch each of them processes, and its predicted costs."""
+    ``[lo, hi)`` of the global batch each of them processes, and its predicted costs:
+    forward + backward (``comp_us``), moving its input (``comm_us``) and the time its gradient
+    sync adds to the iteration (``sync_us``: all of it when sync follows the layer, or only
+    what runs past the end of backward when sync overlaps backward)."""
 
     layer: str
     gpus: int
