@@ -1,5 +1,6 @@
 """Data safety: a corrupt or foreign weight store is refused naming the tensor at fault, a plan's
-kind never imports a module, and a replayed burst plan must fit the cluster it runs on."""
+kind never imports a module, a replayed burst plan must fit the cluster it runs on, and a
+rank's owner-only burst checkpoint loads only on that rank."""
 import dataclasses
 import json
 import struct
@@ -275,6 +276,48 @@ def _executor_beyond_world(rank, size):
 def test_executor_refuses_a_layer_needing_more_ranks_than_the_world():
     for message in spawn(_executor_beyond_world, 2, timeout_s=300):
         assert message is not None and "layer '_0' needs 4 GPUs, but the world has 2" in message
+
+
+def _foreign_checkpoints(rank, size):
+    """Rank 0 alone owns layer 0, both ranks own layer 1: each rank's own checkpoint, altered
+    to claim another rank or world, a tensor it does not own or lacks, or a wrong shape."""
+    gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)))
+    program = BurstProgram(world=size, batch=4, param_ranks=(
+        ("0.weight", (0,)), ("0.bias", (0,)), ("1.weight", (0, 1)), ("1.bias", (0, 1))))
+    opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+    dropped = program.own_optimizer(opt, gm)
+    mine = program.state_dict(gm, opt)
+    model = dict(mine["model"])
+    if rank == 0:
+        model.pop("0.bias")
+    else:
+        model["0.bias"] = torch.zeros(4)
+    bad = [dict(mine, rank=1 - rank), dict(mine, world=4), dict(mine, model=model),
+           dict(mine, model={**mine["model"], "1.weight": torch.zeros(3, 3)})]
+    messages = []
+    for state in bad:
+        try:
+            program.load_state_dict(gm, state, opt)
+        except ValueError as e:
+            messages.append(str(e))
+    program.load_state_dict(gm, mine, opt)  # its own checkpoint loads
+    return (dropped, sorted(mine["model"]), [len(g["params"]) for g in opt.param_groups],
+            messages)
+
+
+def test_a_burst_checkpoint_loads_only_on_the_rank_that_owns_it():
+    (d0, own0, groups0, m0), (d1, own1, groups1, m1) = spawn(_foreign_checkpoints, 2,
+                                                              timeout_s=300)
+    assert d0 == [] and d1 == ["0.weight", "0.bias"]  # the optimizer keeps owned parameters
+    assert own0 == ["0.bias", "0.weight", "1.bias", "1.weight"] and own1 == ["1.bias", "1.weight"]
+    assert groups0 == [4] and groups1 == [2]
+    for rank, messages in ((0, m0), (1, m1)):
+        assert len(messages) == 4, messages
+        assert f"checkpoint is rank {1 - rank} of 2, but this is rank {rank} of 2" in messages[0]
+        assert f"checkpoint is rank {rank} of 4" in messages[1]
+        assert "tensor '1.weight' has shape (3, 3), the model (2, 4)" in messages[3]
+    assert "tensor '0.bias' is missing for this rank" in m0[2]
+    assert "tensor '0.bias' is not owned by this rank" in m1[2]
 
 
 def test_checksum_sees_every_byte_including_a_partial_last_word():

@@ -1,5 +1,6 @@
-"""Burst-parallel training as a program: each rank's forward and backward on the compute stream,
-each GPU set's gradient sync on the comm stream as soon as that set's gradients are final.
+"""Burst-parallel training as a program (DeepPool §4–§5): each rank's forward and backward on
+the compute stream, each gradient bucket's sync on the comm stream as soon as backward has
+finished its layers, and on every rank only the state of the layers it runs.
 
 Every rank passes the same global batch. Each layer runs on its ranks' sample ranges; a rank
 outside a layer's set skips it: on its first distributed step the program specialises the graph
@@ -9,35 +10,55 @@ never runs on zero rows. The empty tensor requires grad exactly when the layer's
 (its module has trainable parameters or an input requires grad), so every rank takes part in
 the same backward transfers. The model output is gathered to every rank, so every rank computes
 the same global loss, and backward sends each row's gradient back to the rank that computed the
-row. A parameter's gradient is then summed over the ranks of its layer (a subgroup all-reduce)
-and broadcast to the other ranks, so every replica takes the same optimizer step and the
-parameters stay identical everywhere (through a ``GradSync`` when the ``compression`` pass wraps
-the sync, :meth:`BurstProgram.use_grad_sync`). Buffers a layer updates in training (BatchNorm's
-running statistics) are averaged over the layer's ranks after each step and broadcast to the
-others, so every rank holds the same model; BatchNorm normalizes each rank's rows with their own
-statistics, as data parallelism without ``SyncBatchNorm`` does. Without a process group (one
-process) the ops are the identity and a step is plain training.
+row. Without a process group (one process) the ops are the identity and a step is plain
+training.
+
+**Owner-only state.** A parameter or buffer belongs to the ranks of the one layer that uses it
+(:func:`param_ranks`), or to every rank when nodes on several GPU sets, or nodes computed on
+every rank, use it. A rank holds, updates and checkpoints only what it owns: on its distributed
+steps the program removes every other parameter (and its state) from the optimizer's param
+groups (:meth:`BurstProgram.own_optimizer`: the same optimizer object, so a learning-rate
+scheduler on it keeps working; a group left empty stays, so group indices do not change), the
+rank never receives the gradients of the others (their ``.grad`` stays ``None``), and buffers a
+layer updates in training (BatchNorm's running statistics) are averaged over the layer's ranks
+only. A rank's copy of a layer it does not run is stale after the first step and never read:
+its graph skips the layer, and the forward (inference too) takes that layer's rows from its
+owners through the gather. :meth:`BurstProgram.state_dict` checkpoints the rank's share (its
+tensors by name, the optimizer, the compressors); :meth:`BurstProgram.state_bytes` counts what
+the rank holds against data parallelism (:func:`state_table` for the ranks' rows). BatchNorm
+normalizes each rank's rows with their own statistics, as data parallelism without
+``SyncBatchNorm`` does.
+
+**Gradient sync.** In backward order, the gradients of consecutive layers on the same set of
+two or more ranks (no change of GPU set between them) go into buckets of at most
+``bucket_bytes`` (:func:`sync_buckets`; 25 MiB by default, as DDP), and each bucket is summed
+over its ranks (a subgroup all-reduce, or a ``GradSync`` when the ``compression`` pass wraps
+the sync, :meth:`BurstProgram.use_grad_sync`) as soon as the backward of the bucket's earliest
+layer has run: backward is cut right before the first node that uses one of the bucket's
+parameters (:func:`stages`).
 
 The program of one rank (:meth:`BurstProgram.layout`, built once per input shape and rank):
 
 * ``forward`` (compute): the rank's graph with autograd, and the loss on the gathered output;
-* ``backward k`` (compute), from the last segment to the first: the graph is cut after the
-  ``tidal::scatter``/``gather`` node that ends the forward segment where some GPU set's
-  parameters are last used; each cut's live values are detached there, and ``backward k`` runs
-  autograd from segment k's outputs (the loss, or the gradients the later stage left on the
-  detached values) back to its inputs, so a set's gradients are final when its stage ends;
-* per GPU set, after the stage that finalises it: ``all_reduce r0,r1`` (comm, on the ranks of
-  the set only) and, for a set smaller than the world, ``broadcast r0,r1`` (comm, every rank);
-* ``buffers all_reduce ...`` / ``buffers broadcast ...`` (comm, after backward);
+* ``backward k`` (compute), from the last segment to the first: the forward is cut before the
+  node where a bucket's parameters are first used; each cut's live values are detached there,
+  and ``backward k`` runs autograd from segment k's outputs (the loss, or the gradients the
+  later stage left on the detached values) back to its inputs, so a bucket's gradients are
+  final when its stage ends;
+* per bucket of the rank, after the stage that finalises it: ``all_reduce r0,r1 a..b`` (comm,
+  on the bucket's ranks only; ``a`` and ``b`` its first and last parameter in backward order);
+* ``buffers all_reduce r0,r1`` (comm, after backward) per set of ranks with floating-point
+  buffers;
 * ``optimizer`` (compute), after the gradient syncs: it overlaps the buffer syncs.
 
-The comm stream is one FIFO in program order, so every rank issues its collectives in the same
-order; they run on process groups of their own (a world-wide copy and the sets' subgroups), so
-they overlap the scatter/gather transfers of backward, which use the default group. The compute
-pieces run eagerly (``fallback_reason`` says why: the scatter/gather collectives inside the
-graph), not as captured segments. The program is the same object the simulator runs
-(``tidal.sim.programs.program_tasks``): a comm piece of the same name on several ranks is one
-collective across them.
+The comm stream is one FIFO in program order and every rank issues its buckets in the same
+order (the order of :func:`sync_buckets`, which agrees with every rank's stage order), so the
+collectives match; they run on process groups of their own (a world-wide copy and the sets'
+subgroups), so they overlap the scatter/gather transfers of backward, which use the default
+group. The compute pieces run eagerly (``fallback_reason`` says why: the scatter/gather
+collectives inside the graph), not as captured segments. The program is the same object the
+simulator runs (``tidal.sim.programs.program_tasks``): a comm piece of the same name on several
+ranks is one collective across them.
 
 Example:
     >>> import torch, torch.fx as fx
@@ -57,10 +78,11 @@ Example:
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,8 +91,10 @@ from torch.utils import _pytree as pytree
 
 from tidal.ir import meta
 from tidal.ir.collectives import GATHER, SCATTER, SubgroupCache, check_layer_ranks, new_group
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
 from tidal.ir.node_runner import fetch_attr, flat_tensors
-from tidal.runtime.distributed import all_reduce_tensors, copy_from_flat, is_distributed
+from tidal.ir.table import format_table
+from tidal.runtime.distributed import all_reduce_tensors, is_distributed
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.program import COMM, COMPUTE, Piece, Program
 
@@ -213,10 +237,13 @@ def param_ranks(gm: fx.GraphModule, world: int, unit_of: dict[str, str],
     return {name: by_id.get(id(t), everyone) for name, t in named}
 
 
-def from_plan(gm: fx.GraphModule, plan: Any) -> "BurstProgram":
+
+def from_plan(gm: fx.GraphModule, plan: Any,
+              bucket_bytes: float = DDP_BUCKET_BYTES) -> "BurstProgram":
     """The rank program of a ``burst_parallel`` plan (a ``BurstPlan``: ``world``, ``batch`` and
     per layer its ``layer`` name and ``ranks``) on the graph the pass rewrote, whose nodes carry
-    their placement (``tidal.ir.meta.BurstPlacement``)."""
+    their placement (``tidal.ir.meta.BurstPlacement``); gradient buckets of at most
+    ``bucket_bytes``."""
     members: dict[str, list[str]] = {}
     for n in gm.graph.nodes:
         placed = meta.get_pass_meta(n, PASS_NAME)
@@ -227,55 +254,143 @@ def from_plan(gm: fx.GraphModule, plan: Any) -> "BurstProgram":
     owners = param_ranks(gm, plan.world, unit_of, ranks_of)
     return BurstProgram(plan.world, plan.batch, tuple(sorted(owners.items())),
                         tuple(ranks_of.items()),
-                        tuple((unit, tuple(ms)) for unit, ms in members.items()))
+                        tuple((unit, tuple(ms)) for unit, ms in members.items()),
+                        bucket_bytes=bucket_bytes)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One gradient bucket: the ``ranks`` that sum it, its parameter ``names`` in backward
+    order, and ``ready``, the position (in the graph module's node order) of the first node
+    that reads one of them: the bucket's gradients are final once backward has run back to
+    that node."""
+
+    ranks: Ranks
+    names: tuple[str, ...]
+    ready: int
+
+    @property
+    def piece(self) -> str:
+        """The name of the bucket's comm piece (the same on each of its ranks)."""
+        last = f"..{self.names[-1]}" if len(self.names) > 1 else ""
+        return f"all_reduce {_label(self.ranks)} {self.names[0]}{last}"
+
+
+def first_use(gm: fx.GraphModule) -> dict[int, int]:
+    """``id(tensor)`` -> the position of the first node of ``gm`` that computes with it, for
+    every parameter and buffer: a ``call_module`` of a module holding it, or the first node
+    that reads a ``get_attr`` of it (where its gradient comes from).
+
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    >>> first_use(gm)[id(gm.get_submodule("0").weight)]      # node 0 is the input
+    1
+    """
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    used: dict[int, int] = {}
+    for node, i in position.items():
+        tensors: list[Any] = []
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            tensors = list(sub.parameters()) + list(sub.buffers())
+        elif node.op == "get_attr":
+            tensors = [fetch_attr(gm, str(node.target))]
+            i = min((position[u] for u in node.users), default=i)
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                used[id(t)] = min(used.get(id(t), i), i)
+    return used
+
+
+def sync_buckets(gm: fx.GraphModule, param_ranks: Mapping[str, Ranks], world: int,
+                 bucket_bytes: float = DDP_BUCKET_BYTES) -> tuple[Bucket, ...]:
+    """The gradient buckets of ``gm``'s trainable parameters, in the order every rank issues
+    them. The parameters synced by two or more ranks (``param_ranks``: name -> ranks; every
+    rank when missing) are taken in backward order (latest first use first; within a node, the
+    reverse of their registration order, as DDP). A run of consecutive layers on the same ranks
+    (consecutive parameters with the same ranks and no ``tidal::scatter``/``gather`` between
+    their first uses: the pass puts one wherever the GPU set changes) is cut into buckets of at
+    most ``bucket_bytes`` (``tidal.ir.comm_cost.bucket_partition``; a larger tensor gets a
+    bucket of its own). A bucket is ready where its earliest parameter is first read (an unused
+    parameter: at the start), and the buckets are ordered by readiness, latest first.
+
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)))
+    >>> both = dict.fromkeys(["0.weight", "0.bias", "1.weight", "1.bias"], (0, 1))
+    >>> [(b.names, b.ready) for b in sync_buckets(gm, both, 2)]
+    [(('1.bias', '1.weight', '0.bias', '0.weight'), 1)]
+    >>> [b.piece for b in sync_buckets(gm, both, 2, bucket_bytes=32)]
+    ['all_reduce 0,1 1.bias..0.bias', 'all_reduce 0,1 0.weight']
+    >>> [b.piece for b in sync_buckets(gm, {**both, "1.weight": (1,), "1.bias": (1,)}, 2)]
+    ['all_reduce 0,1 0.bias..0.weight']
+    """
+    everyone = tuple(range(world))
+    used = first_use(gm)
+    moves = [i for i, n in enumerate(gm.graph.nodes)
+             if n.op == "call_function" and n.target in _COLLECTIVES]
+    order = [(used.get(id(p), 0), i, name, p)
+             for i, (name, p) in enumerate(gm.named_parameters()) if p.requires_grad]
+    runs: list[tuple[tuple[Ranks, int], list[tuple[int, str, int]]]] = []
+    for ready, _, name, p in sorted(order, key=lambda o: (-o[0], -o[1])):
+        ranks = tuple(param_ranks.get(name, everyone))
+        if len(ranks) < 2:
+            continue
+        key = (ranks, bisect.bisect_left(moves, ready))  # the ranks and the GPU-set segment
+        if not runs or runs[-1][0] != key:
+            runs.append((key, []))
+        runs[-1][1].append((ready, name, p.numel() * p.element_size()))
+    buckets = [Bucket(ranks, tuple(params[k][1] for k in part), min(params[k][0] for k in part))
+               for (ranks, _), params in runs
+               for part in bucket_partition([b for _, _, b in params], bucket_bytes)]
+    return tuple(sorted(buckets, key=lambda b: -b.ready))
 
 
 @dataclass(frozen=True)
 class Stages:
-    """How a graph's backward is cut: ``cuts``, the names of the collective nodes after which
-    the forward is cut (segment k ends at ``cuts[k]``), and per GPU set (every set a parameter
-    belongs to) the segment whose backward stage finalises its gradients (``final``, sorted by
-    stage order: last segment first)."""
+    """How one rank's backward is cut: ``cuts``, the names of the nodes of the rank's graph
+    before which the forward is cut (segment 0 runs up to ``cuts[0]``, segment k starts at
+    ``cuts[k - 1]``), and per bucket the rank syncs, the segment whose backward stage
+    finalises it (``buckets``, in issue order)."""
 
     cuts: tuple[str, ...]
-    final: tuple[tuple[Ranks, int], ...]
+    buckets: tuple[tuple[Bucket, int], ...]
 
 
-def stages(gm: fx.GraphModule, sets: dict[Ranks, list[str]], overlap: bool = True) -> Stages:
-    """The backward stages of ``gm`` for gradient sets ``sets`` (ranks -> parameter names): a
-    set's gradients are final once the backward of the earliest forward segment (segments end
-    at ``tidal::scatter``/``gather`` nodes) that uses one of its parameters has run. Only the
-    cuts that finalise some set are kept; ``overlap=False`` keeps none (one backward stage).
+def stages(gm: fx.GraphModule, run: fx.GraphModule, buckets: Sequence[Bucket],
+           overlap: bool = True) -> Stages:
+    """Where a rank cuts its backward for ``buckets`` (those it syncs, in
+    :func:`sync_buckets`' order): the forward of ``run`` (the rank's graph: ``gm``
+    specialised, :func:`specialise`) is cut before the first of its nodes at or after each
+    bucket's ready position in ``gm``, unless only inputs come before. Every node on the rank
+    that reads one of the bucket's parameters is at or after that position, so the bucket is
+    final once the backward of that segment has run. ``overlap=False`` cuts nowhere (one
+    backward stage; every sync after it).
 
-    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2)))
-    >>> stages(gm, {(0,): ["0.weight", "0.bias"]})
-    Stages(cuts=(), final=(((0,), 0),))
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(),
+    ...                                            torch.nn.Linear(2, 2)))
+    >>> both = dict.fromkeys(["0.weight", "0.bias", "2.weight", "2.bias"], (0, 1))
+    >>> cut = stages(gm, gm, sync_buckets(gm, both, 2, bucket_bytes=24))
+    >>> cut.cuts, [(b.names, k) for b, k in cut.buckets]
+    (('_2',), [(('2.bias', '2.weight'), 1), (('0.bias',), 0), (('0.weight',), 0)])
     """
-    collectives = [n for n in gm.graph.nodes if n.op == "call_function" and
-                   n.target in _COLLECTIVES]
-    segment: dict[int, int] = {}  # id(parameter) -> earliest segment using it
-    seen = 0
-    for node in gm.graph.nodes:
-        used: list[Any] = []
-        if node.op == "call_module":
-            used = list(gm.get_submodule(node.target).parameters())
-        elif node.op == "get_attr":
-            used = [fetch_attr(gm, str(node.target))]
-        for t in used:
-            segment.setdefault(id(t), seen)
-        if node.op == "call_function" and node.target in _COLLECTIVES:
-            seen += 1
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    first = {ranks: min((segment.get(id(params[n]), 0) for n in names), default=0)
-             for ranks, names in sets.items()}
-    keep = sorted(set(first.values()))[1:] if overlap else []  # the earliest: stage 0
-    stage_of = {s: sum(1 for k in keep if k <= s) for s in set(first.values())}
-    final = sorted(((r, stage_of[s]) for r, s in first.items()), key=lambda x: (-x[1], x[0]))
-    return Stages(tuple(collectives[k - 1].name for k in keep), tuple(final))
+    if not overlap:
+        return Stages((), tuple((b, 0) for b in buckets))
+    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    nodes = list(run.graph.nodes)
+    kept = [(position[n.name], i) for i, n in enumerate(nodes) if n.name in position]
+    start = next((i for i, n in enumerate(nodes) if n.op != "placeholder"), len(nodes))
+    at: dict[Bucket, int] = {}
+    for b in buckets:
+        k = bisect.bisect_left(kept, (b.ready, -1))
+        index = kept[k][1] if k < len(kept) else len(nodes) - 1
+        if index > start:
+            at[b] = index
+    cuts = sorted(set(at.values()))
+    return Stages(tuple(nodes[i].name for i in cuts),
+                  tuple((b, bisect.bisect_right(cuts, at[b]) if b in at else 0)
+                        for b in buckets))
 
 
 class _CutRunner(fx.Interpreter):
-    """Runs a graph, detaching every value that lives across a cut (after a node named in
+    """Runs a graph, detaching every value that lives across a cut (before a node named in
     ``cuts``): each tensor that requires grad and is not a leaf becomes a new leaf (cloned, so
     later in-place ops keep working, unless it shares storage with another such value: then
     only detached, keeping the aliasing). ``pairs[k]``: (original, leaf) at cut k."""
@@ -286,18 +401,19 @@ class _CutRunner(fx.Interpreter):
         order = {n: i for i, n in enumerate(module.graph.nodes)}
         missing = self.cuts - {n.name for n in order}
         if missing:
-            raise ValueError(f"burst_parallel: the rank's graph has no node {sorted(missing)[0]!r} "
-                             f"to cut backward after (every rank must run every collective)")
+            raise ValueError(f"burst_parallel: the rank's graph has no node "
+                             f"{sorted(missing)[0]!r} to cut backward before")
         self.order = order
         self.last_use = {n: max((order[u] for u in n.users), default=-1) for n in order}
         self.pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
     def run_node(self, n: fx.Node) -> Any:
-        value = super().run_node(n)
-        if n.name not in self.cuts:
-            return value
-        self.env[n] = value
-        live = [m for m in self.env if self.last_use[m] > self.order[n]]
+        if n.name in self.cuts:
+            self._cut(self.order[n])
+        return super().run_node(n)
+
+    def _cut(self, here: int) -> None:
+        live = [m for m in self.env if self.last_use[m] >= here]
         crossing = {id(t): t for m in live for t in flat_tensors(self.env[m])
                     if t.requires_grad and not t.is_leaf}
         storages: dict[int, int] = {}
@@ -321,11 +437,59 @@ class _CutRunner(fx.Interpreter):
         for m in live:
             self.env[m] = pytree.tree_map(cut, self.env[m])
         self.pairs.append(pairs)
-        return self.env[n]
 
 
 def _label(ranks: Ranks) -> str:
     return ",".join(map(str, ranks))
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """The training state one rank holds (bytes) under owner-only burst state, beside data
+    parallelism, where every rank holds all of it: ``params`` (parameters and buffers),
+    ``grads`` (one gradient per trainable parameter) and ``optimizer`` (its state tensors, as
+    measured; zero before the first step). ``dp_optimizer`` is estimated: the rank's optimizer
+    bytes per byte of the parameters they belong to, times every trainable parameter's
+    bytes."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    dp_params: int
+    dp_grads: int
+    dp_optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def dp_total(self) -> int:
+        return self.dp_params + self.dp_grads + self.dp_optimizer
+
+
+def state_table(rows: Sequence[StateBytes]) -> str:
+    """The ranks' :class:`StateBytes` as a table (KiB, rounded), with each rank's share of
+    data parallelism's bytes.
+
+    >>> print(state_table([StateBytes(0, 4096, 2048, 4096, 8192, 4096, 8192)]))
+    rank  params KiB  grads KiB  optimizer KiB  total KiB  data parallel KiB  share
+    ----  ----------  ---------  -------------  ---------  -----------------  -----
+       0           4          2              4         10                 20  0.500
+    """
+    def kib(n: int) -> int:
+        return round(n / 1024)
+
+    return format_table(
+        ["rank", "params KiB", "grads KiB", "optimizer KiB", "total KiB", "data parallel KiB",
+         "share"],
+        [[r.rank, kib(r.params), kib(r.grads), kib(r.optimizer), kib(r.total), kib(r.dp_total),
+          f"{r.total / r.dp_total if r.dp_total else 1.0:.3f}"] for r in rows])
 
 
 class BurstProgram:
@@ -333,20 +497,24 @@ class BurstProgram:
     plan's global ``batch``, per parameter (and buffer) name of the graph module the ranks of
     the layer that owns it (``param_ranks``), per layer name its ranks (``layer_ranks``; ranks
     outside a layer's set skip it) and, for a layer of several nodes, their names
-    (``unit_members``). ``overlap=False`` runs backward as one stage, every sync after it.
+    (``unit_members``). Gradient buckets hold at most ``bucket_bytes`` (read when a step's
+    layout is built). ``overlap=False`` runs backward as one stage, every sync after it.
     ``groups`` holds the subgroups (created on the first distributed step, on every rank in
     the same order)."""
 
     def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, Ranks], ...],
                  layer_ranks: tuple[tuple[str, Ranks], ...] = (),
                  unit_members: tuple[tuple[str, tuple[str, ...]], ...] = (),
-                 overlap: bool = True):
+                 overlap: bool = True, bucket_bytes: float = DDP_BUCKET_BYTES):
+        if not bucket_bytes > 0:
+            raise ValueError(f"BurstProgram(bucket_bytes={bucket_bytes!r}): must be > 0")
         self.world = world
         self.batch = batch
         self.param_ranks = dict(param_ranks)
         self.layer_ranks = dict(layer_ranks)
         self.unit_members = dict(unit_members)
         self.overlap = overlap
+        self.bucket_bytes = bucket_bytes
         self.groups = SubgroupCache()
         self.comm_group: Optional[dist.ProcessGroup] = None
         self.fallback_reason = ""
@@ -357,8 +525,9 @@ class BurstProgram:
         self._syncs: dict[Ranks, GradSync] = {}
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:
-        """Sync each set of ranks' gradients through ``factory(group)`` (a :class:`GradSync`,
-        e.g. a compressor from the ``compression`` pass) instead of a plain all-reduce."""
+        """Sync each bucket's gradients through ``factory(group)`` (one :class:`GradSync` per
+        set of ranks, e.g. a compressor from the ``compression`` pass; each bucket goes through
+        its ``bucket``) instead of a plain all-reduce."""
         self._sync_factory = factory
         self._syncs = {}
 
@@ -373,7 +542,7 @@ class BurstProgram:
                              f"got inputs with batch {first.shape[0]}")
         if not self._ready:  # the plan is fixed: its ranks are checked against the world once
             check_layer_ranks(self.layer_ranks.items(), size)
-            self.groups.create(r for r in self.param_ranks.values() if len(r) < size)
+            self.groups.create(r for r in self.param_ranks.values() if 1 < len(r) < size)
             self.comm_group = new_group()  # the comm stream's world-wide collectives
             self._ready = True
 
@@ -385,21 +554,135 @@ class BurstProgram:
         return self._local[1]
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        """The global output on every rank."""
+        """The global output on every rank (each layer's rows from the ranks that own it)."""
         if is_distributed():
             self._check(args)
             return self.local_module(gm)(*args, **kwargs)
         return gm(*args, **kwargs)
 
-    def grad_sets(self, gm: fx.GraphModule, size: int) -> dict[Ranks, list[str]]:
-        """Trainable parameter names of ``gm`` by the ranks that sync them (sorted)."""
-        everyone = tuple(range(size))
-        sets: dict[Ranks, list[str]] = {}
-        for name, p in gm.named_parameters():
-            if p.requires_grad:
-                sets.setdefault(self.param_ranks.get(name, everyone), []).append(name)
-        return dict(sorted(sets.items()))
+    # -- owner-only state ------------------------------------------------------------------
+    def _rank(self, rank: Optional[int]) -> Optional[int]:
+        """``rank``, else this process's rank when distributed (None: one process, which
+        holds everything)."""
+        if rank is None and is_distributed():
+            return dist.get_rank()
+        return rank
 
+    def owned(self, gm: fx.GraphModule, rank: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The parameters and buffers of ``gm`` that ``rank`` (default: this rank; in one
+        process, all of them) holds, by name (a shared tensor under its first name)."""
+        rank = self._rank(rank)
+        everyone = tuple(range(self.world))
+        named = list(gm.named_parameters()) + list(gm.named_buffers())
+        return {n: t for n, t in named
+                if rank is None or rank in self.param_ranks.get(n, everyone)}
+
+    def foreign(self, gm: fx.GraphModule, rank: Optional[int] = None) -> list[str]:
+        """The trainable parameters of ``gm`` that ``rank`` (default: this rank) does not own,
+        by name: it neither receives their gradients nor updates them."""
+        mine = {id(t) for t in self.owned(gm, rank).values()}
+        return [n for n, p in gm.named_parameters() if p.requires_grad and id(p) not in mine]
+
+    def own_optimizer(self, optimizer: torch.optim.Optimizer, gm: fx.GraphModule,
+                      rank: Optional[int] = None) -> list[str]:
+        """Remove from ``optimizer`` (in place: its param groups' lists and its state) every
+        parameter of ``gm`` that ``rank`` (default: this rank) does not own; returns their
+        names. A group left empty stays (a scheduler indexes groups); parameters the graph
+        does not use stay. Idempotent: the program calls it on every distributed step.
+
+        >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2),
+        ...                                            torch.nn.Linear(2, 2)))
+        >>> program = BurstProgram(2, 4, (("0.weight", (0,)), ("0.bias", (0,)),
+        ...                               ("1.weight", (0, 1)), ("1.bias", (0, 1))))
+        >>> opt = torch.optim.SGD(gm.parameters(), lr=0.1)
+        >>> program.own_optimizer(opt, gm, rank=1), [len(g["params"]) for g in opt.param_groups]
+        (['0.weight', '0.bias'], [2])
+        >>> sorted(program.owned(gm, rank=1))
+        ['1.bias', '1.weight']
+        >>> program.state_bytes(gm, opt, rank=1)  # doctest: +NORMALIZE_WHITESPACE
+        StateBytes(rank=1, params=24, grads=24, optimizer=0, dp_params=56, dp_grads=56,
+                   dp_optimizer=0)
+        """
+        names = self.foreign(gm, rank)
+        _remove_params(optimizer, gm, names)
+        return names
+
+    def state_dict(self, gm: fx.GraphModule,
+                   optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+        """This rank's checkpoint: its ``rank`` and ``world``, the entries of ``gm``'s
+        ``state_dict`` it owns (``model``, copies), the state of ``optimizer`` (owner-only
+        once a step has run, or after :meth:`own_optimizer`) and each gradient sync's
+        compressor state by its ranks (``grad_sync``). Saved with ``torch.save``, it loads
+        with ``weights_only=True``; the ranks' ``model`` entries together are the model's
+        ``state_dict``."""
+        rank = self._rank(None)
+        return {"rank": 0 if rank is None else rank, "world": self.world,
+                "model": {n: t.detach().clone() for n, t in self._saved(gm).items()},
+                "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "grad_sync": {_label(r): s.state_dict() for r, s in sorted(self._syncs.items())}}
+
+    def _saved(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds of ``gm``: the entries of its ``state_dict`` (every name of
+        a shared tensor; no non-persistent buffer) that this rank owns."""
+        mine = {id(t) for t in self.owned(gm).values()}
+        return {n: t for n, t in gm.state_dict(keep_vars=True).items() if id(t) in mine}
+
+    def load_state_dict(self, gm: fx.GraphModule, state: Mapping[str, Any],
+                        optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Restore what :meth:`state_dict` returned on the same rank of a job of the same
+        world: the owned tensors in place, ``optimizer`` (made owner-only first) and the
+        compressors. Raises ``ValueError`` naming the checkpoint's rank, world or tensor that
+        does not fit."""
+        rank = self._rank(None)
+        rank = 0 if rank is None else rank
+        if (state.get("rank"), state.get("world")) != (rank, self.world):
+            raise ValueError(f"burst_parallel: the checkpoint is rank {state.get('rank')} of "
+                             f"{state.get('world')}, but this is rank {rank} of {self.world}")
+        mine = self._saved(gm)
+        given = state["model"]
+        if set(given) != set(mine):
+            odd = sorted(set(given) ^ set(mine))
+            raise ValueError(f"burst_parallel: checkpoint of rank {rank}: tensor {odd[0]!r} is "
+                             f"{'not owned by' if odd[0] in given else 'missing for'} this rank")
+        with torch.no_grad():
+            for n, t in mine.items():
+                if given[n].shape != t.shape:
+                    raise ValueError(f"burst_parallel: checkpoint tensor {n!r} has shape "
+                                     f"{tuple(given[n].shape)}, the model {tuple(t.shape)}")
+                t.copy_(given[n])
+        if optimizer is not None and state.get("optimizer") is not None:
+            if is_distributed():
+                self.own_optimizer(optimizer, gm)
+            optimizer.load_state_dict(state["optimizer"])
+        for label, s in state.get("grad_sync", {}).items():
+            ranks = tuple(int(r) for r in label.split(","))
+            sync = self._sync(ranks)
+            if sync is None:
+                raise ValueError(f"burst_parallel: the checkpoint holds compressor state for "
+                                 f"ranks {label}, but this program syncs without one")
+            sync.load_state_dict(s)
+
+    def state_bytes(self, gm: fx.GraphModule, optimizer: Optional[torch.optim.Optimizer] = None,
+                    rank: Optional[int] = None) -> StateBytes:
+        """The bytes of training state ``rank`` (default: this rank) holds, beside data
+        parallelism (:class:`StateBytes`)."""
+        everything = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
+        mine = {id(t): t for t in self.owned(gm, rank).values()}
+        trainable = {i: p for i, p in everything.items()
+                     if isinstance(p, torch.nn.Parameter) and p.requires_grad}
+        held = [p for i, p in trainable.items() if i in mine]
+        state = optimizer.state if optimizer is not None else {}
+        with_state = [p for p in held if state.get(p)]
+        opt = sum(_nbytes(t for t in state[p].values() if isinstance(t, torch.Tensor))
+                  for p in with_state)
+        per_byte = opt / _nbytes(with_state) if with_state else 0.0
+        return StateBytes(
+            rank=self._rank(rank) or 0, params=_nbytes(mine.values()), grads=_nbytes(held),
+            optimizer=opt, dp_params=_nbytes(everything.values()),
+            dp_grads=_nbytes(trainable.values()),
+            dp_optimizer=round(opt + per_byte * (_nbytes(trainable.values()) - _nbytes(held))))
+
+    # -- the step --------------------------------------------------------------------------
     def buffer_sets(self, gm: fx.GraphModule, size: int) -> dict[Ranks, list[str]]:
         """Buffer names of ``gm`` by the ranks of the layer that updates them (sorted)."""
         everyone = tuple(range(size))
@@ -408,11 +691,19 @@ class BurstProgram:
             sets.setdefault(self.param_ranks.get(name, everyone), []).append(name)
         return dict(sorted(sets.items()))
 
-    def layout(self, gm: fx.GraphModule, rank: int, size: int) -> "StepLayout":
+    def layout(self, gm: fx.GraphModule, rank: int, size: int,
+               run: Optional[fx.GraphModule] = None) -> "StepLayout":
         """This rank's step on ``size`` ranks (one process: forward, backward, optimizer):
-        its :class:`Program` and what each piece does."""
-        grads, buffers = self.grad_sets(gm, size), self.buffer_sets(gm, size)
-        cut = stages(gm, grads, self.overlap) if size > 1 else Stages((), ())
+        its :class:`Program` and what each piece does. ``run`` is the graph the rank runs
+        (default: ``gm`` specialised for ``rank``)."""
+        if size > 1:
+            run = run if run is not None else specialise(gm, self.layer_ranks, rank,
+                                                         self.unit_members)
+            mine = [b for b in sync_buckets(gm, self.param_ranks, size, self.bucket_bytes)
+                    if rank in b.ranks]
+            cut = stages(gm, run, mine, self.overlap)
+        else:
+            cut = Stages((), ())
         pieces: list[Piece] = []
         actions: list[tuple[str, Any]] = []
 
@@ -425,23 +716,17 @@ class BurstProgram:
         syncs: list[int] = []
         for k in range(len(cut.cuts), -1, -1):
             stage = add(f"backward {k}", COMPUTE, (stage,), ("backward", k))
-            for ranks in (r for r, s in cut.final if s == k):
-                if rank in ranks:
-                    syncs.append(add(f"all_reduce {_label(ranks)}", COMM, (stage,),
-                                     ("all_reduce", ranks)))
-                if len(ranks) < size:
-                    syncs.append(add(f"broadcast {_label(ranks)}", COMM, (stage,),
-                                     ("broadcast", ranks)))
+            for bucket in (b for b, s in cut.buckets if s == k):
+                syncs.append(add(bucket.piece, COMM, (stage,), ("all_reduce", bucket)))
+        buffers = self.buffer_sets(gm, size)
         floats = {n for n, b in gm.named_buffers() if b.is_floating_point()}
         for ranks, names in buffers.items() if size > 1 else ():
             if len(ranks) > 1 and rank in ranks and floats.intersection(names):
                 add(f"buffers all_reduce {_label(ranks)}", COMM, (stage,),
                     ("buffers_all_reduce", ranks))
-            if len(ranks) < size:
-                add(f"buffers broadcast {_label(ranks)}", COMM, (stage,),
-                    ("buffers_broadcast", ranks))
         add("optimizer", COMPUTE, tuple(sorted(syncs + [stage])), ("optimizer", None))
-        return StepLayout(Program(tuple(pieces), size), cut, tuple(actions), grads, buffers,
+        return StepLayout(Program(tuple(pieces), size), cut, tuple(actions), buffers,
+                          tuple(self.foreign(gm, rank)) if size > 1 else (),
                           _eager_reason(gm))
 
     def uncaptured(self) -> list[tuple[str, str]]:
@@ -452,18 +737,21 @@ class BurstProgram:
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "BurstStep":
         """One training step on the global batch (see the module docstring); its program is
-        built once per graph, rank and input shapes."""
+        built once per graph, rank, input shapes and bucket cap. On several ranks, the
+        optimizer is made owner-only first (as :meth:`own_optimizer` does)."""
         distributed = is_distributed()
         if distributed:
             self._check(inputs)
         rank, size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        key = (id(gm), rank, size) + tuple((tuple(t.shape), t.dtype)
-                                           for t in flat_tensors((inputs, targets)))
+        key = (id(gm), rank, size, self.bucket_bytes, self.overlap) + tuple(
+            (tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
+        run = self.local_module(gm) if distributed else gm
         if key not in self._layouts:
-            self._layouts[key] = self.layout(gm, rank, size)
+            self._layouts[key] = self.layout(gm, rank, size, run)
         layout = self._layouts[key]
         self.fallback_reason = layout.reason
-        run = self.local_module(gm) if distributed else gm
+        if distributed:
+            _remove_params(optimizer, gm, layout.foreign)
         return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, optimizer)
 
     def _sync(self, ranks: Ranks) -> Optional[GradSync]:
@@ -479,6 +767,20 @@ class BurstProgram:
         return self.comm_group if len(ranks) == dist.get_world_size() else self.groups.get(ranks)
 
 
+def _remove_params(optimizer: torch.optim.Optimizer, gm: fx.GraphModule,
+                   names: Sequence[str]) -> None:
+    """Take ``gm``'s parameters ``names`` out of ``optimizer``'s param groups (the lists
+    themselves, in place) and state."""
+    params = dict(gm.named_parameters())
+    drop = {id(params[n]) for n in names}
+    for group in optimizer.param_groups:
+        removed = [p for p in group["params"] if id(p) in drop]
+        if removed:
+            group["params"][:] = [p for p in group["params"] if id(p) not in drop]
+            for p in removed:
+                optimizer.state.pop(p, None)
+
+
 def _eager_reason(gm: fx.GraphModule) -> str:
     node = next((n for n in gm.graph.nodes if n.op == "call_function" and
                  n.target in _COLLECTIVES), None)
@@ -491,16 +793,16 @@ def _eager_reason(gm: fx.GraphModule) -> str:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """One rank's step of a :class:`BurstProgram`: the ``program``, its backward ``stages``,
-    per piece what it does (``actions``: the step method and its argument), the trainable
-    parameter and the buffer names by the ranks that sync them, and why the pieces run eagerly
-    (``reason``)."""
+    """One rank's step of a :class:`BurstProgram`: the ``program``, its backward ``stages``
+    (with the rank's gradient buckets), per piece what it does (``actions``: the step method
+    and its argument), the buffer names by the ranks that sync them, the trainable parameters
+    the rank does not own (``foreign``) and why the pieces run eagerly (``reason``)."""
 
     program: Program
     stages: Stages
     actions: tuple[tuple[str, Any], ...]
-    grad_sets: dict[Ranks, list[str]]
     buffer_sets: dict[Ranks, list[str]]
+    foreign: tuple[str, ...]
     reason: str
 
 
@@ -519,7 +821,6 @@ class BurstStep:
     optimizer: torch.optim.Optimizer
     _loss: Optional[torch.Tensor] = None
     _pairs: list = field(default_factory=list)
-    _flat: dict = field(default_factory=dict)
     _synced: dict = field(default_factory=dict)
 
     @property
@@ -555,69 +856,37 @@ class BurstStep:
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
-    def _params(self, ranks: Ranks) -> list[tuple[str, torch.nn.Parameter]]:
-        names = self.layout.grad_sets[ranks]
-        params = dict(self.gm.named_parameters())
-        named = [(n, params[n]) for n in names]
-        for _, p in named:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return named
-
-    def _all_reduce(self, ranks: Ranks) -> None:
-        """Sum the set's gradients over its ranks (this rank is one of them).
+    def _all_reduce(self, bucket: Bucket) -> None:
+        """Sum the bucket's gradients over its ranks (this rank is one of them).
 
         Each rank's gradient is already its share of the global-batch gradient (the loss is
         scaled by its rows), so the sync is a sum; through a :class:`GradSync` (which averages)
         the result is scaled back by the number of ranks."""
-        named = self._params(ranks)
-        sync = self.owner._sync(ranks)
+        params = dict(self.gm.named_parameters())
+        named = [(n, params[n]) for n in bucket.names]
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sync = self.owner._sync(bucket.ranks)
         if sync is None:
-            flat = torch.cat([p.grad.reshape(-1) for _, p in named])
-            dist.all_reduce(flat, group=self.owner._group(ranks))
+            all_reduce_tensors([p.grad for _, p in named], self.owner._group(bucket.ranks))
         else:
-            synced = sync({n: p.grad for n, p in named})
-            flat = torch.cat([synced[n].reshape(-1) for n, _ in named]) * len(ranks)
-        if len(ranks) < self.program.world:
-            self._flat[ranks] = flat
-        else:
-            self._copy(flat, named)
-
-    def _broadcast(self, ranks: Ranks) -> None:
-        """Give the set's summed gradients to every rank, from its first rank."""
-        named = self._params(ranks)
-        flat = self._flat.pop(ranks, None)
-        if flat is None:
-            flat = torch.empty(sum(p.numel() for _, p in named), dtype=named[0][1].dtype)
-        dist.broadcast(flat, src=ranks[0], group=self.owner.comm_group)
-        self._copy(flat, named)
-
-    def _copy(self, flat: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> None:
-        copy_from_flat(flat, [p.grad for _, p in named])
+            synced = sync.bucket({n: p.grad for n, p in named})
+            for n, p in named:
+                p.grad.copy_(synced[n] * len(bucket.ranks))
         for n, p in named:
             self._synced[n] = (p.grad, p.grad._version)
 
-    def _buffers(self, ranks: Ranks) -> list[torch.Tensor]:
-        names = set(self.layout.buffer_sets[ranks])
-        return [b for n, b in self.gm.named_buffers() if n in names]
-
     def _buffers_all_reduce(self, ranks: Ranks) -> None:
         """Average the set's floating-point buffers (running statistics) over its ranks."""
-        floats = [b for b in self._buffers(ranks) if b.is_floating_point()]
+        names = set(self.layout.buffer_sets[ranks])
+        floats = [b for n, b in self.gm.named_buffers() if n in names and b.is_floating_point()]
         all_reduce_tensors(floats, self.owner._group(ranks), average=True)
-
-    def _buffers_broadcast(self, ranks: Ranks) -> None:
-        """Every buffer of a layer on a subset of the ranks, from the first of them (the
-        ranks outside the set did not run the layer)."""
-        bufs = self._buffers(ranks)
-        for dtype in sorted({b.dtype for b in bufs}, key=str):
-            same = [b for b in bufs if b.dtype == dtype]
-            flat = torch.cat([b.reshape(-1) for b in same])
-            dist.broadcast(flat, src=ranks[0], group=self.owner.comm_group)
-            copy_from_flat(flat, same)
 
     def _optimizer(self) -> None:
         params = dict(self.gm.named_parameters())
+        for n in self.layout.foreign:  # a skipped unit's members that ran on zero rows
+            params[n].grad = None
         for n, (grad, version) in self._synced.items():
             if params[n].grad is not grad or grad._version != version:
                 raise RuntimeError(f"burst_parallel: the gradient of {n!r} changed after its "

@@ -210,10 +210,51 @@ def _rank_cell(case: Case, kind: str, world: int):
     raise KeyError(kind)
 
 
+def burst_owned(c: Any, model: torch.nn.Module) -> set:
+    """The names of ``model``'s parameters this rank holds after a step of ``c`` compiled with
+    ``burst_parallel``: owner-only state, so only the parameters of the layers the rank runs
+    (``BurstProgram.owned``); its copies of the others are stale and never read."""
+    mine = {id(t) for t in c.executor.owned(c.graph_module).values()}
+    return {n for n, p in model.named_parameters() if id(p) in mine}
+
+
+def _owners_view(c: Any, model: torch.nn.Module) -> list:
+    """After a ``burst_parallel`` step, every parameter of ``model`` as this rank reports it:
+    its own copy where it owns the parameter (:func:`burst_owned`), else the mean of the
+    owners' copies (one all-reduce of the owned values and the owner counts; no owner gives
+    NaN). Owners whose copies differ still show up in the ranks' spread."""
+    import torch.distributed as dist
+
+    mine = burst_owned(c, model)
+    named = list(model.named_parameters())
+    flat = torch.cat([p.detach().reshape(-1) * (n in mine) for n, p in named])
+    count = torch.cat([torch.full((p.numel(),), float(n in mine)) for n, p in named])
+    both = torch.cat([flat, count])
+    dist.all_reduce(both)
+    mean = both[:flat.numel()] / both[flat.numel():]
+    out, offset = [], 0
+    for n, p in named:
+        k = p.numel()
+        out.append((n, p.detach() if n in mine else mean[offset:offset + k].view_as(p)))
+        offset += k
+    return out
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether the cell ran on every rank (a collective: every rank calls it once per cell)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def run_ranks(rank: int, world: int, model_name: str) -> dict:
     """On every rank: each multi-rank cell of ``model_name`` compiled and stepped once. Returns
     per cell either ``("error", type name, message)`` or ``("ok", max |loss error|, max
-    |parameter error| against one eager step on the global batch, the flat parameters)``."""
+    |parameter error| against one eager step on the global batch, the flat parameters)``.
+    Under ``burst_parallel`` (owner-only state) the parameters are the rank's own copies of
+    those it owns and its owners' mean for the others (:func:`_owners_view`)."""
     out = {}
     for kind in MULTI_RANK:
         case = BUILDERS[model_name]()
@@ -223,11 +264,18 @@ def run_ranks(rank: int, world: int, model_name: str) -> dict:
             loss = torch.as_tensor(c.step(case.inputs, case.targets)).detach()
         except Exception as e:  # recorded, compared with EXPECTED by the test
             out[kind] = ("error", type(e).__name__, str(e)[:2000])
+            if kind == "burst_parallel":
+                _all_ok(False)
             continue
+        named = [(n, p.detach()) for n, p in case.model.named_parameters()]
+        if kind == "burst_parallel":
+            if not _all_ok(True):  # another rank failed: nothing to gather
+                out[kind] = ("error", "RuntimeError", "burst_parallel failed on another rank")
+                continue
+            named = _owners_view(c, case.model)
         w = dict(ref.named_parameters())
-        perr = max(float((p.detach() - w[n].detach()).abs().max() /
-                         (1.0 + w[n].detach().abs().max()))
-                   for n, p in case.model.named_parameters())
-        flat = torch.cat([p.detach().reshape(-1) for p in case.model.parameters()])
+        perr = float(torch.stack([(p - w[n].detach()).abs().max() /
+                                  (1.0 + w[n].detach().abs().max()) for n, p in named]).max())
+        flat = torch.cat([p.reshape(-1) for _, p in named])
         out[kind] = ("ok", float((loss - want_loss).abs()), perr, flat.numpy().copy())
     return out

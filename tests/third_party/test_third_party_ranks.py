@@ -1,7 +1,10 @@
 """The third-party matrix on 2 gloo ranks: for burst_parallel, round_robin and compression (off,
 and Top-K at 100 %), one training step equals one single-process SGD step on the same global
 batch (loss and every parameter) and both ranks hold identical parameters; a refusal is the
-recorded clear error. One spawned job per model runs all of its cells."""
+recorded clear error. One spawned job per model runs all of its cells. burst_parallel keeps
+owner-only state, so there the parameters compared are each rank's copies of those it owns and,
+for the others, its owners' copies (``matrix.burst_owned``, ``matrix._owners_view``): owners
+that disagree still differ between the ranks."""
 import importlib.util
 import re
 
