@@ -1,6 +1,7 @@
 """Compressors: decoded results against numpy references on 1, 2 and 4 gloo ranks; compression
 effectively off equals all-reduce; error feedback keeps the residual; checkpoints continue bit for
-bit; bad input is a clear ValueError."""
+bit (loaded with ``weights_only=True``); bf16/fp16 gradients are compressed in float32; bad input
+is a clear ValueError."""
 import io
 
 import numpy as np
@@ -178,7 +179,7 @@ def _check_checkpoint(rank, size):
         torch.save(a.state_dict(), buf)
         buf.seek(0)
         b = _make(spec)
-        b.load_state_dict(torch.load(buf))
+        b.load_state_dict(torch.load(buf, weights_only=True))
         for step in range(2, 4):
             out_a = synchronize(a, _grads(rank, step))
             out_b = synchronize(b, _grads(rank, step))
@@ -234,6 +235,30 @@ def test_payload_bytes_match_what_is_sent():
         comm = Comm()
         synchronize(c, {"w": torch.randn(40, 30)}, comm)
         assert comm.bytes_sent == c.payload_bytes((40, 30)), spec
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gradients_are_compressed_in_float32(dtype):
+    """bf16/fp16 gradients give exactly what their float32 values give (residuals included):
+    the compressors compute in float32 (PowerSGD orthogonalises in float32)."""
+    for spec in ("powersgd:2", "topk:0.2", "randomk:0.3", "signsgd-ef", "qsgd-ef"):
+        half, full = _make(spec), _make(spec)
+        for step in range(3):
+            g = {k: v.to(dtype) for k, v in _grads(0, step).items()}
+            out_half = synchronize(half, g)
+            out_full = synchronize(full, {k: v.float() for k, v in g.items()})
+            for k in SHAPES:
+                assert out_half[k].dtype == torch.float32, f"{spec} {k}"
+                assert torch.equal(out_half[k], out_full[k]), f"{spec} {k} step {step}"
+
+
+def test_residual_is_a_copy_of_what_is_updated_in_place():
+    c = _make("topk:0.2")
+    synchronize(c, _grads(0, 0))
+    before = c.residual("fc")
+    synchronize(c, _grads(0, 1))
+    assert not torch.equal(before, c.residual("fc"))       # the kept one moved on, the copy not
+    assert not torch.equal(before, torch.zeros_like(before))
 
 
 def test_pack_bits_round_trip():

@@ -3,7 +3,10 @@
 ``make_compressor("powersgd:4")`` builds one from a spec ``name[:level][,option=value...]``
 (:mod:`tidal.ir.compression_model`: PowerSGD rank, Top-K/random-K fraction, QSGD levels; signSGD
 has no level). :func:`synchronize` runs
-encode -> collective -> decode over a dict of gradients on a process group (or in one process).
+encode -> collective -> decode over a dict of gradients on a process group (or in one process);
+:func:`synchronize_async` returns a future instead, its collectives issued with
+``async_op=True`` and decoded in chained callbacks (the DDP hooks use it). Compressors work on
+the gradients' device and in float32 whatever the gradients' dtype (bf16/fp16 gradients work).
 Each compressor declares ``all_reduce_compatible`` and ``payload_bytes(shape)`` (the bytes one
 rank sends per step), both from :mod:`tidal.ir.compression_model` (the pass plans with the same
 numbers), and checkpoints with ``state_dict``/``load_state_dict``. ``spec()`` gives back the
@@ -27,7 +30,8 @@ from typing import Any, Union
 from tidal.ir.compression_model import CompressorSpec, parse_spec
 from tidal.runtime.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message,
                                            NoCompression, World, seeded_generator, stable_seed)
-from tidal.runtime.compressors.comm import Comm, LocalComm, synchronize
+from tidal.runtime.compressors.comm import (WIRE_DTYPES, Comm, Lane, LocalComm, check_wire_dtype,
+                                           synchronize, synchronize_async)
 from tidal.runtime.compressors.powersgd import PowerSGD, orthogonalize
 from tidal.runtime.compressors.quantize import QSGD, SignSGD, pack_bits, unpack_bits
 from tidal.runtime.compressors.sparsify import RandomK, TopK
@@ -36,11 +40,11 @@ COMPRESSORS = MappingProxyType({c.name: c for c in (PowerSGD, TopK, RandomK, Sig
                                                    NoCompression)})
 """Compressor classes by name (``none``: plain all-reduce, the sync SGD baseline)."""
 
-__all__ = ["ALL_GATHER", "ALL_REDUCE", "COMPRESSORS", "Comm", "Compressor", "LocalComm", "Message",
-           "NoCompression", "PowerSGD",
-           "QSGD", "RandomK", "SignSGD", "TopK", "World", "make_compressor", "orthogonalize",
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "COMPRESSORS", "Comm", "Compressor", "Lane", "LocalComm",
+           "Message", "NoCompression", "PowerSGD", "QSGD", "RandomK", "SignSGD", "TopK",
+           "WIRE_DTYPES", "World", "check_wire_dtype", "make_compressor", "orthogonalize",
            "pack_bits", "parse_spec", "seeded_generator", "stable_seed", "synchronize",
-           "unpack_bits"]
+           "synchronize_async", "unpack_bits"]
 
 
 def make_compressor(spec: Union[str, CompressorSpec], **options: Any) -> Compressor:

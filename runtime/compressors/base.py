@@ -139,9 +139,12 @@ class Compressor:
         raise NotImplementedError
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> Union[torch.Tensor, Message]:
+               world: World, out: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Message]:
         """The synchronized tensor from the collective's result (``reduced``: summed tensors
-        for all-reduce, ``[world, ...]``-stacked tensors for all-gather), or the next message."""
+        for all-reduce, ``[world, ...]``-stacked tensors for all-gather), or the next message.
+        ``out`` (the input's shape, any float dtype): where the caller wants the result; a
+        compressor may write it there and return ``out`` itself (the caller copies otherwise).
+        May run on another thread than ``encode`` (a collective's callback)."""
         raise NotImplementedError
 
     def payload_bytes(self, shape: tuple[int, ...], level: Any = None) -> int:
@@ -157,21 +160,40 @@ class Compressor:
 
     # -- helpers for subclasses --------------------------------------------------------------
     def _with_error(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` plus the stored residual (a fresh float tensor either way)."""
-        m = tensor.detach().to(torch.float32, copy=True)
-        if self.error_feedback and key in self._errors:
-            err = self._errors[key]
-            if err.shape != m.shape:
-                raise ValueError(f"compressor {self.name!r}: key {key!r} changed shape from "
-                                 f"{tuple(err.shape)} to {tuple(m.shape)}")
-            m += err
-        return m
+        """``M``: ``tensor`` plus the stored residual, float32 on ``tensor``'s device (the sum
+        is computed in float32, so bf16/fp16 gradients work). With error feedback it is a
+        contiguous tensor this compressor owns: the residual's own storage (taken out of the
+        state), which :meth:`_keep_error` turns into the next residual in place, so a step
+        allocates nothing the size of the gradient. Without, it may be ``tensor`` itself:
+        read it, never write it."""
+        t = tensor.detach()
+        if not self.error_feedback:
+            return t if t.dtype == torch.float32 else t.to(torch.float32)
+        err = self._errors.pop(key, None)
+        if err is None:
+            return t.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+        if err.shape != t.shape:
+            self._errors[key] = err
+            raise ValueError(f"compressor {self.name!r}: key {key!r} changed shape from "
+                             f"{tuple(err.shape)} to {tuple(t.shape)}")
+        if err.device != t.device or err.dtype != torch.float32 or not err.is_contiguous():
+            err = err.to(t.device, torch.float32, memory_format=torch.contiguous_format)
+        return err.add_(t)
 
-    def _keep_error(self, key: str, m: torch.Tensor, approx: torch.Tensor,
+    def _keep_error(self, key: str, m: torch.Tensor,
+                    approx: Union[None, torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
                     shape: tuple[int, ...]) -> None:
-        """Keep ``m - approx`` (in the gradient's ``shape``) as ``key``'s residual."""
-        if self.error_feedback:
-            self._errors[key] = (m - approx).reshape(shape)
+        """Keep ``m - approx`` (in the gradient's ``shape``) as ``key``'s residual, computed in
+        ``m``'s storage (``m`` from :meth:`_with_error`). ``approx``: a tensor, ``(p, q)`` for
+        the low-rank ``p @ q.T`` (one fused pass), or None when ``m`` already holds the
+        residual. Nothing without error feedback."""
+        if not self.error_feedback:
+            return
+        if isinstance(approx, tuple):
+            m.addmm_(approx[0], approx[1].t(), alpha=-1)
+        elif approx is not None:
+            m.sub_(approx)
+        self._errors[key] = m.view(shape)
 
     def _next_step(self, key: str) -> int:
         step = self._steps.get(key, 0)
@@ -179,8 +201,10 @@ class Compressor:
         return step
 
     def residual(self, key: str) -> Optional[torch.Tensor]:
-        """The error-feedback residual kept for ``key`` (None before its first step)."""
-        return self._errors.get(key)
+        """A copy of the error-feedback residual kept for ``key`` (None before its first
+        step; the kept one is updated in place by the next step)."""
+        err = self._errors.get(key)
+        return None if err is None else err.clone()
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -204,15 +228,18 @@ class Compressor:
 def plain_message(tensor: torch.Tensor, dtype: Optional[torch.dtype] = torch.float32
                   ) -> Message:
     """A tensor sent uncompressed: all-reduce of its values as ``dtype`` (float32, the wire
-    format of the compressors; ``None`` keeps the tensor's own dtype)."""
+    format of the compressors; ``None`` keeps the tensor's own dtype). The message may view
+    ``tensor``: :class:`~tidal.runtime.compressors.comm.Comm` packs it into a buffer of its
+    own when it issues the collective."""
     values = tensor.detach() if dtype is None else tensor.detach().to(dtype)
-    return Message((values.reshape(-1).clone(),), ALL_REDUCE, ctx=("plain", tuple(tensor.shape)))
+    return Message((values.reshape(-1),), ALL_REDUCE, ctx=("plain", tuple(tensor.shape)))
 
 
-def plain_decode(message: Message, reduced: tuple[torch.Tensor, ...], world: World
-                 ) -> torch.Tensor:
-    """The average of an uncompressed all-reduce."""
-    return (reduced[0] / world.size).reshape(message.ctx[1])
+def plain_decode(message: Message, reduced: tuple[torch.Tensor, ...], world: World,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The average of an uncompressed all-reduce (written into ``out`` when given)."""
+    summed = reduced[0].view(message.ctx[1])
+    return summed / world.size if out is None else torch.div(summed, world.size, out=out)
 
 
 class NoCompression(Compressor):
@@ -228,5 +255,5 @@ class NoCompression(Compressor):
         return plain_message(tensor, dtype=None)  # in the gradient's dtype: exactly sync SGD
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> torch.Tensor:
-        return plain_decode(message, reduced, world)
+               world: World, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return plain_decode(message, reduced, world, out)

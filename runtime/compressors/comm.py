@@ -1,26 +1,103 @@
 """Running compressors' messages through ``torch.distributed``: one collective per round and dtype.
 
 :class:`Comm` wraps a process group (None: the default group, or a single process when no group
-is initialised). :func:`synchronize` drives a compressor over a set of named tensors: every
-tensor's message of the current round is packed, by collective and dtype, into one flat buffer
-(so a bucket costs one all-reduce per round, as in DDP), the results are split back and decoded.
+is initialised). :func:`synchronize_async` drives a compressor over a set of named tensors
+without blocking: it encodes when its turn comes (see below), then every round's messages are
+packed, by collective and dtype, into one flat buffer (so a bucket costs one collective per
+round, as in DDP), issued with ``async_op=True``, and decoded in a callback chained on the
+collective's future (as PyTorch's ``powerSGD_hook`` chains with ``.then``), which issues the
+next round. It returns a future of the results. :func:`synchronize` is the same, waited for.
+
+Order of collectives. Every rank must issue the same collectives in the same order, but a
+round after the first is issued from a callback, on the thread that completed the previous
+round (gloo's worker thread), while the caller may be issuing the next bucket's first round.
+So a :class:`Comm` issues its calls one after another: the next call's first collective goes
+out only once the previous call has issued its last one (:class:`Lane`). Calls on one ``Comm``
+are thus ordered as they were made, the same on every rank. (PyTorch's ``powerSGD_hook`` has no
+such order: on gloo, with more than one bucket, its callbacks' collectives race the next
+bucket's and the ranks fail with a collective mismatch.) Use one ``Comm`` per process group at
+a time.
+
+``wire_dtype`` (``torch.float16``/``torch.bfloat16``) sends every floating-point message in that
+dtype and casts the result back before decoding: the ``fp16``/``bf16`` hooks, or any compressor
+with its payload halved. ``out`` names tensors the results are written into (a DDP bucket's
+gradient views), so nothing is copied again.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import make_compressor, synchronize
+    >>> from tidal.runtime.compressors import make_compressor, synchronize, synchronize_async
     >>> out = synchronize(make_compressor("powersgd:1", min_compression_rate=0),
     ...                   {"w": torch.ones(4, 3)})
     >>> torch.allclose(out["w"], torch.ones(4, 3))   # a rank-1 matrix survives rank 1
     True
+    >>> dest = torch.zeros(3)
+    >>> fut = synchronize_async(make_compressor("none"), {"b": torch.arange(3.0)},
+    ...                         wire_dtype=torch.bfloat16, out={"b": dest})
+    >>> fut.wait()["b"] is dest, dest.tolist()
+    (True, [0.0, 1.0, 2.0])
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import threading
+from collections import deque
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from tidal.runtime.compressors.base import ALL_REDUCE, Compressor, Message, World
+
+WIRE_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes a floating-point payload may be sent in (``wire_dtype``)."""
+
+Release = Callable[[], None]
+"""Called by a lane's task once it has issued its last collective (more calls: no effect)."""
+
+
+class Lane:
+    """Starts tasks one after another: a task ``task(release)`` issues collectives (perhaps
+    later, from callbacks) and calls ``release()`` once it has issued its last one; only then
+    does the next task start, on the thread that released. A task never raises (it reports
+    errors through its own future) and must release even when it fails, or the tasks behind it
+    never start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: deque[Callable[[Release], None]] = deque()
+        self._free = True          # no started task still has collectives to issue
+        self._draining = False     # some thread is in _drain's loop
+
+    def submit(self, task: Callable[[Release], None]) -> None:
+        """Start ``task`` now if no task is issuing, else after the ones before it."""
+        with self._lock:
+            self._queue.append(task)
+        self._drain()
+
+    def _drain(self) -> None:
+        with self._lock:
+            if self._draining:
+                return
+            self._draining = True
+        while True:                       # a loop, not recursion: tasks that release at once
+            with self._lock:              # (one round) may follow each other by hundreds
+                if not self._free or not self._queue:
+                    self._draining = False
+                    return
+                task = self._queue.popleft()
+                self._free = False
+            task(self._release_for())
+
+    def _release_for(self) -> Release:
+        fired = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if fired.is_set():
+                    return
+                fired.set()
+                self._free = True
+            self._drain()
+        return release
 
 
 class Comm:
@@ -31,6 +108,7 @@ class Comm:
         self.group = group
         self.all_gather_available = all_gather
         self.bytes_sent = 0
+        self.lane = Lane()
 
     @property
     def world(self) -> World:
@@ -45,36 +123,63 @@ class Comm:
             raise ValueError(f"compressor {compressor.spec()!r} needs all-gather, which is not "
                              f"available on process group {self.group!r}")
 
-    def run(self, messages: list[Message]) -> list[tuple[torch.Tensor, ...]]:
-        """Run every message's collective; one flat collective per (op, dtype)."""
+    def run_async(self, messages: list[Message], *, wire_dtype: Optional[torch.dtype] = None
+                  ) -> torch.futures.Future:
+        """Issue every message's collective, one flat ``async_op=True`` collective per (op,
+        dtype), floating-point payloads as ``wire_dtype`` when given; a future of each
+        message's results (summed tensors for all-reduce, ``[world, ...]``-stacked for
+        all-gather, in the message's dtypes). Not ordered with other calls: see
+        :func:`synchronize_async`."""
         world = self.world
         groups: dict[tuple[str, torch.dtype], list[tuple[int, int]]] = {}
         for i, msg in enumerate(messages):
             for j, t in enumerate(msg.tensors):
                 groups.setdefault((msg.op, t.dtype), []).append((i, j))
-        results: list[list] = [[None] * len(m.tensors) for m in messages]
-        for (op, _dtype), slots in groups.items():
+        issued = []
+        for (op, dtype), slots in groups.items():
             parts = [messages[i].tensors[j].reshape(-1) for i, j in slots]
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            flat = _packed(parts, wire_dtype if dtype.is_floating_point and wire_dtype else dtype)
             self.bytes_sent += flat.numel() * flat.element_size()
-            if op == ALL_REDUCE:
-                if world.size > 1:
-                    dist.all_reduce(flat, group=self.group)
-                out = flat
-                pieces = torch.split(out, [p.numel() for p in parts])
+            if world.size == 1:
+                out = flat if op == ALL_REDUCE else flat.view(1, -1)
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result([out])
+                issued.append(done)
+            elif op == ALL_REDUCE:
+                issued.append(dist.all_reduce(flat, group=self.group, async_op=True)
+                              .get_future())
             else:
-                if world.size > 1:
-                    out = torch.empty(world.size * flat.numel(), dtype=flat.dtype)
-                    dist.all_gather_single(out, flat, group=self.group)
-                    out = out.view(world.size, -1)
-                else:
-                    out = flat.view(1, -1)
-                pieces = torch.split(out, [p.numel() for p in parts], dim=1)
-            for (i, j), piece in zip(slots, pieces):
-                shape = messages[i].tensors[j].shape
-                results[i][j] = (piece.reshape(shape) if op == ALL_REDUCE
-                                 else piece.reshape((world.size, *shape)))
-        return [tuple(r) for r in results]
+                out = torch.empty(world.size * flat.numel(), dtype=flat.dtype, device=flat.device)
+                work = dist.all_gather_single(out, flat, group=self.group, async_op=True)
+                issued.append(work.get_future().then(lambda f, out=out, n=world.size:
+                                                     (f.wait(), [out.view(n, -1)])[1]))
+
+        def unpack(all_done: torch.futures.Future) -> list[tuple[torch.Tensor, ...]]:
+            results: list[list] = [[None] * len(m.tensors) for m in messages]
+            for ((op, dtype), slots), fut in zip(groups.items(), all_done.value()):
+                out = fut.value()[0].to(dtype)
+                sizes = [messages[i].tensors[j].numel() for i, j in slots]
+                pieces = torch.split(out, sizes, dim=0 if op == ALL_REDUCE else 1)
+                for (i, j), piece in zip(slots, pieces):
+                    shape = messages[i].tensors[j].shape
+                    results[i][j] = (piece.view(shape) if op == ALL_REDUCE
+                                     else piece.reshape((out.shape[0], *shape)))
+            return [tuple(r) for r in results]
+
+        return torch.futures.collect_all(issued).then(unpack)
+
+    def run(self, messages: list[Message], *, wire_dtype: Optional[torch.dtype] = None
+            ) -> list[tuple[torch.Tensor, ...]]:
+        """:meth:`run_async`, waited for."""
+        return self.run_async(messages, wire_dtype=wire_dtype).wait()
+
+
+def _packed(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A fresh flat tensor of ``dtype`` holding ``parts`` one after another (one pass)."""
+    if len(parts) == 1:
+        return parts[0].to(dtype, copy=True)
+    out = torch.empty(sum(p.numel() for p in parts), dtype=dtype, device=parts[0].device)
+    return torch.cat(parts, out=out)
 
 
 class LocalComm(Comm):
@@ -87,25 +192,97 @@ class LocalComm(Comm):
         return World(0, 1)
 
 
-def synchronize(compressor: Compressor, tensors: Mapping[str, torch.Tensor],
-                comm: Optional[Comm] = None) -> dict[str, torch.Tensor]:
-    """Compress, communicate and decode ``tensors`` (name -> local gradient); returns name ->
-    synchronized tensor (float32, the input's shape). Collective: every rank must call it with
-    the same names in the same order."""
+def check_wire_dtype(wire_dtype: Optional[torch.dtype], who: str) -> Optional[torch.dtype]:
+    """``wire_dtype`` if it is None or one of :data:`WIRE_DTYPES`; else a ``ValueError`` naming
+    ``who``."""
+    if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"{who}: wire_dtype={wire_dtype!r} must be None, torch.float16 or "
+                         "torch.bfloat16")
+    return wire_dtype
+
+
+def synchronize_async(compressor: Compressor, tensors: Mapping[str, torch.Tensor],
+                      comm: Optional[Comm] = None, *, wire_dtype: Optional[torch.dtype] = None,
+                      out: Optional[Mapping[str, torch.Tensor]] = None) -> torch.futures.Future:
+    """Compress, communicate and decode ``tensors`` (name -> local gradient) without waiting:
+    a future of name -> synchronized tensor (float32 and the input's shape, or the tensor of
+    ``out`` it was written into, cast to that tensor's dtype). The call's turn comes once the
+    previous call on ``comm`` has issued its last collective: at once in the caller's thread
+    when ``comm`` is free, else on the thread that freed it. It then encodes and issues the
+    first round with ``async_op=True``; each round is decoded in a callback, which issues the
+    next. ``tensors`` (and ``out``) must stay untouched until the future completes. Errors (a
+    bad input, a failed collective) complete the future with the exception. Collective:
+    every rank must call it with the same names in the same order."""
     comm = comm or Comm()
     comm.check(compressor)
+    check_wire_dtype(wire_dtype, "synchronize_async")
+    if out is not None and set(out) != set(tensors):
+        raise ValueError(f"synchronize_async: out names {sorted(out)[:3]} differ from the "
+                         f"tensors' {sorted(tensors)[:3]}")
     world = comm.world
-    pending = {k: compressor.encode(k, t, world) for k, t in tensors.items()}
+    tensors, dests = dict(tensors), dict(out or {})
+    # on CUDA the callbacks run on side streams: a device-aware future makes its waiters wait
+    # for the kernels that wrote the results
+    devices = sorted({t.device for t in tensors.values() if t.device.type == "cuda"}, key=str)
+    result = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
     done: dict[str, torch.Tensor] = {}
-    while pending:
-        keys = list(pending)
-        reduced = comm.run([pending[k] for k in keys])
-        nxt = {}
-        for k, r in zip(keys, reduced):
-            out = compressor.decode(k, pending[k], r, world)
-            if isinstance(out, Message):
-                nxt[k] = out
+
+    def fail(err: BaseException, release: Release) -> None:
+        release()
+        if not result.done():
+            result.set_exception(err)
+
+    def issue(messages: dict[str, Message], round_: int, release: Release) -> None:
+        keys = list(messages)
+        fut = comm.run_async([messages[k] for k in keys], wire_dtype=wire_dtype)
+        if round_ >= compressor.rounds:
+            release()                                   # no compressor has a further round
+        fut.add_done_callback(lambda f: decode(f, keys, messages, round_, release))
+
+    def decode(fut: torch.futures.Future, keys: list[str], messages: dict[str, Message],
+               round_: int, release: Release) -> None:
+        try:
+            nxt = {}
+            for k, reduced in zip(keys, fut.value()):
+                value = compressor.decode(k, messages[k], reduced, world, out=dests.get(k))
+                if isinstance(value, Message):
+                    nxt[k] = value
+                else:
+                    done[k] = _written(value, dests.get(k))
+            if nxt:
+                issue(nxt, round_ + 1, release)
+                return
+            release()
+            result.set_result({k: done[k] for k in tensors})
+        except BaseException as e:  # noqa: BLE001 - reported through the future
+            fail(e, release)
+
+    def start(release: Release) -> None:
+        try:
+            pending = {k: compressor.encode(k, t, world) for k, t in tensors.items()}
+            if pending:
+                issue(pending, 1, release)
             else:
-                done[k] = out
-        pending = nxt
-    return {k: done[k] for k in tensors}
+                release()
+                result.set_result({})
+        except BaseException as e:  # noqa: BLE001 - reported through the future
+            fail(e, release)
+
+    comm.lane.submit(start)
+    return result
+
+
+def _written(value: torch.Tensor, dest: Optional[torch.Tensor]) -> torch.Tensor:
+    """``value`` in ``dest`` (when given and not already written there)."""
+    if dest is None or value is dest:
+        return value
+    return dest.copy_(value.reshape(dest.shape))
+
+
+def synchronize(compressor: Compressor, tensors: Mapping[str, torch.Tensor],
+                comm: Optional[Comm] = None, *, wire_dtype: Optional[torch.dtype] = None
+                ) -> dict[str, torch.Tensor]:
+    """Compress, communicate and decode ``tensors`` (name -> local gradient); returns name ->
+    synchronized tensor (float32, the input's shape): :func:`synchronize_async`, waited for.
+    Collective: every rank must call it with the same names in the same order."""
+    return synchronize_async(compressor, tensors, comm, wire_dtype=wire_dtype).wait()

@@ -20,7 +20,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -54,19 +54,20 @@ class PowerSGD(Compressor):
     def default_level(self) -> int:
         return self.rank
 
-    def _q(self, key: str, m: int, r: int) -> torch.Tensor:
-        """The ``m x r`` starting ``Q``: the warm-start one (columns added or dropped when the
-        rank changed), else fresh standard normal columns seeded by (seed, key, step)."""
+    def _q(self, key: str, m: int, r: int, device: torch.device) -> torch.Tensor:
+        """The ``m x r`` float32 starting ``Q`` on ``device``: the warm-start one (columns
+        added or dropped when the rank changed), else fresh standard normal columns seeded by
+        (seed, key, step) (drawn on the CPU, so every device starts alike)."""
         step = self._next_step(key)
         old = self._qs.get(key) if self.warm_start else None
         if old is not None and old.shape[0] == m and old.shape[1] >= r:
-            return old[:, :r]
+            return old[:, :r].to(device)
         tag = "init" if self.warm_start else step
         fresh = torch.randn(m, r, generator=seeded_generator(self.seed, key, tag),
                             dtype=torch.float32)
         if old is not None and old.shape[0] == m:
             fresh[:, :old.shape[1]] = old
-        return fresh
+        return fresh.to(device)
 
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
         shape = tuple(tensor.shape)
@@ -75,23 +76,26 @@ class PowerSGD(Compressor):
             return plain_message(tensor)
         n, m = matrix_dims(shape)
         mat = self._with_error(key, tensor).reshape(n, m)
-        q = self._q(key, m, powersgd_rank(shape, level)).to(mat.dtype)
+        q = self._q(key, m, powersgd_rank(shape, level), mat.device)
         return Message((mat @ q,), ALL_REDUCE, ctx=("p", shape, mat))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> Union[torch.Tensor, Message]:
+               world: World, out: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Message]:
         stage, shape = message.ctx[0], message.ctx[1]
         if stage == "plain":
-            return plain_decode(message, reduced, world)
+            return plain_decode(message, reduced, world, out)
         mat = message.ctx[2]
         if stage == "p":
             p_hat = orthogonalize(reduced[0])
             return Message((mat.t() @ p_hat,), ALL_REDUCE, ctx=("q", shape, mat, p_hat))
         p_hat, q_local = message.ctx[3], message.tensors[0]
-        self._keep_error(key, mat, p_hat @ q_local.t(), shape)
+        self._keep_error(key, mat, (p_hat, q_local), shape)
         q_mean = reduced[0] / world.size
         if self.warm_start:
-            self._qs[key] = q_mean.clone()
+            self._qs[key] = q_mean
+        if out is not None and out.dtype == torch.float32 and out.is_contiguous():
+            torch.mm(p_hat, q_mean.t(), out=out.view(p_hat.shape[0], -1))
+            return out
         return (p_hat @ q_mean.t()).reshape(shape)
 
     def state_dict(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -36,12 +37,13 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack a bool vector into uint8, most significant bit first (zero-padded to 8)."""
     pad = (-bits.numel()) % 8
     b = torch.cat([bits.reshape(-1), bits.new_zeros(pad)]).view(-1, 8).to(torch.int32)
-    return (b * torch.tensor(_BIT_WEIGHTS, dtype=torch.int32)).sum(1).to(torch.uint8)
+    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32, device=bits.device)
+    return (b * w).sum(1).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``numel`` bits as a bool vector."""
-    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32)
+    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32, device=packed.device)
     return ((packed.to(torch.int32).unsqueeze(-1) & w) != 0).reshape(*packed.shape[:-1], -1)[
         ..., :numel]
 
@@ -67,7 +69,7 @@ class SignSGD(Compressor):
         return Message(tensors, ALL_GATHER, ctx=tuple(tensor.shape))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> torch.Tensor:
+               world: World, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape = message.ctx
         signs = unpack_bits(reduced[0], math.prod(shape)).to(torch.float32) * 2 - 1
         vote = torch.sign(signs.sum(0))
@@ -111,12 +113,13 @@ class QSGD(Compressor):
         m = self._with_error(key, tensor).reshape(-1)
         s = self.level(key)
         gen = seeded_generator(self.seed, key, self._next_step(key), world.rank)
-        norm, q = self.quantize(m, torch.rand(m.numel(), generator=gen), s)
+        uniforms = torch.rand(m.numel(), generator=gen).to(m.device)   # alike on every device
+        norm, q = self.quantize(m, uniforms, s)
         self._keep_error(key, m, norm * q.to(torch.float32) / s, tuple(tensor.shape))
         return Message((norm, q.to(self._dtype(s))), ALL_GATHER, ctx=(tuple(tensor.shape), s))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> torch.Tensor:
+               world: World, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape, s = message.ctx
         norms, q = reduced
         deq = norms.reshape(-1, 1) * q.to(torch.float32) / s

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -43,6 +43,12 @@ class _Sparsifier(Compressor):
         """How many coordinates are kept of ``numel``."""
         return sparse_k(numel, self.fraction if level is None else level)
 
+    def _keep_sparse_error(self, key: str, m: torch.Tensor, idx: torch.Tensor,
+                           shape: tuple[int, ...]) -> None:
+        """Keep ``m`` with the sent coordinates ``idx`` zeroed as the residual (in place)."""
+        if self.error_feedback:
+            self._keep_error(key, m.index_fill_(0, idx, 0.0), None, shape)
+
 
 class TopK(_Sparsifier):
     """Top-K sparsification with error feedback; all-gather of values and indices."""
@@ -53,19 +59,17 @@ class TopK(_Sparsifier):
         m = self._with_error(key, tensor).reshape(-1)
         idx = torch.topk(m.abs(), self.k(m.numel(), self.level(key)), sorted=False).indices
         vals = m[idx]
-        approx = torch.zeros_like(m)
-        approx[idx] = vals
-        self._keep_error(key, m, approx, tuple(tensor.shape))
+        self._keep_sparse_error(key, m, idx, tuple(tensor.shape))
         self._next_step(key)
         return Message((vals, idx.to(torch.int32)), ALL_GATHER, ctx=tuple(tensor.shape))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> torch.Tensor:
+               world: World, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         vals, idx = reduced
-        out = torch.zeros(math.prod(message.ctx), dtype=torch.float32)
+        total = torch.zeros(math.prod(message.ctx), dtype=torch.float32, device=vals.device)
         for r in range(world.size):                       # in rank order: deterministic sums
-            out.index_add_(0, idx[r].long(), vals[r])
-        return (out / world.size).reshape(message.ctx)
+            total.index_add_(0, idx[r].long(), vals[r])
+        return (total / world.size).reshape(message.ctx)
 
 
 class RandomK(_Sparsifier):
@@ -77,21 +81,20 @@ class RandomK(_Sparsifier):
     def indices(self, key: str, step: int, numel: int, k: int) -> torch.Tensor:
         """The ``k`` coordinates of ``key`` at ``step`` (the same on every rank)."""
         gen = seeded_generator(self.seed, key, step)
-        return torch.randperm(numel, generator=gen)[:k]
+        return torch.randperm(numel, generator=gen)[:k]     # on the CPU: alike on every device
 
     def encode(self, key: str, tensor: torch.Tensor, world: World) -> Message:
         m = self._with_error(key, tensor).reshape(-1)
         idx = self.indices(key, self._next_step(key), m.numel(), self.k(m.numel(),
                                                                          self.level(key)))
+        idx = idx.to(m.device)
         vals = m[idx]
-        approx = torch.zeros_like(m)
-        approx[idx] = vals
-        self._keep_error(key, m, approx, tuple(tensor.shape))
+        self._keep_sparse_error(key, m, idx, tuple(tensor.shape))
         return Message((vals,), ALL_REDUCE, ctx=(tuple(tensor.shape), idx))
 
     def decode(self, key: str, message: Message, reduced: tuple[torch.Tensor, ...],
-               world: World) -> torch.Tensor:
+               world: World, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         shape, idx = message.ctx
-        out = torch.zeros(math.prod(shape), dtype=torch.float32)
-        out[idx] = reduced[0] / world.size
-        return out.reshape(shape)
+        total = torch.zeros(math.prod(shape), dtype=torch.float32, device=reduced[0].device)
+        total[idx] = reduced[0] / world.size
+        return total.reshape(shape)
