@@ -220,6 +220,7 @@ def synchronize_async(compressor: Compressor, tensors: Mapping[str, torch.Tensor
         raise ValueError(f"synchronize_async: out names {sorted(out)[:3]} differ from the "
                          f"tensors' {sorted(tensors)[:3]}")
     world = comm.world
+    threads = torch.get_num_threads()
     tensors, dests = dict(tensors), dict(out or {})
     # on CUDA the callbacks run on side streams: a device-aware future makes its waiters wait
     # for the kernels that wrote the results
@@ -242,6 +243,7 @@ def synchronize_async(compressor: Compressor, tensors: Mapping[str, torch.Tensor
     def decode(fut: torch.futures.Future, keys: list[str], messages: dict[str, Message],
                round_: int, release: Release) -> None:
         try:
+            torch.set_num_threads(threads)            # as in start()
             nxt = {}
             for k, reduced in zip(keys, fut.value()):
                 value = compressor.decode(k, messages[k], reduced, world, out=dests.get(k))
@@ -259,6 +261,12 @@ def synchronize_async(compressor: Compressor, tensors: Mapping[str, torch.Tensor
 
     def start(release: Release) -> None:
         try:
+            # This may run on a collective's callback thread. MKL picks its GEMM kernels by
+            # the calling thread's own setting (a thread that never called set_num_threads
+            # rounds the rows of a small-K product differently), so without this the result
+            # would depend on which thread ran: the caller's setting makes every thread compute
+            # as the caller would, bit for bit.
+            torch.set_num_threads(threads)
             pending = {k: compressor.encode(k, t, world) for k, t in tensors.items()}
             if pending:
                 issue(pending, 1, release)
