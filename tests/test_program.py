@@ -209,15 +209,7 @@ def test_segments_are_captured_and_an_input_write_runs_uncaptured_once():
     from tidal.ir.capture import capture_train_step
     from tidal.runtime import program
 
-    class Counting(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 3)
-            self.register_buffer("seen", torch.zeros(()))
-
-        def forward(self, x):
-            self.seen.add_(x.shape[0])
-            return self.lin(x)
+    from counting import Counting
 
     torch.manual_seed(0)
     model, x, y = Counting(), torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
