@@ -45,6 +45,8 @@ class Compiled:
         self.executor: Optional[Executor] = executors.build(
             gm, [r.plan for r in self.records if r.plan is not None])
         self.lowered = _lowered(gm, ctx, lower) if self.executor is None else None
+        self.train_trace: list = []
+        """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the compiled forward (through the executor the runtime built for the plans, if
@@ -105,7 +107,8 @@ class Compiled:
             rt.run()
 
         With plans, the job's pieces are the rank's program (compute, communication and
-        optimizer pieces on their streams); without, each iteration is one ``step`` piece."""
+        optimizer pieces on their streams); without, each iteration is two pieces:
+        ``forward`` (with the loss) and ``backward`` (with the optimizer's step)."""
         if self.context.loss_fn is None:
             raise ValueError("Compiled.job needs a loss: tidal.compile(..., loss_fn=fn)")
 
@@ -117,14 +120,30 @@ class Compiled:
             return self.executor.job(name, self.graph_module, self.model, bound,
                                      self.context.loss_fn, self.optimizer, iterations)
 
-        def one_piece(i: int) -> tuple[list[SchedulerPiece], Callable[[], Any]]:
-            done: dict[str, torch.Tensor] = {}
-            inputs, targets = batches(i)
-            piece = SchedulerPiece("step", lambda: done.setdefault("loss", self.step(inputs,
-                                                                                     targets)))
-            return [piece], lambda: done["loss"]
+        return ProgramJob(name, lambda i: self._step_pieces(*bound(i)), iterations,
+                          gated=False)
 
-        return ProgramJob(name, one_piece, iterations)
+    def _step_pieces(self, inputs: tuple, targets: Any
+                     ) -> tuple[list[SchedulerPiece], Callable[[], Any]]:
+        """One eager training step as two pieces on the job's stream (``forward`` with the
+        loss; ``backward`` with the optimizer's step), so a scheduler can fit them into shorter
+        idle spans, and the function that gives the loss once they ran. The pieces read the
+        model's state only when they run, so the next step's pieces may be made before this
+        one ends (the stream runs them in order)."""
+        held: dict[str, torch.Tensor] = {}
+        opt = self.optimizer
+
+        def forward() -> None:
+            opt.zero_grad(set_to_none=True)
+            out = (self.lowered or self.graph_module)(*inputs)
+            held["loss"] = self.context.loss_fn(out, targets)
+
+        def backward() -> None:
+            held["loss"].backward()
+            opt.step()
+
+        pieces = [SchedulerPiece("forward", forward), SchedulerPiece("backward", backward)]
+        return pieces, lambda: held["loss"].detach()
 
     def train(self, batches: Callable[[int], tuple[Any, Any]], iterations: int, *,
               background: Any = None, idle_only: bool = True) -> dict[str, Any]:
@@ -133,7 +152,9 @@ class Compiled:
         ``compiled.job(...)``) packed into the foreground's idle spans (``idle_only``, DeepPool's
         BP+Col; False: the slowdown-feedback policy). Returns the per-job statistics
         (``tidal.runtime.scheduler.JobStats``: iterations, throughput, slowdowns); the
-        foreground's losses are in ``stats[...]`` and in the job (``job.losses``).
+        foreground's losses are in ``stats[...]`` and in the job (``job.losses``); every
+        piece's times are in ``train_trace`` (``tidal.sim.collocation.job_idle_spans`` reads
+        the foreground's idle spans from it, to size a background job).
 
         Example:
             >>> import torch, tidal
@@ -154,11 +175,16 @@ class Compiled:
         params = list(self.model.parameters())
         device = params[0].device if params else torch.device("cpu")
         options = {"slots": 1} if device.type == "cpu" else {}
-        with Runtime(backend=backend_for(device, **options), idle_only=idle_only) as runtime:
+        # idle_only: two background pieces may queue on their stream (no dispatch between
+        # them); the device still goes to the foreground first when it needs it
+        with Runtime(backend=backend_for(device, **options), idle_only=idle_only,
+                     be_depth=2 if idle_only else 1) as runtime:
             runtime.submit(self.job(batches, iterations=iterations), priority="high")
             if background is not None:
                 runtime.submit(background, priority="low")
-            return runtime.run()
+            stats = runtime.run()
+            self.train_trace = list(runtime.trace)
+            return stats
 
     def trace(self, path: Union[str, Path]) -> Path:
         """Write the pieces of the latest ``step`` (per stream, this rank as the process) as a

@@ -144,12 +144,22 @@ class _Gate:
         self._waiting: list[tuple[int, int]] = []
         self._seq = itertools.count()
 
-    def acquire(self, priority: int) -> None:
+    def reserve(self, priority: int) -> Optional[tuple[int, int]]:
+        """Queue for a place now (the ticket to pass to :meth:`acquire` later): a stream whose
+        next piece became runnable takes its turn before lower-priority work that asks after."""
         if self.slots is None:
-            return
+            return None
         with self._cond:
             ticket = (priority, next(self._seq))
             heapq.heappush(self._waiting, ticket)
+            return ticket
+
+    def acquire(self, priority: int, ticket: Optional[tuple[int, int]] = None) -> None:
+        if self.slots is None:
+            return
+        if ticket is None:
+            ticket = self.reserve(priority)
+        with self._cond:
             while not (self.slots > 0 and self._waiting[0] == ticket):
                 self._cond.wait()
             heapq.heappop(self._waiting)
@@ -171,6 +181,25 @@ class Event:
     def __init__(self) -> None:
         self._done = threading.Event()
         self.time_us = 0.0
+        self._waiters: list["CpuStream"] = []
+        self._lock = threading.Lock()
+
+    def _set(self, time_us: float) -> None:
+        """Complete the event; each stream blocked on it queues at once for the device (if
+        its next piece uses it), before its worker thread has even woken."""
+        with self._lock:
+            self.time_us = time_us
+            self._done.set()
+            waiters, self._waiters = self._waiters, []
+        for stream in waiters:
+            stream._claim()
+
+    def _wait_from(self, stream: "CpuStream") -> None:
+        """Block ``stream``'s worker until the event completes."""
+        with self._lock:
+            if not self._done.is_set():
+                self._waiters.append(stream)
+        self._done.wait()
 
     def query(self) -> bool:
         """Whether the stream has reached the event."""
@@ -189,9 +218,18 @@ class CpuStream:
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._ticket: Optional[tuple[int, int]] = None
         self._thread = threading.Thread(target=self._work, name=f"tidal-stream{priority}",
                                         daemon=True)
         self._thread.start()
+
+    def _claim(self) -> None:
+        """The event this stream waits for completed: if its next item is a piece on the
+        device, queue for the device now (:meth:`_Gate.reserve`)."""
+        with self._cond:
+            if self._ticket is None and self._items and self._items[0][0] == "work" and \
+                    self._items[0][3]:
+                self._ticket = self.backend.gate.reserve(self.priority)
 
     def _put(self, item: tuple) -> None:
         with self._cond:
@@ -224,15 +262,16 @@ class CpuStream:
                     return
                 kind, *rest = self._items.popleft()
             if kind == "record":
-                rest[0].time_us = be.now_us()
-                rest[0]._done.set()
+                rest[0]._set(be.now_us())
             elif kind == "wait":
-                rest[0].synchronize()
+                rest[0]._wait_from(self)
             else:
                 fn, args, uses_device, launch = rest
                 launch.ready_us = be.now_us()
                 if uses_device:
-                    be.gate.acquire(self.priority)
+                    with self._cond:
+                        ticket, self._ticket = self._ticket, None
+                    be.gate.acquire(self.priority, ticket)
                 launch.start_us = be.now_us()
                 launch.started = True
                 try:

@@ -56,7 +56,7 @@ from tidal.runtime.lower import lower
 from tidal.runtime.scheduler import FunctionJob, Runtime
 from tidal.runtime.scheduler import Piece as SchedulerPiece
 
-COMPUTE, COMM = "compute", "comm"
+COMPUTE, COMM, TRANSFER = "compute", "comm", "transfer"
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,13 @@ class PieceTrace:
     end_us: float
 
 
-STREAMS = {COMPUTE: (HIGH, True), COMM: (LOW, False), "load": (LOW, False)}
-"""Stream name -> (priority, occupies the device). A stream a program names that is not here
-(a wave's own compute stream, ``"tick"``/``"tock"``) is a high-priority compute stream."""
+STREAMS = {COMPUTE: (HIGH, True), COMM: (LOW, False), "load": (LOW, False),
+           TRANSFER: (HIGH, False)}
+"""Stream name -> (priority, occupies the device). ``transfer``: the foreground's own sample
+transfers between GPU sets (burst parallelism's scatter/gather), which mostly wait for other
+ranks: the device is idle meanwhile (the spans a background job fills). A stream a program
+names that is not here (a wave's own compute stream, ``"tick"``/``"tock"``) is a
+high-priority compute stream."""
 
 
 def stream_kind(name: str) -> tuple[int, bool]:
@@ -485,19 +489,21 @@ class ProgramJob:
     another, its pieces are dispatched on its own streams under the scheduler's priorities,
     pacing and slowdown feedback (``ProgramExecutor.job`` or ``Compiled.job`` make one).
     ``make(i)`` returns the iteration's scheduler pieces and the function that gives its loss
-    once they ran."""
+    once they ran. ``gated=False``: see :meth:`ready`."""
 
     name: str
     make: Callable[[int], tuple[list[SchedulerPiece], Callable[[], Any]]]
     iterations: Optional[int] = None
     memory_bytes: int = 0
     losses: list = field(default_factory=list)
+    gated: bool = True
 
     def ready(self, index: int) -> bool:
         """Step ``index`` is bound once step ``index - 1`` has ended (binding reads the state
         the previous step left, and may agree with the other ranks on a new shape's program:
-        a collective that must not interleave with the previous step's)."""
-        return len(self.losses) >= index
+        a collective that must not interleave with the previous step's); at once when not
+        ``gated`` (pieces that read the state only when they run, in order on one stream)."""
+        return not self.gated or len(self.losses) >= index
 
     def iteration(self, index: int) -> Optional[list[SchedulerPiece]]:
         """The pieces of iteration ``index`` (None past the last)."""

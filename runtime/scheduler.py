@@ -236,10 +236,12 @@ class Runtime:
     name) for the next ``Runtime`` on the same backend (a program runner's per-step runtimes).
     Launch pacing counts the pieces that occupy the device (communication overlaps freely).
     ``idle_only``: background pieces go only into the foreground's idle spans — while no
-    foreground piece occupies the device, and only a piece predicted (from its isolated time)
-    to end before the foreground's next device piece can start, which is when the pieces it
-    waits for (a transfer, a collective) are predicted to end (DeepPool's BP+Col: the ranks
-    outside a layer's GPU set lend their idle time).
+    foreground piece occupies the device, and only a piece predicted to end before the
+    foreground's next device piece can start, which is when the pieces it waits for (a
+    transfer, a collective) are predicted to end (DeepPool's BP+Col: the ranks outside a
+    layer's GPU set lend their idle time). Both predictions are conservative: the background
+    piece's longest recent isolated duration against the foreground pieces' shortest, so a
+    background piece rarely holds the device when the foreground needs it.
     """
 
     def __init__(self, device: Any = "cpu", *, backend: Optional[Backend] = None,
@@ -438,9 +440,16 @@ class Runtime:
         return allowed
 
     def _fits_idle_span(self, fg: JobHandle, h: JobHandle, now: float) -> bool:
-        est = self.isolated_us.get((h.name, h.queue[0].piece.name), h.mean_piece_us()) \
-            or h.queue[0].piece.predicted_us
-        allowed = now + est <= self.idle_until(fg, now)
+        """Whether ``h``'s next piece, after the device pieces it already has outstanding
+        (queued behind one another on its stream: ``be_depth`` > 1 saves a dispatch between
+        them), is predicted to end before the foreground needs the device."""
+        start = now
+        for q in h.outstanding:
+            if q.piece.uses_device and not q.launch.done():
+                took = self._estimate(h, q.piece)
+                start = max(start, q.launch.start_us + took) if q.launch.started else \
+                    start + took
+        allowed = start + self._estimate(h, h.queue[0].piece) <= self.idle_until(fg, now)
         if not allowed:
             h.stats.feedback_pauses += 1
         return allowed
@@ -466,9 +475,21 @@ class Runtime:
                             if not q.launch.done()])
 
     def _predicted_end(self, h: JobHandle, q: _Queued, now: float) -> float:
+        """The earliest end of ``q`` its recent durations support (the shortest of them: a
+        background piece that fits before it rarely delays the foreground)."""
+        took = self._bound(h, q.piece, min) or self._iso(h, q.piece)
         if q.launch is None or not q.launch.started:
-            return now + self._iso(h, q.piece)
-        return max(now, q.launch.start_us + self._iso(h, q.piece))
+            return now + took
+        return max(now, q.launch.start_us + took)
+
+    def _estimate(self, h: JobHandle, p: Piece) -> float:
+        """A background piece's duration for the idle-span test: its longest recent one."""
+        return self._bound(h, p, max) or h.mean_piece_us() or p.predicted_us
+
+    def _bound(self, h: JobHandle, p: Piece, pick: Callable) -> float:
+        """``pick`` (min or max) of the piece's recent isolated durations (0 if none)."""
+        samples = self._samples.get((h.name, p.name))
+        return pick(samples) if samples else 0.0
 
     def _iso(self, h: JobHandle, p: Piece) -> float:
         return self.isolated_us.get((h.name, p.name), p.predicted_us)

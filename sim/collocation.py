@@ -26,6 +26,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -133,3 +134,99 @@ def collocate(tasks: Sequence[Task], gpus: int, global_batch: int, bg: Backgroun
                      for i in fg.intervals if is_compute_lane(i.lane))
         iterations += shared / (bg.iteration_us * bg.utilization)
     return CollocationResult(fg, iterations * bg.batch)
+
+
+def idle_spans(busy: Sequence[tuple[float, float]], start_us: Optional[float] = None,
+               end_us: Optional[float] = None) -> list[float]:
+    """The lengths of the gaps between ``busy`` ``(start, end)`` intervals of one device (a
+    rank's foreground compute pieces, measured or simulated), from ``start_us`` to ``end_us``
+    (default: the first start and the last end), in time order.
+
+    >>> idle_spans([(0.0, 2.0), (5.0, 6.0), (1.0, 3.0), (9.0, 10.0)])
+    [2.0, 3.0]
+    """
+    spans: list[float] = []
+    ordered = sorted(busy)
+    if not ordered:
+        return spans
+    t = ordered[0][0] if start_us is None else start_us
+    for s, e in ordered:
+        if s > t:
+            spans.append(s - t)
+        t = max(t, e)
+    stop = t if end_us is None else end_us
+    if stop > t:
+        spans.append(stop - t)
+    return spans
+
+
+def pieces_that_fit(spans_us: Sequence[float], piece_us: float) -> int:
+    """How many background pieces of ``piece_us`` fit in the idle spans when each runs only
+    inside one span, as the runtime's ``idle_only`` policy dispatches them.
+
+    >>> pieces_that_fit([10.0, 3.0, 7.5], 2.5)
+    8
+    """
+    if not piece_us > 0:
+        raise ValueError(f"pieces_that_fit(piece_us={piece_us!r}): must be > 0")
+    return sum(int(s // piece_us) for s in spans_us)
+
+
+def best_background_batch(spans_us: Sequence[float], step_us: Mapping[int, float],
+                          overhead_us: float = 0.0, delay_us: float = math.inf,
+                          min_share: float = 0.0) -> tuple[int, float]:
+    """The background batch (a key of ``step_us``: batch -> one background step's time alone)
+    that turns the most of the idle ``spans_us`` into samples, each step plus ``overhead_us``
+    (the dispatch between two pieces) fitting inside one span, and the samples it predicts
+    (over the spans given). ``delay_us`` bounds the foreground's delay: a step may overrun
+    its span's end at most once per span it runs in, so the steps of a batch that runs in
+    ``n`` spans must be no longer than ``delay_us / n``. A batch whose steps would fill less
+    than ``min_share`` of the idle time does not pay for its risk to the foreground. Ties go
+    to the smaller batch (shorter pieces); ``(0, 0.0)`` when no batch qualifies (run no
+    background there).
+
+    >>> best_background_batch([10.0, 3.0], {1: 1.0, 4: 2.5, 16: 12.0})
+    (4, 20.0)
+    >>> best_background_batch([10.0, 3.0], {1: 1.0, 4: 2.5, 16: 12.0}, delay_us=4.0)
+    (1, 13.0)
+    >>> best_background_batch([1.0, 0.5], {1: 0.8}, min_share=0.6)
+    (0, 0.0)
+    """
+    if not step_us:
+        raise ValueError("best_background_batch: no batch sizes timed")
+    idle = sum(spans_us)
+    scored = []
+    for b, t in step_us.items():
+        fits = pieces_that_fit(spans_us, t + overhead_us)
+        used = sum(1 for s in spans_us if s >= t + overhead_us)
+        if not fits or t > delay_us / used or fits * t < min_share * idle:
+            continue
+        scored.append((fits * b, -b))
+    if not scored:
+        return 0, 0.0
+    samples, neg = max(scored)
+    return -neg, float(samples)
+
+
+def job_idle_spans(records: Sequence, job: str) -> list[float]:
+    """The idle spans of ``job``'s device over its iterations, from a scheduler's trace
+    (``tidal.runtime.scheduler.TraceRecord``: ``Runtime.trace``, ``Compiled.train_trace``):
+    per iteration, the gaps between its compute pieces from its first piece's start to its
+    last piece's end.
+
+    >>> from tidal.runtime.scheduler import TraceRecord
+    >>> rec = lambda name, kind, it, s, e: TraceRecord("fg", "high", name, kind, it, s, s, s, e)
+    >>> job_idle_spans([rec("f", "compute", 0, 0, 4), rec("x", "transfer", 0, 4, 9),
+    ...                 rec("g", "compute", 0, 9, 10), rec("f", "compute", 1, 12, 13)], "fg")
+    [5.0]
+    """
+    by_iteration: dict[int, list] = {}
+    for r in records:
+        if r.job == job and r.error is None:
+            by_iteration.setdefault(r.iteration, []).append(r)
+    spans: list[float] = []
+    for rs in by_iteration.values():
+        device = [(float(r.start_us), float(r.end_us)) for r in rs if r.kind == "compute"]
+        if device:
+            spans += idle_spans(device, min(r.start_us for r in rs), max(r.end_us for r in rs))
+    return spans

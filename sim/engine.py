@@ -9,8 +9,9 @@ Lanes: a compute task names its lane (``"compute"`` by default; a GPU may have s
 the ``"tick"`` and ``"tock"`` streams of two waves, which then run *at the same time* on that
 GPU, as separate compute resources: the engine does not slow down concurrent compute lanes of
 one GPU, except through ``cores`` below). A communication task uses the GPU's network link
-(``"link"``, the default) or its host-to-device link (``"h2d"``, weight loads); the two links
-are separate resources, each a FIFO.
+(``"link"``, the default), its host-to-device link (``"h2d"``, weight loads) or its peer link
+(``"peer"``, burst parallelism's sample transfers); the links are separate resources, each a
+FIFO.
 
 With ``cores`` set, the compute lanes of all GPUs share that many processors: while ``n``
 compute tasks run, each progresses at ``min(1, cores / n)`` of its full speed (processor
@@ -31,9 +32,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 KINDS = ("compute", "comm")
-COMPUTE_LANE, LINK, H2D = "compute", "link", "h2d"
-LINKS = (LINK, H2D)
-"""The lanes a ``comm`` task may use: the network link and the host-to-device link."""
+COMPUTE_LANE, LINK, H2D, PEER = "compute", "link", "h2d", "peer"
+LINKS = (LINK, H2D, PEER)
+"""The lanes a ``comm`` task may use: the network link (collectives), the host-to-device link
+and the peer link (a job's point-to-point sample transfers, on a stream and process group of
+their own, so they do not queue behind its collectives)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ def chrome_trace(intervals: Sequence[Interval], label: str = "") -> dict:
     chrome://tracing and Perfetto."""
     events: list[dict] = []
     seen: set[tuple[int, str]] = set()
-    rows = {COMPUTE_LANE: 0, LINK: 1, H2D: 2}
+    rows = {COMPUTE_LANE: 0, LINK: 1, H2D: 2, PEER: 3}
     for iv in intervals:
         tid = rows.setdefault(iv.lane, len(rows))
         if (iv.gpu, iv.lane) not in seen:

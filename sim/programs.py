@@ -33,8 +33,8 @@ from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS
 from tidal.ir.comm_cost import (DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us,
                                  tree_broadcast_us)
-from tidal.runtime.program import PieceTrace, Program, stream_kind
-from tidal.sim.engine import H2D, LINK, Interval, Task, is_compute_lane, simulate
+from tidal.runtime.program import TRANSFER, PieceTrace, Program, stream_kind
+from tidal.sim.engine import H2D, LINK, PEER, Interval, Task, is_compute_lane, simulate
 
 LOAD = "load"
 """The runtime's stream of weight loads (``tidal.runtime.program.STREAMS``)."""
@@ -463,10 +463,13 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
 
 def _stream_lane(stream: str) -> str:
     """The engine lane a piece on ``stream`` occupies: the ``load`` stream the host-to-device
-    link, another stream that does not occupy the device (``comm``) the network link, a compute
-    stream (``compute``, ``tick``, ...) its own compute lane of the same name."""
+    link, the ``transfer`` stream the peer link, another stream that does not occupy the device
+    (``comm``) the network link, a compute stream (``compute``, ``tick``, ...) its own compute
+    lane of the same name."""
     if stream == LOAD:
         return H2D
+    if stream == TRANSFER:
+        return PEER
     return stream if stream_kind(stream)[1] else LINK
 
 
@@ -488,7 +491,9 @@ def program_tasks(programs: "Program | Mapping[int, Program]",
     Per rank, each piece on a compute stream is a compute task on that rank's lane of the same
     name: ``compute``, or a wave's ``tick``/``tock``, which are separate compute resources of
     the rank and so may overlap each other (``tidal.sim.engine``). A ``load`` piece uses the
-    rank's host-to-device link (``h2d``). The ``comm`` pieces with the same name on several
+    rank's host-to-device link (``h2d``), a ``transfer`` piece (burst parallelism's sample
+    transfers) its peer link (``peer``). The ``comm`` (or ``transfer``) pieces with the same
+    name on several
     ranks (the k-th one of that name on each rank, when a name repeats) are *one* collective
     across exactly those ranks, occupying all their network links at once, after the pieces it
     depends on on every one of them; its duration is the least of the ranks' durations (a
@@ -526,7 +531,7 @@ def program_tasks(programs: "Program | Mapping[int, Program]",
                 raise ValueError(f"program_tasks: rank {r}, piece {i} {piece.name!r} depends on "
                                  f"piece {bad[0]}, which is not earlier in its program")
             before[(r, i)], last[piece.stream] = last.get(piece.stream), i
-            if _stream_lane(piece.stream) == LINK:
+            if _stream_lane(piece.stream) in (LINK, PEER):
                 key = key_of[(r, i)] = (piece.name, seen.get(piece.name, 0))
                 seen[piece.name] = key[1] + 1
                 members.setdefault(key, []).append((r, i))

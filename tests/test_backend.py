@@ -117,3 +117,33 @@ def test_cuda_backend_capture_replay_and_priority_streams():  # pragma: no cover
     out = be.launch(be.stream(HIGH), seg.replay, y).wait()
     be.synchronize()
     torch.testing.assert_close(out[0], torch.relu(y @ y) + 1)
+
+
+def test_a_stream_queues_for_the_device_the_moment_its_event_completes():
+    # the event a high-priority piece waits for completes while the device is busy: the
+    # stream takes its turn at the gate right then (in the thread that completed the event),
+    # so low-priority work that asks for the device afterwards, however soon, comes second
+    import time
+
+    be = CpuBackend(slots=1)
+    try:
+        be.gate.acquire(LOW)                     # the device is busy
+        hi = be.stream(HIGH)
+        ev = be.event()
+        be.wait(hi, ev)
+        ran = []
+        launch = be.launch(hi, lambda: ran.append("high"))
+        deadline = time.perf_counter() + 5
+        while not ev._waiters and time.perf_counter() < deadline:
+            time.sleep(0.001)                    # the worker blocks on the event
+        assert ev._waiters, "the stream's worker never waited for the event"
+        ev._set(be.now_us())
+        assert be.gate._waiting and be.gate._waiting[0][0] == HIGH
+        be.gate.release()
+        be.gate.acquire(LOW)                     # served after the high-priority piece
+        assert ran == ["high"]
+        be.gate.release()
+        be.wait_any([launch])
+        assert launch.done() and launch.error is None
+    finally:
+        be.close()

@@ -294,10 +294,11 @@ def test_the_program_runs_on_two_ranks_and_in_the_simulator(skip_results):
     # one-process step); the simulator runs the same Program objects with the measured
     # durations: per rank and stream the same piece order as the real trace, and every piece
     # after the pieces it depends on, in both
+    from tidal.runtime.program import stream_kind
     from tidal.sim.engine import simulate
     from tidal.sim.programs import program_tasks
 
-    lanes = {"compute": "compute", "comm": "link"}
+    lanes = {"compute": "compute", "comm": "link", "transfer": "peer"}
     for k, case in enumerate(SKIP_CASES):
         runs = {rank: r[k][3] for rank, r in enumerate(skip_results)}
         programs, measured = {}, {}
@@ -307,6 +308,13 @@ def test_the_program_runs_on_two_ranks_and_in_the_simulator(skip_results):
             assert any(p.stream == "comm" for p in program.pieces), case
             programs[rank] = program
             measured[rank] = {t.name: t.end_us - t.start_us for t in trace}
+        # every scatter/gather is a piece of its own on the transfer stream (the device is
+        # idle while it waits for other ranks), forward and backward, the same on each rank
+        moves = {rank: [p.name for p in program.pieces if p.stream == "transfer"]
+                 for rank, program in programs.items()}
+        assert moves[0] and moves[0] == moves[1], (case, moves)
+        assert any(m.endswith(" backward") for m in moves[0]), (case, moves)
+        assert all(not stream_kind("transfer")[1] for _ in moves[0])
         sim = simulate(program_tasks(programs, lambda rank, name: measured[rank][name]))
         for rank, (_, _, program, trace) in runs.items():
             mine = [i for i in sim if i.gpu == rank]
@@ -337,7 +345,10 @@ def test_buckets_are_issued_when_their_layers_backward_ends(skip_results):
         stages = [program.pieces[p.deps[0]].name for p in syncs]
         assert stages == [f"backward {s}" for s in (4, 4, 3, 3, 2, 2, 1, 1)], stages
         names = [p.name for p in program.pieces]
-        assert names.index(syncs[0].name) < names.index("backward 0") < names.index("optimizer")
+        last = names[max(d for d in program.pieces[-1].deps
+                         if program.pieces[d].stream != "comm")]  # the last backward stage
+        assert last.endswith("backward"), last  # the input's scatter: a transfer piece
+        assert names.index(syncs[0].name) < names.index(last) < names.index("optimizer")
 
 
 def test_sync_buckets_are_runs_of_one_rank_set_under_the_cap():
@@ -483,8 +494,8 @@ def test_backward_stages_give_the_gradients_of_one_backward():
         assert layout.stages.cuts, (model_cls.__name__, layout.program.table())
         step = BurstStep(burst, layout, compiled.graph_module, compiled.graph_module, (x,), y,
                          F.cross_entropy, compiled.optimizer)
-        for i, piece in enumerate(layout.program.pieces):
-            if piece.name.startswith(("forward", "backward")):
+        for i, piece in enumerate(layout.program.pieces):  # forward, transfers, backward
+            if piece.stream in ("compute", "transfer") and piece.name != "optimizer":
                 step.work(i, piece)()
         ref_loss = F.cross_entropy(ref(x), y)
         ref_loss.backward()

@@ -251,6 +251,18 @@ def test_a_piece_that_waits_for_a_later_piece_fails_its_job_by_name():
     assert "'x' waits for (1,)" in h.stats.error
 
 
+def _compute_wait_compute(iterations: int):
+    """A foreground job "fg": compute ``a``, a transfer ``wait`` that leaves the device idle,
+    compute ``b`` after it."""
+    from tidal.runtime.scheduler import FunctionJob, Piece
+
+    return FunctionJob("fg", lambda i: [Piece("a", lambda: None),
+                                        Piece("wait", lambda: None, kind="recv",
+                                              uses_device=False, stream="comm", after=(0,)),
+                                        Piece("b", lambda: None, after=(1,))],
+                       iterations=iterations)
+
+
 def test_idle_only_background_fills_the_foregrounds_waits_and_nothing_else():
     """BP+Col on a logical clock: the foreground computes, waits 300 µs on a transfer (its
     device is idle), computes again. Background pieces of 50 µs go only into the waits and end
@@ -262,11 +274,7 @@ def test_idle_only_background_fills_the_foregrounds_waits_and_nothing_else():
     durations = {"a": 100.0, "wait": 300.0, "b": 100.0, "bg": 50.0}
     rt = Runtime(backend=LogicalBackend(lambda label, _: durations[label.split("/")[1]],
                                         slots=1), idle_only=True, fg_depth=None)
-    fg = FunctionJob("fg", lambda i: [Piece("a", lambda: None),
-                                      Piece("wait", lambda: None, kind="recv", uses_device=False,
-                                            stream="comm", after=(0,)),
-                                      Piece("b", lambda: None, after=(1,))], iterations=4)
-    rt.submit(fg, "high")
+    rt.submit(_compute_wait_compute(4), "high")
     rt.submit(FunctionJob("bg", lambda i: [Piece("bg", lambda: None)]), "low")
     stats = rt.run()
     waits = [(r.start_us, r.end_us) for r in rt.trace if r.piece == "wait"]
@@ -278,3 +286,37 @@ def test_idle_only_background_fills_the_foregrounds_waits_and_nothing_else():
     calibrated = waits[1:]                          # the first iteration runs alone
     reclaimed = sum(e - s for s, e in bg) / sum(e - s for s, e in calibrated)
     assert reclaimed == 1.0, (bg, waits)
+
+
+def test_idle_only_queued_background_pieces_still_end_before_the_foreground_needs_the_device():
+    """Two background pieces may be outstanding (be_depth=2: the second queues behind the
+    first, no dispatch between them); each is admitted only if it ends, after the pieces queued
+    before it, before the foreground's transfer is predicted to end, and that prediction is the
+    shortest recent duration (the waits alternate 300 and 200 µs). The foreground's compute
+    never waits for the background."""
+    import itertools
+
+    from tidal.runtime.backend import LogicalBackend
+    from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
+
+    waits = itertools.cycle([300.0, 200.0])
+    fixed = {"a": 100.0, "b": 100.0, "bg": 70.0}
+
+    def duration(label: str, _: bool) -> float:
+        name = label.split("/")[1]
+        return next(waits) if name == "wait" else fixed[name]
+
+    rt = Runtime(backend=LogicalBackend(duration, slots=1), idle_only=True, fg_depth=None,
+                 be_depth=2)
+    rt.submit(_compute_wait_compute(8), "high")
+    rt.submit(FunctionJob("bg", lambda i: [Piece("bg", lambda: None)]), "low")
+    stats = rt.run()
+    assert stats["fg"].iterations == 8
+    spans = [(r.start_us, r.end_us) for r in rt.trace if r.piece == "wait"]
+    starts = [r.start_us for r in rt.trace if r.piece == "b"]
+    # once both wait lengths were seen (iteration 2 on), b starts the moment its transfer ends
+    assert starts[2:] == [e for _, e in spans][2:], (starts, spans)
+    bg = [(r.start_us, r.end_us) for r in rt.trace
+          if r.job == "bg" and spans[2][0] <= r.start_us < starts[-1]]
+    assert all(any(s >= ws and e <= we for ws, we in spans) for s, e in bg), (bg, spans)
+    assert max(sum(1 for s, _ in bg if ws <= s < we) for ws, we in spans) >= 2  # queued pairs

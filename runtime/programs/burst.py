@@ -96,7 +96,7 @@ from tidal.ir.node_runner import fetch_attr, flat_tensors
 from tidal.ir.table import format_table
 from tidal.runtime.distributed import all_reduce_tensors, is_distributed
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
-from tidal.runtime.program import COMM, COMPUTE, Piece, Program
+from tidal.runtime.program import COMM, COMPUTE, TRANSFER, Piece, Program
 
 PLAN_KIND = "BurstPlan"
 PASS_NAME = "burst_parallel"
@@ -359,10 +359,12 @@ def stages(gm: fx.GraphModule, run: fx.GraphModule, buckets: Sequence[Bucket],
     """Where a rank cuts its backward for ``buckets`` (those it syncs, in
     :func:`sync_buckets`' order): the forward of ``run`` (the rank's graph: ``gm``
     specialised, :func:`specialise`) is cut before the first of its nodes at or after each
-    bucket's ready position in ``gm``, unless only inputs come before. Every node on the rank
-    that reads one of the bucket's parameters is at or after that position, so the bucket is
-    final once the backward of that segment has run. ``overlap=False`` cuts nowhere (one
-    backward stage; every sync after it).
+    bucket's ready position in ``gm``, and before and after each ``tidal::scatter``/``gather``
+    node (so the backward of a transfer is a stage of its own, which waits for the other ranks
+    without occupying the device), unless only inputs come before. Every node on the rank that
+    reads one of the bucket's parameters is at or after that position, so the bucket is final
+    once the backward of that segment has run. ``overlap=False`` syncs every bucket after the
+    last stage.
 
     >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(),
     ...                                            torch.nn.Linear(2, 2)))
@@ -371,29 +373,69 @@ def stages(gm: fx.GraphModule, run: fx.GraphModule, buckets: Sequence[Bucket],
     >>> cut.cuts, [(b.names, k) for b, k in cut.buckets]
     (('_2',), [(('2.bias', '2.weight'), 1), (('0.bias',), 0), (('0.weight',), 0)])
     """
-    if not overlap:
-        return Stages((), tuple((b, 0) for b in buckets))
-    position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     nodes = list(run.graph.nodes)
-    kept = [(position[n.name], i) for i, n in enumerate(nodes) if n.name in position]
     start = next((i for i, n in enumerate(nodes) if n.op != "placeholder"), len(nodes))
+    moves = transfer_positions(run)
     at: dict[Bucket, int] = {}
-    for b in buckets:
-        k = bisect.bisect_left(kept, (b.ready, -1))
-        index = kept[k][1] if k < len(kept) else len(nodes) - 1
-        if index > start:
-            at[b] = index
-    cuts = sorted(set(at.values()))
+    if overlap:
+        position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+        kept = [(position[n.name], i) for i, n in enumerate(nodes) if n.name in position]
+        for b in buckets:
+            k = bisect.bisect_left(kept, (b.ready, -1))
+            index = kept[k][1] if k < len(kept) else len(nodes) - 1
+            if index > start:
+                at[b] = index
+    cuts = sorted({i for i in list(at.values()) + moves + [m + 1 for m in moves]
+                   if start < i < len(nodes)})
     return Stages(tuple(nodes[i].name for i in cuts),
                   tuple((b, bisect.bisect_right(cuts, at[b]) if b in at else 0)
                         for b in buckets))
 
 
+def transfer_positions(run: fx.GraphModule) -> list[int]:
+    """The positions (in node order) of ``run``'s ``tidal::scatter``/``gather`` nodes."""
+    return [i for i, n in enumerate(run.graph.nodes)
+            if n.op == "call_function" and n.target in _COLLECTIVES]
+
+
+def transfer_name(node: fx.Node) -> str:
+    """The piece name of a transfer node's forward (``"gather _5"``), the same on every rank:
+    the transfers are in every rank's graph, in the same order."""
+    return f"{'scatter' if node.target is SCATTER else 'gather'} {node.name}"
+
+
+def forward_parts(run: fx.GraphModule) -> list[tuple[str, str, int, int]]:
+    """``run``'s forward as consecutive pieces ``(name, stream, lo, hi)`` over its node
+    positions ``[lo, hi)``: each ``tidal::scatter``/``gather`` node alone on the
+    :data:`TRANSFER` stream (:func:`transfer_name`), the nodes between them on the compute
+    stream (``"forward"``, or ``"forward k"`` when there are several), none empty.
+
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    >>> forward_parts(gm)
+    [('forward', 'compute', 0, 3)]
+    """
+    nodes = list(run.graph.nodes)
+    moves = transfer_positions(run)
+    bounds = sorted({0, len(nodes)} | set(moves) | {m + 1 for m in moves})
+    spans = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    compute = [s for s in spans if s[0] not in moves]
+    parts = []
+    for lo, hi in spans:
+        if lo in moves:
+            parts.append((transfer_name(nodes[lo]), TRANSFER, lo, hi))
+        else:
+            name = "forward" if len(compute) == 1 else f"forward {compute.index((lo, hi))}"
+            parts.append((name, COMPUTE, lo, hi))
+    return parts
+
+
 class _CutRunner(fx.Interpreter):
-    """Runs a graph, detaching every value that lives across a cut (before a node named in
+    """Runs a graph in consecutive ranges of nodes (:meth:`start`, then :meth:`advance`; the
+    forward pieces), detaching every value that lives across a cut (before a node named in
     ``cuts``): each tensor that requires grad and is not a leaf becomes a new leaf (cloned, so
     later in-place ops keep working, unless it shares storage with another such value: then
-    only detached, keeping the aliasing). ``pairs[k]``: (original, leaf) at cut k."""
+    only detached, keeping the aliasing). ``pairs[k]``: (original, leaf) at cut k;
+    ``result``: the graph's output once its output node ran."""
 
     def __init__(self, module: fx.GraphModule, cuts: tuple[str, ...]):
         super().__init__(module)
@@ -403,9 +445,32 @@ class _CutRunner(fx.Interpreter):
         if missing:
             raise ValueError(f"burst_parallel: the rank's graph has no node "
                              f"{sorted(missing)[0]!r} to cut backward before")
+        self.nodes = list(order)
         self.order = order
         self.last_use = {n: max((order[u] for u in n.users), default=-1) for n in order}
         self.pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.result: Any = None
+        self._next = 0
+
+    def start(self, *args: Any) -> None:
+        """Begin a run on ``args`` (the graph's inputs)."""
+        self.env = {}
+        self.args_iter = iter(self.graph.process_inputs(*args))
+        self.pairs, self.result, self._next = [], None, 0
+
+    def advance(self, stop: int) -> None:
+        """Run the nodes from where the run stands up to position ``stop`` (excluded)."""
+        if stop < self._next:
+            raise RuntimeError(f"burst_parallel: forward pieces out of order (at node "
+                               f"{self._next}, asked to run up to {stop})")
+        for node in self.nodes[self._next:stop]:
+            self.env[node] = self.run_node(node)
+            if node.op == "output":
+                self.result = self.graph.process_outputs(self.env[node])
+            if self.garbage_collect_values:
+                for dead in self.user_to_last_uses.get(node, []):
+                    del self.env[dead]
+        self._next = max(self._next, stop)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.name in self.cuts:
@@ -702,8 +767,10 @@ class BurstProgram:
             mine = [b for b in sync_buckets(gm, self.param_ranks, size, self.bucket_bytes)
                     if rank in b.ranks]
             cut = stages(gm, run, mine, self.overlap)
+            parts = forward_parts(run)
         else:
             cut = Stages((), ())
+            parts = [("forward", COMPUTE, 0, len(gm.graph.nodes))]
         pieces: list[Piece] = []
         actions: list[tuple[str, Any]] = []
 
@@ -712,10 +779,23 @@ class BurstProgram:
             actions.append(action)
             return len(pieces) - 1
 
-        stage = add("forward", COMPUTE, (), ("forward", None))
+        stage = -1
+        for k, (name, stream, lo, hi) in enumerate(parts):
+            stage = add(name, stream, (stage,) if k else (),
+                        ("forward", (hi, k == len(parts) - 1, len(parts) == 1)))
+        names = [n.name for n in (run if size > 1 else gm).graph.nodes]
+        bounds = [0] + [names.index(c) for c in cut.cuts] + [len(names)]
+        moves = {lo: name for name, stream, lo, _ in parts if stream == TRANSFER}
+        placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
         syncs: list[int] = []
         for k in range(len(cut.cuts), -1, -1):
-            stage = add(f"backward {k}", COMPUTE, (stage,), ("backward", k))
+            lo, hi = bounds[k], bounds[k + 1]
+            move = next((moves[i] for i in range(lo, hi) if i in moves), None)
+            if move is not None and not any(names[i] not in placeholders for i in
+                                            range(lo, hi) if i not in moves):
+                stage = add(f"{move} backward", TRANSFER, (stage,), ("backward", k))
+            else:
+                stage = add(f"backward {k}", COMPUTE, (stage,), ("backward", k))
             for bucket in (b for b, s in cut.buckets if s == k):
                 syncs.append(add(bucket.piece, COMM, (stage,), ("all_reduce", bucket)))
         buffers = self.buffer_sets(gm, size)
@@ -820,6 +900,7 @@ class BurstStep:
     loss_fn: Callable
     optimizer: torch.optim.Optimizer
     _loss: Optional[torch.Tensor] = None
+    _runner: Optional[_CutRunner] = None
     _pairs: list = field(default_factory=list)
     _synced: dict = field(default_factory=dict)
 
@@ -837,15 +918,23 @@ class BurstStep:
             raise RuntimeError("burst_parallel: the step's loss is read before its forward ran")
         return self._loss.detach()
 
-    def _forward(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.layout.stages.cuts:
-            runner = _CutRunner(self.run, self.layout.stages.cuts)
-            out = runner.run(*self.inputs)
-            self._pairs = runner.pairs
-        else:
-            out = self.run(*self.inputs)
-        self._loss = self.loss_fn(out, self.targets)
+    def _forward(self, part: tuple[int, bool, bool]) -> None:
+        """Run the rank's graph up to node position ``stop`` (a forward piece: the nodes
+        after the previous piece's); the last piece computes the loss on the output."""
+        stop, last, whole = part
+        if whole and not self.layout.stages.cuts:  # one piece, no cut: the module itself
+            self.optimizer.zero_grad(set_to_none=True)
+            self._loss = self.loss_fn(self.run(*self.inputs), self.targets)
+            return
+        if self._runner is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._runner = _CutRunner(self.run, self.layout.stages.cuts)
+            self._runner.start(*self.inputs)
+        self._runner.advance(stop)
+        if last:
+            self._pairs = self._runner.pairs
+            self._loss = self.loss_fn(self._runner.result, self.targets)
+            self._runner = None
 
     def _backward(self, k: int) -> None:
         if k == len(self.layout.stages.cuts):
