@@ -446,13 +446,15 @@ class ProgramExecutor:
         return ProgramJob(name, pieces, iterations)
 
     def notes(self) -> list[str]:
-        """One line per thing the latest step ran uncaptured (``uncaptured()`` of the rank
-        program, when it has one): the node and why, for ``Compiled.report()``."""
+        """For ``Compiled.report()``: one line per thing the latest step ran uncaptured
+        (``uncaptured()`` of the rank program, when it has one: the node and why), then the
+        rank program's own lines about its latest step (``step_notes()``, when it has one)."""
         uncaptured = getattr(self.rank_program, "uncaptured", None)
-        if uncaptured is None:
-            return []
-        return [f"runs uncaptured: {node} ({reason})" if node != "-" else
-                f"runs uncaptured: {reason}" for node, reason in uncaptured()]
+        step_notes = getattr(self.rank_program, "step_notes", None)
+        lines = [f"runs uncaptured: {node} ({reason})" if node != "-" else
+                 f"runs uncaptured: {reason}" for node, reason in
+                 (uncaptured() if uncaptured is not None else [])]
+        return lines + (step_notes() if step_notes is not None else [])
 
     def close(self) -> None:
         """Stop the runner's stream workers (a later step starts new ones)."""

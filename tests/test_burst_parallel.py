@@ -401,15 +401,15 @@ def _owner_state(rank, size):
         out = compiled(x)
     return ({n: b.clone() for n, b in model.named_buffers()},
             {n: b.clone() for n, b in ref.named_buffers()}, init, state, out, second, again,
-            burst.state_bytes(gm, compiled.optimizer))
+            burst.state_bytes(gm, compiled.optimizer), compiled.report())
 
 
 def test_owner_only_buffers_checkpoint_and_inference():
     from tidal.runtime.programs.burst import state_table
 
     results = spawn(_owner_state, 2, timeout_s=300)
-    (b0, ref, init, state0, out0, second0, again0, bytes0), \
-        (b1, _, _, state1, out1, second1, again1, bytes1) = results
+    (b0, ref, init, state0, out0, second0, again0, bytes0, _), \
+        (b1, _, _, state1, out1, second1, again1, bytes1, report1) = results
     # bn1 ran on rank 0 alone, on the whole batch: exactly the single-process statistics;
     # rank 1 skipped the layer and holds a stale copy it never reads nor saves
     for name in ("bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"):
@@ -440,6 +440,10 @@ def test_owner_only_buffers_checkpoint_and_inference():
     assert bytes1.total < bytes0.total == bytes0.dp_total == bytes1.dp_total
     assert 0 < bytes1.optimizer < bytes1.dp_optimizer == bytes0.optimizer  # SGD momentum
     assert "share" in state_table([bytes0, bytes1])
+    # Compiled.report() says it after a step
+    line = next(l for l in report1.splitlines() if "training state" in l)
+    assert f"rank 1 holds {bytes1.total / 2**20:.2f} MiB" in line, line
+    assert f"{bytes1.total / bytes1.dp_total:.0%} of data parallelism" in line, line
 
 
 @pytest.mark.slow

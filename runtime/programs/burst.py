@@ -588,6 +588,7 @@ class BurstProgram:
         self._layouts: dict[tuple, StepLayout] = {}
         self._sync_factory: Optional[GradSyncFactory] = None
         self._syncs: dict[Ranks, GradSync] = {}
+        self.last_state: Optional[StateBytes] = None
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:
         """Sync each bucket's gradients through ``factory(group)`` (one :class:`GradSync` per
@@ -809,6 +810,18 @@ class BurstProgram:
                           tuple(self.foreign(gm, rank)) if size > 1 else (),
                           _eager_reason(gm))
 
+    def step_notes(self) -> list[str]:
+        """After a distributed step: the training state this rank holds against data
+        parallelism (``Compiled.report()`` shows it)."""
+        b = self.last_state
+        if b is None:
+            return []
+        share = b.total / b.dp_total if b.dp_total else 1.0
+        return [f"burst_parallel: rank {b.rank} holds {b.total / 2**20:.2f} MiB of training "
+                f"state (parameters {b.params / 2**20:.2f}, gradients {b.grads / 2**20:.2f}, "
+                f"optimizer {b.optimizer / 2**20:.2f}), {share:.0%} of data parallelism's "
+                f"{b.dp_total / 2**20:.2f} MiB"]
+
     def uncaptured(self) -> list[tuple[str, str]]:
         """What the latest step ran uncaptured: the whole step (its compute pieces are eager
         forward/backward stages), with ``fallback_reason`` naming the collective node."""
@@ -982,3 +995,5 @@ class BurstStep:
                                    f"sync (a backward stage after the one that should "
                                    f"finalise it reached it)")
         self.optimizer.step()
+        if is_distributed():
+            self.owner.last_state = self.owner.state_bytes(self.gm, self.optimizer)
