@@ -174,7 +174,10 @@ class Compiled:
 
         params = list(self.model.parameters())
         device = params[0].device if params else torch.device("cpu")
-        options = {"slots": 1} if device.type == "cpu" else {}
+        # the CPU stands in for one device: with a background job it runs one piece at a time
+        # (the gate gives it to the foreground first); alone, its streams run side by side
+        options = {"slots": 1 if background is not None else None} \
+            if device.type == "cpu" else {}
         # idle_only: two background pieces may queue on their stream (no dispatch between
         # them); the device still goes to the foreground first when it needs it
         with Runtime(backend=backend_for(device, **options), idle_only=idle_only,

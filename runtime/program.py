@@ -437,13 +437,15 @@ class ProgramExecutor:
             batches: Callable[[int], tuple[Any, Any]], loss_fn: Callable,
             optimizer: torch.optim.Optimizer, iterations: Optional[int] = None) -> "ProgramJob":
         """This rank's training as a job for :class:`~tidal.runtime.scheduler.Runtime` (see
-        :class:`ProgramJob`)."""
+        :class:`ProgramJob`). A rank program whose ``pipelined`` is true lets its steps
+        overlap: step ``i + 1`` is bound as soon as step ``i``'s pieces are queued."""
         def pieces(index: int) -> list[SchedulerPiece]:
             inputs, targets = batches(index)
             bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
             return program_pieces(bound.program, bound.work), bound.loss
 
-        return ProgramJob(name, pieces, iterations)
+        return ProgramJob(name, pieces, iterations,
+                          gated=not getattr(self.rank_program, "pipelined", False))
 
     def notes(self) -> list[str]:
         """For ``Compiled.report()``: one line per thing the latest step ran uncaptured

@@ -5,7 +5,7 @@ collective...). ``Runtime.run`` dispatches them onto one stream per job:
 
 - **priorities**: the foreground stream is high priority, background streams low;
 - **launch pacing**: at most ``fg_depth`` (2) foreground and ``be_depth`` (1) background pieces
-  outstanding per job, so little low-priority work queues ahead of foreground work;
+  outstanding per job and stream, so little low-priority work queues ahead of foreground work;
 - **slowdown feedback**: every foreground piece's time is recorded in isolation (the first
   ``calibrate`` foreground iterations run alone). A foreground piece that later runs
   ``target_slowdown`` (1.1x) slower than that while background work was on the device is marked
@@ -201,17 +201,21 @@ class JobHandle:
         self.iteration_start: Optional[float] = None
         self.stream: Any = None
         self.failure: Optional[BaseException] = None
-        self.dispatched: dict[int, _Queued] = {}  # this iteration's pieces, by index
-        self.events: dict[int, Any] = {}          # ... and the event each one records
+        # dispatched pieces by (iteration, index), of the iterations still queued or running
+        self.dispatched: dict[tuple[int, int], _Queued] = {}
+        self.events: dict[tuple[int, int], Any] = {}  # ... and the event each one records
 
-    def device_outstanding(self) -> int:
-        """Outstanding pieces that occupy the device (what launch pacing counts)."""
-        return sum(1 for q in self.outstanding if q.piece.uses_device)
+    def device_outstanding(self, stream: Optional[str] = None) -> int:
+        """Outstanding pieces that occupy the device (what launch pacing counts): all of
+        them, or those on the job's ``stream`` (a piece's ``stream`` name)."""
+        return sum(1 for q in self.outstanding if q.piece.uses_device and
+                   (stream is None or q.piece.stream == stream))
 
     @property
     def finished(self) -> bool:
-        """Done (no more iterations) or failed, with nothing outstanding."""
-        return (self.exhausted or self.stats.error is not None) and not self.outstanding
+        """Done (no more iterations) or failed, with nothing queued or outstanding."""
+        return (self.exhausted or self.stats.error is not None) and not self.outstanding \
+            and not (self.queue and self.stats.error is None)
 
     def mean_piece_us(self) -> float:
         """Mean device time of this job's pieces so far (0 before the first)."""
@@ -234,7 +238,8 @@ class Runtime:
     long the dispatcher sleeps when it waits for time to pass (compute shares).
     ``stream_pool``: a dict that keeps the streams this runtime makes (by job role and stream
     name) for the next ``Runtime`` on the same backend (a program runner's per-step runtimes).
-    Launch pacing counts the pieces that occupy the device (communication overlaps freely).
+    Launch pacing counts the pieces that occupy the device (communication overlaps freely), per
+    stream of the job (a job with two compute streams, tick-tock's waves, keeps both fed).
     ``idle_only``: background pieces go only into the foreground's idle spans — while no
     foreground piece occupies the device, and only a piece predicted to end before the
     foreground's next device piece can start, which is when the pieces it waits for (a
@@ -314,13 +319,32 @@ class Runtime:
         return h.stream if not p.stream else self._stream(h.foreground, p.stream,
                                                           p.uses_device)
 
-    def _deps_met(self, h: JobHandle) -> bool:
-        """Whether the head of ``h``'s queue may be dispatched: always with events (the
-        stream waits for them); else once the pieces it waits for on other streams ended."""
-        q = h.queue[0]
-        if self._events or not q.piece.after:
-            return True
-        return all(d in h.dispatched and h.dispatched[d].launch.done() for d in q.piece.after)
+    def _deps_ready(self, h: JobHandle, q: "_Queued") -> bool:
+        """Whether ``q`` may be dispatched as far as the pieces it waits for go: once they
+        are dispatched with events (its stream waits for them), else once they ended."""
+        deps = [h.dispatched.get((q.iteration, d)) for d in q.piece.after]
+        if any(d is None for d in deps):
+            return False
+        return self._events or all(d.launch.done() for d in deps)
+
+    def _pick(self, h: JobHandle, depth: Optional[int]) -> Optional["_Queued"]:
+        """The queued piece of ``h`` to dispatch next: the first, in queue order, that is the
+        earliest queued piece of its stream (a stream runs its pieces in order), whose stream
+        has fewer than ``depth`` device pieces outstanding (device pieces only) and whose
+        dependencies allow it (:meth:`_deps_ready`). Pieces of other streams, and of the next
+        iteration, may so go before a piece that waits."""
+        seen: set[str] = set()
+        for q in h.queue:
+            stream = q.piece.stream
+            if stream in seen:
+                continue
+            seen.add(stream)
+            if depth is not None and q.piece.uses_device and \
+                    h.device_outstanding(stream) >= depth:
+                continue
+            if self._deps_ready(h, q):
+                return q
+        return None
 
     def _foreground(self) -> Optional[JobHandle]:
         return next((h for h in self.handles if h.foreground), None)
@@ -343,9 +367,9 @@ class Runtime:
                                                                 and now >= t_end)
             dispatched: set[str] = set()
             if not stopping:
-                while (h := self._choose(now, dispatched)) is not None:
-                    self._dispatch(h, now)
-                    dispatched.add(h.name)
+                while (chosen := self._choose(now, dispatched)) is not None:
+                    self._dispatch(*chosen, now)
+                    dispatched.add(chosen[0].name)
             launches = [q.launch for h in self.handles for q in h.outstanding]
             if not launches:
                 if stopping or self._stuck():
@@ -371,8 +395,16 @@ class Runtime:
         return all(h.held for h in live)
 
     def _refill(self, h: JobHandle) -> bool:
-        if h.queue:
-            return True
+        """Queue ``h``'s next iteration when its queue is empty; whether it has pieces."""
+        return bool(h.queue) or self._append_iteration(h)
+
+    def _look_ahead(self, h: JobHandle) -> bool:
+        """Queue ``h``'s next iteration behind the one queued (at most two), when the job
+        lets it be built now (its ``ready``); whether it did."""
+        return bool(h.queue) and h.queue[-1].iteration == h.queue[0].iteration and \
+            self._append_iteration(h)
+
+    def _append_iteration(self, h: JobHandle) -> bool:
         if h.exhausted or h.stats.error is not None:
             return False
         cap = h.limits.memory_bytes
@@ -406,21 +438,26 @@ class Runtime:
         h.next_index += 1
         return True
 
-    def _choose(self, now: float, dispatched: set[str]) -> Optional[JobHandle]:
+    def _choose(self, now: float, dispatched: set[str]
+                ) -> Optional[tuple[JobHandle, "_Queued"]]:
         for h in self.handles:
             depth = self.fg_depth if h.foreground else self.be_depth
             if depth is None and h.name in dispatched:
                 continue  # unpaced: one launch per dispatcher round (the host's launch rate)
-            full = depth is not None and h.device_outstanding() >= depth
-            if full and not h.foreground:
+            if not h.foreground and depth is not None and h.device_outstanding() >= depth:
                 continue  # background iterations (and their memory check) start when dispatched
-            if not self._refill(h) or full or not self._deps_met(h):
+            if not self._refill(h):
                 continue  # the foreground queue is refilled early: feedback looks ahead
-            if h.foreground or self._bg_allowed(h, now):
-                return h
+            q = self._pick(h, depth)
+            if q is None and self._look_ahead(h):
+                q = self._pick(h, depth)
+            if q is None:
+                continue
+            if h.foreground or self._bg_allowed(h, now, q):
+                return h, q
         return None
 
-    def _bg_allowed(self, h: JobHandle, now: float) -> bool:
+    def _bg_allowed(self, h: JobHandle, now: float, q: "_Queued") -> bool:
         if h.limits.compute_share < 1.0 and h.stats.first_us is not None:
             if h.stats.busy_us > h.limits.compute_share * (now - h.stats.first_us):
                 return False
@@ -430,17 +467,17 @@ class Runtime:
         if fg.stats.iterations < self.calibrate and fg.stats.error is None:
             return False  # the foreground's isolated times are being recorded
         if self.idle_only:
-            return self._fits_idle_span(fg, h, now)
-        est = self.isolated_us.get((h.name, h.queue[0].piece.name), h.mean_piece_us()) \
-            or h.queue[0].piece.predicted_us
+            return self._fits_idle_span(fg, h, now, q)
+        est = self.isolated_us.get((h.name, q.piece.name), h.mean_piece_us()) \
+            or q.piece.predicted_us
         allowed = now + est <= self._next_sensitive_start(fg, now)
         if not allowed and not self._paused:
             h.stats.feedback_pauses += 1
         self._paused = not allowed
         return allowed
 
-    def _fits_idle_span(self, fg: JobHandle, h: JobHandle, now: float) -> bool:
-        """Whether ``h``'s next piece, after the device pieces it already has outstanding
+    def _fits_idle_span(self, fg: JobHandle, h: JobHandle, now: float, nxt: "_Queued") -> bool:
+        """Whether ``h``'s next piece ``nxt``, after the device pieces it already has outstanding
         (queued behind one another on its stream: ``be_depth`` > 1 saves a dispatch between
         them), is predicted to end before the foreground needs the device."""
         start = now
@@ -449,7 +486,7 @@ class Runtime:
                 took = self._estimate(h, q.piece)
                 start = max(start, q.launch.start_us + took) if q.launch.started else \
                     start + took
-        allowed = start + self._estimate(h, h.queue[0].piece) <= self.idle_until(fg, now)
+        allowed = start + self._estimate(h, nxt.piece) <= self.idle_until(fg, now)
         if not allowed:
             h.stats.feedback_pauses += 1
         return allowed
@@ -468,9 +505,8 @@ class Runtime:
                        if not q.launch.done()]
             return max(running) if running else (math.inf if fg.exhausted else now)
         nxt = pending[0]
-        waits = [fg.dispatched[d] for d in nxt.piece.after
-                 if d in fg.dispatched and nxt.iteration == fg.dispatched[d].iteration
-                 and not fg.dispatched[d].piece.uses_device]
+        deps = [fg.dispatched.get((nxt.iteration, d)) for d in nxt.piece.after]
+        waits = [q for q in deps if q is not None and not q.piece.uses_device]
         return max([now] + [self._predicted_end(fg, q, now) for q in waits
                             if not q.launch.done()])
 
@@ -515,27 +551,24 @@ class Runtime:
             t += self._iso(fg, q.piece)
         return math.inf
 
-    def _dispatch(self, h: JobHandle, now: float) -> None:
-        q = h.queue.popleft()
+    def _dispatch(self, h: JobHandle, q: "_Queued", now: float) -> None:
+        h.queue.remove(q)
         q.dispatch_us, q.seq = now, next(self._seq)
         if h.stats.first_us is None:
             h.stats.first_us = now
         if h.iteration_start is None:
             h.iteration_start = now
-        if q.index == 0:
-            h.dispatched.clear()
-            h.events.clear()
         stream = self._stream_of(h, q.piece)
         for d in q.piece.after:
-            dep = h.dispatched[d]
-            if self._events and self._stream_of(h, dep.piece) is not stream:
-                self.backend.wait(stream, h.events[d])
+            key = (q.iteration, d)
+            if self._events and self._stream_of(h, h.dispatched[key].piece) is not stream:
+                self.backend.wait(stream, h.events[key])
         q.launch = self.backend.launch(stream, q.piece.fn, uses_device=q.piece.uses_device,
                                        label=f"{h.name}/{q.piece.name}")
-        h.dispatched[q.index] = q
+        h.dispatched[(q.iteration, q.index)] = q
         if self._events:
-            h.events[q.index] = self.backend.event()
-            self.backend.record(stream, h.events[q.index])
+            h.events[(q.iteration, q.index)] = self.backend.event()
+            self.backend.record(stream, h.events[(q.iteration, q.index)])
         h.outstanding.append(q)
         h.stats.max_outstanding = max(h.stats.max_outstanding, len(h.outstanding))
 
@@ -545,6 +578,12 @@ class Runtime:
         for _, _, h, q in sorted(done, key=lambda d: d[:2]):
             h.outstanding.remove(q)
             self._finish(h, q)
+        for h in {id(h): h for _, _, h, _ in done}.values():  # forget finished iterations
+            oldest = min([q.iteration for q in h.queue] + [q.iteration for q in h.outstanding],
+                         default=h.next_index)
+            for key in [k for k in h.dispatched if k[0] < oldest]:
+                del h.dispatched[key]
+                h.events.pop(key, None)
 
     def _collocated(self, ready: float, end: float) -> bool:
         for h in self.handles:

@@ -155,9 +155,52 @@ def test_compute_pieces_are_captured_and_a_buffer_written_in_place_runs_uncaptur
 
 def _two_ranks(rank, world):
     """The 2-rank run as _check reads it, with the executor's last program, its trace (the
-    pieces as they ran) and why the waves ran eagerly ('' when they ran captured segments)."""
+    pieces as they ran) and why the waves ran eagerly ('' when they ran captured segments),
+    and the final replicas of the same training through ``Compiled.train`` (persistent waves:
+    the steps overlap)."""
     c, result = _train(world)
-    return result, c.executor.last_program, c.executor.last_trace, c.executor.fallback_reason
+    return (result, c.executor.last_program, c.executor.last_trace, c.executor.fallback_reason,
+            _train_persistent(world))
+
+
+def _train_persistent(world, backend=None):
+    """STEPS steps through ``Compiled.train`` (a ``Runtime`` on ``backend`` when given): the
+    final parameters and tock replica (plain data), and the scheduler's trace."""
+    from tidal.runtime.scheduler import Runtime
+
+    model = _model()
+    x, y = _data(0)
+    c = tidal.compile(model, x, passes=[TickTock(ranks=world)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
+    if backend is None:
+        c.train(_data, STEPS)
+        trace = c.train_trace
+    else:
+        with Runtime(backend=backend) as rt:
+            rt.submit(c.job(_data, iterations=STEPS), priority="high")
+            rt.run()
+            trace = rt.trace
+    return _plain((model.state_dict(), c.executor.tock.state_dict())), trace
+
+
+def test_persistent_waves_overlap_across_steps_and_train_as_separate_steps():
+    # Compiled.train binds step m + 1 while step m runs: on a logical clock (F 10, B 20, the
+    # syncs and updates 1 µs) the tick's forward of step m + 1 runs during the tock's backward
+    # of step m, and the replicas end exactly as Lemma 1 says (as separate steps do)
+    from tidal.runtime.backend import LogicalBackend
+
+    times = {"F": 10.0, "B": 20.0, "A": 1.0, "U": 1.0}
+    backend = LogicalBackend(lambda label, _: times.get(label.rsplit(" ", 1)[-1], 0.0))
+    (tick_sd, tock_sd), trace = _train_persistent(1, backend)
+    _, ref_tick, ref_tock = _reference(1)
+    for k in ref_tick:
+        torch.testing.assert_close(torch.as_tensor(tick_sd[k]), ref_tick[k], **TOL)
+        torch.testing.assert_close(torch.as_tensor(tock_sd[k]), ref_tock[k], **TOL)
+    piece = {(r.piece, r.iteration): r for r in trace}
+    for m in range(STEPS - 1):
+        tock_b, tick_f = piece[("tock B", m)], piece[("tick F", m + 1)]
+        assert tock_b.start_us < tick_f.start_us < tock_b.end_us, (m, tock_b, tick_f)
+        assert tick_f.start_us < piece[("loss", m)].end_us  # a step boundary is no barrier
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +210,16 @@ def two_ranks():
 
 @pytest.mark.slow
 def test_two_gloo_ranks_waves_follow_lemma_1_and_replicas_match_reference(two_ranks):
-    for result, _, _, why in two_ranks:
+    _, ref_tick, ref_tock = _reference(2)
+    for result, _, _, why, ((tick_sd, tock_sd), trace) in two_ranks:
         assert why == ""  # the waves ran segments of the captured joint graph
         _check(result, 2)
+        for k in ref_tick:  # persistent waves (Compiled.train) end as separate steps do
+            torch.testing.assert_close(torch.as_tensor(tick_sd[k]), ref_tick[k], **TOL)
+            torch.testing.assert_close(torch.as_tensor(tock_sd[k]), ref_tock[k], **TOL)
+        firsts = [min(r.start_us for r in trace if r.iteration == m) for m in range(STEPS)]
+        lasts = [max(r.end_us for r in trace if r.iteration == m) for m in range(STEPS)]
+        assert any(f < e for f, e in zip(firsts[1:], lasts)), "every step drained"
 
 
 @pytest.mark.slow

@@ -215,6 +215,11 @@ class TickTockProgram:
     the waves run ``F``/``B`` eagerly ('' when they run captured segments); :meth:`uncaptured`
     what the latest step ran uncaptured."""
 
+    pipelined = True
+    """Steps may overlap (``ProgramExecutor.job``): step m + 1 is bound and its pieces queued
+    while step m runs; each wave's stream runs its pieces in order, so the tick's forward of
+    step m + 1 overlaps the tock's backward of step m (persistent waves, Wavelet Fig. 9)."""
+
     def __init__(self, plan: Any):
         self.plan = plan
         self.tock: Optional[torch.nn.Module] = None
@@ -309,10 +314,9 @@ class TickTockProgram:
                             self.syncs["T"]),
                  "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
                             self._groups[1], self.syncs["K"])}
-        for w in waves.values():
+        for w in waves.values():  # no zero_grad: a wave's sync sets every gradient it applies
             named = [(k, p) for k, p in w.gm.named_parameters() if p.requires_grad]
             w.names, w.params = tuple(k for k, _ in named), tuple(p for _, p in named)
-            w.optimizer.zero_grad(set_to_none=True)
         self._latest = captured = self._capture(waves, loss_fn, world)
         return _TickTockStep(self, captured, waves, loss_fn, world)
 
@@ -325,13 +329,11 @@ class _TickTockStep:
         self.owner, self.captured, self.waves = owner, captured, waves
         self.program = captured.program
         self.loss_fn, self.world = loss_fn, world
-        self.prev_tock = owner._prev_tock
         self.failed: list[str] = []
         self._loss: Optional[torch.Tensor] = None
-        self.runs: dict[str, CapturedRun] = {}  # each wave's run of its captured segments
-        if captured.step is not None:
-            self.runs = {w.name: captured.waves[w.name].run(
-                _flat(captured.step, w.gm, w.inputs, w.targets)) for w in waves.values()}
+        # each wave's run of its captured segments, begun by its F: this step may be bound
+        # while the previous one still runs (persistent waves), whose runs own the buffers
+        self.runs: dict[str, CapturedRun] = {}
 
     def work(self, index: int, piece: Piece) -> Callable[[], None]:
         """What piece ``index`` does; once a piece failed, the later ones are skipped."""
@@ -342,8 +344,9 @@ class _TickTockStep:
             wave = self.waves[WAVES[STREAMS.index(stream)]]
             action = functools.partial({"F": self._forward, "B": self._backward,
                                         "A": self._sync, "U": self._update}[kind], wave)
-            if kind in "FB" and self.runs:  # a captured segment: piece index's lowered steps
-                action = functools.partial(action, self.runs[wave.name].segment(index))
+            if kind in "FB" and self.captured.step is not None:  # a captured segment
+                action = functools.partial(action, functools.partial(self._segment, wave,
+                                                                     index))
 
         def run() -> None:
             if self.failed:
@@ -355,6 +358,14 @@ class _TickTockStep:
                 self.failed.append(piece.name)
                 raise
         return run
+
+    def _segment(self, w: _Wave, index: int) -> None:
+        """Piece ``index``'s lowered steps in wave ``w``'s run (the ``F`` begins the run)."""
+        if w.name not in self.runs:
+            step = self.captured.step
+            self.runs[w.name] = self.captured.waves[w.name].run(
+                _flat(step, w.gm, w.inputs, w.targets))
+        self.runs[w.name].segment(index)()
 
     def _forward(self, w: _Wave, segment: Optional[Callable[[], None]] = None) -> None:
         if segment is None:
@@ -372,7 +383,9 @@ class _TickTockStep:
         w.raw = [self.runs[w.name].value(g) for g in self.captured.grads]
 
     def _sync(self, w: _Wave) -> None:
-        other = self.waves["T"].raw if w.name == "K" else self.prev_tock
+        # the tick averages with the previous step's tock gradient: the comm stream runs the
+        # tock's sync of step m before the tick's of step m + 1, which reads what it kept
+        other = self.waves["T"].raw if w.name == "K" else self.owner._prev_tock
         if other is None:
             avg = list(w.raw)  # the very first tick iteration has no predecessor
         else:
@@ -385,6 +398,9 @@ class _TickTockStep:
         for p, k in zip(w.params, w.names):
             p.grad = synced[k].clone()
             w.applied[k] = p.grad.detach().clone()
+        if w.name == "K":  # a captured gradient is a static output buffer (CUDA): the next
+            # replay of the tock's segments overwrites it before the next tick average reads it
+            self.owner._prev_tock = [g.clone() for g in w.raw] if self.runs else w.raw
 
     def _update(self, w: _Wave) -> None:
         w.optimizer.step()
@@ -398,12 +414,7 @@ class _TickTockStep:
         self._loss = loss
 
     def loss(self) -> torch.Tensor:
-        """The step's loss (both waves, all ranks); keeps this step's tock gradient for the
-        next tick average and the gradients the waves applied."""
-        raw = self.waves["K"].raw
-        # a captured gradient is a static output buffer (CUDA): the next step's replay of the
-        # tock's captured segments overwrites it before the tick's average reads it
-        self.owner._prev_tock = [g.clone() for g in raw] if self.runs else raw
+        """The step's loss (both waves, all ranks); keeps the gradients the waves applied."""
         self.owner.last_applied = {w.name: w.applied for w in self.waves.values()}
         return self._loss
 
