@@ -24,7 +24,9 @@ class Cluster:
     ``gpus`` defaults to the world size under ``torchrun``; ``bandwidth_gbps`` is the per-GPU
     link bandwidth in gigabits per second (100 by default, a 100 Gb/s NIC); ``latency_us`` the
     per-transfer latency; ``profile`` a :class:`DeviceProfile` of per-layer times (None: times
-    are derived from FLOPs at ``peak_tflops``).
+    are derived from FLOPs at ``peak_tflops``); ``memory_gb`` the memory budget of one GPU in
+    GiB, which passes that size batches to memory read (None: no budget; ``tick_tock`` then
+    keeps the batch it is given).
 
     Example:
         >>> import tidal
@@ -37,6 +39,7 @@ class Cluster:
     latency_us: float = 10.0
     profile: Optional[DeviceProfile] = None
     peak_tflops: float = 100.0
+    memory_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus, int) or self.gpus < 1:
@@ -47,6 +50,8 @@ class Cluster:
             raise ValueError(f"Cluster(latency_us={self.latency_us!r}): must be >= 0")
         if not self.peak_tflops > 0:
             raise ValueError(f"Cluster(peak_tflops={self.peak_tflops!r}): must be > 0")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ValueError(f"Cluster(memory_gb={self.memory_gb!r}): must be > 0 (GiB per GPU)")
 
     @property
     def bytes_per_us(self) -> float:

@@ -9,9 +9,17 @@ the other wave's latest one, ``g_m = (g_m + g_{m-1}) / 2`` (Eq. 1), all-reduces 
 wave and updates its own replica; by Lemma 1 this is synchronous SGD over 2N shards.
 
 The schedule is explicit data (``T:F0 T:B0 T:A0 T:U0`` in the tick lane, ``K:F1 K:B1 ...``
-in the tock lane), executed by the program ``tidal.runtime.programs.tick_tock`` (tick and tock compute streams,
-the waves' syncs on the comm stream); the
+in the tock lane), executed by the program ``tidal.runtime.programs.tick_tock`` (tick and tock
+compute streams, the waves' syncs on the comm stream); the
 dump draws the memory timeline (tick, tock and their sum) and a Gantt chart.
+
+Under a memory budget (``tidal.Cluster(memory_gb=...)``) the pass also sizes the batches
+(``tidal.ir.memory_fit``): data parallelism's largest per-rank batch that fits (one replica's
+parameters, gradients and optimizer state plus the activation peak), and tick-tock's largest
+per-wave batch (two replicas plus the interleaved peak: the tock's peak lands while the tick's
+activations are freed); it measures one wave step at the plan's batch (its state after a real
+step, the activations autograd saves) beside the prediction, and says in its notes when the
+batch it was given does not fit.
 
 Example:
     >>> import torch, tidal
@@ -22,11 +30,14 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 
 from tidal.ir import cost
+from tidal.ir.memory_fit import (MemoryFit, StepBytes, fit_batches, measure_step_bytes,
+                                 optional_budget, predicted_state_bytes, rows_at)
 from tidal.ir.memory_timeline import interleave, memory_timeline, timeline_svg
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.tick_tock import TickTockPlan
@@ -71,6 +82,10 @@ def tick_tock_schedule(ranks: int, fwd_us: float, bwd_us: float, allreduce_us: f
                     notes=(("offset_us", float(fwd_us)), ("gang_us", float(gang))))
 
 
+MAX_FIT_BATCH = 1 << 14
+"""The largest batch the memory-bound sizing tries."""
+
+
 class TickTock(Pass):
     """Wavelet tick-tock data parallelism: tick and tock waves with separate replicas, the tock
     one forward behind, cross-wave gradient averaging (Eq. 1) and a per-wave all-reduce.
@@ -93,6 +108,38 @@ class TickTock(Pass):
         shards = 2 * (self.ranks or ctx.cluster.gpus)
         return "" if ctx.batch_size % shards == 0 else \
             f"batch {ctx.batch_size} is not divisible into {shards} wave shards"
+
+    def _memory(self, ctx: PassContext, inputs: tuple, targets: Any, batch: int,
+                notes: list) -> tuple[Optional[MemoryFit], Optional[StepBytes]]:
+        """Under ``ctx.cluster.memory_gb``: the batches the budget allows (data parallelism's
+        per rank, tick-tock's per wave: :func:`tidal.ir.memory_fit.fit_batches` on memory
+        timelines of the step at each batch tried) and one wave step at this plan's batch
+        measured beside its prediction; notes say both, and whether this batch fits."""
+        budget = optional_budget(ctx.cluster.memory_gb)
+        if budget is None or ctx.model is None or ctx.loss_fn is None or targets is None:
+            return None, None
+        from tidal.ir.capture import capture_train_step
+
+        make = ctx.optimizer if callable(ctx.optimizer) else \
+            (lambda ps: torch.optim.SGD(ps, lr=0.1))
+        state = predicted_state_bytes(ctx.model, make(list(ctx.model.parameters())))
+
+        def timeline_at(b: int) -> Any:
+            ctx.log(f"tick_tock: memory timeline at batch {b}")
+            step = capture_train_step(ctx.model, rows_at(inputs, b), rows_at(targets, b),
+                                      ctx.loss_fn)
+            return memory_timeline(step, ctx.cluster)
+
+        fit = fit_batches(timeline_at, state, budget, limit=MAX_FIT_BATCH)
+        measured = measure_step_bytes(ctx.model, rows_at(inputs, batch),
+                                      rows_at(targets, batch), ctx.loss_fn, make,
+                                      timeline_at(batch))
+        notes += [f"memory: {fit.summary()}", f"memory of one wave step: {measured.summary()}"]
+        if batch > fit.wave_batch:
+            notes.append(f"memory: this plan's {batch} samples per wave per rank exceed the "
+                         f"{fit.wave_batch} the budget allows: train with a global batch of "
+                         f"{2 * (self.ranks or ctx.cluster.gpus) * fit.wave_batch}")
+        return fit, measured
 
     def _targets(self, ctx: PassContext, batch: int):
         if ctx.example_targets is not None:
@@ -137,10 +184,12 @@ class TickTock(Pass):
             peaks = (timeline.saved_bytes, timeline.peak_bytes, il.peak_sum, il.peak_gang)
         else:
             peaks = (0, 0, 0, 0)
+        fit, measured = self._memory(ctx, inputs, targets, batch, notes)
         plan = TickTockPlan(ranks=n, wave_batch=batch, offset_us=float(fwd),
                             iteration_us=float(fwd + bwd), saved_bytes=int(peaks[0]),
                             peak_bytes=int(peaks[1]), peak_interleaved=int(peaks[2]),
-                            peak_gang=int(peaks[3]), schedule=schedule)
+                            peak_gang=int(peaks[3]), schedule=schedule, memory=fit,
+                            step_bytes=measured)
         notes += [f"tock offset {fwd:.3g} us of a {fwd + bwd:.3g} us iteration",
                   f"schedule: {schedule.line(0)}"]
         return PassResult(gm, plan=plan, notes=tuple(notes), artifacts=artifacts)

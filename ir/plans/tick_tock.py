@@ -4,7 +4,9 @@ the runtime's program builder (``tidal.runtime.programs.tick_tock``) runs the pl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from tidal.ir.memory_fit import MemoryFit, StepBytes
 from tidal.ir.plan import Plan
 from tidal.ir.schedule import Schedule
 
@@ -13,7 +15,9 @@ from tidal.ir.schedule import Schedule
 class TickTockPlan(Plan):
     """Ranks, the per-wave batch of one rank, the predicted forward (the tock offset) and
     iteration times, the activation-memory peaks (one wave; tick+tock interleaved; two waves
-    started together) and the schedule."""
+    started together) and the schedule; under a memory budget (``Cluster(memory_gb=...)``) the
+    batches it allows (``memory``) and one wave step's memory predicted beside measured
+    (``step_bytes``)."""
 
     ranks: int
     wave_batch: int
@@ -24,6 +28,8 @@ class TickTockPlan(Plan):
     peak_interleaved: int
     peak_gang: int
     schedule: Schedule
+    memory: Optional[MemoryFit] = None
+    step_bytes: Optional[StepBytes] = None
 
     def summary(self) -> str:
         mib = 2 ** 20
