@@ -2,7 +2,8 @@
 
     tidal passes
     tidal inspect MODEL [--passes a,b|auto] [--gpus N] [--batch B] [--input-shape 3,224,224]
-                        [--bandwidth-gbps G] [--latency-us L] [-o key=value] [--dump DIR] [--json]
+                        [--bandwidth-gbps G] [--latency-us L] [--memory-gb M] [-o key=value]
+                        [--dump DIR] [--json]
     tidal dump MODEL --out DIR [same model options]
 
 MODEL is ``module:factory``, ``path/to/file.py:factory`` or, from a checkout of the

@@ -70,6 +70,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="per-GPU link bandwidth in Gb/s (default 100)")
     p.add_argument("--latency-us", type=float, default=10.0,
                    help="per-transfer latency in microseconds (default 10)")
+    p.add_argument("--memory-gb", type=positive_float, default=None, metavar="GIB",
+                   help="memory budget of one GPU in GiB: tick_tock then sizes data "
+                        "parallelism's and its own per-wave batch to it (default: no budget)")
     p.add_argument("--leaf", action="append", default=[], metavar="PATH",
                    help="keep this module path whole when tracing (repeatable)")
     p.add_argument("--amp-limit", type=float, default=None, metavar="A",
@@ -148,6 +151,8 @@ def cluster_from_args(args: argparse.Namespace, **overrides: Any):
     import tidal
 
     kw = {"bandwidth_gbps": args.bandwidth_gbps, "latency_us": args.latency_us}
+    if getattr(args, "memory_gb", None) is not None:
+        kw["memory_gb"] = args.memory_gb
     if args.gpus is not None:
         kw["gpus"] = args.gpus
     return tidal.Cluster(**{**kw, **overrides})
