@@ -172,9 +172,9 @@ def allreduce(state: Optional[HookState], bucket: dist.GradBucket) -> HookFuture
 
 
 def fp16(state: Optional[HookState], bucket: dist.GradBucket) -> HookFuture:
-    """DDP hook: averaging all-reduce with the payload in float16 (summed in float16, then
-    divided by the world size; a sum over ranks beyond 65504 overflows). State as for
-    :func:`allreduce`."""
+    """DDP hook: averaging all-reduce with the payload in float16 (each rank's share divided
+    by the world size before the cast, as PyTorch's ``fp16_compress_hook``, so the sum does not
+    overflow float16's 65504). State as for :func:`allreduce`."""
     return _run("fp16", state, bucket, NoCompression, torch.float16)
 
 

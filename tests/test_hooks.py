@@ -152,6 +152,10 @@ def _check_half_precision_payload(rank, size):
         assert state.comm.bytes_sent * 2 == full_state.comm.bytes_sent
         for p, q in zip(half.parameters(), full.parameters()):
             torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3)
+    # float16's largest value is 65504: the ranks' shares are divided before they are summed
+    big = synchronize(NoCompression(), {"g": torch.full((4,), 40000.0)}, Comm(),
+                      wire_dtype=torch.float16)["g"]
+    assert torch.isfinite(big).all() and torch.allclose(big, torch.full((4,), 40000.0))
     for wrapper in (hooks.fp16_wrapper, hooks.bf16_wrapper):
         half, state = _ddp_run(rank, size, SPECS["powersgd"][0], wrapper(hooks.powersgd), 2)[::2]
         assert state.comm.bytes_sent * 2 == psgd_state.comm.bytes_sent

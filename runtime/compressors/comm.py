@@ -136,9 +136,15 @@ class Comm:
             for j, t in enumerate(msg.tensors):
                 groups.setdefault((msg.op, t.dtype), []).append((i, j))
         issued = []
+        scaled = set()  # float16 sums: divided by the world size first (no overflow past 65504)
         for (op, dtype), slots in groups.items():
             parts = [messages[i].tensors[j].reshape(-1) for i, j in slots]
-            flat = _packed(parts, wire_dtype if dtype.is_floating_point and wire_dtype else dtype)
+            wire = wire_dtype if dtype.is_floating_point and wire_dtype else dtype
+            if op == ALL_REDUCE and wire == torch.float16 and dtype != wire and world.size > 1:
+                flat = _packed(parts, dtype).div_(world.size).to(wire)
+                scaled.add((op, dtype))
+            else:
+                flat = _packed(parts, wire)
             self.bytes_sent += flat.numel() * flat.element_size()
             if world.size == 1:
                 out = flat if op == ALL_REDUCE else flat.view(1, -1)
@@ -158,6 +164,8 @@ class Comm:
             results: list[list] = [[None] * len(m.tensors) for m in messages]
             for ((op, dtype), slots), fut in zip(groups.items(), all_done.value()):
                 out = fut.value()[0].to(dtype)
+                if (op, dtype) in scaled:
+                    out = out.mul_(world.size)
                 sizes = [messages[i].tensors[j].numel() for i, j in slots]
                 pieces = torch.split(out, sizes, dim=0 if op == ALL_REDUCE else 1)
                 for (i, j), piece in zip(slots, pieces):
