@@ -31,8 +31,7 @@ import torch.fx as fx
 from tidal.ir import cost
 from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS
-from tidal.ir.comm_cost import (DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us,
-                                 tree_broadcast_us)
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us
 from tidal.runtime.program import TRANSFER, PieceTrace, Program, stream_kind
 from tidal.sim.engine import H2D, LINK, PEER, Interval, Task, is_compute_lane, simulate
 
@@ -227,23 +226,20 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
                     out_bytes: float = 0.0, update_us: float = 0.0,
                     job: str = "fg", sync: str = "end",
                     bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
-    """One training step of a burst-parallel plan from per-layer costs, as a runtime that
-    syncs after the whole backward runs it (``tidal.runtime.programs.burst`` with
-    ``overlap=False``; its default program syncs each GPU set as soon as backward has finished
-    it, which ``program_tasks`` of the program models exactly): the forward of every layer on its ranks
-    (per-GPU batch ``ceil(B / gpus)``, times from ``times_at``) after the transfer of its input
-    where the GPU set changes (half of the plan's ``comm_us``), the model output
-    (``out_bytes``) gathered to every rank, the backward in reverse order with the mirror
-    transfers, then the gradients summed per set of ranks (one flat ring all-reduce per set,
-    then a broadcast from the set's first rank to the others when the set is not every rank,
-    in the executor's order) and ``update_us`` of optimizer step on every rank. ``preds`` maps
-    each layer to the layers it reads.
-
-    ``sync="overlap"`` models a runtime that keeps each layer's weights only on its ranks and
-    synchronizes them as DDP does: in backward order, the gradients of consecutive layers on the
-    same ranks go into buckets of at most ``bucket_bytes``, and each bucket's ring all-reduce
-    starts once its layers' backward ended on all their ranks, overlapping the rest of backward
-    (no broadcast). On a data-parallel plan this is ``data_parallel``'s iteration."""
+    """One training step of a burst-parallel plan from per-layer costs, as the runtime's burst
+    program runs it (``tidal.runtime.programs.burst``; ``program_tasks`` of that program object
+    models it piece by piece): the forward of every layer on its ranks (per-GPU batch
+    ``ceil(B / gpus)``, times from ``times_at``) after the transfer of its input where the GPU
+    set changes (half of the plan's ``comm_us``), the model output (``out_bytes``) gathered to
+    every rank, the backward in reverse order with the mirror transfers, the gradient syncs and
+    ``update_us`` of optimizer step on every rank (after its syncs). ``preds`` maps each layer
+    to the layers it reads. Each rank holds only its layers' weights (nothing is broadcast):
+    in backward order, the gradients of consecutive layers on the same two or more ranks go
+    into buckets of at most ``bucket_bytes`` (a ring all-reduce on those ranks each).
+    ``sync="end"`` issues every bucket after the whole backward (the program's
+    ``overlap=False``); ``sync="overlap"`` issues each as soon as its layers' backward ended on
+    all their ranks, overlapping the rest of backward. On a data-parallel plan ``"overlap"``
+    is ``data_parallel``'s iteration."""
     if sync not in ("end", "overlap"):
         raise ValueError(f"burst_execution(sync={sync!r}): expected 'end' or 'overlap'")
     world = plan.world
@@ -298,9 +294,9 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
     bwd_all: list[int] = []
     bwd_of: dict[str, list[int]] = {}
     syncs: list[int] = []
-    closes = {} if sync == "end" else {
-        names[-1]: (ranks, names, nbytes)
-        for ranks, names, nbytes in _sync_buckets(plan, lt, bucket_bytes)}
+    buckets = _sync_buckets(plan, lt, bucket_bytes)
+    closes = {} if sync == "end" else {names[-1]: (ranks, names, nbytes)
+                                       for ranks, names, nbytes in buckets}
     bw, lat = cluster.bytes_per_us, cluster.latency_us
     for p in reversed(plan.layers):
         deps = list(bwd_ready.get(p.layer, ()))
@@ -319,45 +315,34 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
             syncs.append(add(f"AR:{names[0]}..{names[-1]}", "comm", ranks,
                              ring_allreduce_us(nbytes, len(ranks), bw, lat),
                              [d for n in names for d in bwd_of[n]]))
-    if sync == "overlap":
-        for r in everyone:
-            add("update", "compute", (r,), update_us,
-                [d for d in syncs + bwd_all if r in tasks[d].gpus])
-        return tasks
-    groups: dict[tuple[int, ...], float] = {}
-    for p in plan.layers:
-        t, ix = lt(p.gpus)
-        nbytes = t.param_bytes[ix[p.layer]] if p.layer in ix else 0
-        if nbytes:
-            groups[tuple(p.ranks)] = groups.get(tuple(p.ranks), 0.0) + nbytes
-    deps = bwd_all
-    for ranks in sorted(groups):
-        nbytes = groups[ranks]
-        if len(ranks) > 1:
-            deps = [add(f"AR:{len(ranks)} ranks", "comm", ranks,
-                        ring_allreduce_us(nbytes, len(ranks), bw, lat), deps)]
-        if ranks != everyone:
-            deps = [add(f"BC:from {ranks[0]}", "comm", everyone,
-                        tree_broadcast_us(nbytes, world, bw, lat), deps)]
+    for ranks, names, nbytes in buckets if sync == "end" else ():  # after the backward
+        syncs.append(add(f"AR:{names[0]}..{names[-1]}", "comm", ranks,
+                         ring_allreduce_us(nbytes, len(ranks), bw, lat), bwd_all))
     for r in everyone:
-        add("update", "compute", (r,), update_us, deps + [d for d in bwd_all
-                                                          if r in tasks[d].gpus])
+        add("update", "compute", (r,), update_us,
+            [d for d in syncs + bwd_all if r in tasks[d].gpus])
     return tasks
 
 
 def _sync_buckets(plan, lt, bucket_bytes: float
                   ) -> list[tuple[tuple[int, ...], list[str], float]]:
-    """``burst_execution(sync="overlap")``'s gradient buckets as (ranks, layer names in
-    backward order, bytes): runs of consecutive layers (backward order) with parameters on the
-    same two or more ranks, cut by ``bucket_partition``."""
+    """``burst_execution``'s gradient buckets as (ranks, layer names in backward order,
+    bytes), as the runtime's ``sync_buckets`` makes them: runs of consecutive layers (backward
+    order) on the same two or more ranks, a run ending wherever the GPU set changes (also
+    across a layer of one GPU between two of the same set), cut by ``bucket_partition``."""
     runs: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []
+    previous: tuple[int, ...] = ()
+    cut = True  # the GPU set changed since the last layer put in a run
     for p in reversed(plan.layers):
+        ranks = tuple(p.ranks)
+        cut, previous = cut or ranks != previous, ranks
         t, ix = lt(p.gpus)
         nbytes = t.param_bytes[ix[p.layer]] if p.layer in ix else 0
-        if not nbytes or len(p.ranks) < 2:
+        if not nbytes or len(ranks) < 2:
             continue
-        if not runs or runs[-1][0] != tuple(p.ranks):
-            runs.append((tuple(p.ranks), []))
+        if cut or runs[-1][0] != ranks:
+            runs.append((ranks, []))
+        cut = False
         runs[-1][1].append((p.layer, nbytes))
     return [(ranks, [layers[k][0] for k in part], float(sum(layers[k][1] for k in part)))
             for ranks, layers in runs

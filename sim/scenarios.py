@@ -37,7 +37,7 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
     and ``bg_only`` (the
     background alone on every GPU); ``fallback`` says whether the planner chose data
     parallelism. The plan is made under DeepPool's model of gradient sync, one all-reduce per
-    layer (``burst_parallel(sync="per_layer")``), unless ``burst_options`` say otherwise."""
+    layer (``burst_parallel(sync="paper")``), unless ``burst_options`` say otherwise."""
     import tidal
     from tidal.ir import layer_graph
     from tidal.ir.cost import example_batch
@@ -47,7 +47,7 @@ def fig9_scenarios(model: torch.nn.Module, inputs: Sequence[Any], cluster: Clust
                                     layer_times, output_bytes, summarize)
 
     batch = example_batch(inputs)
-    burst_options = {"sync": "per_layer", **burst_options}  # DeepPool §4's planning model
+    burst_options = {"sync": "paper", **burst_options}  # DeepPool §4's planning model
     compiled = tidal.compile(model, inputs, passes=["burst_parallel"], cluster=cluster,
                              leaf_modules=leaf_modules, **burst_options)
     gm = compiled.graph_module

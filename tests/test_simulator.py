@@ -316,14 +316,15 @@ def test_burst_execution_follows_the_executor():
     # backward starts after the last forward, in reverse layer order
     assert iv[("B:c", 0)].start_us >= iv[("F:c", 0)].end_us
     assert iv[("B:a", 0)].start_us >= iv[("B:b", 0)].end_us
-    # gradients: a's on both ranks (all-reduce), b's on rank 0 (broadcast), after backward
-    ar = iv[("AR:2 ranks", 0)]
-    bc = iv[("BC:from 0", 1)]
+    # gradients, after the whole backward: a's summed on both ranks; b's stay on rank 0, its
+    # only holder (owner-only state: nothing is broadcast)
+    ar = iv[("AR:a..a", 0)]
     assert ar.start_us >= max(iv[("B:a", g)].end_us for g in (0, 1))
+    assert ar.start_us >= iv[("B:b", 0)].end_us
     assert ar.end_us - ar.start_us == pytest.approx(ring_allreduce_us(8000, 2, 1000.0, 1.0))
-    assert bc.end_us - bc.start_us == pytest.approx(1.0 + 4000 / 1000.0)
+    assert not any(i.name.startswith(("BC", "AR:b")) for i in r.intervals)
     assert r.iteration_us == pytest.approx(max(iv[("update", g)].end_us for g in (0, 1)))
-    assert iv[("update", 1)].start_us >= max(ar.end_us, bc.end_us)
+    assert iv[("update", 1)].start_us >= ar.end_us
 
 
 @needs_a100
@@ -454,6 +455,15 @@ def test_burst_execution_with_overlapped_syncs():
     assert not any(i.name.startswith(("BC", "AR:b")) for i in r.intervals)
     end = summarize(burst_execution(plan, preds, times, cluster), 4, 8)
     assert r.iteration_us < end.iteration_us
+    # the runtime cuts a run of buckets where the GPU set changes: c and a (ranks 0-1 around
+    # b on rank 0) are two buckets, never one
+    split = plan_from_counts(problem, [2, 1, 2, 4])
+    assert split.layers[0].ranks == split.layers[2].ranks == (0, 1)
+    with_c = {b: LayerTimes(names, t.fwd_us, t.bwd_us, (8000, 4000, 2000, 30000))
+              for b, t in lt.items()}
+    got = {i.name for i in summarize(burst_execution(split, preds, with_c.__getitem__, cluster,
+                                                     sync="overlap"), 4, 8).intervals}
+    assert {"AR:a..a", "AR:c..c"} <= got and not any(n.startswith("AR:c..a") for n in got)
     with pytest.raises(ValueError, match="sync='later'"):
         burst_execution(plan, preds, times, cluster, sync="later")
 
