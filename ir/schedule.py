@@ -1,11 +1,16 @@
 """Schedules as explicit data: a list of actions per rank that a runtime executes.
 
 An ``Action`` is one thing a rank does in one lane (a stream, or a thread on the CPU backend):
-a forward ``F`` or backward ``B`` of a (partition, batch) in a wave, a weight switch ``S``
-(loading a partition), an activation transfer ``X``, an all-reduce ``A`` or an optimizer update
-``U``, each with a predicted start and duration. Actions print compactly: ``T:F0`` is the tick
+a forward ``F`` or backward ``B`` of a (partition, batch) in a wave, a weight-gradient ``W``
+(the weight half of a backward split as zero-bubble schedules do; ``B`` is then the input
+gradient), a weight switch ``S`` (loading a partition), an activation transfer ``X``, an explicit
+point-to-point ``SEND`` or ``RECV`` (``moves`` says what: ``F`` an activation forward, ``B`` a
+gradient backward; ``peer`` the other rank), an all-reduce ``A`` or an optimizer update ``U``,
+each with a predicted start and duration. Actions print compactly: ``T:F0`` is the tick
 wave's forward of batch 0, ``K:B1`` the tock wave's backward of batch 1, ``F2,1`` the forward of
-partition 2 on batch 1, ``S2`` loading partition 2, ``A2`` all-reducing it.
+partition 2 on batch 1, ``S2`` loading partition 2, ``A2`` all-reducing it. The pipeline form
+(``1F0``, ``1SEND_F0>2``, parsed back) and the builders and deadlock checker of GPipe, 1F1B,
+tick-tock and round-robin schedules live in ``tidal.ir.pipeline_schedules``.
 
 A ``Schedule`` is a ``Plan`` (exact JSON round trip) with checks: no rank does two things at
 once in one lane, every (partition, batch) is run exactly once forward and once backward, and
@@ -37,18 +42,24 @@ from tidal.ir.errors import PlanError
 from tidal.ir.plan import Plan
 from tidal.ir.plot import Bar, Key, Row, color, gantt_chart
 
-_KINDS = ("F", "B", "S", "X", "A", "U")
+_KINDS = ("F", "B", "S", "X", "A", "U", "W", "SEND", "RECV")
 _KIND_NAMES = {"F": "forward", "B": "backward", "S": "weight switch", "X": "transfer",
-               "A": "all-reduce", "U": "update"}
+               "A": "all-reduce", "U": "update", "W": "weight gradient", "SEND": "send",
+               "RECV": "receive"}
+_P2P = ("SEND", "RECV")
+_MOVES = ("F", "B")
 _EPS = 1e-6
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank: ``kind`` in F/B/S/X/A/U, the ``batch`` (or iteration) and
-    ``partition`` it works on, the ``wave`` (``T`` tick, ``K`` tock, '' none), the ``lane`` it
-    runs in (concurrent lanes of one rank may overlap), and its predicted ``start_us`` and
-    ``dur_us``."""
+    """One step of a rank: ``kind`` in F/B/S/X/A/U/W/SEND/RECV, the ``batch`` (or iteration)
+    and ``partition`` it works on, the ``wave`` (``T`` tick, ``K`` tock, '' none), the ``lane``
+    it runs in (concurrent lanes of one rank may overlap), and its predicted ``start_us`` and
+    ``dur_us``. A ``SEND``/``RECV`` also says what ``moves`` (``F``: the activation ``partition``
+    sends forward or receives as its input; ``B``: the gradient it sends backward or receives
+    from the next partition) and the ``peer`` rank (-1: not given, inferred by the checker from
+    where the partitions run); other kinds leave both at their defaults."""
 
     kind: str
     batch: int = 0
@@ -57,12 +68,22 @@ class Action:
     lane: str = ""
     start_us: float = 0.0
     dur_us: float = 0.0
+    peer: int = -1
+    moves: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise PlanError(f"Action(kind={self.kind!r}): kind must be one of {_KINDS}")
         if self.dur_us < 0:
             raise PlanError(f"Action {self.kind}: dur_us={self.dur_us!r} is negative")
+        if self.kind in _P2P and self.moves not in _MOVES:
+            raise PlanError(f"Action {self.kind}: moves={self.moves!r} must be 'F' (activation "
+                            f"forward) or 'B' (gradient backward)")
+        if self.kind not in _P2P and (self.moves or self.peer != -1):
+            raise PlanError(f"Action {self.kind}: only SEND/RECV name a peer and what moves "
+                            f"(got peer={self.peer!r}, moves={self.moves!r})")
+        if self.peer < -1:
+            raise PlanError(f"Action {self.kind}: peer={self.peer!r} is not a rank")
 
     @property
     def end_us(self) -> float:
@@ -70,14 +91,17 @@ class Action:
         return self.start_us + self.dur_us
 
     def label(self, partitioned: bool) -> str:
-        """The short name: ``T:F0``, ``F2,1``, ``S2``, ``A2``."""
+        """The short name: ``T:F0``, ``F2,1``, ``S2``, ``A2``, ``W2,1``, ``SEND_F2,1>3``."""
         prefix = f"{self.wave}:" if self.wave else ""
-        if self.kind in ("F", "B", "X"):
+        if self.kind in ("F", "B", "X", "W", *_P2P):
             body = f"{self.partition},{self.batch}" if partitioned else f"{self.batch}"
         elif self.kind in ("S", "A"):
             body = f"{self.partition}" if partitioned else f"{self.batch}"
         else:
             body = f"{self.batch}"
+        if self.kind in _P2P:
+            peer = "" if self.peer < 0 else (">" if self.kind == "SEND" else "<") + str(self.peer)
+            return f"{prefix}{self.kind}_{self.moves}{body}{peer}"
         return f"{prefix}{self.kind}{body}"
 
 
