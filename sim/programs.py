@@ -349,7 +349,8 @@ def _sync_buckets(plan, lt, bucket_bytes: float
             for part in bucket_partition([b for _, b in layers], bucket_bytes)]
 
 
-_LINK_KINDS = ("X", "A", "S")  # transfers, all-reduces and weight switches use the link
+_LINK_KINDS = ("X", "A", "S", "SEND", "RECV")
+"""Transfers, all-reduces and weight switches use the link; the rest computes."""
 
 
 def _covered(spans: list[tuple[float, float]]) -> float:
@@ -367,7 +368,9 @@ def schedule_tasks(schedule, job: str = "fg") -> list[Task]:
     schedule's builder) decides when each runs: forward, backward and update on the rank's one
     compute lane (the waves of a rank contend for it), transfers and weight switches on its link,
     an all-reduce (same wave, batch and partition on every rank) as one collective, a transfer
-    ``X`` of a partitioned schedule on its rank's link, awaited by the next rank. An action depends, on every
+    ``X`` of a partitioned schedule on its rank's link, awaited by the next rank, a ``SEND`` and
+    its matching ``RECV`` (GPipe, 1F1B: ``tidal.ir.pipeline_schedules``) as one transfer on both
+    ranks' links, a weight gradient ``W`` on the compute lane. An action depends, on every
     GPU it occupies, on the last action of each of the schedule's lanes there that the builder
     ended no later than it started (the builder's happens-before); list order is start order."""
     part = schedule.partitions > 1
@@ -381,6 +384,10 @@ def schedule_tasks(schedule, job: str = "fg") -> list[Task]:
                 gpus = tuple(range(n))
             elif a.kind == "X" and part:  # sent on this rank's link, awaited by the next rank
                 key, gpus, seen = ("X", rank, k), (rank,), tuple(sorted({rank, (rank + 1) % n}))
+            elif a.kind in ("SEND", "RECV") and a.peer >= 0:  # one transfer on both links
+                pair = (rank, a.peer) if a.kind == "SEND" else (a.peer, rank)
+                key = ("P2P", pair, a.moves, a.wave, a.batch)  # one per pair and micro-batch
+                gpus = tuple(sorted(set(pair)))
             else:
                 key, gpus = (a.kind, rank, k), (rank,)
             it = items.setdefault(key, {"a": a, "gpus": gpus, "seen": seen or gpus,

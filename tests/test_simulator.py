@@ -582,3 +582,20 @@ def test_simulated_order_of_per_rank_programs_matches_the_runtime_trace():
                         "tick": ["tick"], "tock": ["tock"]}
     with pytest.raises(ValueError, match=r"no trace for rank\(s\) \[1\]"):
         simulated_order(programs, {0: traces[0]})
+
+
+@pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (3, 6)])
+def test_pipeline_schedules_simulate_to_the_textbook_makespan(n, m):
+    # the engine runs GPipe's and 1F1B's own schedule objects (SEND/RECV pairs as one transfer
+    # on both ranks' links, zero-length here): (M + N - 1) x (F + B) either way
+    from tidal.ir.pipeline_schedules import gpipe, one_f_one_b
+    from tidal.sim.programs import schedule_result, schedule_tasks
+
+    for build in (gpipe, one_f_one_b):
+        schedule = build(n, m, fwd_us=10.0, bwd_us=20.0)
+        tasks = schedule_tasks(schedule)
+        sends = sum(a.kind == "SEND" for acts in schedule.ranks for a in acts)
+        assert sum(t.name.startswith("SEND") or t.name.startswith("RECV")
+                   for t in tasks) == sends  # each pair is one task
+        r = schedule_result(schedule, m, contention=True)
+        assert r.iteration_us == pytest.approx((m + n - 1) * 30.0), build.__name__
