@@ -286,10 +286,11 @@ def test_gloo_ranks_run_captured_programs_that_the_simulator_orders_as_the_trace
         streams = {p.name: p.stream for p in program.pieces}
         assert [p.name for p in program.pieces] == [
             "S0", f"F0,{rank}", "X0 fwd", "S1", f"F1,{1 - rank}", "loss", f"B1,{1 - rank}",
-            "X1 bwd", "A1", "S0 bwd", f"B0,{rank}", "A0", "U"]
+            "X1 bwd", "A1", "S0 bwd", "U1", f"B0,{rank}", "A0", "U0", "restore"]
+        # each partition is updated on its own stream before the switch that may evict it
         assert {k[0]: v for k, v in streams.items()} == {
             "S": "load", "F": "compute", "B": "compute", "X": "comm", "A": "comm",
-            "l": "comm", "U": "compute"}
+            "l": "comm", "U": "update", "r": "load"}
         assert all(p.nodes for p in program.pieces if p.name[0] in "FB")
         # A1 waits only for B1: it overlaps partition 0's backward, which waits for X1 only
         a1, b0 = (next(p for p in program.pieces if p.name.startswith(k)) for k in ("A1", "B0"))

@@ -5,9 +5,15 @@ pass split into ``submod_0 .. submod_{N-1}``. :class:`RoundRobinProgram` turns e
 into a :class:`~tidal.runtime.program.Program` that
 :class:`~tidal.runtime.program.ProgramExecutor` runs:
 
-- ``S p`` (stream ``load``) switches the rank to partition p: it counts the switch and the
-  weight bytes it loads (``stats``); ``F``/``B`` of p wait for it, it waits for nothing (a load
-  may run ahead of the compute, as a prefetch would);
+- ``S p`` (stream ``load``) switches the rank to partition p: with a process group it loads
+  p's weights, accumulated gradients and optimizer state and evicts every partition the rank
+  no longer needs (``tidal.runtime.weight_residency``: the bytes go to a per-rank store, the
+  tensors keep their identity and hold no bytes), so that a rank holds at most two partitions:
+  the one it computes and the one it prefetches. A switch keeps the partition of the latest
+  compute piece and the one waiting for its update, and waits only for the pieces that used a
+  partition it evicts (``S p+1`` for ``F p−1`` and its transfer; in the backward ``S p−1`` for
+  ``U p+1``), so it overlaps the compute of the partition it keeps. ``F``/``B`` of p wait for
+  it. In one process it only counts the switch and the weight bytes it would load;
 - ``F p,b`` (``compute``) runs partition p on batch b with the activations received from the
   previous rank; ``B p,b`` (``compute``) runs its backward with the gradients received from the
   next rank. Both are segments of one captured joint graph of the partition (``make_fx`` of its
@@ -27,7 +33,15 @@ into a :class:`~tidal.runtime.program.Program` that
   averages its floating-point buffers; after the ``compression`` pass each partition's
   gradients go through a compressor of their own instead (``use_grad_sync``);
 - ``loss`` (``comm``) all-reduces the step's loss as soon as the last forward ran;
-- ``U`` (``compute``) steps the optimizer after every all-reduce.
+- ``U`` steps the optimizer. With a process group each partition is updated on its own,
+  ``U p`` (on its own compute stream, ``update``) after ``A p`` and while p is still resident (its state tensors too), in
+  the backward of partition p − 1 (Wavelet: "update the parameters of each model partition
+  accordingly"), before the switch that evicts p; the step then ends with ``restore``
+  (``load``), which loads every partition back, so that between steps the model is whole
+  (``state_dict()``, inference, the gradients); the next step's first switch evicts again, and
+  ``stats`` reports the most this rank held during the step against the whole model, and
+  what the switches, the updates and the restore cost (``step_notes()``). In one process,
+  ``U`` (``compute``) steps the optimizer once, after every all-reduce.
 
 Dependencies come from the schedule, so communication overlaps compute where the schedule lets
 it: the all-reduce of partition p runs during the backward of partition p − 1 (its gradient
@@ -58,6 +72,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -76,9 +91,13 @@ from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, CapturedRun, Piece,
                                    Program)
+from tidal.runtime.weight_residency import PartitionResidency
 
 PLAN_KIND = "RoundRobinPlan"
 LOAD = "load"
+UPDATE = "update"
+"""The stream of the per-partition optimizer steps (a compute stream of its own: an update
+overlaps the backward of the next partition down, as Wavelet's Fig. 10 runs it)."""
 
 
 def from_plan(gm: fx.GraphModule, plan: Any) -> "RoundRobinProgram":
@@ -144,6 +163,15 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad.detach().clone()
     else:
         param.grad.add_(grad)
+
+
+def _size(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _failed_line(exc: BaseException) -> str:
@@ -314,24 +342,66 @@ class _RankState:
 
 
 class _Slot(NamedTuple):
-    """What a piece does: the schedule action ``kind`` ('S', 'F', 'B', 'X', 'A', 'U' or 'L'
-    for the loss all-reduce) of ``rank`` on (``partition``, ``batch``); ``backward`` tells a
-    backward transfer or switch from a forward one."""
+    """What a piece does: the schedule action ``kind`` ('S', 'F', 'B', 'X', 'A', 'U', 'L' for
+    the loss all-reduce or 'R' for the end-of-step restore) of ``rank`` on (``partition``,
+    ``batch``); ``backward`` tells a backward transfer or switch from a forward one. With a
+    process group, ``keep`` is the partitions a switch leaves resident and 'U' updates
+    ``partition`` alone; without one, 'U' (``partition`` -1) updates them all."""
 
     kind: str
     rank: int
     partition: int = 0
     batch: int = 0
     backward: bool = False
+    keep: tuple[int, ...] = ()
+
+
+class _Residency:
+    """Which partitions one rank keeps resident while ``_program`` lays out its pieces: a
+    switch to ``p`` keeps ``p``, the partition of the latest compute piece (the first switch:
+    the next one's, so that it need not load it again) and the partition all-reduced but not
+    yet updated, and evicts the others; it waits for every piece that used a partition it
+    evicts since that partition was loaded (``users``)."""
+
+    def __init__(self, n: int, switches: Sequence[int]):
+        self.resident = set(range(n))   # a step starts whole (the last one's restore)
+        self.users: dict[int, list[int]] = {q: [] for q in range(n)}
+        self.switches = list(switches)  # the partitions of the switches still to lay out
+        self.last: Optional[int] = None
+        self.pending: Optional[int] = None
+
+    def use(self, p: int, piece: int, compute: bool = False) -> None:
+        self.users[p].append(piece)
+        if compute:
+            self.last = p
+
+    def switch(self, p: int) -> tuple[tuple[int, ...], list[int]]:
+        """(partitions kept, pieces to wait for) of the next switch, to partition ``p``."""
+        self.switches.pop(0)
+        keep = {p} | ({self.last} if self.last is not None else set(self.switches[:1]))
+        keep |= {self.pending} if self.pending is not None else set()
+        evicted = self.resident - keep
+        deps = sorted(i for q in evicted for i in self.users[q])
+        for q in evicted:
+            self.users[q] = []
+        self.resident = keep
+        return tuple(sorted(keep)), deps
 
 
 class RoundRobinProgram:
     """The rank program of a round-robin plan on the split graph ``split`` (see the module
     docstring). ``model``: the module whose trainable parameters must each be owned by one
     partition (the traced graph before the split, which shares the model's parameters; default
-    ``split``). ``stats`` accumulates ``steps``, ``switches`` and ``switch_bytes`` (per rank);
-    ``syncs`` holds each partition's gradient sync once ``use_grad_sync`` set one and a step
-    ran; ``fallback_reason`` names the partitions that run eagerly and why ('' when every
+    ``split``). ``stats`` accumulates ``steps``, ``switches`` and ``switch_bytes`` (per rank:
+    with a process group the bytes the switches moved in and out, in one process the weight
+    bytes they would load) and, with a process group, holds the latest step's residency
+    (``resident_peak_partitions``/``resident_peak_bytes``: the most partitions and bytes of
+    parameters, gradients and optimizer state this rank held at once during the step, read
+    from its tensors; ``whole_model_bytes``: what all partitions' take; ``switch_us`` and
+    ``step_switch_bytes``: the switches' time and bytes; ``update_us``: the per-partition
+    updates'; ``restore_us``/``restore_bytes``: the end-of-step restore's). ``syncs`` holds
+    each partition's gradient sync once ``use_grad_sync`` set one and a step ran;
+    ``fallback_reason`` names the partitions that run eagerly and why ('' when every
     partition runs as a captured graph)."""
 
     def __init__(self, split: fx.GraphModule, plan: Any,
@@ -340,7 +410,10 @@ class RoundRobinProgram:
         self._model = model if model is not None else split
         self.plan = plan
         self.n = plan.partitions
-        self.stats = {"steps": 0, "switches": 0, "switch_bytes": 0}
+        self.stats: dict[str, float] = {
+            "steps": 0, "switches": 0, "switch_bytes": 0, "resident_peak_partitions": 0,
+            "resident_peak_bytes": 0, "whole_model_bytes": 0, "switch_us": 0.0,
+            "step_switch_bytes": 0, "update_us": 0.0, "restore_us": 0.0, "restore_bytes": 0}
         self.fallback_reason = ""
         self._sync_factory: Optional[GradSyncFactory] = None
         self.syncs: dict[int, GradSync] = {}
@@ -351,6 +424,11 @@ class RoundRobinProgram:
         # each trainable parameter once (one may reach a partition both ways)
         self._trainable = [list(dict.fromkeys(x.param for x in ps)) for ps in self._params]
         self._owned = self._param_owners()
+        # (name, parameter) per partition, each parameter once: what a switch moves
+        self._named = [list({id(x.param): (x.name, x.param) for x in ps}.values())
+                       for ps in self._params]
+        self._residency: Optional[PartitionResidency] = None  # the latest step's (a group)
+        self._rank = 0
         self._buffers = self._buffer_owners()
         self._graphs: dict[tuple, list[Optional[_StageGraph]]] = {}
         self._stopped: dict[tuple, list[tuple[str, str]]] = {}  # eager partitions, named
@@ -448,13 +526,42 @@ class RoundRobinProgram:
 
     # -- the RankProgram protocol -----------------------------------------------------------
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        """Inference: the split graph in this process."""
+        """Inference: the split graph in this process (every partition loaded first)."""
+        self.materialize()
         return self.split(*args, **kwargs)
+
+    def materialize(self) -> None:
+        """Load every partition the latest step left evicted (none after a step that ended:
+        its last piece restores them all; after a failed one, those it had evicted)."""
+        if self._residency is not None:
+            self._residency.load_all()
+
+    def resident_partitions(self) -> list[int]:
+        """The partitions whose parameters hold bytes on this rank now, read from the
+        tensors (see ``tidal.runtime.weight_residency``); all of them between steps."""
+        res = self._residency or PartitionResidency(self._named, rank=self._rank)
+        return res.resident_partitions()
+
+    def step_notes(self) -> list[str]:
+        """For ``Compiled.report()``, after a step on a process group: how much of the model
+        this rank held at most, against holding all of it, and what the switches cost."""
+        s = self.stats
+        if not s["whole_model_bytes"]:
+            return []
+        share = s["resident_peak_bytes"] / s["whole_model_bytes"]
+        return [f"round_robin: rank {self._rank} held at most {s['resident_peak_partitions']} "
+                f"of {self.n} partitions resident: {_size(s['resident_peak_bytes'])} of "
+                f"{_size(s['whole_model_bytes'])} ({share:.0%}) of parameters, gradients and "
+                f"optimizer state; switches moved {_size(s['step_switch_bytes'])} in "
+                f"{s['switch_us'] / 1e3:.1f} ms, per-partition updates took "
+                f"{s['update_us'] / 1e3:.1f} ms, the end-of-step restore moved "
+                f"{_size(s['restore_bytes'])} in {s['restore_us'] / 1e3:.1f} ms"]
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_Step":
         """One training step of the global batch under the round-robin schedule: the program
         of this rank (all ranks without a process group), built once per micro-batch shape."""
+        self.materialize()  # capture, zero_grad and a failed step's leftovers need them all
         rank, world = rank_and_size()
         if world > 1 and world != self.n:
             raise ValueError(f"round_robin: planned for {self.n} ranks but the world size is "
@@ -483,8 +590,10 @@ class RoundRobinProgram:
             self._programs[key] = self._program(here, world, graphs)
         program, slots = self._programs[key]
         optimizer.zero_grad(set_to_none=True)
-        return _Step(self, program, slots, graphs, here, world, batches, tgts, loss_fn,
+        step = _Step(self, program, slots, graphs, here, world, batches, tgts, loss_fn,
                      optimizer)
+        self._residency, self._rank = step.residency, here[0]
+        return step
 
     # -- capture ----------------------------------------------------------------------------
     def _capture_all(self, inputs: tuple, target: Any, loss_fn: Callable, rank: int
@@ -639,7 +748,11 @@ class RoundRobinProgram:
     def _program(self, here: tuple[int, ...], world: int,
                  graphs: Sequence[Optional[_StageGraph]]) -> tuple[Program, tuple[_Slot, ...]]:
         """The pieces of the ranks ``here`` (one rank with a process group, all without), in
-        schedule order with each all-reduce after the transfer that follows it."""
+        schedule order with each all-reduce after the transfer that follows it. With a
+        process group a switch moves partitions in and out (:class:`_Residency` says which and
+        what it waits for), each partition is updated on its own (``U p``, on the update stream,
+        after its all-reduce and before the switch that evicts it) and the step ends with the
+        restore of every partition (``restore``)."""
         n, one = self.n, world == 1
         actions = self.plan.schedule.ranks
         order = list(range(len(actions[0])))
@@ -652,6 +765,9 @@ class RoundRobinProgram:
         load: dict[int, Optional[int]] = dict.fromkeys(here)
         ran: dict[tuple[str, int, int], int] = {}   # (kind, rank, partition) -> piece
         shared: list[int] = []                      # all-reduces and the loss, for U
+        res = None if one else _Residency(n, [a.partition for a in actions[here[0]]
+                                              if a.kind == "S"])
+        updates: list[int] = []
 
         def add(name: str, stream: str, deps: Sequence[Optional[int]], slot: _Slot,
                 nodes: tuple[str, ...] = ()) -> int:
@@ -660,6 +776,12 @@ class RoundRobinProgram:
             slots.append(slot)
             return len(pieces) - 1
 
+        def update(r: int) -> None:  # U p of the partition all-reduced last (a process group)
+            q, res.pending = res.pending, None
+            if q is not None:
+                updates.append(add(f"U{q}", UPDATE, [ran[("A", r, q)]], _Slot("U", r, q)))
+                res.use(q, updates[-1])
+
         in_backward: set[int] = set()
         for k in order:
             for r in here:
@@ -667,14 +789,19 @@ class RoundRobinProgram:
                 p, b, pre = a.partition, a.batch, f"r{r}:" if one else ""
                 backward, graph = r in in_backward, graphs[p]
                 if a.kind == "S":
-                    load[r] = add(f"{pre}S{p}{' bwd' if backward else ''}", LOAD, [],
-                                  _Slot("S", r, p, b, backward))
+                    keep, deps = res.switch(p) if res is not None else ((), [])
+                    load[r] = add(f"{pre}S{p}{' bwd' if backward else ''}", LOAD, deps,
+                                  _Slot("S", r, p, b, backward, keep))
+                    if res is not None:
+                        update(r)
                 elif a.kind == "F":
                     src = (r - 1) % n if one else r
                     deps = [load[r], compute[r], ran.get(("Xf", src, p - 1))]
                     compute[r] = ran[("F", r, p)] = add(
                         f"{pre}F{p},{b}", COMPUTE, deps, _Slot("F", r, p, b),
                         graph.forward_nodes if graph is not None else ())
+                    if res is not None:
+                        res.use(p, compute[r], compute=True)
                     if p == n - 1 and not one:
                         shared.append(add("loss", COMM, [compute[r]], _Slot("L", r)))
                 elif a.kind == "B":
@@ -684,16 +811,29 @@ class RoundRobinProgram:
                     compute[r] = ran[("B", r, p)] = add(
                         f"{pre}B{p},{b}", COMPUTE, deps, _Slot("B", r, p, b),
                         graph.backward_nodes if graph is not None else ())
+                    if res is not None:
+                        res.use(p, compute[r], compute=True)
                 elif a.kind == "X":
                     tag = "Xb" if backward else "Xf"
                     after = ran[("B" if backward else "F", r, p)]
                     ran[(tag, r, p)] = add(f"{pre}X{p} {'bwd' if backward else 'fwd'}", COMM,
                                            [after], _Slot("X", r, p, b, backward))
+                    if res is not None and not backward:  # what it sends may view a weight
+                        res.use(p, ran[(tag, r, p)])
                 elif a.kind == "A" and r == here[0]:  # one collective for the ranks here
-                    shared.append(add(f"A{p}", COMM, [ran[("B", q, p)] for q in here],
-                                      _Slot("A", r, p)))
+                    ran[("A", r, p)] = add(f"A{p}", COMM, [ran[("B", q, p)] for q in here],
+                                           _Slot("A", r, p))
+                    shared.append(ran[("A", r, p)])
+                    if res is not None:
+                        res.use(p, ran[("A", r, p)])
+                        res.pending = p
                 elif a.kind == "U" and r == here[0]:
-                    add("U", COMPUTE, [*shared, *compute.values()], _Slot("U", r))
+                    if res is None:
+                        add("U", COMPUTE, [*shared, *compute.values()], _Slot("U", r, -1))
+                        continue
+                    update(r)
+                    used = [i for q in range(n) for i in res.users[q]]
+                    add("restore", LOAD, [*updates, *used, compute[r]], _Slot("R", r))
         return Program(tuple(pieces), world), tuple(slots)
 
 
@@ -711,13 +851,18 @@ class _Step:
         self.states = {r: _RankState() for r in here}
         self.failed = ""
         self._loss: Optional[torch.Tensor] = None
+        # with a process group the rank holds only the partitions it needs (see _switch)
+        self.residency = (PartitionResidency(owner._named, optimizer, here[0])
+                          if world > 1 else None)
+        self.timing = {"switch_us": 0.0, "switch_bytes": 0, "update_us": 0.0}
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
         """What piece ``index`` does (after a piece of this step failed: fail at once, naming
         it, so that no rank waits on a peer that will not come)."""
         slot = self.slots[index]
         do = {"S": self._switch, "F": self._forward, "B": self._backward, "X": self._exchange,
-              "A": self._all_reduce, "L": self._all_reduce_loss, "U": self._update}[slot.kind]
+              "A": self._all_reduce, "L": self._all_reduce_loss, "U": self._update,
+              "R": self._restore}[slot.kind]
         return functools.partial(self._guarded, piece.name, functools.partial(do, slot))
 
     def _guarded(self, name: str, do: Callable[[], None]) -> None:
@@ -737,9 +882,40 @@ class _Step:
 
     # -- the actions ------------------------------------------------------------------------
     def _switch(self, slot: _Slot) -> None:
-        if slot.rank == self.here[0]:  # per rank
-            self.owner.stats["switches"] += 1
-            self.owner.stats["switch_bytes"] += self.owner.plan.param_bytes[slot.partition]
+        """Switch to partition p. With a process group: evict the partitions the rank no
+        longer needs and load those of ``slot.keep`` it does not hold (weights, gradients,
+        optimizer state), timed; in one process (the ranks share the parameters) count the
+        switch and the weight bytes it would load."""
+        o = self.owner
+        if self.residency is None:
+            if slot.rank == self.here[0]:  # per rank
+                o.stats["switches"] += 1
+                o.stats["switch_bytes"] += o.plan.param_bytes[slot.partition]
+            return
+        t0 = time.perf_counter()
+        moved = self.residency.switch(slot.keep)
+        self.timing["switch_us"] += (time.perf_counter() - t0) * 1e6
+        self.timing["switch_bytes"] += moved.total
+        o.stats["switches"] += 1
+        o.stats["switch_bytes"] += moved.total
+        self.residency.observe()
+
+    def _restore(self, slot: _Slot) -> None:
+        """The step's last piece (a process group): load every partition back, so that between
+        steps the model is whole (``state_dict()``, inference, the gradients); the next step's
+        first switch evicts again. Publishes the step's residency figures in ``stats``."""
+        res, o = self.residency, self.owner
+        res.observe()
+        t0 = time.perf_counter()
+        loaded = res.load_all()
+        restore_us = (time.perf_counter() - t0) * 1e6
+        o.stats.update(steps=o.stats["steps"] + 1, resident_peak_bytes=res.peak_bytes,
+                       resident_peak_partitions=res.peak_partitions,
+                       whole_model_bytes=res.resident_bytes(),
+                       switch_us=self.timing["switch_us"],
+                       step_switch_bytes=self.timing["switch_bytes"],
+                       update_us=self.timing["update_us"], restore_bytes=loaded,
+                       restore_us=restore_us)
 
     def _forward(self, slot: _Slot) -> None:
         o, st, p, b = self.owner, self.states[slot.rank], slot.partition, slot.batch
@@ -751,6 +927,8 @@ class _Step:
         inputs, target = self.batches[b], self.targets[b]
         values = dict(zip(names, received))
         graph = self.graphs[p]
+        if self.residency is not None:
+            self.residency.require(p, f"F{p},{b}")
         run = (self._forward_eager(p, values, inputs, target) if graph is None
                else self._forward_captured(graph, slot.rank, p, values, inputs, target))
         if run.loss is not None:
@@ -797,10 +975,14 @@ class _Step:
         st, p, b = self.states[slot.rank], slot.partition, slot.batch
         run = st.runs[(p, b)]
         grads = [] if p == self.owner.n - 1 else st.grad_out.pop((p, b))
+        if self.residency is not None:
+            self.residency.require(p, f"B{p},{b}")
         if self.graphs[p] is None:
             self._backward_eager(p, run, grads)
         else:
             self._backward_captured(self.graphs[p], p, run, grads)
+        if self.residency is not None:  # the gradients it made are resident now
+            self.residency.observe()
 
     def _backward_captured(self, graph: _StageGraph, p: int, run: _Run,
                            grads: list[torch.Tensor]) -> None:
@@ -896,5 +1078,26 @@ class _Step:
         self._loss = loss
 
     def _update(self, slot: _Slot) -> None:
-        self.optimizer.step()
-        self.owner.stats["steps"] += 1
+        """Step the optimizer: on every parameter (one process), or (a process group) on the
+        parameters partition p owns alone, while p is resident: the optimizer sees only their
+        ``param_groups`` entries for this call (it must update each parameter from its own
+        gradient and state, as every ``torch.optim`` optimizer but L-BFGS does)."""
+        if slot.partition < 0:
+            self.optimizer.step()
+            self.owner.stats["steps"] += 1
+            return
+        p = slot.partition
+        self.residency.require(p, f"U{p}")
+        owned = {id(prm) for _, prm in self.owner._owned[p]}
+        groups = self.optimizer.param_groups
+        kept = [g["params"] for g in groups]
+        t0 = time.perf_counter()
+        try:
+            for g in groups:
+                g["params"] = [prm for prm in g["params"] if id(prm) in owned]
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, kept):
+                g["params"] = params
+        self.timing["update_us"] += (time.perf_counter() - t0) * 1e6
+        self.residency.observe()  # its optimizer state may be new
