@@ -472,12 +472,48 @@ def _per_rank(rows: list[dict], key: str) -> tuple[str, str]:
     return f"{max(vals):.{digits}f}", " ".join(f"{v:.{digits}f}" for v in vals)
 
 
-def _pipeline_table(res: list[dict], world: int) -> list[str]:
+def _stage_us(width: int, depth: int, micro: int, world: int) -> tuple[float, float]:
+    """One stage's forward and backward of one micro-batch (µs, this process, one thread):
+    the whole model's, measured, divided by the ``world`` stages (the split is balanced)."""
+    torch.set_num_threads(1)
+    model = _model(width, depth)
+    (x,), y = _data(micro, width)
+    fwd, bwd = [], []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        loss = LOSS(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    return (statistics.median(fwd[2:]) * 1e6 / world, statistics.median(bwd[2:]) * 1e6 / world)
+
+
+def _simulated_ms(n: int, m: int, fwd_us: float, bwd_us: float) -> dict[str, float]:
+    """The simulator's step (ms) for table 1's rows that tidal has a schedule object of
+    (``tidal.ir.pipeline_schedules``, run by ``tidal.sim.programs.schedule_result``; transfers,
+    switches and all-reduces take no time in it: compute only)."""
+    from tidal.ir.pipeline_schedules import gpipe, one_f_one_b, round_robin
+    from tidal.sim.programs import schedule_result
+
+    def ms(schedule) -> float:
+        return schedule_result(schedule, m, contention=True).iteration_us / 1e3
+
+    piped = ms(gpipe(n, m, fwd_us=fwd_us, bwd_us=bwd_us))
+    return {"round_robin": ms(round_robin(n, fwd_us=fwd_us, bwd_us=bwd_us)),
+            "hand GPipe (N micro-batches)": piped, "torch GPipe": piped,
+            "torch 1F1B": ms(one_f_one_b(n, m, fwd_us=fwd_us, bwd_us=bwd_us)),
+            "hand vanilla model parallel": ms(gpipe(n, 1, fwd_us=fwd_us * m,
+                                                   bwd_us=bwd_us * m))}
+
+
+def _pipeline_table(res: list[dict], world: int, simulated: dict[str, float]) -> list[str]:
     names = list(res[0]["pipelines"])
     rr_ms = max(r["pipelines"]["round_robin"]["ms"] for r in res)
     w = max(len(n) for n in names)
     pr = 5 * world
-    lines = [f"{'schedule':{w}s} {'step ms':>8s} {'/rr':>5s} {'act MiB':>7s} "
+    lines = [f"{'schedule':{w}s} {'step ms':>8s} {'sim ms':>7s} {'/rr':>5s} {'act MiB':>7s} "
              f"{'act+state MiB':>13s} {'per rank':{pr}s} {'heap+state MiB':>14s} "
              f"{'per rank':{pr}s} {'grad rel diff':>13s}"]
     unsupported = []
@@ -493,7 +529,8 @@ def _pipeline_table(res: list[dict], world: int) -> list[str]:
         peak, peak_ranks = _per_rank(rows, "act+state")
         heap, heap_ranks = _per_rank(rows, "heap+state")
         diff = max(r["grad"] for r in rows)
-        lines.append(f"{name:{w}s} {ms:8.1f} {ms / rr_ms:5.2f} {act:>7s} {peak:>13s} "
+        sim = f"{simulated[name]:7.1f}" if name in simulated else f"{'-':>7s}"
+        lines.append(f"{name:{w}s} {ms:8.1f} {sim} {ms / rr_ms:5.2f} {act:>7s} {peak:>13s} "
                      f"{peak_ranks:{pr}s} {heap:>14s} {heap_ranks:{pr}s} {diff:13.1e}")
     return lines + unsupported
 
@@ -528,8 +565,12 @@ def main(argv=None) -> int:
     print(f"\n1. pipelines on {n} gloo ranks: MLP {args.depth}x{args.width}, global batch "
           f"{args.batch} in {n} micro-batches, median of {args.steps} steps; MiB per rank "
           f"(max, then ranks 0..{n - 1})")
-    for line in _pipeline_table(res, n):
+    fwd_us, bwd_us = _stage_us(args.width, args.depth, args.batch // n, n)
+    for line in _pipeline_table(res, n, _simulated_ms(n, n, fwd_us, bwd_us)):
         print(line)
+    print(f"sim ms: the simulator runs tidal's schedule object of the row (GPipe, 1F1B, "
+          f"round_robin) with one stage's measured forward {fwd_us / 1e3:.2f} ms and backward "
+          f"{bwd_us / 1e3:.2f} ms per micro-batch, compute only")
     rr = res[0]["pipelines"]["round_robin"]
     print(f"round_robin loads {rr['switch_mib']:.3g} MiB of weights per rank per step "
           f"(context switches); its act+state is '-': its captured joint graphs save nothing "
