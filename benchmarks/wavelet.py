@@ -429,7 +429,8 @@ def _worker(rank, world, args: dict, fit: Optional[dict]) -> dict:
 # -- the parent: fit, memory rows, tables ------------------------------------------------------
 def _fit(width: int, depth: int, memory_gb: float, limit: int):
     from tidal.ir.capture import capture_train_step
-    from tidal.ir.memory_fit import fit_batches, predicted_state_bytes, rows_at
+    from tidal.ir.memory_fit import (fit_batches, gradient_bytes, predicted_state_bytes,
+                                     rows_at)
     from tidal.ir.memory_timeline import memory_timeline
 
     model = _model(width, depth)
@@ -439,7 +440,7 @@ def _fit(width: int, depth: int, memory_gb: float, limit: int):
         return memory_timeline(capture_train_step(model, rows_at(x, b), rows_at(y, b), LOSS))
 
     return fit_batches(timeline_at, predicted_state_bytes(model, _opt(model.parameters())),
-                       int(memory_gb * 2 ** 30), limit)
+                       int(memory_gb * 2 ** 30), limit, wave_extra_bytes=gradient_bytes(model))
 
 
 def _memory_rows():

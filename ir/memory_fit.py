@@ -67,10 +67,15 @@ def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
     return copies
 
 
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """One gradient of every trainable parameter (bytes)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def predicted_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """One replica's training state: parameters and buffers, a gradient per trainable
     parameter and the optimizer's state (:func:`optimizer_state_factor`)."""
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    trainable = gradient_bytes(model)
     held = sum(t.numel() * t.element_size() for t in list(model.parameters()) +
                list(model.buffers()))
     return int(held + trainable + optimizer_state_factor(optimizer) * trainable)
@@ -156,8 +161,9 @@ def measure_step_bytes(model: torch.nn.Module, inputs: tuple, targets: Any, loss
 class MemoryFit(Plan):
     """The batches a per-rank memory budget allows (bytes): data parallelism's largest
     per-rank batch (``dp_batch``; ``dp_peak``: one replica's state plus its activation peak)
-    and tick-tock's largest per-wave batch (``wave_batch``; ``wave_peak``: two replicas' state
-    plus the interleaved activation peak of the two waves). 0: not even one sample fits."""
+    and tick-tock's largest per-wave batch (``wave_batch``; ``wave_peak``: two replicas' state,
+    the tock gradient kept for Eq. 1 and the interleaved activation peak of the two waves).
+    0: not even one sample fits."""
 
     budget_bytes: int
     state_bytes: int
@@ -194,10 +200,13 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> int:
 
 
 def fit_batches(timeline_at: Callable[[int], MemoryTimeline], state_bytes: int,
-                budget_bytes: int, limit: int = 1 << 16) -> MemoryFit:
+                budget_bytes: int, limit: int = 1 << 16, wave_extra_bytes: int = 0
+                ) -> MemoryFit:
     """:class:`MemoryFit` for one replica's ``state_bytes`` under ``budget_bytes``:
     ``timeline_at(b)`` is the memory timeline of one step at batch ``b`` (computed at most a
-    few dozen times: doubling and bisection per wave kind, each batch once)."""
+    few dozen times: doubling and bisection per wave kind, each batch once).
+    ``wave_extra_bytes``: what tick-tock keeps besides two replicas (tidal's keeps the tock's
+    last gradient for the tick's Eq. 1 average: one gradient's bytes)."""
     cache: dict[int, MemoryTimeline] = {}
 
     def tl(b: int) -> MemoryTimeline:
@@ -210,7 +219,7 @@ def fit_batches(timeline_at: Callable[[int], MemoryTimeline], state_bytes: int,
 
     def wave_peak(b: int) -> int:
         t = tl(b)
-        return 2 * state_bytes + interleave(t, t.forward_us).peak_sum
+        return 2 * state_bytes + wave_extra_bytes + interleave(t, t.forward_us).peak_sum
 
     dp = largest_fitting(lambda b: dp_peak(b) <= budget_bytes, limit)
     wave = largest_fitting(lambda b: wave_peak(b) <= budget_bytes, limit)

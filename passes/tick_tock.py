@@ -36,8 +36,9 @@ import torch
 import torch.fx as fx
 
 from tidal.ir import cost
-from tidal.ir.memory_fit import (MemoryFit, StepBytes, fit_batches, measure_step_bytes,
-                                 optional_budget, predicted_state_bytes, rows_at)
+from tidal.ir.memory_fit import (MemoryFit, StepBytes, fit_batches, gradient_bytes,
+                                 measure_step_bytes, optional_budget, predicted_state_bytes,
+                                 rows_at)
 from tidal.ir.memory_timeline import interleave, memory_timeline, timeline_svg
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.tick_tock import TickTockPlan
@@ -130,7 +131,8 @@ class TickTock(Pass):
                                       ctx.loss_fn)
             return memory_timeline(step, ctx.cluster)
 
-        fit = fit_batches(timeline_at, state, budget, limit=MAX_FIT_BATCH)
+        fit = fit_batches(timeline_at, state, budget, limit=MAX_FIT_BATCH,
+                          wave_extra_bytes=gradient_bytes(ctx.model))
         measured = measure_step_bytes(ctx.model, rows_at(inputs, batch),
                                       rows_at(targets, batch), ctx.loss_fn, make,
                                       timeline_at(batch))

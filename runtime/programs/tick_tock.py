@@ -397,7 +397,7 @@ class _TickTockStep:
                                    w.group, average=True)
         for p, k in zip(w.params, w.names):
             p.grad = synced[k].clone()
-            w.applied[k] = p.grad.detach().clone()
+            w.applied[k] = p.grad  # the optimizer reads it, never writes it: no second copy
         if w.name == "K":  # a captured gradient is a static output buffer (CUDA): the next
             # replay of the tock's segments overwrites it before the next tick average reads it
             self.owner._prev_tock = [g.clone() for g in w.raw] if self.runs else w.raw
