@@ -13,7 +13,8 @@ in the tock lane), executed by the program ``tidal.runtime.programs.tick_tock`` 
 compute streams, the waves' syncs on the comm stream); the
 dump draws the memory timeline (tick, tock and their sum) and a Gantt chart.
 
-Under a memory budget (``tidal.Cluster(memory_gb=...)``) the pass also sizes the batches
+Under a memory budget (``tidal.Cluster(memory_gb=...)``; a model on a GPU: the device's free
+memory) the pass also sizes the batches
 (``tidal.ir.memory_fit``): data parallelism's largest per-rank batch that fits (one replica's
 parameters, gradients and optimizer state plus the activation peak), and tick-tock's largest
 per-wave batch (two replicas plus the interleaved peak: the tock's peak lands while the tick's
@@ -112,12 +113,18 @@ class TickTock(Pass):
 
     def _memory(self, ctx: PassContext, inputs: tuple, targets: Any, batch: int,
                 notes: list) -> tuple[Optional[MemoryFit], Optional[StepBytes]]:
-        """Under ``ctx.cluster.memory_gb``: the batches the budget allows (data parallelism's
+        """Under ``ctx.cluster.memory_gb`` (or, for a model on a GPU, the device's free
+        memory): the batches the budget allows (data parallelism's
         per rank, tick-tock's per wave: :func:`tidal.ir.memory_fit.fit_batches` on memory
         timelines of the step at each batch tried) and one wave step at this plan's batch
         measured beside its prediction; notes say both, and whether this batch fits."""
+        if ctx.model is None or ctx.loss_fn is None or targets is None:
+            return None, None
         budget = optional_budget(ctx.cluster.memory_gb)
-        if budget is None or ctx.model is None or ctx.loss_fn is None or targets is None:
+        device = next((t.device for t in ctx.model.parameters()), torch.device("cpu"))
+        if budget is None and device.type == "cuda":  # the device's free memory
+            budget = int(torch.cuda.mem_get_info(device)[0])  # pragma: no cover - needs a GPU
+        if budget is None:
             return None, None
         from tidal.ir.capture import capture_train_step
 
