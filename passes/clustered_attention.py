@@ -21,9 +21,12 @@ from them the heads are clustered into k clusters (online membership, ``tidal.ir
 membership``; or the fixed offline membership in "static" mode, CHAI-static); every later query
 token of a head uses the attention probabilities of its cluster's representative head. V stays
 per head. Sharing probabilities is sharing scores (softmax of the representative's Q·Kᵀ), so
-with k = H (one head per cluster) the output equals multi-head attention exactly. The graph
-rewrite still computes all heads' scores (it is the accuracy reference); the score skipping and
-the smaller K cache are realised in ``tidal.runtime.chai_decode``.
+with k = H (one head per cluster) the output equals multi-head attention exactly. Layers that
+call ``scaled_dot_product_attention`` skip the work: after the first tokens they compute scores
+only for each sequence's representative heads (``tidal::clustered_attention``, reading K only
+for the KV heads those use). Eager attention (the sharing inserted after a softmax the model
+computes itself) and ``nn.MultiheadAttention`` still compute every head's scores and share
+them; the smaller K cache is realised in ``tidal.runtime.chai_decode``.
 
 ``calibrate(model, batches)`` runs the offline phase (elbow + accuracy budget) and returns a
 ``ChaiPlan`` to give back as ``plan=``.
@@ -51,8 +54,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tidal.ir.capture import trace
+from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clustered_attention)
 from tidal.ir import meta
+from tidal.ir.capture import trace
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.head_clusters import (FIRST_TOKENS, Membership, check_count, online_memberships,
                                     static_membership)
@@ -142,13 +146,20 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class ClusteredSDPA(ClusteredHeads):
-    """``F.scaled_dot_product_attention`` spelled out, with the probabilities shared."""
+    """``F.scaled_dot_product_attention`` with the probabilities shared. Once a layer has a
+    cluster count, the query rows after the first ``first`` compute scores only for their
+    sequence's representative heads (``tidal::clustered_attention``, reading K only for the KV
+    heads those use); the first rows run every head, and give the membership. Calibration (an
+    ``observer``) and dropout in training spell every head out."""
 
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 scale=None, enable_gqa=False):  # type: ignore[override]
+        scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+        if self.k is not None and self.observer is None and query.dim() == 4 and \
+                query.shape[2] > self.first and not (dropout_p and self.training):
+            return self._representatives_only(query, key, value, attn_mask, is_causal, scale)
         heads = query.shape[-3]
         key, value = _repeat_kv(key, heads), _repeat_kv(value, heads)
-        scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
         scores = query @ key.transpose(-1, -2) * scale
         if is_causal:
             tq, tk = scores.shape[-2:]
@@ -161,6 +172,30 @@ class ClusteredSDPA(ClusteredHeads):
         if dropout_p and self.training:
             probs = F.dropout(probs, dropout_p)
         return probs @ value
+
+    def _representatives_only(self, query, key, value, attn_mask, is_causal, scale):
+        """The first rows with every head (their probabilities give each sequence's
+        membership), the rest through ``tidal::clustered_attention``."""
+        first, (tq, tk) = self.first, (query.shape[2], key.shape[2])
+        heads = query.shape[1]
+        mask_first = mask_rest = attn_mask
+        if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == tq:
+            mask_first, mask_rest = attn_mask[..., :first, :], attn_mask[..., first:, :]
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)[:first] \
+            if is_causal else None  # the first rows keep their place in the whole block
+        k_all, v_all = _repeat_kv(key, heads), _repeat_kv(value, heads)
+        scores = query[:, :, :first] @ k_all.transpose(-1, -2) * scale
+        if causal is not None:
+            scores = scores.masked_fill(~causal, float("-inf"))
+        if mask_first is not None:
+            scores = scores.masked_fill(~mask_first, float("-inf")) \
+                if mask_first.dtype == torch.bool else scores + mask_first
+        probs = scores.softmax(dim=-1)
+        self.last_membership = self.memberships(probs)
+        rep = torch.tensor([m.rep_of_head for m in self.last_membership], device=query.device)
+        rest = torch.ops.tidal.clustered_attention(query[:, :, first:], key, value, rep,
+                                                   float(scale), bool(is_causal), mask_rest)
+        return torch.cat((probs @ v_all, rest), dim=2)
 
 
 def _mha_attribute(name: str) -> property:
