@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -50,39 +51,95 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return h // key.shape[1]
 
 
-def _masked(scores: torch.Tensor, is_causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    if is_causal:
-        tq, tk = scores.shape[-2:]
-        keep = torch.ones(tq, tk, dtype=torch.bool, device=scores.device).tril(tk - tq)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
-            else scores + mask
-    return scores
+SHORT_ROWS = 16
+"""Blocks of at most this many query rows (decoding) compute each representative's
+probabilities once and share them; longer blocks (prefill) run one fused attention call."""
 
 
 @torch.library.custom_op("tidal::clustered_attention", mutates_args=())
 def clustered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         rep_of_head: torch.Tensor, scale: float, is_causal: bool,
                         attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """See the module docstring."""
+    """See the module docstring. Two ways to the same result, by the block's rows: a short
+    block (decoding, at most :data:`SHORT_ROWS` rows) computes each representative's
+    probabilities once and multiplies them with its members' V heads; a long block runs one
+    fused ``scaled_dot_product_attention`` over the (representative, V head) pairs of its
+    heads (the fused kernels want one V head per score row: a cluster whose members read
+    different V heads computes its representative's scores once per V head, still only with
+    the representative's Q and K)."""
     group = _check(query, key, value, rep_of_head)
     b, h, tq, _ = query.shape
-    mask = None if attn_mask is None else attn_mask.expand(b, h, tq, key.shape[2])
-    heads = torch.arange(h, device=query.device)
+    tk = key.shape[2]
+    mask = None
+    if attn_mask is not None:  # [B or 1, H or 1, Tq, Tk]: a mask shared by heads stays shared
+        mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        mask = mask.expand(b, mask.shape[1], tq, tk)
+    causal = None
+    if is_causal and (tq != tk or mask is not None):  # bottom-right, as a mask
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
     outs = []
     for i, reps_of in enumerate(rep_of_head.tolist()):
-        reps = sorted(set(reps_of))
-        if any(reps_of[r] != r for r in reps):
+        if any(reps_of[r] != r for r in reps_of):
             raise ValueError(f"tidal::clustered_attention: sequence {i}: a representative "
                              f"must represent itself (rep_of_head {reps_of})")
-        where = torch.tensor([reps.index(r) for r in reps_of], device=query.device)
-        rep_index = torch.tensor(reps, device=query.device)
-        scores = query[i, rep_index] @ key[i, rep_index // group].transpose(-1, -2) * scale
-        probs = _masked(scores, is_causal, None if mask is None else mask[i, rep_index])
-        probs = probs.softmax(dim=-1)
-        outs.append(probs[where] @ value[i, heads // group])
+        m = None if mask is None else mask[i]
+        if tq <= SHORT_ROWS:
+            outs.append(_shared(query[i], key[i], value[i], reps_of, group, scale, causal, m,
+                                is_causal and causal is None))
+        else:
+            outs.append(_pairs(query[i], key[i], value[i], reps_of, group, scale, causal, m,
+                               is_causal and causal is None))
     return torch.stack(outs)
+
+
+def _shared(q, k, v, reps_of, group, scale, causal, mask, square_causal) -> torch.Tensor:
+    """One sequence: the representatives' probabilities, each head's from its own."""
+    reps = sorted(set(reps_of))
+    rows = torch.tensor(reps, device=q.device)
+    scores = q[rows] @ k[rows // group].transpose(-1, -2) * scale
+    if square_causal:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    m = _combined(causal, _heads(mask, rows))
+    if m is not None:
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
+    probs = scores.softmax(dim=-1)
+    where = torch.tensor([reps.index(r) for r in reps_of], device=q.device)
+    heads = torch.arange(len(reps_of), device=q.device)
+    return probs[where] @ v[heads // group]
+
+
+def _pairs(q, k, v, reps_of, group, scale, causal, mask, square_causal) -> torch.Tensor:
+    """One sequence: one fused attention over the (representative, V head) pairs."""
+    pairs = sorted({(r, hd // group) for hd, r in enumerate(reps_of)})
+    rep = torch.tensor([r for r, _ in pairs], device=q.device)
+    kv = torch.tensor([x for _, x in pairs], device=q.device)
+    m = _combined(causal, _heads(mask, rep))
+    o = F.scaled_dot_product_attention(  # 4-d: CPU's fused kernel wants a batch dim
+        q[rep][None], k[rep // group][None], v[kv][None],
+        attn_mask=None if m is None else m[None], is_causal=square_causal and q.shape[1] > 1,
+        scale=scale)[0]
+    where = torch.tensor([pairs.index((r, hd // group)) for hd, r in enumerate(reps_of)],
+                         device=q.device)
+    return o[where]
+
+
+def _heads(mask: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """A sequence's mask ``[H or 1, Tq, Tk]`` for the score rows of heads ``rows`` (a mask
+    shared by every head is not copied per head)."""
+    if mask is None or mask.shape[0] == 1:
+        return mask
+    return mask[rows]
+
+
+def _combined(causal: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+              ) -> Optional[torch.Tensor]:
+    """One mask for ``scaled_dot_product_attention`` from a boolean causal mask and the
+    sequence's own (boolean: True keeps; else additive)."""
+    if mask is None or causal is None:
+        return mask if causal is None else causal
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, float("-inf"))
 
 
 @clustered_attention.register_fake

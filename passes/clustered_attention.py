@@ -173,14 +173,26 @@ class ClusteredSDPA(ClusteredHeads):
             probs = F.dropout(probs, dropout_p)
         return probs @ value
 
+    def _kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with one head per KV head: a model that repeated its K/V heads for grouped-
+        query attention before the call (Hugging Face's ``repeat_kv``: head h is KV head
+        h // group) passes copies; the op reads each KV head once, and a cluster whose members
+        share a KV head scores its representative once."""
+        group = self.num_heads // self.num_kv_heads
+        if group == 1 or x.shape[1] != self.num_heads or \
+                not torch.equal(x[:, :group], x[:, :1].expand_as(x[:, :group])):
+            return x
+        return x[:, ::group]
+
     def _representatives_only(self, query, key, value, attn_mask, is_causal, scale):
         """The first rows with every head (their probabilities give each sequence's
         membership), the rest through ``tidal::clustered_attention``."""
         first, (tq, tk) = self.first, (query.shape[2], key.shape[2])
         heads = query.shape[1]
-        mask_first = mask_rest = attn_mask
+        key, value = self._kv_heads(key), self._kv_heads(value)
+        mask_first = attn_mask
         if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == tq:
-            mask_first, mask_rest = attn_mask[..., :first, :], attn_mask[..., first:, :]
+            mask_first = attn_mask[..., :first, :]
         causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)[:first] \
             if is_causal else None  # the first rows keep their place in the whole block
         k_all, v_all = _repeat_kv(key, heads), _repeat_kv(value, heads)
@@ -193,9 +205,11 @@ class ClusteredSDPA(ClusteredHeads):
         probs = scores.softmax(dim=-1)
         self.last_membership = self.memberships(probs)
         rep = torch.tensor([m.rep_of_head for m in self.last_membership], device=query.device)
-        rest = torch.ops.tidal.clustered_attention(query[:, :, first:], key, value, rep,
-                                                   float(scale), bool(is_causal), mask_rest)
-        return torch.cat((probs @ v_all, rest), dim=2)
+        # the op takes every row (a square causal block runs SDPA's fused causal kernel); its
+        # first rows, computed with the representatives' scores, are replaced
+        rest = torch.ops.tidal.clustered_attention(query, key, value, rep, float(scale),
+                                                   bool(is_causal), attn_mask)
+        return torch.cat((probs @ v_all, rest[:, :, first:]), dim=2)
 
 
 def _mha_attribute(name: str) -> property:

@@ -37,10 +37,12 @@ def _reference(q, k, v, rep, scale, causal, mask):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_head_per_cluster_is_scaled_dot_product_attention(heads, kv_heads, causal):
-    q, k, v = _qkv(heads, kv_heads)
+@pytest.mark.parametrize("tq,tk", [(6, 9), (40, 40), (30, 45)])  # decoding rows; prefill
+def test_one_head_per_cluster_is_scaled_dot_product_attention(heads, kv_heads, causal, tq, tk):
+    q, k, v = _qkv(heads, kv_heads, tq=tq, tk=tk)
+    v = v[..., :16]  # the fused kernel's value width is the head's
     rep = torch.arange(heads).repeat(2, 1)
-    keep = torch.ones(6, 9, dtype=torch.bool).tril(3) if causal else None
+    keep = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq) if causal else None
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kv_heads, 1),
                                           v.repeat_interleave(heads // kv_heads, 1),
                                           attn_mask=keep, scale=0.25)
@@ -49,16 +51,20 @@ def test_one_head_per_cluster_is_scaled_dot_product_attention(heads, kv_heads, c
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_clusters_share_their_representatives_probabilities(mask_kind):
-    q, k, v = _qkv(8, 2)
+@pytest.mark.parametrize("tq,tk,causal", [(6, 9, False), (40, 40, True), (30, 45, True)])
+def test_clusters_share_their_representatives_probabilities(mask_kind, tq, tk, causal):
+    # a cluster whose members read different V heads (rows 6..7 of the first sequence) and
+    # one that spans both KV heads (the second sequence): short and long (fused) blocks
+    q, k, v = _qkv(8, 2, tq=tq, tk=tk)
+    v = v[..., :16]
     rep = torch.tensor([[0, 0, 2, 2, 4, 4, 4, 7], [1, 1, 1, 1, 5, 5, 5, 5]])
-    mask = {"none": None,
-            "bool": torch.rand(2, 1, 6, 9, generator=torch.Generator().manual_seed(1)) > 0.2,
-            "additive": torch.randn(2, 1, 6, 9)}[mask_kind]
+    g = torch.Generator().manual_seed(1)
+    mask = {"none": None, "bool": torch.rand(2, 1, tq, tk, generator=g) > 0.2,
+            "additive": torch.randn(2, 1, tq, tk, generator=g)}[mask_kind]
     if mask_kind == "bool":
         mask[..., 0] = True  # every row keeps a key
-    got = torch.ops.tidal.clustered_attention(q, k, v, rep, 0.25, False, mask)
-    torch.testing.assert_close(got, _reference(q, k, v, rep, 0.25, False, mask), **TOL)
+    got = torch.ops.tidal.clustered_attention(q, k, v, rep, 0.25, causal, mask)
+    torch.testing.assert_close(got, _reference(q, k, v, rep, 0.25, causal, mask), **TOL)
     # the scores of 4 + 2 representative heads, not 2 x 8
     assert cao.score_heads(rep) == 6
 
@@ -99,12 +105,15 @@ def test_bad_shapes_and_memberships_are_named():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_clustered_sdpa_scores_only_representatives_and_equals_the_reference(heads, kv_heads):
+@pytest.mark.parametrize("tokens", [12, 40])
+def test_clustered_sdpa_scores_only_representatives_and_equals_the_reference(heads, kv_heads,
+                                                                             tokens):
     # after the first 5 tokens only the representatives' scores are computed; the result is the
     # all-heads reference (every head's probabilities computed, then shared), causal and padded
-    q, k, v = _qkv(heads, kv_heads, tq=12, tk=12)
+    q, k, v = _qkv(heads, kv_heads, tq=tokens, tk=tokens)
+    v = v[..., :16]
     layer = ClusteredSDPA(0, heads, kv_heads, k=2)
-    pad = torch.zeros(2, 1, 1, 12)
+    pad = torch.zeros(2, 1, 1, tokens)
     pad[1, ..., :3] = torch.finfo(torch.float32).min  # left padding, as Hugging Face masks it
     fast = layer(q, k, v, attn_mask=pad, is_causal=True, enable_gqa=True)
     reps = torch.tensor([m.rep_of_head for m in layer.last_membership])
@@ -116,3 +125,18 @@ def test_clustered_sdpa_scores_only_representatives_and_equals_the_reference(hea
     assert cao.score_heads(reps) == 2 * 2 < 2 * heads  # 2 representatives per sequence
     torch.testing.assert_close(fast, slow, **TOL)
     assert all(len(m.representatives) == 2 for m in layer.last_membership)
+
+
+def test_keys_a_model_repeated_for_gqa_are_read_once():
+    # Hugging Face repeats K/V heads (repeat_kv) before its SDPA call: the layer reads each KV
+    # head once (so a cluster within one KV group scores its representative once), and the
+    # result still equals the all-heads reference
+    q, k, v = _qkv(8, 2, tq=40, tk=40)
+    v = v[..., :16]
+    k_rep, v_rep = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    layer = ClusteredSDPA(0, 8, 2, k=2)
+    assert torch.equal(layer._kv_heads(k_rep), k) and layer._kv_heads(q).shape[1] == 8
+    fast = layer(q, k_rep, v_rep, is_causal=True)
+    layer.observer = lambda i, probs: None
+    slow = layer(q, k_rep, v_rep, is_causal=True)
+    torch.testing.assert_close(fast, slow, **TOL)
