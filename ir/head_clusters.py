@@ -159,20 +159,65 @@ def _mean_similarity(sim: torch.Tensor, head: int, members: Sequence[int]) -> fl
     return sim[head, others].mean().item() if others else 0.0
 
 
-def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
-    """Cluster the heads (rows of ``features`` ``[H, ...]``) into ``k`` clusters on cosine
-    distance and pick representatives (see the module docstring)."""
+CLUSTERINGS = ("linkage", "kmeans")
+"""How heads are clustered: ``"linkage"`` (average linkage on cosine distance, as CHAI's public
+code) or ``"kmeans"`` (K-means on the normalised features, as the dissertation's text says)."""
+
+
+def kmeans_labels(features: torch.Tensor, k: int, iterations: int = 100) -> tuple[int, ...]:
+    """K-means cluster labels (numbered by first member) of the rows of ``features`` ``[H,
+    ...]``, each normalised to unit length (float64), deterministic: the first centroid is head
+    0, each next one the head farthest from the centroids so far; Lloyd iterations until the
+    labels stop changing; ties (``same_score``) go to the lowest index.
+
+    >>> f = torch.tensor([[1., 0], [0.9, 0.1], [0, 1.], [0.1, 0.9]])
+    >>> kmeans_labels(f, 2)
+    (0, 0, 1, 1)
+    """
+    n = features.shape[0]
+    check_count(k, n)
+    x = features.reshape(n, -1).double()
+    x = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    chosen = [0]
+    while len(chosen) < k:
+        far = [min(float((x[h] - x[c]).norm()) for c in chosen) for h in range(n)]
+        chosen.append(first_best([h for h in range(n) if h not in chosen], far.__getitem__))
+    centroids = x[chosen].clone()
+    labels: list[int] = []
+    for _ in range(iterations):
+        new = [first_best(list(range(k)), lambda c, h=h: float((x[h] - centroids[c]).norm()),
+                          lowest=True) for h in range(n)]
+        if new == labels:
+            break
+        labels = new
+        for c in range(k):
+            members = [h for h in range(n) if labels[h] == c]
+            if members:
+                centroids[c] = x[members].mean(dim=0)
+    order = {c: i for i, c in enumerate(dict.fromkeys(labels))}
+    return tuple(order[c] for c in labels)
+
+
+def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int],
+               clustering: str = "linkage") -> Membership:
+    """Cluster the heads (rows of ``features`` ``[H, ...]``) into ``k`` clusters
+    (``clustering``: see :data:`CLUSTERINGS`) and pick representatives (see the module
+    docstring)."""
+    if clustering not in CLUSTERINGS:
+        raise ValueError(f"head clustering {clustering!r} is not one of {CLUSTERINGS}")
     sim = cosine_similarity(features)
-    labels = average_linkage(sim, k)
+    labels = average_linkage(sim, k) if clustering == "linkage" else kmeans_labels(features, k)
     return Membership(labels, representatives(labels, sim, kv_of_head))
 
 
 def online_memberships(probs: torch.Tensor, k: int, kv_of_head: Sequence[int],
-                       first: int = FIRST_TOKENS) -> tuple[Membership, ...]:
+                       first: int = FIRST_TOKENS, clustering: str = "linkage"
+                       ) -> tuple[Membership, ...]:
     """Each sequence's membership from its first ``first`` query tokens: ``probs``
     ``[B, H, Tq, Tk]`` attention probabilities (``Tq >= first``). The one function the graph
     and the decode runtime both use, so that they cluster alike."""
-    return tuple(membership(head_features(p, first), k, kv_of_head) for p in probs)
+    return tuple(membership(head_features(p, first), k, kv_of_head, clustering)
+                 for p in probs)
 
 
 def static_membership(sim: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:

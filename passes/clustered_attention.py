@@ -58,8 +58,8 @@ from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clu
 from tidal.ir import meta
 from tidal.ir.capture import trace
 from tidal.ir.inputs import bind_inputs
-from tidal.ir.head_clusters import (FIRST_TOKENS, Membership, check_count, online_memberships,
-                                    static_membership)
+from tidal.ir.head_clusters import (CLUSTERINGS, FIRST_TOKENS, Membership, check_count,
+                                    online_memberships, static_membership)
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
 from tidal.ir.plot import Axis, Series, line_chart, palette
@@ -97,6 +97,7 @@ class ClusteredHeads(torch.nn.Module):
         super().__init__()
         self.layer, self.num_heads, self.num_kv_heads = layer, num_heads, num_kv_heads
         self.first, self.static = first, static
+        self.clustering = "linkage"  # tidal.ir.head_clusters.CLUSTERINGS
         self.k = k
         self.observer: Optional[Callable[[int, torch.Tensor], None]] = None
         self.last_membership: tuple[Membership, ...] = ()
@@ -123,7 +124,7 @@ class ClusteredHeads(torch.nn.Module):
         ``tidal.ir.head_clusters.online_memberships``, as ``ChaiDecoder`` does)."""
         if self.static is not None:
             return (self.static,) * probs.shape[0]
-        return online_memberships(probs, self.k, self.kv_of_head, self.first)
+        return online_memberships(probs, self.k, self.kv_of_head, self.first, self.clustering)
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
         if self.observer is not None:
@@ -406,7 +407,8 @@ class ClusteredAttention(Pass):
 
     Options: ``clusters`` (one k for every layer, or one k or None per layer), or ``plan`` (a
     ``ChaiPlan`` from :func:`calibrate`); ``mode`` "online" (membership from each sequence's
-    first ``first_tokens`` tokens) or "static" (the plan's offline membership). With neither
+    first ``first_tokens`` tokens) or "static" (the plan's offline membership); ``clustering``
+    "linkage" (default) or "kmeans" (a plan's own wins). With neither
     ``clusters`` nor ``plan`` (e.g. under ``passes="auto"``) the pass is not calibrated: it
     leaves the graph unchanged, returns no plan and says so (``NOT_CALIBRATED``). A layer
     given None in ``clusters`` is installed unclustered (what ``calibrate`` observes through).
@@ -416,7 +418,11 @@ class ClusteredAttention(Pass):
 
     def __init__(self, clusters: Union[int, Sequence[Optional[int]], None] = None,
                  plan: Optional[ChaiPlan] = None, mode: str = "online",
-                 first_tokens: int = FIRST_TOKENS) -> None:
+                 first_tokens: int = FIRST_TOKENS, clustering: str = "linkage") -> None:
+        if clustering not in CLUSTERINGS:
+            raise ValueError(f"clustered_attention: clustering must be one of {CLUSTERINGS}, "
+                             f"got {clustering!r}")
+        self.clustering = clustering
         if mode not in ("online", "static"):
             raise ValueError(f"clustered_attention: mode must be 'online' or 'static', "
                              f"got {mode!r}")
@@ -450,8 +456,10 @@ class ClusteredAttention(Pass):
         if self.mode == "static" and choice.chosen_k is not None:
             static = Membership(choice.static_labels, choice.static_reps)
         mod_cls = ClusteredSDPA if match.kind == "sdpa" else ClusteredHeads
-        return mod_cls(match.index, match.num_heads, match.num_kv_heads, choice.chosen_k,
-                       self.first, static)
+        module = mod_cls(match.index, match.num_heads, match.num_kv_heads, choice.chosen_k,
+                         self.first, static)
+        module.clustering = self.plan.clustering if self.plan is not None else self.clustering
+        return module
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         matches = find_attention(gm, ctx.model)
@@ -474,7 +482,8 @@ class ClusteredAttention(Pass):
                 ChaiNodeMeta(m.index, m.num_heads, m.num_kv_heads, c.chosen_k),))
         gm.graph.lint()
         gm.recompile()
-        plan = self.plan or ChaiPlan(tuple(choices), mode=self.mode, first_tokens=self.first)
+        plan = self.plan or ChaiPlan(tuple(choices), mode=self.mode, first_tokens=self.first,
+                                     clustering=self.clustering)
         if plan.mode != self.mode:
             plan = replace(plan, mode=self.mode)
         artifacts = {"chai_clusters.txt": plan.table(), "chai_elbow.svg": elbow_svg(plan)}
@@ -533,9 +542,15 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
               budget: Budget = Budget(),
               embed: Optional[Callable[[Any, tuple], torch.Tensor]] = None,
               holdout: Optional[float] = 0.5, margin: float = 0.5,
-              model_name: str = "the model", log: Callable[[str], None] = lambda m: None
-              ) -> ChaiPlan:
+              model_name: str = "the model", log: Callable[[str], None] = lambda m: None,
+              mode: str = "budget") -> ChaiPlan:
     """CHAI's offline phase on ``batches`` (tuples of positional inputs, e.g. ``(ids,)``).
+
+    ``mode="paper"`` is the dissertation's rule as written: each layer's k is the elbow of its
+    clustering-error curve, and sequences are clustered online by K-means on their first
+    tokens' attention (the plan's ``clustering`` is "kmeans"); the budget is only measured
+    (``final_metric``, and ``held_out_metric`` on the held-out share), not enforced.
+    ``mode="budget"`` (default) is the rule below.
 
     Collects every layer's clustering-error curve (k = 1..H) and elbow on all ``batches``,
     then chooses each layer's k (``chai_calibrate.choose_counts``): on the batches
@@ -546,6 +561,8 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
     budget). With ``budget.metric == "cosine"``,
     ``embed(outputs, batch)`` gives the embeddings compared with the original's.
     """
+    if mode not in ("budget", "paper"):
+        raise ValueError(f"calibrate: mode must be 'budget' or 'paper', got {mode!r}")
     if holdout is None:
         choose_set, check_set = list(batches), []
     else:
@@ -586,6 +603,9 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
     baseline = choose_metric({})
     check_baseline = check_metric({}) if check_metric else None
     errors = {m.layer: stats.errors(m.layer) for m in modules}
+    if mode == "paper":
+        return _paper_plan(model, batches, modules, stats, errors, choose_metric, check_metric,
+                           baseline, check_baseline, budget, model_name, log)
     mildest = {m.layer: mildest_useful_k(m.num_heads, m.num_kv_heads) for m in modules}
     choice = choose_counts(errors, choose_metric, budget, baseline, log, check=check_metric,
                            check_baseline=check_baseline, margin=margin, mildest=mildest)
@@ -594,14 +614,7 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
     log(f"{choice.evaluations} evaluations; {budget.metric} {baseline:.4g} -> "
         f"{choice.metric:.4g} (choose split)"
         + (f", {check_baseline:.4g} -> {choice.held_out:.4g} (held out)" if check_set else ""))
-    layers = []
-    for m, match in zip(modules, find_attention(trace(model, batches[0]), model)):
-        k = counts[m.layer]
-        static = static_membership(stats.similarity(m.layer), k, m.kv_of_head) if k else None
-        layers.append(LayerChoice(
-            m.layer, match.scope, m.num_heads, m.num_kv_heads, match.head_dim, k,
-            elbow(errors[m.layer]), errors[m.layer],
-            static.labels if static else (), static.representatives if static else ()))
+    layers = _layer_choices(model, batches, modules, stats, errors, counts)
     rule = (f"{budget.describe()} (chosen under {budget.tightened(margin).describe()} on "
             f"{len(choose_set)} batch(es)"
             + (f", verified on {len(check_set)} held-out batch(es))" if check_set else ")"))
@@ -610,3 +623,39 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
                     held_out_baseline=check_baseline or 0.0,
                     held_out_metric=choice.held_out if check_set else 0.0,
                     backed_off=choice.backed_off, softened=choice.softened)
+
+
+def _layer_choices(model: torch.nn.Module, batches: Sequence[tuple], modules: list,
+                   stats: HeadStats, errors: dict, counts: dict) -> list[LayerChoice]:
+    """Each layer's :class:`LayerChoice` for the chosen ``counts`` (with CHAI-static's
+    membership from the averaged similarity)."""
+    layers = []
+    for m, match in zip(modules, find_attention(trace(model, batches[0]), model)):
+        k = counts[m.layer]
+        static = static_membership(stats.similarity(m.layer), k, m.kv_of_head) if k else None
+        layers.append(LayerChoice(
+            m.layer, match.scope, m.num_heads, m.num_kv_heads, match.head_dim, k,
+            elbow(errors[m.layer]), errors[m.layer],
+            static.labels if static else (), static.representatives if static else ()))
+    return layers
+
+
+def _paper_plan(model, batches, modules, stats, errors, choose_metric, check_metric, baseline,
+                check_baseline, budget: Budget, model_name: str,
+                log: Callable[[str], None]) -> ChaiPlan:
+    """``calibrate(mode="paper")``: k at every layer's elbow, K-means membership online; the
+    metric measured with them (on the choosing and the held-out batches), not enforced."""
+    counts = {m.layer: elbow(errors[m.layer]) for m in modules}
+    for m in modules:
+        m.clustering = "kmeans"
+    final = choose_metric(counts)
+    held = check_metric(counts) if check_metric else 0.0
+    log(f"paper: k at the elbow {sorted(counts.items())}; {budget.metric} {baseline:.4g} -> "
+        f"{final:.4g}")
+    layers = _layer_choices(model, batches, modules, stats, errors, counts)
+    return ChaiPlan(tuple(layers), clustering="kmeans",
+                    budget=f"paper: each layer's k at its elbow, K-means membership; "
+                           f"{budget.describe()} measured, not enforced",
+                    baseline_metric=baseline, final_metric=final,
+                    verdict=verdict(layers, model_name),
+                    held_out_baseline=check_baseline or 0.0, held_out_metric=held)

@@ -133,6 +133,7 @@ class ChaiDecoder:
         """Each layer's cluster count (and static membership) from ``plan`` or ``counts``."""
         self.first = plan.first_tokens if plan is not None else FIRST_TOKENS
         self.mode = mode or (plan.mode if plan is not None else "online")
+        self.clustering = plan.clustering if plan is not None else "linkage"
         self.static: list[Optional[Membership]] = [None] * len(self.layers)
         if plan is not None:
             if len(plan.layers) != len(self.layers):
@@ -250,7 +251,8 @@ class ChaiDecoder:
         (``tidal.ir.head_clusters.online_memberships``, the function the graph uses)."""
         if self.static[i] is not None:
             return self.static[i]
-        return online_memberships(probs[:1], self.counts[i], self.kv_of_head, self.first)[0]
+        return online_memberships(probs[:1], self.counts[i], self.kv_of_head, self.first,
+                                  self.clustering)[0]
 
     def _step_attention(self, i: int, q, state: DecodeState, n: int) -> torch.Tensor:
         """One query token ``q`` ``[B, H, 1, D]`` over the ``n`` cached positions."""

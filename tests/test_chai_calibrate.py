@@ -302,3 +302,45 @@ def test_online_membership_features_ignore_keys_past_the_first_tokens():
     head = scores[..., :5, :5].masked_fill(~causal[:5, :5], -math.inf).softmax(-1)
     torch.testing.assert_close(head_features(probs[0]), head_features(head[0]))
     assert online_memberships(probs, 2, (0, 0, 1, 1)) == online_memberships(head, 2, (0, 0, 1, 1))
+
+
+def test_paper_mode_takes_every_elbow_and_clusters_by_kmeans_beside_the_budgeted_plan():
+    # mode="paper": k at each layer's elbow, K-means membership online, the budget measured
+    # (not enforced); both plans side by side on the same batches
+    from tidal.ir.head_clusters import kmeans_labels, membership
+
+    torch.manual_seed(0)
+    model = llama_small().eval()
+    batches = [(torch.randint(0, 256, (2, 24)),) for _ in range(4)]
+    paper = calibrate(model, batches, mode="paper")
+    budgeted = calibrate(model, batches, budget=Budget(tolerance=0.03))
+    assert paper.clustering == "kmeans" and budgeted.clustering == "linkage"
+    assert [c.chosen_k for c in paper.layers] == [c.elbow_k for c in paper.layers]
+    assert [c.errors for c in paper.layers] == [c.errors for c in budgeted.layers]
+    assert "paper" in paper.budget and paper.final_metric > 0 and paper.held_out_metric > 0
+    assert Plan.from_json(paper.to_json()) == paper
+    gm = clustered_graph(model, batches[0], ClusteredAttention(plan=paper))
+    with torch.no_grad():
+        gm(*batches[1])
+    clustered = [m for m in chai_modules(gm) if m.k is not None]
+    assert clustered and all(m.clustering == "kmeans" for m in clustered)
+    # the graph's online membership is K-means on the first tokens' attention
+    for m in clustered:
+        probs_features = torch.randn(m.num_heads, 10)
+        assert membership(probs_features, m.k, m.kv_of_head, "kmeans").labels == \
+            kmeans_labels(probs_features, m.k)
+    with pytest.raises(ValueError, match="mode must be"):
+        calibrate(model, batches, mode="elbow")
+    with pytest.raises(ValueError, match="clustering must be"):
+        ClusteredAttention(clusters=2, clustering="spectral")
+
+
+def test_kmeans_is_deterministic_and_separates_clear_groups():
+    from tidal.ir.head_clusters import kmeans_labels
+
+    g = torch.Generator().manual_seed(3)
+    centres = torch.eye(3) * 10
+    rows = torch.cat([centres[c] + 0.1 * torch.randn(3, 3, generator=g) for c in (2, 0, 1)])
+    assert kmeans_labels(rows, 3) == (0, 0, 0, 1, 1, 1, 2, 2, 2)
+    assert kmeans_labels(rows, 3) == kmeans_labels(rows.clone(), 3)
+    assert kmeans_labels(rows, 1) == (0,) * 9 and kmeans_labels(rows, 9) == tuple(range(9))

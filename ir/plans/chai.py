@@ -52,11 +52,14 @@ class LayerChoice:
 @dataclass(frozen=True)
 class ChaiPlan(Plan):
     """Per-layer cluster counts for ``clustered_attention``; ``mode`` "online" (membership from
-    each sequence's first ``first_tokens`` tokens) or "static" (the offline membership)."""
+    each sequence's first ``first_tokens`` tokens) or "static" (the offline membership);
+    ``clustering`` how heads are clustered online (``tidal.ir.head_clusters.CLUSTERINGS``:
+    "kmeans" for ``calibrate(mode="paper")``)."""
 
     layers: tuple[LayerChoice, ...]
     mode: str = "online"
     first_tokens: int = FIRST_TOKENS
+    clustering: str = "linkage"
     budget: str = ""
     baseline_metric: float = 0.0
     final_metric: float = 0.0
@@ -77,7 +80,8 @@ class ChaiPlan(Plan):
     def summary(self) -> str:
         ks = ",".join("-" if c.chosen_k is None else str(c.chosen_k) for c in self.layers)
         return (f"{self.clustered_layers()}/{len(self.layers)} layers clustered "
-                f"(k per layer: {ks}; {self.mode})" + (f"; {self.verdict}" if self.verdict else ""))
+                f"(k per layer: {ks}; {self.mode}"
+                + ("" if self.clustering == "linkage" else f", {self.clustering}") + ")" + (f"; {self.verdict}" if self.verdict else ""))
 
     def table(self) -> str:
         lines = [f"{'layer':>5}  {'scope':<34} {'H':>3} {'KV':>3} {'elbow':>5} {'chosen':>6}  "
