@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tidal.ir.memory_timeline import MemoryTimeline, interleave
+from tidal.ir.memory_timeline import MemoryTimeline, interleave, saved_activations
 from tidal.ir.plan import Plan
 
 _STATE_COPIES = {"SGD": 0.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0,
@@ -126,35 +126,57 @@ def measure_step_bytes(model: torch.nn.Module, inputs: tuple, targets: Any, loss
     prediction beside it: :func:`predicted_state_bytes` and ``timeline.saved_bytes``."""
     twin = copy.deepcopy(model)
     optimizer = make_optimizer(twin.parameters())
-    constant = {t.untyped_storage().data_ptr() for t in list(twin.parameters()) +
-                list(twin.buffers())}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in constant:
-            saved[storage.data_ptr()] = int(storage.nbytes())
-        return t
-
     cuda = next((p.is_cuda for p in twin.parameters()), False)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     optimizer.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_activations(twin) as saved:
         loss = loss_fn(twin(*inputs), targets)
     loss.backward()
     optimizer.step()
     peak = int(torch.cuda.max_memory_allocated()) if cuda else 0
-    tensors = list(twin.parameters()) + list(twin.buffers())
-    tensors += [p.grad for p in twin.parameters() if p.grad is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0]
-    state = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     return StepBytes(batch=int(first.shape[0]) if first is not None else 0,
                      predicted_state=predicted_state_bytes(model, optimizer),
-                     predicted_saved=int(timeline.saved_bytes), measured_state=int(state),
+                     predicted_saved=int(timeline.saved_bytes),
+                     measured_state=state_bytes(twin, optimizer, counters=False),
                      measured_saved=int(sum(saved.values())), allocator_peak=peak)
+
+
+def storage_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """(data pointer, bytes) of ``t``'s storage; None for storages without memory (fake, meta,
+    empty) or tensors without a storage (sparse, subclasses)."""
+    try:
+        s = t.untyped_storage()
+        ptr, nbytes = int(s.data_ptr()), int(s.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+    return (ptr, nbytes) if ptr and nbytes else None
+
+
+def state_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                counters: bool = True) -> int:
+    """Bytes of the training state ``module`` holds: its parameters, buffers and gradients and
+    the tensors in ``optimizer.state`` (momentum, Adam's moments; ``counters``: also the
+    0-dimensional step counters), each storage counted once (tied weights, a gradient that is
+    a view of a flat buffer).
+
+    >>> m = torch.nn.Linear(4, 2)                       # 10 floats
+    >>> state_bytes(m)
+    40
+    >>> m(torch.randn(3, 4)).sum().backward()
+    >>> state_bytes(m)                                  # + the gradients
+    80
+    """
+    tensors: list[torch.Tensor] = list(module.parameters()) + list(module.buffers())
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and (counters or v.dim() > 0)]
+    seen: dict[int, int] = {}
+    for key in filter(None, map(storage_key, tensors)):
+        seen[key[0]] = max(seen.get(key[0], 0), key[1])
+    return sum(seen.values())
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -267,12 +268,12 @@ def interleave(timeline: MemoryTimeline, offset_us: float, samples: int = 200) -
     return Interleaving(times_us=times, tick=tick, tock=tock, offset_us=float(offset_us))
 
 
-def measure_saved_bytes(model: torch.nn.Module, inputs: tuple, targets: Any, loss_fn: Any) -> int:
-    """Bytes of activation storage eager autograd actually saves for backward in one forward
-    (``torch.autograd.graph.saved_tensors_hooks``; each storage counted once, parameters and
-    buffers excluded)."""
-    constant = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    constant |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+@contextlib.contextmanager
+def saved_activations(model: torch.nn.Module) -> Iterator[dict[int, int]]:
+    """While active, the storages autograd saves for backward (``saved_tensors_hooks``), by
+    data pointer -> bytes: each storage once, ``model``'s parameters and buffers excluded."""
+    constant = {t.untyped_storage().data_ptr() for t in list(model.parameters()) +
+                list(model.buffers())}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -282,6 +283,13 @@ def measure_saved_bytes(model: torch.nn.Module, inputs: tuple, targets: Any, los
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def measure_saved_bytes(model: torch.nn.Module, inputs: tuple, targets: Any, loss_fn: Any) -> int:
+    """Bytes of activation storage eager autograd actually saves for backward in one forward
+    (:func:`saved_activations`)."""
+    with saved_activations(model) as seen:
         loss = loss_fn(model(*inputs), targets)
     del loss
     return sum(seen.values())

@@ -56,53 +56,15 @@ import ctypes
 import ctypes.util
 import threading
 import weakref
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
+from tidal.ir.memory_fit import state_bytes, storage_key
+
+__all__ = ["MemoryProbe", "heap_bytes", "state_bytes"]
+
 MIB = 2 ** 20
-
-
-def _storage_key(t: torch.Tensor) -> Optional[tuple[int, int]]:
-    """(data pointer, bytes) of ``t``'s storage; None for storages without memory (fake, meta,
-    empty) or tensors without a storage (sparse, subclasses)."""
-    try:
-        s = t.untyped_storage()
-        ptr, nbytes = int(s.data_ptr()), int(s.nbytes())
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return None
-    return (ptr, nbytes) if ptr and nbytes else None
-
-
-def _unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        key = _storage_key(t)
-        if key is not None:
-            seen[key[0]] = max(seen.get(key[0], 0), key[1])
-    return sum(seen.values())
-
-
-def state_bytes(module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
-                ) -> int:
-    """Bytes of the training state ``module`` holds: its parameters, buffers and gradients and
-    the tensors in ``optimizer.state`` (momentum, Adam's moments, step counters), each storage
-    counted once (tied weights, a gradient that is a view of a flat buffer).
-
-    >>> import torch
-    >>> m = torch.nn.Linear(4, 2)                       # 10 floats
-    >>> state_bytes(m)
-    40
-    >>> m(torch.randn(3, 4)).sum().backward()
-    >>> state_bytes(m)                                  # + the gradients
-    80
-    """
-    tensors: list[torch.Tensor] = list(module.parameters()) + list(module.buffers())
-    tensors += [p.grad for p in module.parameters() if p.grad is not None]
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values()
-                    if isinstance(v, torch.Tensor)]
-    return _unique_storage_bytes(tensors)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -198,7 +160,7 @@ class MemoryProbe:
             tensors = ([item] if isinstance(item, torch.Tensor) else
                        list(item.parameters()) + list(item.buffers()))
             for t in tensors:
-                key = _storage_key(t)
+                key = storage_key(t)
                 if key is not None:
                     ptrs.add(key[0])
         return ptrs
@@ -209,7 +171,7 @@ class MemoryProbe:
             self._sample()
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
             return t
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is None or key[0] in self._constant:
             return t
         ptr, nbytes = key
