@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 import weakref
 from typing import Any, Optional, Union
@@ -73,7 +74,9 @@ class _MallInfo2(ctypes.Structure):
                  "uordblks", "fordblks", "keepcost")]
 
 
-def _load_mallinfo2() -> Any:
+@functools.cache
+def _mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (None where it is missing), looked up on first use."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         fn = libc.mallinfo2
@@ -83,16 +86,15 @@ def _load_mallinfo2() -> Any:
     return fn
 
 
-_MALLINFO2 = _load_mallinfo2()
-
 
 def heap_bytes() -> Optional[int]:
     """Bytes the process's C heap has handed out and not freed (glibc ``mallinfo2``: arena
     chunks in use plus ``mmap``-ed blocks; every thread's tensors and Python objects), or None
     where glibc's ``mallinfo2`` is not available."""
-    if _MALLINFO2 is None:
+    fn = _mallinfo2()
+    if fn is None:
         return None
-    info = _MALLINFO2()
+    info = fn()
     return int(info.uordblks + info.hblkhd)
 
 
