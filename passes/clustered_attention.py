@@ -45,7 +45,6 @@ Example:
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence, Union
@@ -58,6 +57,7 @@ from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clu
 from tidal.ir import meta
 from tidal.ir.capture import trace
 from tidal.ir.inputs import bind_inputs
+from tidal.ir.module_copy import structural_copy
 from tidal.ir.head_clusters import (CLUSTERINGS, FIRST_TOKENS, Membership, check_count,
                                     online_memberships, static_membership)
 from tidal.ir.pass_api import Pass, PassContext, PassResult
@@ -295,20 +295,8 @@ def _unique_name(gm: fx.GraphModule, base: str) -> str:
     return name
 
 
-def _structural_copy(mod: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``mod``'s module tree: new module objects (attributes copied shallowly) sharing
-    ``mod``'s parameters and buffers, so a submodule swapped in the copy leaves ``mod`` as it
-    was."""
-    new = copy.copy(mod)
-    new.__dict__["_modules"] = {name: None if sub is None else _structural_copy(sub)
-                                for name, sub in mod._modules.items()}
-    new.__dict__["_parameters"] = dict(mod._parameters)
-    new.__dict__["_buffers"] = dict(mod._buffers)
-    return new
-
-
 def slow_path_copy(mod: torch.nn.Module) -> torch.nn.Module:
-    """``_structural_copy`` of a torch transformer layer or stack with torch's fused inference
+    """``structural_copy`` of a torch transformer layer or stack with torch's fused inference
     paths off in the copy: no nested-tensor conversion in ``nn.TransformerEncoder``
     (``use_nested_tensor``) and no ``torch._transformer_encoder_layer_fwd`` in
     ``nn.TransformerEncoderLayer`` (``activation_relu_or_gelu`` 0 marks the activation as
@@ -316,7 +304,7 @@ def slow_path_copy(mod: torch.nn.Module) -> torch.nn.Module:
     its ``_sa_block``, which calls ``self_attn``. Padded positions (``src_key_padding_mask``)
     hold what torch's general path computes there, as in training; torch's nested-tensor
     inference path would return zeros there instead."""
-    new = _structural_copy(mod)
+    new = structural_copy(mod)
     for sub in new.modules():
         if isinstance(sub, torch.nn.TransformerEncoder):
             sub.use_nested_tensor = False
