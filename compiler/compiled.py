@@ -47,6 +47,7 @@ class Compiled:
         self.lowered = _lowered(gm, ctx, lower) if self.executor is None else None
         self.train_trace: list = []
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
+        self._generation: Optional[torch.nn.Module] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the compiled forward (through the executor the runtime built for the plans, if
@@ -54,6 +55,53 @@ class Compiled:
         if self.executor is not None:
             return self.executor.forward(self.graph_module, *args, **kwargs)
         return (self.lowered or self.graph_module)(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face ``generate`` with the ``clustered_attention`` plan (CHAI) run in the
+        model's own attention modules and KV cache: after each sequence's first five tokens,
+        scores only for its representative heads, K kept only for the KV heads they read
+        (``tidal.runtime.chai_generate``). Arguments are ``generate``'s; ``past_key_values``,
+        if given, must come from :meth:`new_cache`. Greedy and sampling, batches (left-padded
+        when lengths differ).
+
+        Example:
+            >>> import torch, transformers, tidal
+            >>> from tidal.passes.clustered_attention import ClusteredAttention
+            >>> cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+            ...                               n_positions=64)
+            >>> model = transformers.GPT2LMHeadModel(cfg).eval()
+            >>> ids = torch.randint(0, 64, (2, 9))
+            >>> c = tidal.compile(model, (ids,), passes=[ClusteredAttention(2)])
+            >>> cache = c.new_cache()
+            >>> c.generate(ids, max_new_tokens=4, do_sample=True, past_key_values=cache,
+            ...            pad_token_id=0).shape
+            torch.Size([2, 13])
+            >>> cache.k_cache_bytes() * 2 == cache.v_cache_bytes()   # K of 2 heads of 4
+            True
+        """
+        return self.generation_model().generate(*args, **kwargs)
+
+    def new_cache(self) -> Any:
+        """An empty ``ClusteredKCache`` for :meth:`generate` (``past_key_values=``)."""
+        return self.generation_model().new_cache()
+
+    def generation_model(self) -> torch.nn.Module:
+        """The Hugging Face model with its attention clustered by the ``clustered_attention``
+        plan (a copy sharing the model's parameters; built once). ``ValueError`` without
+        that plan."""
+        if self._generation is None:
+            from tidal.passes.clustered_attention import PASS_NAME as CHAI_PASS
+            from tidal.runtime.chai_generate import generation_model
+
+            plan = self.plan.get(CHAI_PASS)
+            if plan is None:
+                raise ValueError(f"Compiled.generate runs the {CHAI_PASS} plan, and this model "
+                                 f"was compiled without one (passes: "
+                                 f"{', '.join(r.name for r in self.records) or 'none'}); call "
+                                 f"the model's own generate, or compile with "
+                                 f"ClusteredAttention(clusters=...) or a calibrated plan")
+            self._generation = generation_model(self.model, plan)
+        return self._generation
 
     @property
     def plan(self) -> CompiledPlan:

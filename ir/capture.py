@@ -159,6 +159,8 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
             f"cannot trace {type(model).__name__}: transformers.utils.fx is unavailable ({e}); "
             "install the pinned extra: pip install 'tidal[hf]' (transformers==4.47.1)",
             module_type=type(model).__name__) from None
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
     try:
         return hf_fx.symbolic_trace(model, input_names=list(example_inputs),
                                     tracer_cls=_hf_tracer_cls(leaf_modules))
@@ -167,6 +169,9 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
             f"cannot trace Hugging Face model {type(model).__name__} with "
             f"transformers.utils.fx: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
             module_type=type(model).__name__) from e
+    finally:  # the HF tracer turns the model's config.use_cache off: the model keeps its own
+        if use_cache is not None:
+            config.use_cache = use_cache
 
 
 def _record_input_names(gm: fx.GraphModule, model: torch.nn.Module) -> None:

@@ -1,0 +1,397 @@
+"""CHAI's pruned KV cache for Hugging Face ``generate``: K kept only for the KV heads that
+representative heads read (dissertation ch. 6, §6.2.4), V whole.
+
+``ClusteredKCache(plan)`` is a ``transformers.DynamicCache`` (so ``generate`` keeps it, grows it
+by concatenation as it does a ``DynamicCache``, and reads its length) that also does each
+layer's attention: the clustered attention modules of ``tidal.runtime.chai_generate`` call
+``cache.attend(layer, q, k, v, attention_mask, scale)`` instead of ``update`` followed by
+attention. Per sequence of the batch, per clustered layer:
+
+- the first ``plan.first_tokens`` (5) real tokens (after any left padding) use every head; their
+  attention probabilities decide the sequence's membership (``head_clusters.online_memberships``,
+  the function the graph and ``ChaiDecoder`` use; or the plan's offline membership in static
+  mode), fixed for the rest of the sequence;
+- every later query row computes scores only for the sequence's representative heads and each
+  head multiplies its representative's probabilities with its own V;
+- once every sequence of the batch has its membership, K is cut to the KV heads the
+  representatives read: ``[B, G', T, D]`` with ``G'`` the most KV heads any sequence of the
+  batch keeps (a sequence keeping fewer repeats its first kept head in the spare slots), in
+  each sequence's own order. Under multi-head attention ``G'`` is exactly ``k``.
+
+Layers the plan leaves unclustered (``chosen_k`` None) keep K and V whole and run
+``scaled_dot_product_attention``. With one head per cluster the result is the model's own
+attention. Padding must be on the left (what decoder-only ``generate`` wants); a mask with holes
+or right padding is refused with a ``ValueError``. Beam search, contrastive search and
+assisted decoding (which reorder, split or crop the cache) are refused.
+
+Example:
+    >>> import torch
+    >>> from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+    >>> from tidal.runtime.chai_cache import ClusteredKCache
+    >>> plan = ChaiPlan((LayerChoice(0, "attn", num_heads=4, num_kv_heads=4, head_dim=8,
+    ...                              chosen_k=2, elbow_k=2),))
+    >>> cache = ClusteredKCache(plan)
+    >>> q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8)
+    >>> cache.attend(0, q, k, v, None, 8 ** -0.5).shape
+    torch.Size([1, 4, 9, 8])
+    >>> cache.key_cache[0].shape, cache.value_cache[0].shape   # K of 2 of the 4 heads
+    (torch.Size([1, 2, 9, 8]), torch.Size([1, 4, 9, 8]))
+    >>> cache.get_seq_length()
+    9
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clustered_attention)
+from tidal.ir.head_clusters import Membership, online_memberships
+from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+
+
+@dataclass
+class _Layout:
+    """Where a pruned layer keeps what, per sequence: ``kv_keep`` ``[B, G']`` the KV head in
+    each K slot; ``q_index`` ``[B, G', R]`` the representative query heads that score against
+    each slot (padded by repetition); ``slot_of_head`` ``[B, H]`` the score row
+    (``q_index.flatten(1)`` position) each head's probabilities come from."""
+
+    kv_keep: torch.Tensor
+    q_index: torch.Tensor
+    slot_of_head: torch.Tensor
+
+
+def layout(memberships: Sequence[Membership], kv_of_head: Sequence[int],
+           device: torch.device) -> _Layout:
+    """The pruned layout for one layer of a batch with these per-sequence memberships.
+
+    Example:
+        >>> from tidal.ir.head_clusters import Membership
+        >>> m = Membership((0, 0, 1, 1), (1, 2))       # heads 0,1 -> rep 1; heads 2,3 -> rep 2
+        >>> lay = layout([m], kv_of_head=(0, 0, 1, 1), device=torch.device("cpu"))
+        >>> lay.kv_keep.tolist(), lay.q_index.tolist(), lay.slot_of_head.tolist()
+        ([[0, 1]], [[[1], [2]]], [[0, 0, 1, 1]])
+    """
+    keeps, per_kvs = [], []
+    for m in memberships:
+        keep = sorted({kv_of_head[r] for r in m.representatives})
+        keeps.append(keep)
+        per_kvs.append([[r for r in m.representatives if kv_of_head[r] == g] for g in keep])
+    width = max(len(k) for k in keeps)
+    reps = max(len(p) for per_kv in per_kvs for p in per_kv)
+    kv_keep, q_index, slots = [], [], []
+    for m, keep, per_kv in zip(memberships, keeps, per_kvs):
+        rows = [p + [p[0]] * (reps - len(p)) for p in per_kv]
+        rows += [rows[0]] * (width - len(rows))
+        kv_keep.append(keep + [keep[0]] * (width - len(keep)))
+        q_index.append(rows)
+        slot = {r: j * reps + i for j, p in enumerate(per_kv) for i, r in enumerate(p)}
+        slots.append([slot[r] for r in m.rep_of_head])
+    return _Layout(torch.tensor(kv_keep, device=device), torch.tensor(q_index, device=device),
+                   torch.tensor(slots, device=device))
+
+
+@dataclass
+class _LayerState:
+    """One clustered layer's per-sequence progress: the fixed memberships (None: still in its
+    first tokens), the first rows' probabilities ``[B, H, first, first]`` of sequences still
+    open, and the pruned layout once every sequence is fixed."""
+
+    memberships: list[Optional[Membership]]
+    first_rows: Optional[torch.Tensor] = None
+    layout: Optional[_Layout] = None
+
+
+def _kept(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean "may attend" of an HF attention mask (bool: True keeps; float: additive, the
+    dtype's minimum or -inf masks)."""
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def left_pads(mask: Optional[torch.Tensor], batch: int, keys: int) -> list[int]:
+    """Each sequence's count of left-padding positions, from a 4-D attention mask
+    ``[B or 1, 1 or H, Tq, >= keys]`` of the first forward: the leading key columns no query
+    row may attend. ``ValueError`` for holes or right padding.
+
+    Example:
+        >>> m = torch.zeros(2, 1, 1, 4)
+        >>> m[1, ..., :2] = torch.finfo(m.dtype).min
+        >>> left_pads(m, 2, 4)
+        [0, 2]
+    """
+    if mask is None:
+        return [0] * batch
+    if mask.dim() != 4:
+        raise ValueError(f"ClusteredKCache: expected a 4-D attention mask, got shape "
+                         f"{tuple(mask.shape)}")
+    seen = _kept(mask[..., :keys]).any(dim=1).any(dim=1).expand(batch, keys)
+    pads = []
+    for b, row in enumerate(seen.tolist()):
+        pad = row.index(True) if True in row else keys
+        if not all(row[pad:]):
+            raise ValueError(f"ClusteredKCache: sequence {b}'s attention mask has holes or "
+                             f"right padding ({row}); pad on the left (tokenizer.padding_side"
+                             f" = 'left') as decoder-only generation needs; without an attention_mask, "
+                             f"generate masks every prompt token equal to pad_token_id")
+        pads.append(pad)
+    return pads
+
+
+class ClusteredKCache(DynamicCache):
+    """A ``DynamicCache`` holding, for each layer the ``plan`` clusters, K only for the KV heads
+    its representatives read (see the module docstring); layers are the plan's layer
+    indices."""
+
+    def __init__(self, plan: ChaiPlan) -> None:
+        super().__init__()
+        self.plan = plan
+        self.specs: dict[int, LayerChoice] = {c.layer: c for c in plan.layers}
+        self.first = plan.first_tokens
+        self.pads: Optional[list[int]] = None
+        self.states: dict[int, _LayerState] = {}
+
+    # --- what generate and the models read ---
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: D401
+        raise TypeError(
+            f"ClusteredKCache: layer {layer_idx} called update(): it is running the model's own "
+            f"attention, which would attend with K heads the cache no longer holds. Generate "
+            f"with compiled.generate(...) or tidal.runtime.chai_generate.generation_model(...), "
+            f"whose attention calls ClusteredKCache.attend")
+
+    def __getitem__(self, layer_idx: int) -> "LayerView":
+        """``(K, V)`` of one layer (empty tensors before its first token), which is what models
+        with tuple caches (GPT-2, OPT in this transformers) index."""
+        if layer_idx < len(self.key_cache) and self.key_cache[layer_idx].numel():
+            return LayerView(self, layer_idx, self.key_cache[layer_idx],
+                             self.value_cache[layer_idx])
+        empty = torch.empty(0, 0, 0, 0)
+        return LayerView(self, layer_idx, empty, empty)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.key_cache)))
+
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        if layer_idx is None or layer_idx >= len(self.key_cache):
+            return 0
+        return int(self.key_cache[layer_idx].shape[-2]) if self.key_cache[layer_idx].numel() \
+            else 0
+
+    def _refuse(self, what: str) -> None:
+        raise NotImplementedError(f"ClusteredKCache: {what} is not supported (each sequence's "
+                                  f"clusters live in the cache); use greedy or sampling")
+
+    def reorder_cache(self, beam_idx):
+        self._refuse("beam search (reorder_cache)")
+
+    def crop(self, max_length):
+        self._refuse("cropping the cache (assisted decoding)")
+
+    def batch_split(self, full_batch_size, split_size, num_hidden_layers=None):
+        self._refuse("splitting the cache (contrastive search)")
+
+    def batch_repeat_interleave(self, repeats):
+        self._refuse("repeating the batch (beam search / num_return_sequences)")
+
+    def batch_select_indices(self, indices):
+        self._refuse("selecting batch rows")
+
+    # --- what tidal reads ---
+    def k_cache_bytes(self) -> int:
+        """Bytes of K held, every layer."""
+        return sum(k.numel() * k.element_size() for k in self.key_cache)
+
+    def v_cache_bytes(self) -> int:
+        """Bytes of V held, every layer."""
+        return sum(v.numel() * v.element_size() for v in self.value_cache)
+
+    def memberships(self, layer: int) -> list[Optional[Membership]]:
+        """Layer ``layer``'s membership per sequence (None: unclustered, or still in its first
+        tokens)."""
+        state = self.states.get(layer)
+        if state is None:
+            return [None] * (len(self.pads) if self.pads else 0)
+        return list(state.memberships)
+
+    # --- attention ---
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        """Append ``key``/``value`` ``[B, Hkv, Tq, D]`` of the new tokens to layer ``layer``
+        and return the attention of ``query`` ``[B, H, Tq, D]`` over every cached position
+        (``attention_mask``: the model's additive or boolean 4-D mask, or None for causal)."""
+        spec = self.specs.get(layer)
+        if spec is None:
+            raise KeyError(f"ClusteredKCache: layer {layer} is not in the plan (layers "
+                           f"{sorted(self.specs)})")
+        past = self.get_seq_length(layer)
+        b, _, tq, _ = query.shape
+        tk = past + tq
+        if past and tq != 1:
+            raise NotImplementedError(f"ClusteredKCache: layer {layer}: {tq} new tokens on top "
+                                      f"of {past} cached ones (chunked prefill) is not supported")
+        if self.pads is None:
+            self.pads = left_pads(attention_mask, b, tk)
+        if len(self.pads) != b:
+            raise ValueError(f"ClusteredKCache: batch of {b} after a batch of {len(self.pads)}")
+        mask = None if attention_mask is None else attention_mask[..., :tk]
+        if spec.chosen_k is None:
+            keys, values = self._append(layer, key, value, None)
+            return F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=mask is None and tq > 1,
+                scale=scale, enable_gqa=spec.num_heads != spec.num_kv_heads)
+        if not past:
+            return self._prefill(layer, spec, query, key, value, mask, scale)
+        return self._step(layer, spec, query, key, value, mask, scale)
+
+    def _append(self, layer: int, key, value, kv_keep: Optional[torch.Tensor]):
+        """Concatenate the new K (only the kept KV heads when ``kv_keep``) and V."""
+        if layer == 0:
+            self._seen_tokens += value.shape[2]
+        if kv_keep is not None:
+            key = torch.gather(key, 1, kv_keep[:, :, None, None].expand(
+                -1, -1, key.shape[2], key.shape[3]))
+        while len(self.key_cache) <= layer:
+            self.key_cache.append(torch.empty(0))
+            self.value_cache.append(torch.empty(0))
+        if self.key_cache[layer].numel():
+            key = torch.cat((self.key_cache[layer], key), dim=2)
+            value = torch.cat((self.value_cache[layer], value), dim=2)
+        self.key_cache[layer], self.value_cache[layer] = key, value
+        return key, value
+
+    def _membership(self, spec: LayerChoice, probs: torch.Tensor) -> Membership:
+        """A sequence's membership from its first rows' probabilities ``[H, first, first]``."""
+        if self.plan.mode == "static":
+            return Membership(spec.static_labels, spec.static_reps)
+        return online_memberships(probs[None], spec.chosen_k, spec.kv_of_head, self.first,
+                                  self.plan.clustering)[0]
+
+    def _prefill(self, layer: int, spec: LayerChoice, q, k, v, mask, scale) -> torch.Tensor:
+        """Attention over a prompt from an empty cache: each sequence's first real rows with
+        every head (its membership), the rest through ``tidal::clustered_attention``."""
+        b, h, t, d = q.shape
+        first, pads = self.first, self.pads
+        group = h // k.shape[1]
+        rows = (torch.tensor(pads, device=q.device)[:, None]
+                + torch.arange(first, device=q.device)).clamp(max=t - 1)      # [B, F]
+        qf = torch.gather(q, 2, rows[:, None, :, None].expand(b, h, first, d))
+        k_all = k.repeat_interleave(group, 1) if group > 1 else k
+        v_all = v.repeat_interleave(group, 1) if group > 1 else v
+        scores = qf @ k_all.transpose(-1, -2) * scale                        # [B, H, F, T]
+        causal = torch.arange(t, device=q.device)[None, None, :] <= rows[:, :, None]
+        scores = scores.masked_fill(~causal[:, None], float("-inf"))
+        if mask is not None:
+            scores = _add_mask(scores, _mask_rows(mask, rows))
+        probs = scores.softmax(dim=-1)
+        state = _LayerState([None] * b, q.new_zeros(b, h, first, first))
+        for i, pad in enumerate(pads):
+            real = min(t - pad, first)
+            state.first_rows[i, :, :real, :real] = probs[i, :, :real, pad:pad + real]
+            if real == first:
+                state.memberships[i] = self._membership(spec, state.first_rows[i])
+        self.states[layer] = state
+        rep = self._rep_of_head(state, h, q.device)
+        out = torch.ops.tidal.clustered_attention(q, k, v, rep, float(scale), True, mask)
+        heads = probs @ v_all                                                # [B, H, F, D]
+        for i in (i for i, m in enumerate(state.memberships) if m is not None):
+            out[i, :, pads[i]:pads[i] + first] = heads[i]
+        self._append(layer, k, v, None)
+        self._prune_if_fixed(layer, spec, q.device)
+        return out
+
+    def _step(self, layer: int, spec: LayerChoice, q, k, v, mask, scale) -> torch.Tensor:
+        """One new token per sequence over the cache."""
+        state = self.states[layer]
+        if state.layout is not None:
+            keys, values = self._append(layer, k, v, state.layout.kv_keep)
+            return _grouped_decode(q, keys, values, state.layout, mask, scale)
+        keys, values = self._append(layer, k, v, None)
+        b, h, _, d = q.shape
+        n = keys.shape[2]
+        group = h // keys.shape[1]
+        scores = q @ (keys.repeat_interleave(group, 1) if group > 1 else keys).transpose(-1, -2)
+        scores = scores * scale
+        if mask is not None:
+            scores = _add_mask(scores, mask)
+        probs = scores.softmax(dim=-1)                                       # [B, H, 1, n]
+        rep = self._rep_of_head(state, h, q.device)                          # before fixing
+        shared = torch.gather(probs, 1, rep[:, :, None, None].expand_as(probs))
+        for i, pad in enumerate(self.pads):
+            j = n - 1 - pad                               # this token's index among the real
+            if state.memberships[i] is None and j < self.first:
+                state.first_rows[i, :, j, :j + 1] = probs[i, :, 0, pad:pad + j + 1]
+                if j + 1 == self.first:
+                    state.memberships[i] = self._membership(spec, state.first_rows[i])
+        out = shared.view(b, keys.shape[1], group, n) @ values
+        self._prune_if_fixed(layer, spec, q.device)
+        return out.view(b, h, 1, d)
+
+    def _rep_of_head(self, state: _LayerState, heads: int, device) -> torch.Tensor:
+        """``[B, H]`` representatives (every head its own while a sequence is open)."""
+        own = tuple(range(heads))
+        return torch.tensor([own if m is None else m.rep_of_head for m in state.memberships],
+                            device=device)
+
+    def _prune_if_fixed(self, layer: int, spec: LayerChoice, device) -> None:
+        """Once every sequence has its membership: K cut to the kept KV heads."""
+        state = self.states[layer]
+        if state.layout is not None or any(m is None for m in state.memberships):
+            return
+        state.layout = layout(state.memberships, spec.kv_of_head, device)
+        state.first_rows = None
+        keys = self.key_cache[layer]
+        keep = state.layout.kv_keep
+        self.key_cache[layer] = torch.gather(
+            keys, 1, keep[:, :, None, None].expand(-1, -1, keys.shape[2], keys.shape[3]))
+
+
+class LayerView(tuple):
+    """``(K, V)`` of one layer of a :class:`ClusteredKCache`, which models with tuple caches
+    pass back to their attention as ``layer_past``; ``cache`` and ``layer`` lead back."""
+
+    cache: ClusteredKCache
+    layer: int
+
+    def __new__(cls, cache: ClusteredKCache, layer: int, key: torch.Tensor,
+                value: torch.Tensor) -> "LayerView":
+        view = super().__new__(cls, (key, value))
+        view.cache, view.layer = cache, layer
+        return view
+
+
+def _add_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+        else scores + mask
+
+
+def _mask_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` ``[B, F]`` of a 4-D mask (a mask with one row applies to all)."""
+    if mask.shape[-2] == 1:
+        return mask
+    mask = mask.expand(rows.shape[0], *mask.shape[1:])
+    index = rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
+    return torch.gather(mask, 2, index)
+
+
+def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lay: _Layout,
+                    mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query token ``[B, H, 1, D]`` of a pruned layer: scores for the representatives only,
+    against the kept K slots ``[B, G', n, D]`` they read, shared with their members, times each
+    head's own V ``[B, Hkv, n, D]``."""
+    b, h, _, d = q.shape
+    g_kept, reps = lay.q_index.shape[1:]
+    n = keys.shape[2]
+    qr = torch.gather(q[:, :, 0], 1, lay.q_index.reshape(b, -1, 1).expand(-1, -1, d))
+    scores = qr.view(b, g_kept, reps, d) @ keys.transpose(-1, -2) * scale  # [B, G', R, n]
+    if mask is not None:
+        scores = _add_mask(scores, mask)
+    probs = scores.softmax(dim=-1).view(b, g_kept * reps, n)
+    probs = torch.gather(probs, 1, lay.slot_of_head[:, :, None].expand(-1, -1, n))
+    kv = values.shape[1]
+    out = probs.view(b, kv, h // kv, n) @ values
+    return out.view(b, h, 1, d)

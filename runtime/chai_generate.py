@@ -1,0 +1,198 @@
+"""CHAI in Hugging Face ``generate``: the model's own attention modules, clustered, over a
+:class:`~tidal.runtime.chai_cache.ClusteredKCache`.
+
+``generation_model(model, plan)`` returns a copy of the Hugging Face causal LM ``model`` (new
+module objects sharing its parameters; ``model`` is left as it was) whose attention module of
+every layer in the ``ChaiPlan`` (found by the plan's ``scope``, the module path the graph's
+attention matcher recorded) projects Q, K and V as the model does and then calls
+``ClusteredKCache.attend``: scores only for each sequence's representative heads once its first
+five tokens are in, K kept only for the KV heads those read. ``generate(...)`` on the copy uses
+a fresh ``ClusteredKCache`` unless given one as ``past_key_values``; greedy and sampling
+decoding, batches (membership per sequence) and left-padded batches work. A plain forward
+without a cache computes the same clustered attention over the whole sequence (what the
+rewritten graph computes).
+
+The attention families are recognised by their modules, not by the model's name:
+
+- rotary (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and rotary position embeddings):
+  Llama, Qwen2, Mistral and their kin;
+- GPT-2 (``c_attn``/``c_proj``, a tuple cache in this ``transformers``);
+- OPT (``q_proj``/``k_proj``/``v_proj``/``out_proj`` with ``scaling``, a tuple cache).
+
+Anything else is refused with an error naming the module.
+
+Example:
+    >>> import torch, transformers
+    >>> from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+    >>> from tidal.runtime.chai_generate import generation_model
+    >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    ...                                num_hidden_layers=1, num_attention_heads=4,
+    ...                                num_key_value_heads=4)
+    >>> model = transformers.LlamaForCausalLM(cfg).eval()
+    >>> plan = ChaiPlan((LayerChoice(0, "model.layers.0.self_attn", 4, 4, 8, chosen_k=1,
+    ...                              elbow_k=1),))
+    >>> gen = generation_model(model, plan)
+    >>> ids = torch.randint(0, 64, (1, 8))
+    >>> out = gen.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+    ...                    return_dict_in_generate=True)
+    >>> out.sequences.shape, out.past_key_values.key_cache[0].shape[1]   # K of 1 head of 4
+    (torch.Size([1, 11]), 1)
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any, Callable, Optional
+
+import torch
+
+from tidal.ir.module_copy import structural_copy
+from tidal.ir.plans.chai import ChaiPlan
+from tidal.runtime.chai_cache import ClusteredKCache, LayerView
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """What a clustered attention module knows beyond its own weights: its plan layer, the
+    plan (for a cache-less forward) and its module path (for errors)."""
+
+    layer: int
+    plan: ChaiPlan
+    scope: str
+
+    def cache(self, module: torch.nn.Module, past: Any, output_attentions: bool
+              ) -> ClusteredKCache:
+        """The cache to attend with: the one ``generate`` passed (directly, or as a tuple
+        model's per-layer ``LayerView``), or a fresh one for a forward without a cache."""
+        if output_attentions:
+            raise NotImplementedError(f"{self.scope}: clustered attention does not return "
+                                      f"attention weights (output_attentions=True)")
+        if module.training:
+            raise ValueError(f"{self.scope}: the clustered generation model is for inference; "
+                             f"call .eval() first")
+        if isinstance(past, ClusteredKCache):
+            return past
+        if isinstance(past, LayerView):
+            return past.cache
+        if past is None:
+            return ClusteredKCache(self.plan)
+        raise TypeError(f"{self.scope}: clustered attention needs a tidal ClusteredKCache "
+                        f"(compiled.new_cache()), got {type(past).__name__}")
+
+
+def _rotary_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                    past_key_value=None, output_attentions=False, use_cache=False,
+                    cache_position=None, position_embeddings=None, *, _tidal: _Binding,
+                    **kwargs):
+    """Llama-style attention (q/k/v/o projections, rotary embeddings) through the cache."""
+    cache = _tidal.cache(self, past_key_value, output_attentions)
+    b, t, _ = hidden_states.shape
+    d = self.head_dim
+    q = self.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
+    cos, sin = position_embeddings if position_embeddings is not None \
+        else self.rotary_emb(v, position_ids)
+    q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    out = cache.attend(_tidal.layer, q, k, v, attention_mask, getattr(self, "scaling", d ** -0.5))
+    out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    return out, None, past_key_value
+
+
+def _gpt2_forward(self, hidden_states, layer_past=None, attention_mask=None, head_mask=None,
+                  encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False,
+                  output_attentions=False, *, _tidal: _Binding, **kwargs):
+    """GPT-2 attention (fused ``c_attn``) through the cache; the present is the cache's view."""
+    if encoder_hidden_states is not None or head_mask is not None:
+        raise NotImplementedError(f"{_tidal.scope}: cross-attention and head_mask are not "
+                                  f"supported by clustered generation")
+    cache = _tidal.cache(self, layer_past, output_attentions)
+    b, t, _ = hidden_states.shape
+    h, d = self.num_heads, self.head_dim
+    q, k, v = (x.view(b, t, h, d).transpose(1, 2)
+               for x in self.c_attn(hidden_states).split(self.split_size, dim=2))
+    scale = d ** -0.5 if self.scale_attn_weights else 1.0
+    if self.scale_attn_by_inverse_layer_idx:
+        scale /= float(self.layer_idx + 1)
+    out = cache.attend(_tidal.layer, q, k, v, attention_mask, scale)
+    out = self.resid_dropout(self.c_proj(out.transpose(1, 2).reshape(b, t, h * d)))
+    return out, (cache[_tidal.layer] if use_cache else None)
+
+
+def _opt_forward(self, hidden_states, key_value_states=None, past_key_value=None,
+                 attention_mask=None, layer_head_mask=None, output_attentions=False, *,
+                 _tidal: _Binding, **kwargs):
+    """OPT attention (Q scaled by ``scaling``) through the cache."""
+    if key_value_states is not None or layer_head_mask is not None:
+        raise NotImplementedError(f"{_tidal.scope}: cross-attention and layer_head_mask are "
+                                  f"not supported by clustered generation")
+    cache = _tidal.cache(self, past_key_value, output_attentions)
+    b, t, _ = hidden_states.shape
+    h, d = self.num_heads, self.head_dim
+    q, k, v = (proj(hidden_states).view(b, t, h, d).transpose(1, 2)
+               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    out = cache.attend(_tidal.layer, q, k, v, attention_mask, self.scaling)
+    out = self.out_proj(out.transpose(1, 2).reshape(b, t, h * d))
+    return out, None, cache[_tidal.layer]
+
+
+def attention_family(module: torch.nn.Module, scope: str = "") -> Callable[..., Any]:
+    """The clustered forward for ``module``'s attention family (see the module docstring);
+    ``TypeError`` naming ``scope`` and the class when it is none of them."""
+    has = lambda *names: all(hasattr(module, n) for n in names)  # noqa: E731
+    if has("c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", 0):
+        return _gpt2_forward
+    if has("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"):
+        return _rotary_forward
+    if has("q_proj", "k_proj", "v_proj", "out_proj", "scaling") and \
+            not getattr(module, "is_cross_attention", False):
+        return _opt_forward
+    raise TypeError(f"clustered generation: the attention module at {scope or '?'} "
+                    f"({type(module).__name__}) is not a Llama-style, GPT-2 or OPT attention")
+
+
+def generation_model(model: torch.nn.Module, plan: ChaiPlan) -> torch.nn.Module:
+    """A copy of the Hugging Face causal LM ``model`` whose attention layers in ``plan`` are
+    clustered and cached by ``ClusteredKCache`` (see the module docstring)."""
+    if not callable(getattr(model, "generate", None)):
+        raise TypeError(f"clustered generation needs a Hugging Face causal LM with generate(); "
+                        f"{type(model).__name__} has none (for tidal's own decoder of "
+                        f"Llama-architecture models see tidal.runtime.chai_decode.ChaiDecoder)")
+    gen = structural_copy(model).eval()
+    for choice in plan.layers:
+        try:
+            module = gen.get_submodule(choice.scope)
+        except AttributeError:
+            raise ValueError(f"clustered generation: the plan's layer {choice.layer} is at "
+                             f"{choice.scope!r}, which {type(model).__name__} does not have "
+                             f"(a plan calibrated for another model?)") from None
+        forward = attention_family(module, choice.scope)
+        binding = _Binding(choice.layer, plan, choice.scope)
+        module.forward = MethodType(
+            lambda self, *a, _f=forward, _b=binding, **kw: _f(self, *a, _tidal=_b, **kw), module)
+    if not getattr(gen, "_supports_cache_class", True):
+        # a tuple-cache model (GPT-2, OPT here): its code indexes past[i][0], which the
+        # cache's LayerView answers, and its attention is ours; generate's check that it
+        # takes no Cache object is skipped for it
+        gen._validate_model_kwargs = MethodType(_validate_without_cache, gen)
+    gen.generate = MethodType(_generate, gen)
+    gen.new_cache = lambda: ClusteredKCache(plan)
+    return gen
+
+
+def _validate_without_cache(self, model_kwargs: dict) -> None:
+    """``generate``'s argument check, without the cache (see ``generation_model``)."""
+    rest = {k: v for k, v in model_kwargs.items() if k != "past_key_values"}
+    type(self)._validate_model_kwargs(self, rest)
+
+
+def _generate(self, *args: Any, past_key_values: Optional[ClusteredKCache] = None,
+              **kwargs: Any) -> Any:
+    """``generate`` of the model's class with a fresh ``ClusteredKCache`` unless one is given."""
+    if past_key_values is None:
+        past_key_values = self.new_cache()
+    elif not isinstance(past_key_values, ClusteredKCache):
+        raise TypeError(f"generate: past_key_values must be a tidal ClusteredKCache "
+                        f"(compiled.new_cache()), got {type(past_key_values).__name__}")
+    return type(self).generate(self, *args, past_key_values=past_key_values, **kwargs)

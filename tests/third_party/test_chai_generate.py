@@ -1,0 +1,227 @@
+"""CHAI in Hugging Face ``generate`` (issue 20, item 2): ``compiled.generate`` runs the model's
+own attention modules clustered over ``ClusteredKCache``, which keeps K only for the KV heads
+representatives read.
+
+Reference semantics: with one head per cluster, Hugging Face's own ``generate``; with fewer, the
+compiled graph (``clustered_attention``) run on the generated sequence (teacher forcing), and
+tidal's side decoder ``ChaiDecoder`` for Llama. Tolerances: logits within 1e-4 (float32, kernels
+of different shapes)."""
+import pytest
+import torch
+
+import tidal
+from tidal.passes.clustered_attention import ClusteredAttention
+from tidal.runtime.chai_decode import ChaiDecoder
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _decoder(name: str, impl: str = "sdpa"):
+    t = transformers
+    torch.manual_seed(0)
+    if name in ("llama", "qwen2", "mistral"):
+        config_cls, model_cls = {"llama": (t.LlamaConfig, t.LlamaForCausalLM),
+                                 "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM),
+                                 "mistral": (t.MistralConfig, t.MistralForCausalLM)}[name]
+        model = model_cls(config_cls(**SMALL, attn_implementation=impl))
+    elif name == "gpt2":
+        model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8,
+                                               n_positions=128, attn_implementation=impl))
+    else:
+        model = t.OPTForCausalLM(t.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
+                                             num_hidden_layers=2, num_attention_heads=8,
+                                             max_position_embeddings=128, word_embed_proj_dim=64,
+                                             attn_implementation=impl, pad_token_id=0))
+    return model.eval()
+
+
+def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _compiled(model, ids, k):
+    return tidal.compile(model, (ids,), passes=[ClusteredAttention(clusters=k)])
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out["logits"]
+
+
+def _gen(target, ids, new=6, **kw):
+    return target.generate(ids, max_new_tokens=new, pad_token_id=0, return_dict_in_generate=True,
+                           output_logits=True, **kw)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "opt"])
+def test_one_head_per_cluster_is_hf_generate(name):
+    model = _decoder(name)
+    ids = _ids(2, 9)
+    compiled = _compiled(model, ids, 8)
+    ours, theirs = _gen(compiled, ids, do_sample=False), _gen(model, ids, do_sample=False)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    torch.testing.assert_close(torch.stack(ours.logits), torch.stack(theirs.logits), **TOL)
+
+
+@pytest.mark.parametrize("name,impl", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"),
+                                       ("opt", "sdpa")])
+def test_clustered_generate_is_the_graph_teacher_forced(name, impl):
+    model = _decoder(name, impl)
+    ids = _ids(1, 11)
+    compiled = _compiled(model, ids, 2)
+    out = _gen(compiled, ids, new=7, do_sample=False)
+    with torch.no_grad():
+        graph = _logits(compiled(out.sequences))
+    torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 10:17], **TOL)
+    # the compiled graph is the reference only if it clusters too: it differs from the model
+    with torch.no_grad():
+        assert (graph - model(out.sequences).logits).abs().max() > 1e-3
+
+
+def test_generate_equals_the_side_decoder_on_the_zoo_llama():
+    from examples.models import llama_small
+
+    zoo = llama_small().eval()
+    cfg = zoo.config
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=getattr(cfg, "rope_theta", 10000.0), tie_word_embeddings=False,
+        attn_implementation="sdpa"))
+    missing = hf.load_state_dict(zoo.state_dict(), strict=False)
+    assert not missing.missing_keys, missing
+    hf.eval()
+    ids = torch.randint(1, cfg.vocab_size, (1, 14), generator=torch.Generator().manual_seed(3))
+    compiled = _compiled(hf, ids, 1)
+    ours = compiled.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    side = ChaiDecoder(hf, plan=compiled.plan.get("clustered_attention")).generate(ids, 8)
+    assert torch.equal(ours, side)
+
+
+def test_generate_equals_the_graph_on_a_gpt2_config_greedy_tokens():
+    model = _decoder("gpt2")
+    ids = _ids(1, 10, seed=5)
+    compiled = _compiled(model, ids, 3)
+    ours = compiled.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    seq = ids
+    with torch.no_grad():  # greedy by recomputing the whole sequence through the graph
+        for _ in range(6):
+            seq = torch.cat((seq, _logits(compiled(seq))[:, -1:].argmax(-1)), dim=1)
+    assert torch.equal(ours, seq)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cache_holds_exactly_the_kept_k_heads(name):
+    model = _decoder(name)
+    ids = _ids(1, 12)
+    compiled = _compiled(model, ids, 3)
+    cache = compiled.new_cache()
+    compiled.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                      past_key_values=cache)
+    plan = compiled.plan.get("clustered_attention")
+    length = 12 + 4 - 1          # the last token is sampled, never fed
+    want_k = want_v = 0
+    for c in plan.layers:
+        (mem,) = cache.memberships(c.layer)
+        kept = len({c.kv_of_head[r] for r in mem.representatives})
+        want_k += kept * length * c.head_dim * 4
+        want_v += c.num_kv_heads * length * c.head_dim * 4
+        assert cache.key_cache[c.layer].shape == (1, kept, length, c.head_dim)
+    assert cache.k_cache_bytes() == want_k and cache.v_cache_bytes() == want_v
+    assert want_k < want_v
+    if name == "gpt2":  # multi-head attention: K of exactly k heads per layer
+        assert cache.k_cache_bytes() * 8 == cache.v_cache_bytes() * 3
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_batch_of_three_equals_three_single_runs(name):
+    model = _decoder(name)
+    ids = _ids(3, 10, seed=7)
+    compiled = _compiled(model, ids, 2)
+    cache = compiled.new_cache()
+    batch = _gen(compiled, ids, do_sample=False, past_key_values=cache)
+    memberships = [cache.memberships(layer) for layer in (0, 1)]
+    assert any(len(set(per_seq)) > 1 for per_seq in memberships), memberships
+    for i in range(3):
+        single = _gen(compiled, ids[i:i + 1], do_sample=False)
+        assert torch.equal(batch.sequences[i:i + 1], single.sequences)
+        torch.testing.assert_close(torch.stack(batch.logits)[:, i:i + 1],
+                                   torch.stack(single.logits), **TOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_left_padded_batch_equals_single_runs(name):
+    model = _decoder(name)
+    lengths = (12, 7, 3)        # the 3-token prompt fixes its clusters while decoding
+    prompts = [_ids(1, n, seed=10 + n)[0] for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    compiled = _compiled(model, _ids(1, 12), 2)
+    batch = _gen(compiled, ids, new=6, do_sample=False, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        single = _gen(compiled, p[None], new=6, do_sample=False)
+        assert torch.equal(batch.sequences[i, width:], single.sequences[0, len(p):])
+        torch.testing.assert_close(torch.stack(batch.logits)[:, i:i + 1],
+                                   torch.stack(single.logits), **TOL)
+
+
+def test_sampling_with_one_head_per_cluster_is_hf_sampling():
+    model = _decoder("llama")
+    ids = _ids(2, 9)
+    compiled = _compiled(model, ids, 8)
+    torch.manual_seed(11)
+    ours = compiled.generate(ids, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0)
+    torch.manual_seed(11)
+    theirs = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+
+
+def test_sampling_clustered_is_the_graph_teacher_forced():
+    model = _decoder("llama")
+    ids = _ids(1, 9)
+    compiled = _compiled(model, ids, 2)
+    torch.manual_seed(4)
+    out = _gen(compiled, ids, new=6, do_sample=True, temperature=1.5)
+    with torch.no_grad():
+        graph = _logits(compiled(out.sequences))
+    torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 8:14], **TOL)
+
+
+def test_the_model_is_left_as_it_was():
+    model = _decoder("llama")
+    ids = _ids(1, 9)
+    before = _gen(model, ids, do_sample=False)
+    compiled = _compiled(model, ids, 2)
+    clustered = _gen(compiled, ids, do_sample=False)
+    assert "forward" not in vars(model.model.layers[0].self_attn)
+    after = _gen(model, ids, do_sample=False)
+    assert torch.equal(torch.stack(after.logits), torch.stack(before.logits))
+    assert not torch.equal(torch.stack(clustered.logits), torch.stack(before.logits))
+    assert model.config.use_cache  # tracing does not leave the model's config changed
+
+
+def test_clear_errors():
+    model = _decoder("llama")
+    ids = _ids(1, 9)
+    compiled = _compiled(model, ids, 2)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        compiled.generate(ids, max_new_tokens=3, num_beams=2, pad_token_id=0)
+    with pytest.raises(TypeError, match="ClusteredKCache"):
+        compiled.generate(ids, max_new_tokens=3, past_key_values=transformers.DynamicCache())
+    right = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0]])
+    with pytest.raises(ValueError, match="right padding"):
+        compiled.generate(ids, attention_mask=right, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(TypeError, match="update"):   # the model's own attention on our cache
+        model(ids, past_key_values=compiled.new_cache())
+    plain = tidal.compile(model, (ids,), passes=[])
+    with pytest.raises(ValueError, match="clustered_attention"):
+        plain.generate(ids, max_new_tokens=2)
