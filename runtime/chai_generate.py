@@ -61,10 +61,15 @@ class _Binding:
     plan: ChaiPlan
     scope: str
 
-    def cache(self, module: torch.nn.Module, past: Any, output_attentions: bool
-              ) -> ClusteredKCache:
+    def cache(self, module: torch.nn.Module, past: Any, output_attentions: bool,
+              **unsupported: Any) -> ClusteredKCache:
         """The cache to attend with: the one ``generate`` passed (directly, or as a tuple
-        model's per-layer ``LayerView``), or a fresh one for a forward without a cache."""
+        model's per-layer ``LayerView``), or a fresh one for a forward without a cache.
+        ``unsupported``: arguments that must be None (cross-attention, head masks)."""
+        given = sorted(name for name, value in unsupported.items() if value is not None)
+        if given:
+            raise NotImplementedError(f"{self.scope}: clustered generation does not support "
+                                      f"{', '.join(given)}")
         if output_attentions:
             raise NotImplementedError(f"{self.scope}: clustered attention does not return "
                                       f"attention weights (output_attentions=True)")
@@ -81,22 +86,24 @@ class _Binding:
                         f"(compiled.new_cache()), got {type(past).__name__}")
 
 
+def _heads(projections, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """``[B, T, heads * D]`` projections as ``[B, heads, T, D]``."""
+    return tuple(x.unflatten(-1, (-1, head_dim)).transpose(1, 2) for x in projections)
+
+
 def _rotary_forward(self, hidden_states, attention_mask=None, position_ids=None,
                     past_key_value=None, output_attentions=False, use_cache=False,
                     cache_position=None, position_embeddings=None, *, _tidal: _Binding,
                     **kwargs):
     """Llama-style attention (q/k/v/o projections, rotary embeddings) through the cache."""
     cache = _tidal.cache(self, past_key_value, output_attentions)
-    b, t, _ = hidden_states.shape
     d = self.head_dim
-    q = self.q_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
-    k = self.k_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
-    v = self.v_proj(hidden_states).view(b, t, -1, d).transpose(1, 2)
+    q, k, v = _heads((p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj)), d)
     cos, sin = position_embeddings if position_embeddings is not None \
         else self.rotary_emb(v, position_ids)
     q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
     out = cache.attend(_tidal.layer, q, k, v, attention_mask, getattr(self, "scaling", d ** -0.5))
-    out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    out = self.o_proj(out.transpose(1, 2).flatten(2))
     return out, None, past_key_value
 
 
@@ -104,19 +111,14 @@ def _gpt2_forward(self, hidden_states, layer_past=None, attention_mask=None, hea
                   encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False,
                   output_attentions=False, *, _tidal: _Binding, **kwargs):
     """GPT-2 attention (fused ``c_attn``) through the cache; the present is the cache's view."""
-    if encoder_hidden_states is not None or head_mask is not None:
-        raise NotImplementedError(f"{_tidal.scope}: cross-attention and head_mask are not "
-                                  f"supported by clustered generation")
-    cache = _tidal.cache(self, layer_past, output_attentions)
-    b, t, _ = hidden_states.shape
-    h, d = self.num_heads, self.head_dim
-    q, k, v = (x.view(b, t, h, d).transpose(1, 2)
-               for x in self.c_attn(hidden_states).split(self.split_size, dim=2))
-    scale = d ** -0.5 if self.scale_attn_weights else 1.0
+    cache = _tidal.cache(self, layer_past, output_attentions, head_mask=head_mask,
+                         encoder_hidden_states=encoder_hidden_states)
+    q, k, v = _heads(self.c_attn(hidden_states).split(self.split_size, dim=2), self.head_dim)
+    scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
     if self.scale_attn_by_inverse_layer_idx:
         scale /= float(self.layer_idx + 1)
     out = cache.attend(_tidal.layer, q, k, v, attention_mask, scale)
-    out = self.resid_dropout(self.c_proj(out.transpose(1, 2).reshape(b, t, h * d)))
+    out = self.resid_dropout(self.c_proj(out.transpose(1, 2).flatten(2)))
     return out, (cache[_tidal.layer] if use_cache else None)
 
 
@@ -124,16 +126,12 @@ def _opt_forward(self, hidden_states, key_value_states=None, past_key_value=None
                  attention_mask=None, layer_head_mask=None, output_attentions=False, *,
                  _tidal: _Binding, **kwargs):
     """OPT attention (Q scaled by ``scaling``) through the cache."""
-    if key_value_states is not None or layer_head_mask is not None:
-        raise NotImplementedError(f"{_tidal.scope}: cross-attention and layer_head_mask are "
-                                  f"not supported by clustered generation")
-    cache = _tidal.cache(self, past_key_value, output_attentions)
-    b, t, _ = hidden_states.shape
-    h, d = self.num_heads, self.head_dim
-    q, k, v = (proj(hidden_states).view(b, t, h, d).transpose(1, 2)
-               for proj in (self.q_proj, self.k_proj, self.v_proj))
+    cache = _tidal.cache(self, past_key_value, output_attentions, layer_head_mask=layer_head_mask,
+                         key_value_states=key_value_states)
+    q, k, v = _heads((p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj)),
+                     self.head_dim)
     out = cache.attend(_tidal.layer, q, k, v, attention_mask, self.scaling)
-    out = self.out_proj(out.transpose(1, 2).reshape(b, t, h * d))
+    out = self.out_proj(out.transpose(1, 2).flatten(2))
     return out, None, cache[_tidal.layer]
 
 
