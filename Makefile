@@ -37,7 +37,9 @@ attention-models: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,hf,attention]'
 
 bench-chai: attention-models
-	$(PY) benchmarks/chai.py --repeats 3
+	mkdir -p $(OUT)
+	$(PY) benchmarks/chai.py --repeats 3 --save-plan $(OUT)/chai-plan.json
+	$(PY) benchmarks/chai_generate.py --plan $(OUT)/chai-plan.json
 
 clean:
 	rm -rf $(OUT) build *.egg-info
