@@ -225,3 +225,25 @@ def test_clear_errors():
     plain = tidal.compile(model, (ids,), passes=[])
     with pytest.raises(ValueError, match="clustered_attention"):
         plain.generate(ids, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("how", ["kmeans", "static"])
+def test_kmeans_and_static_plans_generate_as_the_graph(how):
+    from dataclasses import replace
+
+    model = _decoder("llama")
+    ids = _ids(2, 10, seed=21)
+    if how == "kmeans":
+        compiled = tidal.compile(model, (ids,), passes=[ClusteredAttention(2, clustering=how)])
+    else:
+        plan = _compiled(model, ids, 2).plan.get("clustered_attention")
+        layers = tuple(replace(c, static_labels=(0, 0, 1, 1, 0, 0, 1, 1), static_reps=(0, 2))
+                       for c in plan.layers)
+        compiled = tidal.compile(model, (ids,), passes=[ClusteredAttention(
+            plan=replace(plan, layers=layers), mode="static")])
+    assert compiled.plan.get("clustered_attention").clustering == \
+        ("kmeans" if how == "kmeans" else "linkage")
+    out = _gen(compiled, ids, do_sample=False)
+    with torch.no_grad():
+        graph = _logits(compiled(out.sequences))
+    torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 9:15], **TOL)
