@@ -55,6 +55,7 @@ def test_one_head_per_cluster_equals_original(name):
         out = out[0] if isinstance(out, tuple) else _logits(out)
     torch.testing.assert_close(out, ref, **TOL)
     assert all(len(m.last_membership) == args[0].shape[0] for m in mods)  # the path really ran
+    assert all(m.last_route == "representatives" for m in mods)  # tidal::clustered_attention
 
 
 class PaddedMHA(torch.nn.Module):

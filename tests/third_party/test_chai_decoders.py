@@ -1,13 +1,15 @@
 """CHAI on the decoders Hugging Face ships (issue 20, item 4): ``clustered_attention`` finds
 the attention of Llama, Qwen2, Mistral, GPT-2 and OPT by the graph pattern (not by model name),
-eager and sdpa, and with one head per cluster the logits are the model's. OPT's eager
-attention (``bmm`` on ``[B*H, T, D]`` with the scaling folded into Q) is not matched yet: a
-strict xfail that flips when it is."""
+eager and sdpa (OPT's eager attention: ``bmm`` on ``[B*H, T, D]`` with the scaling folded into
+Q), every layer computes the rows after the first five through ``tidal::clustered_attention``,
+and with one head per cluster the logits are the model's."""
 import pytest
 import torch
 
 import tidal
 from tidal.passes.clustered_attention import ClusteredAttention
+
+from test_chai_eager_op import OpCalls
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,13 +33,8 @@ def _decoder(name: str, impl: str):
                                         attn_implementation=impl))
 
 
-CASES = [pytest.param(name, impl, marks=pytest.mark.xfail(
-             strict=True, reason="OPT's eager bmm attention is not matched yet")
-         if (name, impl) == ("opt", "eager") else ())
-         for name in ("llama", "qwen2", "mistral", "gpt2", "opt") for impl in ("eager", "sdpa")]
-
-
-@pytest.mark.parametrize("name,impl", CASES)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "opt"])
 def test_every_attention_layer_is_found_and_one_head_per_cluster_is_exact(name, impl):
     torch.manual_seed(0)
     model = _decoder(name, impl).eval()
@@ -45,8 +42,12 @@ def test_every_attention_layer_is_found_and_one_head_per_cluster_is_exact(name, 
     compiled = tidal.compile(model, (ids,), passes=[ClusteredAttention(clusters=4)])
     plan = compiled.plan.get("clustered_attention")
     assert plan is not None and len(plan.layers) == 2, compiled.report()
+    (record,) = [r for r in compiled.records if r.name == "clustered_attention"]
+    assert len(record.notes) == 1, record.notes     # no layer left sharing after the softmax
     with torch.no_grad():
         want = model(ids).logits
-        out = compiled(ids)
+        with OpCalls() as calls:
+            out = compiled(ids)
+    assert calls.count == 2     # one per layer: the rows after the first five
     got = out.logits if hasattr(out, "logits") else out["logits"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
