@@ -39,8 +39,9 @@ scores are computed, and the probabilities shared after the softmax, for calibra
 ``observer``), dropout in training, gradients (the op has no backward), masks or scales the op
 cannot take, and with ``representatives_only`` off (the reference, for checks); each module's
 ``last_route`` says which way its last call went. Layers left with a ``ClusteredHeads`` after
-the softmax always compute every head. The smaller K cache is realised in
-``tidal.runtime.chai_decode``.
+the softmax always compute every head. The smaller K cache is realised by
+``tidal.runtime.chai_cache`` (Hugging Face ``generate`` through ``compiled.generate``) and
+``tidal.runtime.chai_decode`` (tidal's own decoder).
 
 ``calibrate(model, batches)`` runs the offline phase (elbow + accuracy budget) and returns a
 ``ChaiPlan`` to give back as ``plan=``.
