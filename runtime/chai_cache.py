@@ -55,14 +55,19 @@ from tidal.ir.plans.chai import ChaiPlan, LayerChoice
 
 @dataclass
 class _Layout:
-    """Where a pruned layer keeps what, per sequence: ``kv_keep`` ``[B, G']`` the KV head in
-    each K slot; ``q_index`` ``[B, G', R]`` the representative query heads that score against
+    """Where a pruned layer keeps what, per sequence (``whole``: nothing to prune or save):
+    ``kv_keep`` ``[B, G']`` the KV head in each K slot; ``q_index`` ``[B, G', R]`` the representative query heads that score against
     each slot (padded by repetition); ``slot_of_head`` ``[B, H]`` the score row
     (``q_index.flatten(1)`` position) each head's probabilities come from."""
 
     kv_keep: torch.Tensor
     q_index: torch.Tensor
     slot_of_head: torch.Tensor
+
+    whole: bool = False
+    """Every sequence keeps every KV head (in order) and the padded layout would score at
+    least as many rows as there are heads: the decode step then scores every head and shares,
+    which costs no more, and K is not cut."""
 
 
 def layout(memberships: Sequence[Membership], kv_of_head: Sequence[int],
@@ -91,8 +96,10 @@ def layout(memberships: Sequence[Membership], kv_of_head: Sequence[int],
         q_index.append(rows)
         slot = {r: j * reps + i for j, p in enumerate(per_kv) for i, r in enumerate(p)}
         slots.append([slot[r] for r in m.rep_of_head])
+    whole = all(k == list(range(len(kv_keep[0]))) for k in kv_keep) and \
+        width * reps >= len(kv_of_head) and len(kv_keep[0]) == len(set(kv_of_head))
     return _Layout(torch.tensor(kv_keep, device=device), torch.tensor(q_index, device=device),
-                   torch.tensor(slots, device=device))
+                   torch.tensor(slots, device=device), whole)
 
 
 @dataclass
@@ -307,9 +314,10 @@ class ClusteredKCache(DynamicCache):
     def _step(self, layer: int, spec: LayerChoice, q, k, v, mask, scale) -> torch.Tensor:
         """One new token per sequence over the cache."""
         state = self.states[layer]
-        if state.layout is not None:
-            keys, values = self._append(layer, k, v, state.layout.kv_keep)
-            return _grouped_decode(q, keys, values, state.layout, mask, scale)
+        lay = state.layout
+        if lay is not None and not lay.whole:
+            keys, values = self._append(layer, k, v, lay.kv_keep)
+            return _grouped_decode(q, keys, values, lay, mask, scale)
         keys, values = self._append(layer, k, v, None)
         b, h, _, d = q.shape
         n = keys.shape[2]
@@ -321,7 +329,7 @@ class ClusteredKCache(DynamicCache):
         probs = scores.softmax(dim=-1)                                       # [B, H, 1, n]
         rep = self._rep_of_head(state, h, q.device)                          # before fixing
         shared = torch.gather(probs, 1, rep[:, :, None, None].expand_as(probs))
-        for i, pad in enumerate(self.pads):
+        for i, pad in enumerate(self.pads if lay is None else ()):
             j = n - 1 - pad                               # this token's index among the real
             if state.memberships[i] is None and j < self.first:
                 state.first_rows[i, :, j, :j + 1] = probs[i, :, 0, pad:pad + j + 1]
@@ -344,6 +352,8 @@ class ClusteredKCache(DynamicCache):
             return
         state.layout = layout(state.memberships, spec.kv_of_head, device)
         state.first_rows = None
+        if state.layout.whole:
+            return
         keys = self.key_cache[layer]
         keep = state.layout.kv_keep
         self.key_cache[layer] = torch.gather(

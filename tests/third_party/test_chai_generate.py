@@ -247,3 +247,27 @@ def test_kmeans_and_static_plans_generate_as_the_graph(how):
     with torch.no_grad():
         graph = _logits(compiled(out.sequences))
     torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 9:15], **TOL)
+
+
+def test_a_layout_that_saves_nothing_scores_every_head_and_keeps_k_whole():
+    from tidal.ir.head_clusters import Membership
+    from tidal.runtime.chai_cache import layout
+
+    kv = (0, 0, 1, 1, 2, 2, 3, 3)
+    # 6 clusters over 4 KV heads, two representatives on KV heads 0 and 1: 4 slots x 2 rows = 8
+    spread = Membership((0, 1, 2, 3, 4, 4, 5, 5), (0, 1, 2, 3, 4, 6))
+    assert layout([spread], kv, torch.device("cpu")).whole
+    fewer = Membership((0, 0, 0, 0, 1, 1, 1, 1), (0, 4))      # 2 slots x 1 row: saves
+    assert not layout([fewer], kv, torch.device("cpu")).whole
+    assert not layout([spread, fewer], kv, torch.device("cpu")).whole   # slots padded
+
+
+def test_mild_clustering_generates_as_the_graph():
+    model = _decoder("llama")
+    ids = _ids(2, 10, seed=9)
+    compiled = _compiled(model, ids, 6)
+    cache = compiled.new_cache()
+    out = _gen(compiled, ids, do_sample=False, past_key_values=cache)
+    with torch.no_grad():
+        graph = _logits(compiled(out.sequences))
+    torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 9:15], **TOL)
