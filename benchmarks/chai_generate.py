@@ -10,8 +10,10 @@ For a fixed k = 3 in every layer and for the budgeted plan (``calibrate``, perpl
   concatenation), run alternately in the same process; the unclustered plan through the same
   path (k = H) shows what the path itself costs;
 - the side decoder's speedup at the same k (``ChaiDecoder`` clustered vs unclustered, sharing
-  weights), and the share of it the compile() path realises: (compile speedup - 1) / (side
-  speedup - 1); goal >= 80 % at fixed k, and the budgeted plan never slower than unclustered;
+  weights), and the share of it the clustering realises on the compile() path: (speedup of
+  k = 3 over k = H on that path - 1) / (side speedup - 1); goal >= 80 % at fixed k, and the
+  budgeted plan never slower than unclustered. The compile() path against HF ``generate`` is
+  printed beside it (it also gains from reading grouped K/V heads without copying them);
 - K-cache bytes held after the generation, against the unmodified model's ``DynamicCache``;
 - perplexity on held-out text of each plan against the original (the compiled graph).
 
@@ -173,13 +175,15 @@ def main(argv=None) -> int:
         own = best["unclustered (k=H)"] / best[f"fixed k={args.k}"]
         for name in ("side full", f"side k={args.k}"):
             print(f"{ctx:>7} {'ChaiDecoder, ' + name[5:]:<38} {best[name] * 1e3:>8.1f}")
-        share = (ours - 1) / (side_speedup - 1) if side_speedup > 1 else math.nan
-        print(f"{ctx:>7} fixed k={args.k}: side decoder speedup {side_speedup:.3f}x; compile() "
-              f"path vs HF {ours:.3f}x = {share:.0%} of the side decoder's gain (goal >= 80 %: "
-              f"{'met' if share >= 0.8 else 'NOT met'}), vs the same path unclustered "
-              f"{own:.3f}x (the clustering alone); budgeted vs unclustered path "
-              f"{best['unclustered (k=H)'] / best['budgeted']:.3f}x, vs HF "
-              f"{hf / best['budgeted']:.3f}x (goal: never slower)", flush=True)
+        share = (own - 1) / (side_speedup - 1) if side_speedup > 1.02 else math.nan  # noise
+        verdict = "the side decoder gains < 2 %, within noise" if math.isnan(share) else \
+            ("met" if share >= 0.8 else "NOT met")
+        print(f"{ctx:>7} fixed k={args.k}: the clustering alone (same path, k=H / k={args.k}) "
+              f"{own:.3f}x against the side decoder's {side_speedup:.3f}x: {share:.0%} of its "
+              f"gain (goal >= 80 %: {verdict}); compile() path vs HF generate {ours:.3f}x; "
+              f"budgeted vs the unclustered path {best['unclustered (k=H)'] / best['budgeted']:.3f}x"
+              f" (goal: never slower; {budget_plan.clustered_layers()} layer(s) clustered), vs HF "
+              f"{hf / best['budgeted']:.3f}x", flush=True)
     return 0
 
 
