@@ -119,7 +119,8 @@ class Limits:
 @dataclass
 class JobStats:
     """What a job did: iterations and pieces completed, device-busy µs, iteration times,
-    foreground slowdowns per piece (against isolated times), the error that stopped it."""
+    foreground slowdowns per piece (against isolated times), the error that stopped it, and
+    when (backend µs) a background job was upgraded to the foreground (``upgraded_us``)."""
 
     name: str
     priority: str
@@ -134,6 +135,7 @@ class JobStats:
     held: int = 0
     feedback_pauses: int = 0
     error: Optional[str] = None
+    upgraded_us: Optional[float] = None
 
     @property
     def throughput(self) -> float:
@@ -200,6 +202,7 @@ class JobHandle:
         self.last_end_us = 0.0
         self.iteration_start: Optional[float] = None
         self.stream: Any = None
+        self.upgradable = False
         self.failure: Optional[BaseException] = None
         # dispatched pieces by (iteration, index), of the iterations still queued or running
         self.dispatched: dict[tuple[int, int], _Queued] = {}
@@ -282,10 +285,14 @@ class Runtime:
     # -- submission -------------------------------------------------------------------------
     def submit(self, job: Job, priority: Union[str, int] = "low", *,
                memory_cap: Optional[int] = None, compute_share: float = 1.0,
-               on_iteration: Optional[Callable[[JobHandle, int], None]] = None) -> JobHandle:
+               on_iteration: Optional[Callable[[JobHandle, int], None]] = None,
+               upgrade: bool = False) -> JobHandle:
         """Add ``job`` as the foreground (``priority="high"``, or a negative int) or a
         background job (``"low"``); background jobs may get a ``memory_cap`` (bytes) and a
-        ``compute_share``. ``on_iteration(handle, i)`` runs after each completed iteration."""
+        ``compute_share``. ``on_iteration(handle, i)`` runs after each completed iteration.
+        ``upgrade`` (background jobs): AntMan's job upgrade, the job becomes the foreground,
+        without limits, when the foreground job finishes (the first such job in submission
+        order), and ``run(until="foreground")`` goes on until it finishes too."""
         if isinstance(priority, str):
             if priority not in _PRIORITIES:
                 raise ValueError(f"submit({job.name!r}): priority must be 'high' or 'low', "
@@ -301,6 +308,7 @@ class Runtime:
         if not 0 < compute_share <= 1:
             raise ValueError(f"submit({job.name!r}): compute_share must be in (0, 1]")
         h = JobHandle(job, fg, Limits(memory_cap, compute_share), on_iteration)
+        h.upgradable = upgrade and not fg
         h.stream = self._stream(fg, "", True)
         self.handles.append(h)
         self.handles.sort(key=lambda x: not x.foreground)
@@ -363,6 +371,7 @@ class Runtime:
         while True:
             now = be.now_us()
             self._collect()
+            self._upgrade(now)
             stopping = stopping or self._should_stop(until) or (t_end is not None
                                                                 and now >= t_end)
             dispatched: set[str] = set()
@@ -382,6 +391,43 @@ class Runtime:
             alone = all(h.foreground or h.finished for h in self.handles)
             be.wait_any(launches, timeout_us=None if alone else self.poll_us)
         return {h.name: h.stats for h in self.handles}
+
+    def _upgrade(self, now: float) -> None:
+        """AntMan's job upgrade: once the foreground job has finished, the first upgradable
+        background job still running becomes the foreground (high priority, no limits)."""
+        fg = self._foreground()
+        if fg is None or not fg.finished:
+            return
+        nxt = next((h for h in self.handles if h.upgradable and not h.finished), None)
+        if nxt is None:
+            return
+        fg.foreground = False
+        nxt.foreground, nxt.upgradable = True, False
+        nxt.limits = Limits()
+        nxt.stream = self._stream(True, "", True)
+        nxt.stats.priority = "high"
+        nxt.stats.upgraded_us = now
+        self.handles.sort(key=lambda x: not x.foreground)
+
+    def busy_fraction(self) -> dict[str, float]:
+        """The GpuOpManager's profile: each job's device-busy time (its pieces' measured
+        durations) as a share of the run's span (first start to last end in ``trace``), and
+        ``"idle"``: the share no job's piece covered (intervals merged)."""
+        if not self.trace:
+            return {"idle": 1.0}
+        start = min(r.start_us for r in self.trace)
+        span = max(r.end_us for r in self.trace) - start
+        if span <= 0:
+            return {"idle": 1.0}
+        shares = {h.name: h.stats.busy_us / span for h in self.handles}
+        covered, reach = 0.0, start
+        for r in sorted(self.trace, key=lambda r: r.start_us):
+            lo = max(r.start_us, reach)
+            if r.end_us > lo:
+                covered += r.end_us - lo
+                reach = r.end_us
+        shares["idle"] = max(0.0, 1.0 - covered / span)
+        return shares
 
     def _should_stop(self, until: str) -> bool:
         fg = self._foreground()

@@ -320,3 +320,42 @@ def test_idle_only_queued_background_pieces_still_end_before_the_foreground_need
           if r.job == "bg" and spans[2][0] <= r.start_us < starts[-1]]
     assert all(any(s >= ws and e <= we for ws, we in spans) for s, e in bg), (bg, spans)
     assert max(sum(1 for s, _ in bg if ws <= s < we) for ws, we in spans) >= 2  # queued pairs
+
+
+def test_an_upgradable_background_job_becomes_the_foreground_when_it_finishes():
+    rt = Runtime(backend=LogicalBackend(_scripted))
+    rt.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 3), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)], 40), priority="low",
+              compute_share=0.2, upgrade=True)
+    stats = rt.run()                      # until the foreground, which the upgrade hands on
+    fg_end = max(r.end_us for r in rt.trace if r.job == "fg")
+    assert stats["bg"].iterations == 40 and stats["bg"].priority == "high"
+    assert stats["bg"].upgraded_us >= fg_end
+    after = [r for r in rt.trace if r.job == "bg" and r.start_us >= stats["bg"].upgraded_us]
+    assert after and all(r.priority == "high" for r in after)
+    # no longer held to its 20 % share: back to back once upgraded
+    gaps = [b.start_us - a.end_us for a, b in zip(after, after[1:])]
+    assert max(gaps) < 1.0
+
+
+def test_without_upgrade_the_run_stops_with_the_foreground():
+    rt = Runtime(backend=LogicalBackend(_scripted))
+    rt.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 3), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)], 40), priority="low")
+    stats = rt.run()
+    assert stats["bg"].iterations < 40 and stats["bg"].upgraded_us is None
+
+
+def test_busy_fraction_profiles_each_job_and_the_idle_share():
+    rt = Runtime(backend=LogicalBackend(_scripted))
+    rt.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 4), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)]), priority="low",
+              compute_share=0.25)
+    rt.run()
+    share = rt.busy_fraction()
+    assert set(share) == {"fg", "bg", "idle"}
+    assert 0 < share["bg"] < share["fg"] and 0 <= share["idle"] < 1
+    alone = Runtime(backend=LogicalBackend(_scripted))
+    alone.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 4), priority="high")
+    alone.run()
+    assert alone.busy_fraction()["idle"] == pytest.approx(0.0, abs=1e-9)
