@@ -1,0 +1,169 @@
+"""What a :class:`~tidal.runtime.switching.switcher.Switcher` runs: a job, described so that a
+spawned worker process can rebuild it (every field pickles).
+
+A :class:`SwitchJob` is a graph grouped by the ``layer_groups`` pass (``Compiled.graph_module``
+of ``tidal.compile(model, inputs, passes=[LayerGroups()])``), a function giving iteration ``i``'s
+``(inputs, targets)`` (a module-level function or ``functools.partial``: it crosses to the
+worker by pickle) and, for a training job, a loss function and an optimizer factory. Without a
+loss function the job is inference: each iteration is one forward whose output goes back to the
+controller. ``activation_bytes`` is the arena room kept for an iteration's inputs beyond the
+weights; ``cap`` is an opportunistic job's memory cap in bytes (AntMan): what it would hold in
+the arena past the cap lives in host memory instead.
+
+Example:
+    >>> import torch, tidal
+    >>> from tidal.passes.layer_groups import LayerGroups
+    >>> from tidal.runtime.switching.job import Repeat, SwitchJob, weightless
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> c = tidal.compile(m, (torch.randn(3, 4),), passes=[LayerGroups()])
+    >>> job = SwitchJob("mlp", c.graph_module, Repeat(torch.ones(3, 4)))
+    >>> job.training, [tuple(p.shape) for p in weightless(job.graph).parameters()][:1]
+    (False, [(0,)])
+    >>> import pickle
+    >>> copy = pickle.loads(pickle.dumps(job))
+    >>> copy.graph.code == job.graph.code, torch.equal(copy.graph(torch.ones(3, 4)), m(torch.ones(3, 4)))
+    (True, True)
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class SwitchJob:
+    """A job of a switcher (see the module docstring). It pickles with its graph's nodes as
+    they are (:class:`PortableGraph`: a graph module's own pickling re-traces its code, which
+    drops the ``group_boundary`` markers). ``batches(i)`` returns iteration
+    ``i``'s inputs (a tensor or tuple of tensors) for inference, ``(inputs, targets)`` for
+    training; ``optimizer`` maps the parameters to a ``torch.optim.Optimizer``."""
+
+    name: str
+    graph: fx.GraphModule
+    batches: Callable[[int], Any]
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None
+    activation_bytes: int = 1 << 20
+    cap: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if (self.loss_fn is None) != (self.optimizer is None):
+            raise ValueError(f"SwitchJob {self.name!r}: a training job needs both loss_fn and "
+                             "optimizer, an inference job neither")
+
+    @property
+    def training(self) -> bool:
+        return self.loss_fn is not None
+
+    def __getstate__(self) -> dict:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["graph"] = PortableGraph.of(self.graph)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value.build() if name == "graph" else value)
+
+
+def weightless(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose parameters and buffers are empty (same dtypes and
+    ``requires_grad``): what a worker process receives; its weights arrive by transmission."""
+    memo: dict[int, Any] = {}
+    for p in gm.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype),
+                                         requires_grad=p.requires_grad)
+    for b in gm.buffers():
+        memo[id(b)] = torch.empty(0, dtype=b.dtype)
+    return copy.deepcopy(gm, memo)
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Repeat(Generic[T]):
+    """``batches`` that give the same ``batch`` at every iteration (it pickles with the job)."""
+
+    batch: T
+
+    def __call__(self, i: int) -> T:
+        return self.batch
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node argument, by the node's name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _Op:
+    """An operator overload (``torch.ops.<namespace>.<name>.<overload>``), by name."""
+
+    namespace: str
+    name: str
+    overload: str
+
+    def resolve(self) -> Any:
+        packet = getattr(getattr(torch.ops, self.namespace), self.name)
+        return getattr(packet, self.overload) if self.overload else packet
+
+
+def _portable_target(target: Any) -> Any:
+    if isinstance(target, torch._ops.OpOverload):
+        return _Op(target.namespace, target._schema.name.split("::")[-1], target._overloadname)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return _Op(target._qualified_op_name.split("::")[0],
+                   target._qualified_op_name.split("::")[1], "")
+    return target
+
+
+@dataclass(frozen=True)
+class PortableGraph:
+    """A graph module as its module tree and its nodes, each node's target and arguments as
+    they are (operator overloads by name): it pickles, and :meth:`build` gives back a graph
+    module with the same nodes."""
+
+    root: torch.nn.Module
+    nodes: tuple[tuple[str, str, Any, Any, Any], ...]
+    codegen: Any
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> "PortableGraph":
+        root = torch.nn.Module()
+        root._modules = dict(gm._modules)
+        root._parameters = dict(gm._parameters)
+        root._buffers = dict(gm._buffers)
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and "." not in n.target and not hasattr(root, n.target):
+                setattr(root, n.target, getattr(gm, n.target))
+        ref = (lambda n: _Ref(n.name))
+        nodes = tuple((n.op, n.name, _portable_target(n.target), fx.node.map_arg(n.args, ref),
+                       fx.node.map_arg(n.kwargs, ref)) for n in gm.graph.nodes)
+        return cls(root, nodes, gm.graph._codegen)
+
+    def build(self) -> fx.GraphModule:
+        graph = fx.Graph()
+        graph._codegen = self.codegen
+        env: dict[str, fx.Node] = {}
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, _Ref):
+                return env[a.name]
+            if isinstance(a, (tuple, list)):
+                return type(a)(arg(x) for x in a)
+            if isinstance(a, dict):
+                return {k: arg(v) for k, v in a.items()}
+            if isinstance(a, slice):
+                return slice(arg(a.start), arg(a.stop), arg(a.step))
+            return a
+
+        for op, name, target, args, kwargs in self.nodes:
+            target = target.resolve() if isinstance(target, _Op) else target
+            env[name] = graph.create_node(op, target, arg(args), arg(kwargs), name)
+        return fx.GraphModule(self.root, graph)

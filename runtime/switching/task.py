@@ -1,0 +1,197 @@
+"""A job inside a worker process: its program built ahead of time, its weights transmitted into
+the arena group by group while the first groups already compute, its state saved on preemption.
+
+:class:`Task` is built when the worker starts (task initialization, off the switch's path):
+the job's graph (weightless until transmitted), its pipelined programs from
+:mod:`tidal.runtime.programs.layer_groups` (per group a ``load group k`` piece on the ``load``
+stream and a ``group k`` piece that waits for it: group ``k+1`` transfers while group ``k``
+computes), its optimizer and a :class:`~tidal.runtime.program.ProgramRunner`. :meth:`Task.warm_up`
+runs one forward on views of the host copy, so no first-call cost is left for a switch.
+:meth:`Task.activate` carves the destination of every group from the worker's
+:class:`~tidal.runtime.switching.stack.ArenaStack` (pointer bumps, no allocator call); the first
+:meth:`Task.step` after it runs the loading program (:class:`Transmission` copies group ``k`` from
+the shared host copy into its slice), the later ones the resident program. :meth:`Task.clean`
+(a training job's task cleaning) copies the weights back to the host copy and returns the
+optimizer state, so the job resumes elsewhere bit for bit.
+
+Example (in one process; :class:`~tidal.runtime.switching.switcher.Switcher` runs tasks in
+worker processes):
+    >>> import torch, tidal
+    >>> from tidal.passes.layer_groups import LayerGroups
+    >>> from tidal.runtime.switching.host_model import HostModel
+    >>> from tidal.runtime.switching.job import Repeat, SwitchJob, weightless
+    >>> from tidal.runtime.switching.stack import ArenaStack
+    >>> from tidal.runtime.switching.task import Task
+    >>> m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> x = torch.randn(3, 4)
+    >>> c = tidal.compile(m, (x,), passes=[LayerGroups(grouping="per_layer")])
+    >>> host = HostModel.of(c.graph_module)
+    >>> task = Task(SwitchJob("mlp", weightless(c.graph_module), Repeat(x)))
+    >>> stack = ArenaStack(torch.empty(4096, dtype=torch.uint8))
+    >>> task.activate(host, stack)
+    >>> first = task.step(0, stack)
+    >>> torch.equal(first.value, m(x)), len(first.timeline.transfer), stack.spills
+    (True, 3, 0)
+    >>> task.close()
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from tidal.runtime.program import ProgramRunner
+from tidal.runtime.programs.layer_groups import (LoadTimeline, _bind_eager, _interpreter,
+                                                 _Interpreted, cut_at_markers, pipelined)
+from tidal.runtime.switching.host_model import HostModel
+from tidal.runtime.switching.job import SwitchJob
+from tidal.runtime.switching.stack import ArenaStack
+
+
+class Transmission:
+    """One activation's weight loads, the ``loads`` of a pipelined program: ``load(k)`` copies
+    group ``k`` from the host copy into ``dsts[k]`` (on a GPU on a side stream, the compute
+    waiting on an event), ``ready(k)`` raises if that did not happen."""
+
+    def __init__(self, host: HostModel, gm: torch.fx.GraphModule, dsts: list[torch.Tensor]):
+        self.host, self.gm, self.dsts = host, gm, dsts
+        self.done = [False] * host.num_groups
+        self.events: list[Any] = [None] * host.num_groups
+        self._stream: Any = None
+
+    def load(self, k: int) -> None:
+        dst = self.dsts[k]
+        if dst.is_cuda:  # pragma: no cover - needs a GPU
+            self._stream = self._stream or torch.cuda.Stream(dst.device)
+            with torch.cuda.stream(self._stream):
+                self.host.transmit(k, self.gm, dst, non_blocking=True)
+                self.events[k] = torch.cuda.Event()
+                self.events[k].record(self._stream)
+        else:
+            self.host.transmit(k, self.gm, dst)
+        self.done[k] = True
+
+    def ready(self, k: int) -> None:
+        if not self.done[k]:
+            raise RuntimeError(f"group {k} cannot run: its weights were not transmitted (see "
+                               f"the piece 'load group {k}')")
+        if self.events[k] is not None:  # pragma: no cover - needs a GPU
+            torch.cuda.current_stream(self.dsts[k].device).wait_event(self.events[k])
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One iteration: its ``value`` (inference: the output, detached; training: the loss as a
+    float), its ``timeline`` (the iteration that transmitted the weights) and ``seconds``."""
+
+    iteration: int
+    value: Any
+    timeline: Optional[LoadTimeline]
+    seconds: float
+
+
+class Task:
+    """A job bound in a worker (see the module docstring); ``job.graph`` is this task's own
+    (a weightless copy: :func:`~tidal.runtime.switching.job.weightless`); ``device`` is where
+    its arena lies."""
+
+    def __init__(self, job: SwitchJob, device: Any = "cpu"):
+        self.job = job
+        self.device = torch.device(device)
+        self.gm = job.graph
+        segments = cut_at_markers(self.gm.graph.nodes)
+        tail = [("backward", ()), ("optimizer", ())] if job.training else []
+        self._loading = pipelined(segments, tail)
+        self._resident = pipelined(segments, tail, loads=False)
+        self.optimizer = (job.optimizer([p for p in self.gm.parameters() if p.requires_grad])
+                          if job.training else None)
+        self.runner = ProgramRunner()
+        self.loads: Optional[Transmission] = None
+        self._empty = {name: t.data for name, t in self._tensors()}
+
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.gm.named_parameters()) + list(self.gm.named_buffers())
+
+    def warm_up(self, host: HostModel) -> None:
+        """One forward (eval mode, no autograd) on views of ``host``: the first-call costs of
+        the process (kernel selection, lazy initialisation) are paid here, not in a switch."""
+        views = host.tensors()
+        modes = {m: m.training for m in self.gm.modules()}
+        try:
+            for name, t in self._tensors():
+                t.data = views[name].to(self.device)
+            self.gm.eval()
+            with torch.no_grad():
+                self.gm(*self._inputs(0))
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+            self.release()
+
+    def _inputs(self, i: int) -> tuple:
+        batch = self.job.batches(i)
+        inputs = batch[0] if self.job.training else batch
+        return inputs if isinstance(inputs, tuple) else (inputs,)
+
+    def activate(self, host: HostModel, stack: ArenaStack,
+                 optimizer_state: Optional[dict] = None) -> None:
+        """Carve each group's destination from ``stack`` and restore the optimizer state; the
+        next :meth:`step` transmits the weights."""
+        dsts = [stack.take_bytes(host.group_nbytes(k)) for k in range(host.num_groups)]
+        self.loads = Transmission(host, self.gm, dsts)
+        if self.optimizer is not None and optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+
+    def step(self, i: int, stack: ArenaStack) -> StepResult:
+        """Run iteration ``i``: its inputs carved from ``stack`` (freed after it), the weights
+        transmitted by the first iteration after :meth:`activate`."""
+        if self.loads is None:
+            raise RuntimeError(f"job {self.job.name!r} is not active: activate it first")
+        start = time.perf_counter()
+        batch = self.job.batches(i)
+        top = stack.mark()
+        carve = (lambda t: stack.like(t) if isinstance(t, torch.Tensor) else t)
+        loading = not all(self.loads.done)
+        run = self._loading if loading else self._resident
+        loads = self.loads if loading else None
+        if self.job.training:
+            inputs, targets = tree_map(carve, batch)
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            bound = _bind_eager(run, self.gm, inputs, targets, self.job.loss_fn,
+                                self.optimizer, loads)
+        else:
+            inputs = tree_map(carve, batch if isinstance(batch, tuple) else (batch,))
+            bound = _Interpreted(run, _interpreter(self.gm, *inputs), loads)
+        trace = self.runner.launch(bound.program, bound.work)
+        value = bound.loss().item() if self.job.training else tree_map(
+            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, bound.output())
+        stack.pop(top)
+        timeline = LoadTimeline.of(run, trace) if loading else None
+        return StepResult(i, value, timeline, time.perf_counter() - start)
+
+    def clean(self, host: HostModel) -> Optional[dict]:
+        """Task cleaning: a training job's weights go back to ``host`` and its optimizer state
+        is returned (None for inference); the task lets go of its arena memory."""
+        state = None
+        if self.job.training and self.loads is not None and all(self.loads.done):
+            host.save(self.gm)
+            state = self.optimizer.state_dict()
+            self.optimizer.state.clear()
+        self.release()
+        return state
+
+    def release(self) -> None:
+        """Let go of the weights (point them at empty tensors) and the gradients."""
+        for name, t in self._tensors():
+            t.data = self._empty[name]
+        if self.job.training:
+            for p in self.gm.parameters():
+                p.grad = None
+        self.loads = None
+
+    def close(self) -> None:
+        """Stop the runner's stream threads."""
+        self.runner.close()

@@ -1,0 +1,138 @@
+"""A worker process: started ahead of time (torch imported, the device context created, every
+job's :class:`~tidal.runtime.switching.task.Task` built and warmed up), then standby until the
+controller activates it for a job.
+
+:func:`serve` is the process's main function (``torch.multiprocessing``, spawn). Messages are
+tuples on ``torch.multiprocessing`` queues (tensors cross by shared memory):
+
+- in (``inbox``): ``("activate", job, offset, nbytes, optimizer_state, first, stop)`` runs
+  ``job`` on the arena bytes ``[offset, offset + nbytes)`` from iteration ``first`` until
+  ``stop`` (None: until preempted) or until ``preempt`` is set, checked at every iteration
+  boundary; ``("stop",)`` ends the process.
+- out (``outbox``), each starting with the kind and the worker id: ``ready`` (with its start-up
+  seconds), ``output`` (a :class:`~tidal.runtime.switching.task.StepResult`, the arena spills and
+  the activation's allocation seconds), ``done`` (the iterations ran out; the weights stay
+  resident until preempted), ``stopped`` (preempted and cleaned: the next iteration, the optimizer
+  state, the cleaning seconds), ``error`` (a traceback).
+
+A worker whose controller has gone exits on its own.
+
+Example (what the controller sends; :class:`~tidal.runtime.switching.switcher.Switcher` does it):
+    >>> from tidal.runtime.switching.worker import activate_message
+    >>> activate_message("bert", 0, 1 << 20, None, 0, 1)
+    ('activate', 'bert', 0, 1048576, None, 0, 1)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from tidal.runtime.switching.host_model import HostModel
+from tidal.runtime.switching.job import SwitchJob
+from tidal.runtime.switching.stack import ArenaStack
+from tidal.runtime.switching.task import StepResult, Task
+
+POLL_S = 0.5
+"""How often an idle worker checks that its controller is alive."""
+
+
+def activate_message(job: str, offset: int, nbytes: int, optimizer_state: Optional[dict],
+                     first: int, stop: Optional[int]) -> tuple:
+    """The ``activate`` message for a worker (see the module docstring)."""
+    return ("activate", job, offset, nbytes, optimizer_state, first, stop)
+
+
+def _cap(value: Any) -> Optional[int]:
+    return None if value.value < 0 else int(value.value)
+
+
+def serve(wid: int, jobs: dict[str, SwitchJob], hosts: dict[str, HostModel],
+          block: torch.Tensor, device: str, inbox: Any, outbox: Any, preempt: Any,
+          caps: dict[str, Any], threads: Optional[int]) -> None:
+    """Main function of worker ``wid`` (see the module docstring)."""
+    parent = os.getppid()
+    try:
+        start = time.perf_counter()
+        if threads:
+            torch.set_num_threads(threads)
+        if torch.device(device).type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.set_device(torch.device(device))
+            torch.cuda.init()
+        tasks = {name: Task(job, device) for name, job in jobs.items()}
+        for name, task in tasks.items():
+            task.warm_up(hosts[name])
+        outbox.put(("ready", wid, time.perf_counter() - start))
+    except BaseException:  # noqa: BLE001 - reported to the controller
+        outbox.put(("error", wid, None, traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                msg = inbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    return
+                continue
+            if msg[0] == "stop":
+                return
+            _, name, offset, nbytes, state, first, stop = msg
+            _Activation(wid, tasks[name], hosts[name], caps[name], outbox, preempt, parent).run(
+                block[offset:offset + nbytes], state, first, stop)
+    finally:
+        for task in tasks.values():
+            task.close()
+
+
+class _Activation:
+    """One activation of a task in worker ``wid``: run, report, clean."""
+
+    def __init__(self, wid: int, task: Task, host: HostModel, cap: Any, outbox: Any,
+                 preempt: Any, parent: int):
+        self.wid, self.task, self.host, self.cap = wid, task, host, cap
+        self.outbox, self.preempt, self.parent = outbox, preempt, parent
+        self.name = task.job.name
+
+    def run(self, region: torch.Tensor, state: Optional[dict], first: int,
+            stop: Optional[int]) -> None:
+        i = first
+        try:
+            t0 = time.perf_counter()
+            stack = ArenaStack(region, cap=_cap(self.cap))
+            self.task.activate(self.host, stack, state)
+            alloc_s = time.perf_counter() - t0
+            while (stop is None or i < stop) and not self.preempt.is_set():
+                stack.set_cap(_cap(self.cap))
+                result = self.task.step(i, stack)
+                self.outbox.put(("output", self.wid, self.name, _light(result), stack.spills,
+                                 stack.spilled_bytes, alloc_s))
+                i += 1
+            if not self.preempt.is_set():
+                self.outbox.put(("done", self.wid, self.name, i))
+                self._wait_preempt()
+            t0 = time.perf_counter()
+            state = self.task.clean(self.host)
+            self.outbox.put(("stopped", self.wid, self.name, i, state, time.perf_counter() - t0))
+        except BaseException:  # noqa: BLE001 - reported to the controller
+            self.task.release()
+            self.outbox.put(("error", self.wid, self.name, traceback.format_exc()))
+        finally:
+            self.preempt.clear()
+
+    def _wait_preempt(self) -> None:
+        while not self.preempt.wait(POLL_S):
+            if os.getppid() != self.parent:
+                raise SystemExit(0)
+
+
+def _light(result: StepResult) -> StepResult:
+    """``result`` without the program and piece trace of its timeline (smaller to send)."""
+    if result.timeline is None:
+        return result
+    return dataclasses.replace(result, timeline=dataclasses.replace(result.timeline,
+                                                                    program=None, trace=()))
