@@ -70,7 +70,12 @@ class ArenaStack:
             return host.pin_memory() if self.region.is_cuda else host
         self.used = start + nbytes
         self.high_water = max(self.high_water, self.used)
-        return self.region[start:self.used]
+        # a tensor of its own on the region's bytes: its own autograd version counter, so
+        # writing one carved tensor (a weight transfer) does not invalidate another (inputs
+        # autograd saved); no memory is allocated
+        carved = torch.empty(0, dtype=torch.uint8, device=self.region.device)
+        return carved.set_(self.region.untyped_storage(), self.region.storage_offset() + start,
+                           (nbytes,))
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` (see :meth:`take_bytes`)."""

@@ -1,0 +1,171 @@
+"""PipeSwitch-style task switching (tidal.runtime.switching): the arena, stack-wise carving with
+caps and host fallback, resumption bit for bit, and one multi-process case that spawns the
+workers once (switch, preempt, resume, cap, a dead worker)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import signal
+
+import pytest
+import torch
+
+import tidal
+from tidal.passes.layer_groups import LayerGroups
+from tidal.runtime.switching import (Arena, ArenaStack, HostModel, Repeat, SwitchingError,
+                                     SwitchJob, Switcher, Task, weightless)
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+CE = torch.nn.functional.cross_entropy
+
+
+def _mlp(width: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width),
+                               torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+                               torch.nn.Linear(width, 3))
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _train_job(name: str = "train") -> SwitchJob:
+    x, y = _batch(1)
+    c = tidal.compile(_mlp(32, 0), (x,), passes=[LayerGroups(grouping="per_layer")])
+    return SwitchJob(name, c.graph_module, Repeat(((x,), y)), CE, SGD)
+
+
+def _infer_job(cap=None) -> tuple[SwitchJob, torch.nn.Module, torch.Tensor]:
+    model = _mlp(64, 1).eval()
+    x, _ = _batch(2)
+    c = tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer")])
+    return SwitchJob("infer", c.graph_module, Repeat(x), cap=cap), model, x
+
+
+def _reference(job: SwitchJob, iterations: int) -> tuple[dict, dict]:
+    """Weights and optimizer state after ``iterations`` uninterrupted steps, one process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        host = HostModel.of(job.graph)
+        task = Task(_shipped(job))
+        stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8))
+        task.activate(host, stack)
+        for i in range(iterations):
+            task.step(i, stack)
+        state = task.clean(host)
+        task.close()
+        return {k: t.clone() for k, t in host.tensors().items()}, state
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _shipped(job: SwitchJob) -> SwitchJob:
+    """The job as a worker gets it: a weightless copy of its graph."""
+    return dataclasses.replace(job, graph=weightless(job.graph))
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    sa, sb = a["state"], b["state"]
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]) for k in sa)
+
+
+def test_arena_allocates_once_and_leases_first_fit():
+    arena = Arena(10_000)
+    a, b = arena.lease("a", 3000), arena.lease("b", 3000)
+    assert (a.offset, b.offset) == (0, 3072)
+    arena.release(a)
+    assert arena.lease("c", 2000).offset == 0 and arena.find(5000) is None
+    with pytest.raises(SwitchingError, match="no free range"):
+        arena.lease("d", 5000)
+    assert arena.allocations == 1
+
+
+def test_stack_cap_spills_to_host_and_cap_changes():
+    region = torch.zeros(8192, dtype=torch.uint8)
+    s = ArenaStack(region, cap=1000)
+    w = s.take((100,), torch.float32)
+    mark = s.mark()
+    spilled = s.take((200,), torch.float32)
+    assert s.on_arena(w) and not s.on_arena(spilled) and (s.spills, s.spilled_bytes) == (1, 800)
+    s.set_cap(None)
+    assert s.on_arena(s.take((200,), torch.float32)) and s.spills == 1
+    s.pop(mark)
+    assert s.used == mark
+
+
+def test_task_resumes_bit_for_bit_in_another_task():
+    """Clean after 2 steps, activate a fresh task (as another worker would), run 3 more: the
+    weights (BatchNorm's running statistics included) and momentum equal 5 straight steps."""
+    job = _train_job()
+    want_w, want_opt = _reference(job, 5)
+    host = HostModel.of(job.graph)
+    stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8))
+    first = Task(_shipped(job))
+    first.activate(host, stack)
+    for i in range(2):
+        first.step(i, stack)
+    state = first.clean(host)
+    stack.pop(0)
+    second = Task(_shipped(job))
+    second.activate(host, stack, state)
+    for i in range(2, 5):
+        second.step(i, stack)
+    state = second.clean(host)
+    assert all(torch.equal(t, want_w[k]) for k, t in host.tensors().items())
+    assert _same_state(state, want_opt)
+
+
+def test_over_cap_task_spills_and_completes():
+    job, model, x = _infer_job()
+    host = HostModel.of(job.graph)
+    task = Task(_shipped(job))
+    stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8), cap=host.nbytes // 2)
+    task.activate(host, stack)
+    out = task.step(0, stack).value
+    assert stack.spills > 0 and stack.used <= host.nbytes // 2
+    assert torch.equal(out, model(x))
+
+
+def test_switcher_processes():
+    """One spawn for every multi-process case: train A, switch to an over-cap inference job B
+    (A preempted at a step boundary, cleaned asynchronously), resume A to the end: its state
+    equals an uninterrupted run bit for bit; B spilled and was right; raising B's cap stops the
+    spills; the arena never allocated again; a killed worker gives an error naming it."""
+    total = 6
+    train = _train_job("a")
+    want_w, want_opt = _reference(train, total)
+    infer, model, x = _infer_job(cap=4096)
+    with Switcher([train, infer], standby=1, threads=1, timeout_s=60) as sw:
+        assert sw.arena.allocations == 1
+        first = sw.switch("a", iterations=total)
+        assert first.first.result.iteration == 0
+        rb = sw.switch("infer", iterations=2)
+        assert torch.equal(rb.output, model(x)) and rb.first.spills > 0
+        assert rb.worker != first.worker
+        sw.wait()
+        done_a = sw.states["a"].next_iteration
+        assert sw.states["a"].cleaning_s is not None and 1 <= done_a <= total
+        sw.set_cap("infer", None)
+        ra = sw.switch("a", iterations=total - done_a) if done_a < total else None
+        if ra is not None:
+            assert ra.first.result.iteration == done_a
+            sw.wait()
+        sw.stop()
+        nxt, weights, opt = sw.state("a")
+        assert nxt == total
+        assert all(torch.equal(t, want_w[k]) for k, t in weights.items())
+        assert _same_state(opt, want_opt)
+        again = sw.switch("infer", iterations=1)
+        assert again.first.spills == 0 and torch.equal(again.output, model(x))
+        assert sw.arena.allocations == 1
+        sw.stop()
+        victim = next(w for w in sw.workers if w.state == "standby")
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.join(timeout=10)
+        with pytest.raises(SwitchingError, match=rf"worker {victim.wid} .*died"):
+            sw.switch("a", iterations=1)
