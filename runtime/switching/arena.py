@@ -66,7 +66,8 @@ class Arena:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         self.allocations += 1
         block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return block.share_memory_() if self.device.type == "cpu" else block
+        block = block.share_memory_() if self.device.type == "cpu" else block
+        return block.zero_()  # touch every page now, not during a switch
 
     def lease(self, owner: str, nbytes: int) -> Lease:
         """The first free range of ``nbytes`` (rounded up to :data:`ALIGN`) for ``owner``;

@@ -1,0 +1,219 @@
+"""Task switching on one device: the time from a switch request to job B's first output, and
+PipeSwitch's four-component breakdown (task cleaning, task initialization, memory allocation,
+model transmission), for
+
+(a) stop-and-start: the process of job A is terminated and a new process is started for B
+    (imports torch and tidal, builds the model, allocates its weights, copies them from host
+    memory, runs);
+(b) one process that reloads: the same process drops A's model and builds, allocates and
+    loads B's;
+(c) tidal's switch (``tidal.runtime.switching.Switcher``): a standby worker, started ahead of
+    time, becomes active; B's weights are carved from the arena and transmitted group by group
+    from the shared host copy while the first groups compute; A is cleaned asynchronously.
+
+Models: ResNet-152 and BERT-base (examples/models, batch 1, inference), grouped by the
+``layer_groups`` pass (its ``optimal`` grouping, calibrated to this machine's host copy
+bandwidth and forward speed). For (c) it also prints the pipelining ratio: B's first output
+in the worker over (group 0's transfer + a resident forward); the goal is <= 1.2. On this
+machine the "device" is the CPU: every figure is a CPU figure, none is a GPU number.
+
+Run: ``.venv/bin/python benchmarks/switching.py`` (``--rounds 3``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as tmp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tidal  # noqa: E402
+from examples.models import ZOO  # noqa: E402
+from tidal.ir import cost  # noqa: E402
+from tidal.ir.table import format_table  # noqa: E402
+from tidal.passes.layer_groups import LayerGroups  # noqa: E402
+from tidal.runtime.switching import HostModel, Repeat, SwitchJob, Switcher  # noqa: E402
+from tidal.runtime.switching.job import PortableGraph, weightless  # noqa: E402
+
+MODELS = ("resnet152", "bert_base")
+
+
+def _copy_gbps(nbytes: int = 256 << 20) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8).share_memory_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return nbytes * 8 / 1e9 / (time.perf_counter() - t0)
+
+
+def _job(name: str, gbps: float) -> tuple[SwitchJob, torch.Tensor, float]:
+    torch.manual_seed(0)
+    model = ZOO[name]().eval()
+    x = model.example_inputs(1)
+    flops = cost.total_cost(tidal.compile(model, x).graph_module, 1)["fwd_flops"]
+    with torch.no_grad():
+        model(*x)
+        t0 = time.perf_counter()
+        expected = model(*x)
+        fwd = time.perf_counter() - t0
+    cluster = tidal.Cluster(gpus=1, bandwidth_gbps=gbps, latency_us=20.0,
+                            peak_tflops=flops / fwd / 1e12)
+    c = tidal.compile(model, x, cluster=cluster, passes=[LayerGroups(grouping="optimal")])
+    groups = len(c.plan.get("layer_groups").groups)
+    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+          f"{groups} groups, forward {fwd * 1e3:.0f} ms (CPU)", file=sys.stderr, flush=True)
+    return SwitchJob(name, c.graph_module, Repeat(x)), expected, fwd
+
+
+# (a) stop-and-start -------------------------------------------------------------------------
+def _idle(ready) -> None:
+    ready.set()
+    time.sleep(3600)
+
+
+def _cold(packed: bytes, host: HostModel, inputs, out) -> None:
+    entered = time.monotonic()
+    gm = weightless(pickle.loads(packed).build())
+    built = time.monotonic()
+    tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
+    views = host.tensors()
+    fresh = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in views.items()}
+    allocated = time.monotonic()
+    for k, t in fresh.items():
+        t.copy_(views[k])
+        tensors[k].data = t
+    loaded = time.monotonic()
+    with torch.no_grad():
+        y = gm(*inputs)
+    out.put((entered, built, allocated, loaded, time.monotonic(), y.numpy()))  # no fd to share
+
+
+def stop_and_start(ctx, job: SwitchJob, host: HostModel) -> dict:
+    ready, out = ctx.Event(), ctx.Queue()
+    old = ctx.Process(target=_idle, args=(ready,), daemon=True)
+    old.start()
+    ready.wait(120)
+    packed = pickle.dumps(PortableGraph.of(weightless(job.graph)))
+    t0 = time.monotonic()
+    old.kill()
+    old.join()
+    cleaned = time.monotonic()
+    new = ctx.Process(target=_cold, args=(packed, host, job.batches(0), out), daemon=True)
+    new.start()
+    entered, built, allocated, loaded, done, y = out.get(timeout=300)
+    first = time.monotonic() - t0
+    new.join()
+    return {"clean": cleaned - t0, "init": built - cleaned, "alloc": allocated - built,
+            "trans": loaded - allocated, "first": first, "out": torch.from_numpy(y)}
+
+
+# (b) one process that reloads ------------------------------------------------------------
+def reload_in_process(job: SwitchJob, host: HostModel, previous: torch.nn.Module) -> dict:
+    packed = pickle.dumps(PortableGraph.of(weightless(job.graph)))
+    t0 = time.perf_counter()
+    for t in list(previous.parameters()) + list(previous.buffers()):
+        t.data = torch.empty(0, dtype=t.dtype)
+    gc.collect()
+    cleaned = time.perf_counter()
+    gm = pickle.loads(packed).build()
+    built = time.perf_counter()
+    views = host.tensors()
+    fresh = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in views.items()}
+    allocated = time.perf_counter()
+    tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
+    for k, t in fresh.items():
+        t.copy_(views[k])
+        tensors[k].data = t
+    loaded = time.perf_counter()
+    with torch.no_grad():
+        y = gm(*job.batches(0))
+    return {"clean": cleaned - t0, "init": built - cleaned, "alloc": allocated - built,
+            "trans": loaded - allocated, "first": time.perf_counter() - t0, "out": y,
+            "gm": gm}
+
+
+# (c) tidal's switch -----------------------------------------------------------------------
+def tidal_switch(sw: Switcher, name: str) -> dict:
+    previous = sw.active.job if sw.active is not None else None
+    s = sw.switch(name, iterations=2)
+    outs = sw.wait()
+    first, resident = outs[-2].result, outs[-1].result
+    tl = first.timeline
+    if previous is not None:
+        sw._pump(lambda: not sw.states[previous].saving, "the cleaning")  # for its time only
+    t0 = tl.transfer[0][1] - tl.transfer[0][0]
+    return {"clean": sw.states[previous].cleaning_s if previous else 0.0,
+            "init": s.first_output_s - first.seconds - s.first.alloc_s,
+            "alloc": s.first.alloc_s, "trans": sum(e - b for b, e in tl.transfer),
+            "first": s.first_output_s, "out": s.output,
+            "pipe": tl.first_output / (t0 + resident.seconds)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    gbps = _copy_gbps()
+    print(f"host copy bandwidth {gbps:.1f} Gb/s (CPU)", file=sys.stderr, flush=True)
+    jobs = {}
+    for name in MODELS:
+        jobs[name] = _job(name, gbps)
+    hosts = {n: HostModel.of(j.graph) for n, (j, _, _) in jobs.items()}
+    ctx = tmp.get_context("spawn")
+    res = {(n, m): [] for n in MODELS for m in "abc"}
+    with Switcher([j for j, _, _ in jobs.values()], standby=1) as sw:
+        sw.switch(MODELS[-1], iterations=1)
+        for _ in range(args.rounds):
+            for name in MODELS:
+                res[(name, "c")].append(tidal_switch(sw, name))
+    previous = jobs[MODELS[-1]][0].graph
+    for _ in range(args.rounds):
+        for name in MODELS:
+            res[(name, "a")].append(stop_and_start(ctx, jobs[name][0], hosts[name]))
+            r = reload_in_process(jobs[name][0], hosts[name], previous)
+            previous = r.pop("gm")
+            res[(name, "b")].append(r)
+    labels = {"a": "(a) stop-and-start", "b": "(b) reload in one process",
+              "c": "(c) tidal switch"}
+    rows = []
+    for name in MODELS:
+        base = statistics.median(r["first"] for r in res[(name, "a")])
+        ready = jobs[name][2]  # the forward of a ready model: overhead = first output - it
+        base_over = base - ready
+        for m in "abc":
+            runs = res[(name, m)]
+            for r in runs:
+                if not torch.equal(r["out"], jobs[name][1]):
+                    raise AssertionError(f"{name} {labels[m]}: output differs from the model")
+            med = {k: statistics.median(r[k] for r in runs)
+                   for k in ("clean", "init", "alloc", "trans", "first")}
+            clean = f"{med['clean'] * 1e3:.1f}" + (" (async)" if m == "c" else "")
+            pipe = f"{statistics.median(r['pipe'] for r in runs):.2f}" if m == "c" else "-"
+            rows.append([name, labels[m], clean, f"{med['init'] * 1e3:.1f}",
+                         f"{med['alloc'] * 1e3:.2f}", f"{med['trans'] * 1e3:.1f}",
+                         f"{med['first'] * 1e3:.0f}", f"{med['first'] / base:.3f}",
+                         f"{(med['first'] - ready) * 1e3:.0f}",
+                         f"{(med['first'] - ready) / base_over:.3f}", pipe])
+    print("CPU figures (no GPU on this machine); medians of", args.rounds, "rounds, ms")
+    print(format_table(["model", "mechanism", "task cleaning", "task init", "memory alloc",
+                        "model transmission", "request -> first output", "vs (a)",
+                        "overhead (- ready forward)", "overhead vs (a)",
+                        "first output / (T0 + E)"], rows))
+    print("ready forward (ms, in this process): " + ", ".join(
+        f"{n} {jobs[n][2] * 1e3:.0f}" for n in MODELS))
+    print("goals: (c) <= 0.050 of (a); first output / (group 0 transfer + forward) <= 1.2")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
