@@ -271,8 +271,11 @@ class Switcher:
     def _check_alive(self, what: str) -> None:
         for w in self.workers:
             if not w.proc.is_alive():
+                hint = ("; workers are spawned, which re-imports the main script: start the "
+                        "Switcher under `if __name__ == '__main__':`") \
+                    if what == "the workers to start" else ""
                 raise SwitchingError(f"{w.describe()} died (exit code {w.proc.exitcode}) "
-                                     f"while waiting for {what}")
+                                     f"while waiting for {what}{hint}")
 
     def _handle(self, msg: tuple) -> None:
         kind, wid = msg[0], msg[1]
