@@ -232,7 +232,7 @@ class _Loads:
             torch.cuda.current_stream(self.device).wait_event(self.events[k])
 
 
-def _interpreter(gm: fx.GraphModule, *args: Any) -> fx.Interpreter:
+def graph_interpreter(gm: fx.GraphModule, *args: Any) -> fx.Interpreter:
     """An interpreter of ``gm`` whose placeholders take ``args`` (flattened as ``gm`` does)."""
     interp = fx.Interpreter(gm, garbage_collect_values=False)
     interp.args_iter = iter(gm.graph.process_inputs(*args))
@@ -278,7 +278,7 @@ class _Bound:
         return self._loss()
 
 
-class _Interpreted(_Bound):
+class InterpretedSegments(_Bound):
     """Segments run node by node through one interpreter (with autograd when ``grad``): the
     cold-start forward and the eager fallback of a step."""
 
@@ -410,7 +410,7 @@ class LayerGroupsProgram:
         loads = self._open(gm)
         try:
             run = pipelined(cut_at_markers(gm.graph.nodes))
-            bound = _Interpreted(run, _interpreter(gm, *values), loads)
+            bound = InterpretedSegments(run, graph_interpreter(gm, *values), loads)
             with ProgramRunner() as runner:
                 trace = runner.launch(bound.program, bound.work)  # a corrupt load: WeightStoreError
         finally:
@@ -441,7 +441,7 @@ class LayerGroupsProgram:
         if step.captured is None or (loads is not None and _moves(loads)):
             # the weights change device during this step: the captured segments cannot
             # take them (their inputs' devices are fixed), this one step runs eagerly
-            return _bind_eager(run, gm, inputs, targets, loss_fn, optimizer, loads)
+            return bind_training(run, gm, inputs, targets, loss_fn, optimizer, loads)
         return _bind_captured(run, step, gm, inputs, targets, optimizer, loads)
 
     def uncaptured(self) -> list[tuple[str, str]]:
@@ -525,7 +525,7 @@ def _bind_captured(run: Pipelined, step: _Step, gm: fx.GraphModule, inputs: tupl
                      loss=lambda: replay.value(loss).detach().clone())
 
 
-def _bind_eager(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
+def bind_training(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
                 loss_fn: Callable, optimizer: torch.optim.Optimizer,
                 loads: Optional[_Loads]) -> _Bound:
     """A step whose groups run ``gm``'s segments with autograd, then an eager ``backward``."""
@@ -537,7 +537,7 @@ def _bind_eager(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
         loss.backward()
         done["loss"] = loss.detach()
 
-    bound = _Interpreted(run, _interpreter(gm, *inputs), loads, grad=True,
+    bound = InterpretedSegments(run, graph_interpreter(gm, *inputs), loads, grad=True,
                          calls={"backward": backward, "optimizer": optimizer.step},
                          loss=lambda: done["loss"])
     return bound

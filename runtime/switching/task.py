@@ -44,8 +44,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from tidal.runtime.program import ProgramRunner
-from tidal.runtime.programs.layer_groups import (LoadTimeline, _bind_eager, _interpreter,
-                                                 _Interpreted, cut_at_markers, pipelined)
+from tidal.runtime.programs.layer_groups import (LoadTimeline, bind_training, graph_interpreter,
+                                                 InterpretedSegments, cut_at_markers, pipelined)
 from tidal.runtime.switching.host_model import HostModel
 from tidal.runtime.switching.job import SwitchJob
 from tidal.runtime.switching.stack import ArenaStack
@@ -160,11 +160,11 @@ class Task:
         if self.job.training:
             inputs, targets = tree_map(carve, batch)
             inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-            bound = _bind_eager(run, self.gm, inputs, targets, self.job.loss_fn,
+            bound = bind_training(run, self.gm, inputs, targets, self.job.loss_fn,
                                 self.optimizer, loads)
         else:
             inputs = tree_map(carve, batch if isinstance(batch, tuple) else (batch,))
-            bound = _Interpreted(run, _interpreter(self.gm, *inputs), loads)
+            bound = InterpretedSegments(run, graph_interpreter(self.gm, *inputs), loads)
         trace = self.runner.launch(bound.program, bound.work)
         value = bound.loss().item() if self.job.training else tree_map(
             lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, bound.output())
