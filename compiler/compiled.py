@@ -70,7 +70,7 @@ class Compiled:
             >>> cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
             ...                               n_positions=64)
             >>> model = transformers.GPT2LMHeadModel(cfg).eval()
-            >>> ids = torch.randint(0, 64, (2, 9))
+            >>> ids = torch.randint(1, 64, (2, 9))   # no token equals pad_token_id 0
             >>> c = tidal.compile(model, (ids,), passes=[ClusteredAttention(2)])
             >>> cache = c.new_cache()
             >>> c.generate(ids, max_new_tokens=4, do_sample=True, past_key_values=cache,

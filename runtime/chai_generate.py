@@ -32,7 +32,7 @@ Example:
     >>> plan = ChaiPlan((LayerChoice(0, "model.layers.0.self_attn", 4, 4, 8, chosen_k=1,
     ...                              elbow_k=1),))
     >>> gen = generation_model(model, plan)
-    >>> ids = torch.randint(0, 64, (1, 8))
+    >>> ids = torch.arange(1, 9).unsqueeze(0)   # no token equals pad_token_id
     >>> out = gen.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
     ...                    return_dict_in_generate=True)
     >>> out.sequences.shape, out.past_key_values.key_cache[0].shape[1]   # K of 1 head of 4
