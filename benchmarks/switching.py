@@ -17,13 +17,20 @@ bandwidth and forward speed). For (c) it also prints the pipelining ratio: B's f
 in the worker over (group 0's transfer + a resident forward); the goal is <= 1.2. On this
 machine the "device" is the CPU: every figure is a CPU figure, none is a GPU number.
 
-Run: ``.venv/bin/python benchmarks/switching.py`` (``--rounds 3``).
+It then compares where a switch stops a *training* job A (ResNet-152-sized, batch 2) for an
+inference job B: ``preempt_at="piece"`` (after the running piece, the unfinished iteration
+rolled back) against ``"iteration"`` (at the end of the iteration): the wait until A stopped
+and B's request -> first output, for requests at seeded random moments of A's iteration.
+
+Run: ``.venv/bin/python benchmarks/switching.py`` (``--rounds 3 --preempt-rounds 5``).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import pickle
+import random
 import statistics
 import sys
 import time
@@ -159,9 +166,58 @@ def tidal_switch(sw: Switcher, name: str) -> dict:
             "pipe": tl.first_output / (t0 + resident.seconds)}
 
 
+# preemption: where the active job stops ----------------------------------------------------
+def _train_job(name: str, preempt_at: str) -> SwitchJob:
+    torch.manual_seed(0)
+    model = ZOO[name]().train()
+    x = model.example_inputs(2)
+    with torch.no_grad():
+        classes = model(*x).shape[-1]
+    c = tidal.compile(model, x, passes=[LayerGroups()])
+    target = torch.zeros(x[0].shape[0], dtype=torch.long) % classes
+    return SwitchJob(f"{name}-train-{preempt_at}", c.graph_module, Repeat((x, target)),
+                     torch.nn.functional.cross_entropy,
+                     functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+                     preempt_at=preempt_at)
+
+
+def preemption(name_a: str, name_b: str, rounds: int, seed: int) -> list[list[str]]:
+    """Training job A (``name_a``) runs; at a uniformly random moment of an iteration, a switch
+    to inference job B (``name_b``) is asked. Per ``preempt_at``: A's iteration, the wait from
+    the request until A stopped (its cleaning excluded) and B's request -> first output (A and
+    B share the CPU until A stops)."""
+    trains = {m: _train_job(name_a, m) for m in ("piece", "iteration")}
+    infer, expected, _ = _job(name_b, _copy_gbps())
+    rng = random.Random(seed)
+    res: dict[str, list[tuple[float, float, float]]] = {m: [] for m in trains}
+    with Switcher(list(trains.values()) + [infer], standby=1) as sw:
+        for _ in range(rounds):
+            for mode, job in trains.items():
+                sw.switch(job.name)                # until preempted; returns at its first output
+                seen = len(sw.states[job.name].outputs)
+                sw.wait_output(job.name, seen + 1)  # a resident iteration, for its length
+                iteration = sw.states[job.name].outputs[-1].result.seconds
+                time.sleep(rng.uniform(0.0, iteration))
+                b = sw.switch(infer.name, iterations=1)
+                if not torch.equal(b.output, expected):
+                    raise AssertionError(f"{name_b}: output differs from the model")
+                a = sw.wait_saved(job.name)
+                sw.stop()
+                res[mode].append((iteration, a.stop_s - a.cleaning_s, b.first_output_s))
+    rows = []
+    for mode, runs in res.items():
+        med = [statistics.median(r[k] for r in runs) * 1e3 for k in range(3)]
+        rows.append([f"{name_a} training, preempt_at={mode!r}", f"{med[0]:.0f}",
+                     f"{med[1]:.0f}", f"{med[1] / med[0]:.2f}", f"{med[2]:.0f}"])
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--preempt-rounds", type=int, default=5,
+                    help="rounds of the preemption comparison (0: skip it)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the preemption moments")
     args = ap.parse_args(argv)
     gbps = _copy_gbps()
     print(f"host copy bandwidth {gbps:.1f} Gb/s (CPU)", file=sys.stderr, flush=True)
@@ -212,6 +268,12 @@ def main(argv=None) -> int:
     print("ready forward (ms, in this process): " + ", ".join(
         f"{n} {jobs[n][2] * 1e3:.0f}" for n in MODELS))
     print("goals: (c) <= 0.050 of (a); first output / (group 0 transfer + forward) <= 1.2")
+    if args.preempt_rounds:
+        rows = preemption(MODELS[0], MODELS[1], args.preempt_rounds, args.seed)
+        print(f"\npreemption (CPU; medians of {args.preempt_rounds} requests at seeded random "
+              "moments of an iteration, ms)")
+        print(format_table(["active job", "its iteration", "wait until it stopped",
+                            "wait / iteration", f"{MODELS[1]} request -> first output"], rows))
     return 0
 
 

@@ -120,6 +120,55 @@ def test_task_resumes_bit_for_bit_in_another_task():
     assert _same_state(state, want_opt)
 
 
+class _AfterPieces:
+    """A preemption request that arrives once ``n`` pieces were asked to start."""
+
+    def __init__(self, n: int):
+        self.n, self.asked = n, 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.asked > self.n
+
+
+@pytest.mark.parametrize("step, pieces", [(0, 2), (2, 1), (2, 5)],
+                         ids=["while-transmitting", "first-group", "before-optimizer"])
+def test_task_preempted_at_a_piece_rolls_back(step, pieces):
+    """Stop iteration ``step`` after ``pieces`` pieces started: ``step`` returns None and the
+    job resumed in a fresh task from that iteration equals 5 straight steps bit for bit (the
+    stopped iteration's BatchNorm updates and gradients undone)."""
+    job = _train_job()
+    want_w, want_opt = _reference(job, 5)
+    host = HostModel.of(job.graph)
+    stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8))
+    first = Task(_shipped(job))
+    first.activate(host, stack)
+    for i in range(step):
+        assert first.step(i, stack, lambda: False) is not None
+    stop = _AfterPieces(pieces)
+    assert first.step(step, stack, stop) is None and stop.asked > pieces
+    state = first.clean(host)
+    stack.pop(0)
+    second = Task(_shipped(job))
+    second.activate(host, stack, state)
+    for i in range(step, 5):
+        second.step(i, stack)
+    state = second.clean(host)
+    assert all(torch.equal(t, want_w[k]) for k, t in host.tensors().items())
+    assert _same_state(state, want_opt)
+
+
+def test_cleaning_an_idle_training_task_keeps_its_optimizer_state():
+    """Preempted before its first iteration, a resumed training job hands back the optimizer
+    state it was given (it used to return None: the momentum was lost)."""
+    job = _train_job()
+    _, want_opt = _reference(job, 2)
+    task = Task(_shipped(job))
+    task.activate(HostModel.of(job.graph), ArenaStack(torch.empty(1 << 20, dtype=torch.uint8)),
+                  want_opt)
+    assert _same_state(task.clean(HostModel.of(job.graph)), want_opt)
+
+
 def test_over_cap_task_spills_and_completes():
     job, model, x = _infer_job()
     host = HostModel.of(job.graph)

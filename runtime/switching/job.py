@@ -8,7 +8,11 @@ worker by pickle) and, for a training job, a loss function and an optimizer fact
 loss function the job is inference: each iteration is one forward whose output goes back to the
 controller. ``activation_bytes`` is the arena room kept for an iteration's inputs beyond the
 weights; ``cap`` is an opportunistic job's memory cap in bytes (AntMan): what it would hold in
-the arena past the cap lives in host memory instead.
+the arena past the cap lives in host memory instead. ``preempt_at`` says where a switch stops
+the job: ``"piece"`` (default) after the pieces running when it is asked (a layer group, the
+backward, the optimizer step), the unfinished iteration rolled back and run again on resume, so
+a switch waits at most one piece; ``"iteration"`` at the end of the current iteration, no work
+lost but a switch may wait a whole iteration.
 
 Example:
     >>> import torch, tidal
@@ -49,8 +53,12 @@ class SwitchJob:
     optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None
     activation_bytes: int = 1 << 20
     cap: Optional[int] = None
+    preempt_at: str = "piece"
 
     def __post_init__(self) -> None:
+        if self.preempt_at not in ("piece", "iteration"):
+            raise ValueError(f"SwitchJob {self.name!r}: preempt_at={self.preempt_at!r}; "
+                             "choose 'piece' or 'iteration'")
         if (self.loss_fn is None) != (self.optimizer is None):
             raise ValueError(f"SwitchJob {self.name!r}: a training job needs both loss_fn and "
                              "optimizer, an inference job neither")

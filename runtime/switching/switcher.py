@@ -5,9 +5,10 @@
 (:class:`~tidal.runtime.switching.host_model.HostModel`), allocates the arena once and spawns
 ``1 + standby`` worker processes (``torch.multiprocessing``, spawn); each imports torch, creates
 the device context, builds every job's task and warms it up, then waits. :meth:`Switcher.switch`
-to job B sets the active worker's ``preempt`` event (it stops at the next iteration boundary,
-keeps its state: the weights go back to the host copy and the optimizer state to the
-controller, and becomes standby: task cleaning, asynchronous), leases B's memory from the arena
+to job B sets the active worker's ``preempt`` event (it stops after the pieces it is running,
+rolling back the unfinished iteration, or at the next iteration boundary: the job's
+``preempt_at``; it keeps its state: the weights go back to the host copy and the optimizer
+state to the controller, and becomes standby: task cleaning, asynchronous), leases B's memory from the arena
 (beside A's while A cleans, when the arena has room) and activates a standby worker: B's
 weights transmit group by group while the first groups compute, and ``switch`` returns at B's
 first output. Every wait has a timeout: a dead worker, a stalled one or one that raised gives a
@@ -87,7 +88,9 @@ class Switch:
 class JobState:
     """What the controller keeps of a job: the next iteration, the optimizer state saved at its
     last preemption, its outputs, whether its iterations ran out (``finished``) and its state is
-    being saved (``saving``), and the seconds its last task cleaning took."""
+    being saved (``saving``), the seconds its last task cleaning took and the seconds from its
+    last preemption request to its worker's report that it stopped and was cleaned
+    (``stop_s``: the wait for the running piece or iteration, then the cleaning)."""
 
     next_iteration: int = 0
     optimizer_state: Optional[dict] = None
@@ -95,7 +98,9 @@ class JobState:
     finished: bool = False
     saving: bool = False
     cleaning_s: Optional[float] = None
+    stop_s: Optional[float] = None
     lease: Optional[Lease] = None
+    preempted_at: Optional[float] = None
 
 
 @dataclass
@@ -179,7 +184,8 @@ class Switcher:
         return next((w for w in self.workers if w.state == ACTIVE), None)
 
     def switch(self, name: str, iterations: Optional[int] = None) -> Switch:
-        """Preempt the active job (at its next iteration boundary; cleaned asynchronously) and
+        """Preempt the active job (after its current piece or iteration, its ``preempt_at``;
+        cleaned asynchronously) and
         run job ``name`` on a standby worker from its next iteration, ``iterations`` of them
         (None: until preempted); return at its first output."""
         if name not in self.jobs:
@@ -196,7 +202,7 @@ class Switcher:
                 raise SwitchingError(f"switch: job {name!r} is already active on "
                                      f"{current.describe()}")
             self._preempt(current)
-        self._pump(lambda: not js.saving, f"job {name!r}'s state to be saved")
+        self.wait_saved(name)
         need = self.need_bytes(name)
         self._pump(lambda: self.arena.find(need) is not None,
                    f"{need} bytes of arena for job {name!r}")
@@ -225,9 +231,22 @@ class Switcher:
         """Preempt the active job and wait until its state is saved (:meth:`state`)."""
         w = self.active
         if w is not None:
-            js = self.states[w.job]
+            name = w.job
             self._preempt(w)
-            self._pump(lambda: not js.saving, f"job {w.job!r}'s state to be saved")
+            self.wait_saved(name)
+
+    def wait_output(self, name: str, count: int) -> list[Output]:
+        """Wait until job ``name`` has ``count`` outputs in all; return them."""
+        js = self.states[name]
+        self._pump(lambda: len(js.outputs) >= count, f"output {count} of job {name!r}")
+        return js.outputs
+
+    def wait_saved(self, name: str) -> JobState:
+        """Wait until job ``name``'s preemption has ended (its state saved, its worker
+        standby again); return its :class:`JobState`."""
+        js = self.states[name]
+        self._pump(lambda: not js.saving, f"job {name!r}'s state to be saved")
+        return js
 
     def state(self, name: str) -> tuple[int, dict[str, torch.Tensor], Optional[dict]]:
         """Job ``name``'s saved state (call :meth:`stop` first if it is active): its next
@@ -247,7 +266,8 @@ class Switcher:
 
     def _preempt(self, w: _Worker) -> None:
         w.state = CLEANING
-        self.states[w.job].saving = True
+        js = self.states[w.job]
+        js.saving, js.preempted_at = True, time.perf_counter()
         w.preempt.set()
 
     def _pump(self, done: Callable[[], bool], what: str, timeout_s: Optional[float] = None
@@ -291,6 +311,8 @@ class Switcher:
             _, _, name, nxt, state, clean_s = msg
             js = self.states[name]
             js.next_iteration, js.optimizer_state, js.cleaning_s = nxt, state, clean_s
+            if js.preempted_at is not None:
+                js.stop_s, js.preempted_at = time.perf_counter() - js.preempted_at, None
             self._free(w, js)
         elif kind == "error":
             name, tb = msg[2], msg[3]

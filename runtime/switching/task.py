@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_map
 
-from tidal.runtime.program import ProgramRunner
+from tidal.runtime.program import ProgramRunner, Work
 from tidal.runtime.programs.layer_groups import (LoadTimeline, bind_training, graph_interpreter,
                                                  InterpretedSegments, cut_at_markers, pipelined)
 from tidal.runtime.switching.host_model import HostModel
@@ -80,6 +80,23 @@ class Transmission:
                                f"the piece 'load group {k}')")
         if self.events[k] is not None:  # pragma: no cover - needs a GPU
             torch.cuda.current_stream(self.dsts[k].device).wait_event(self.events[k])
+
+
+class Preempted(Exception):
+    """Raised by a piece asked to start after a preemption request (see :meth:`Task.step`)."""
+
+
+def _stoppable(work: Work, preempted: Callable[[], bool]) -> Work:
+    """``work`` whose pieces first ask ``preempted`` and raise :class:`Preempted` if so."""
+    def piece(index: int, p: Any) -> Callable[[], Any]:
+        run = work(index, p)
+
+        def checked() -> Any:
+            if preempted():
+                raise Preempted(f"preempted before piece {p.name!r}")
+            return run()
+        return checked
+    return piece
 
 
 @dataclass(frozen=True)
@@ -145,9 +162,15 @@ class Task:
         if self.optimizer is not None and optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
 
-    def step(self, i: int, stack: ArenaStack) -> StepResult:
+    def step(self, i: int, stack: ArenaStack,
+             preempted: Optional[Callable[[], bool]] = None) -> Optional[StepResult]:
         """Run iteration ``i``: its inputs carved from ``stack`` (freed after it), the weights
-        transmitted by the first iteration after :meth:`activate`."""
+        transmitted by the first iteration after :meth:`activate`. With ``preempted``, every
+        piece asks it before starting: once it says True the iteration stops after the
+        pieces already running and is rolled back (buffers such as BatchNorm statistics
+        restored, gradients dropped; the weights and optimizer state change only in the last
+        piece, the optimizer step, so they are those of iteration ``i - 1``) and ``step``
+        returns None: iteration ``i`` runs again when the job resumes."""
         if self.loads is None:
             raise RuntimeError(f"job {self.job.name!r} is not active: activate it first")
         start = time.perf_counter()
@@ -165,19 +188,45 @@ class Task:
         else:
             inputs = tree_map(carve, batch if isinstance(batch, tuple) else (batch,))
             bound = InterpretedSegments(run, graph_interpreter(self.gm, *inputs), loads)
-        trace = self.runner.launch(bound.program, bound.work)
+        work = bound.work if preempted is None else _stoppable(bound.work, preempted)
+        saved = None if preempted is None or loading else self._buffers()
+        try:
+            trace = self.runner.launch(bound.program, work)
+        except Preempted:
+            self._roll_back(saved)
+            stack.pop(top)
+            return None
         value = bound.loss().item() if self.job.training else tree_map(
             lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, bound.output())
         stack.pop(top)
         timeline = LoadTimeline.of(run, trace) if loading else None
         return StepResult(i, value, timeline, time.perf_counter() - start)
 
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return {name: b.clone() for name, b in self.gm.named_buffers()}
+
+    def _roll_back(self, saved: Optional[dict[str, torch.Tensor]]) -> None:
+        """Undo a stopped iteration: buffers back to ``saved``; a stopped first iteration
+        (``saved`` None: it was transmitting) changed nothing the host copy holds, so its
+        loads are forgotten and cleaning saves nothing."""
+        if saved is None:
+            self.loads.done = [False] * len(self.loads.done)
+        else:
+            with torch.no_grad():
+                for name, b in self.gm.named_buffers():
+                    b.copy_(saved[name])
+        if self.job.training:
+            for p in self.gm.parameters():
+                p.grad = None
+
     def clean(self, host: HostModel) -> Optional[dict]:
-        """Task cleaning: a training job's weights go back to ``host`` and its optimizer state
-        is returned (None for inference); the task lets go of its arena memory."""
+        """Task cleaning: a training job's weights go back to ``host`` (when they were
+        transmitted) and its optimizer state is returned (None for inference), also when no
+        iteration ran since :meth:`activate`; the task lets go of its arena memory."""
         state = None
-        if self.job.training and self.loads is not None and all(self.loads.done):
-            host.save(self.gm)
+        if self.job.training:
+            if self.loads is not None and all(self.loads.done):
+                host.save(self.gm)
             state = self.optimizer.state_dict()
             self.optimizer.state.clear()
         self.release()

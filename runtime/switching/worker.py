@@ -7,8 +7,9 @@ tuples on ``torch.multiprocessing`` queues (tensors cross by shared memory):
 
 - in (``inbox``): ``("activate", job, offset, nbytes, optimizer_state, first, stop)`` runs
   ``job`` on the arena bytes ``[offset, offset + nbytes)`` from iteration ``first`` until
-  ``stop`` (None: until preempted) or until ``preempt`` is set, checked at every iteration
-  boundary; ``("stop",)`` ends the process.
+  ``stop`` (None: until preempted) or until ``preempt`` is set, checked before every piece
+  (the job's ``preempt_at`` "piece": the iteration it stops is rolled back and runs again on
+  resume) or at every iteration boundary ("iteration"); ``("stop",)`` ends the process.
 - out (``outbox``), each starting with the kind and the worker id: ``ready`` (with its start-up
   seconds), ``output`` (a :class:`~tidal.runtime.switching.task.StepResult`, the arena spills and
   the activation's allocation seconds), ``done`` (the iterations ran out; the weights stay
@@ -108,7 +109,10 @@ class _Activation:
             alloc_s = time.perf_counter() - t0
             while (stop is None or i < stop) and not self.preempt.is_set():
                 stack.set_cap(_cap(self.cap))
-                result = self.task.step(i, stack)
+                result = self.task.step(i, stack, self.preempt.is_set
+                                        if self.task.job.preempt_at == "piece" else None)
+                if result is None:
+                    break
                 self.outbox.put(("output", self.wid, self.name, _light(result), stack.spills,
                                  stack.spilled_bytes, alloc_s))
                 i += 1
