@@ -26,6 +26,7 @@ EXPECTED_NAMES = {
     "vgg16", "vgg16_small", "vgg19", "resnet50", "resnet50_small", "resnet101", "resnet152",
     "wide_resnet101_2", "wrn_small", "inception_v3", "inception_small",
     "bert_base", "bert_small", "llama_decoder", "llama_small",
+    "dlrm", "dlrm_small", "deepfm", "deepfm_small",
 }
 
 # torchvision's published counts (inception_v3: 27,161,264 with aux minus 3,326,696 for AuxLogits).

@@ -1,7 +1,10 @@
-"""Offline English text for calibration and evaluation (the GPL-3 licence, kept verbatim).
+"""Offline data for the examples: English text and click logs.
 
-The file is split at the blank line nearest its middle: the first half calibrates, the
-second half evaluates (see README.md in this folder for the source).
+- Text (the GPL-3 licence, kept verbatim): the file is split at the blank line nearest its
+  middle; the first half calibrates, the second half evaluates (see README.md in this folder
+  for the source).
+- Click logs for recommendation models: :class:`ClickData` (synthetic, Zipf-skewed ids,
+  :mod:`.clicks`) and :class:`CriteoTSV` (Criteo-format TSV files, :mod:`.criteo`).
 
 Example:
     >>> from examples.data import calibration_text, evaluation_text
@@ -9,10 +12,18 @@ Example:
     True
     >>> evaluation_text().lstrip().startswith("7. Additional Terms.")
     True
+    >>> from examples.data import ClickData
+    >>> ClickData(num_dense=2, table_rows=(10, 20), batch_size=3).batch(5)[0][1].shape
+    torch.Size([3, 2])
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+from .clicks import ClickData
+from .criteo import CriteoTSV
+
+__all__ = ["ClickData", "CriteoTSV", "calibration_text", "evaluation_text"]
 
 _SOURCE = Path(__file__).with_name("GPL-3.txt")
 

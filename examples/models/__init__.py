@@ -1,5 +1,7 @@
 """In-repo model zoo: torchvision-/HF-shaped reference models built from plain ``nn.Module``s.
 
+It also holds DLRM and DeepFM click models (:mod:`.recsys`) for the embedding-cache work.
+
 Every model is ``torch.fx.symbolic_trace``-able and provides
 ``example_inputs(batch_size)``, ``example_targets(batch_size)`` and
 ``default_loss(outputs, targets)``. ``ZOO`` maps model names to factories;
@@ -17,6 +19,7 @@ from .llama import (
     llama_small,
     smollm2_135m_config,
 )
+from .recsys import DLRM, DeepFM, deepfm, deepfm_small, dlrm, dlrm_small
 from .resnet import (
     Bottleneck,
     ResNet,
@@ -35,6 +38,8 @@ __all__ = [
     "BertForSequenceClassification",
     "BertModel",
     "Bottleneck",
+    "DLRM",
+    "DeepFM",
     "Inception3",
     "LlamaConfig",
     "LlamaForCausalLM",
@@ -45,6 +50,10 @@ __all__ = [
     "ZOO",
     "bert_base",
     "bert_small",
+    "deepfm",
+    "deepfm_small",
+    "dlrm",
+    "dlrm_small",
     "generate",
     "inception_small",
     "inception_v3",

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from .bert import bert_base, bert_small
 from .inception import inception_small, inception_v3
 from .llama import llama_decoder, llama_small
+from .recsys import deepfm, deepfm_small, dlrm, dlrm_small
 from .resnet import (resnet50, resnet50_small, resnet101, resnet152, wide_resnet101_2,
                      wrn_small)
 from .vgg import vgg16, vgg16_small, vgg19
@@ -28,6 +29,10 @@ ZOO = MappingProxyType(
         "bert_small": bert_small,
         "llama_decoder": llama_decoder,
         "llama_small": llama_small,
+        "dlrm": dlrm,
+        "dlrm_small": dlrm_small,
+        "deepfm": deepfm,
+        "deepfm_small": deepfm_small,
     }
 )
 """Model name -> zero-argument factory returning a freshly initialised ``nn.Module``."""
