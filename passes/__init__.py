@@ -54,6 +54,10 @@ _PASSES: tuple[PassEntry, ...] = (
     PassEntry("clustered_attention", "tidal.passes.clustered_attention", "ClusteredAttention",
               "CHAI: heads clustered per layer, scores shared within a cluster after the first "
               "tokens."),
+    PassEntry("embedding_cache", "tidal.passes.embedding_cache", "EmbeddingCache",
+              "Bagpipe: embedding lookups whose ids come from the inputs read a cached working "
+              "set (``tidal::cached_embedding``); the tables move to embedding servers, an "
+              "Oracle Cacher looks ``lookahead`` batches ahead."),
 )
 
 
