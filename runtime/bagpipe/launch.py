@@ -1,0 +1,385 @@
+"""Launch a Bagpipe run: the Oracle Cacher (also the data processor), trainers and embedding
+servers as processes (torch.multiprocessing, spawn) talking over torch.distributed.rpc
+(TensorPipe); the trainers form a gloo process group for their all-reduces. Every group and
+RPC has a timeout; a process that dies or stalls ends the run with a :class:`BagpipeError`
+naming it, and no process is left behind.
+
+Ranks in RPC: 0 = ``oracle``, 1..T = ``trainer<r>``, T+1..T+S = ``server<s>``. The oracle creates
+the servers and trainers as remote objects, starts every trainer's loop, then reads batches,
+splits each into T equal shards, runs the lookahead per table and dispatches each trainer its
+shard and the decisions (async RPC, as soon as a decision's window is read). Several runs
+(:class:`RunSpec`) share one spawn with :func:`train_many`.
+
+Example:
+    >>> RunSpec(model=None, data=None, iterations=4).policy
+    'bagpipe'
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from tidal.runtime.bagpipe.errors import BagpipeError
+from tidal.runtime.bagpipe.stats import IterationStats
+
+__all__ = ["RunSpec", "Result", "train", "train_many", "load_checkpoint"]
+
+POLICIES = ("bagpipe", "lru", "none")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: ``model`` is ``(gm, plan, weights)`` (the rewritten graph module, its
+    ``EmbeddingCachePlan`` and the initial full tables by name) or an object with
+    ``graph_module``, ``plan`` and ``weights`` attributes; ``data`` has ``.batch(i) -> (inputs,
+    targets)`` or is such a callable. ``fail_at=(trainer, iteration)`` is a test hook that makes
+    that trainer exit at the start of that iteration."""
+
+    model: Any
+    data: Any
+    iterations: int
+    lookahead: int = 1
+    policy: str = "bagpipe"
+    lru_rows: int = 0
+    lr: float = 0.1
+    loss_fn: Optional[Callable] = None
+    checkpoint_every: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+    resume: Optional[str] = None
+    fail_at: Optional[tuple] = None
+
+
+@dataclass
+class Result:
+    """Final full tables (name -> tensor, gathered from the servers after every cache was
+    flushed), the dense ``state_dict`` (trainer 0's; every trainer holds the same), and the
+    per-iteration stats summed over trainers (``per_trainer``: each trainer's own)."""
+
+    tables: dict
+    dense: dict
+    stats: list
+    per_trainer: list = field(default_factory=list)
+
+
+def load_checkpoint(path: str) -> dict:
+    """The checkpoint saved in directory ``path`` (``tables``, ``dense``, ``next``)."""
+    from tidal.runtime.bagpipe.trainer import CHECKPOINT_FILE
+
+    f = Path(path) / CHECKPOINT_FILE
+    if not f.exists():
+        raise BagpipeError(f"bagpipe: no checkpoint in {path!r} (expected {CHECKPOINT_FILE})")
+    return torch.load(f, weights_only=False)
+
+
+def _unpack(model: Any) -> tuple:
+    if isinstance(model, tuple) and len(model) == 3:
+        return model
+    try:
+        return model.graph_module, model.plan, model.weights
+    except AttributeError:
+        raise BagpipeError("bagpipe.train: model must be (gm, plan, weights) or have "
+                           "graph_module, plan and weights attributes") from None
+
+
+def _picklable(gm: Any) -> Any:
+    """A copy of graph module ``gm`` that pickles: fx cannot pickle a graph whose nodes carry
+    string type annotations (``from __future__ import annotations`` models), so they go."""
+    import copy
+
+    import torch.fx as fx
+
+    if not isinstance(gm, fx.GraphModule):
+        return gm
+    if not any(isinstance(n.type, str) for n in gm.graph.nodes):
+        return gm
+    gm = copy.deepcopy(gm)
+    for n in gm.graph.nodes:
+        if isinstance(n.type, str):
+            n.type = None
+    gm.recompile()
+    return gm
+
+
+def _portable(spec: RunSpec) -> RunSpec:
+    gm, plan, weights = _unpack(spec.model)
+    return replace(spec, model=(_picklable(gm), plan, dict(weights)))
+
+
+def _batch(data: Any, i: int):
+    return data.batch(i) if hasattr(data, "batch") else data(i)
+
+
+def _check(spec: RunSpec, trainers: int) -> None:
+    if spec.policy not in POLICIES:
+        raise BagpipeError(f"bagpipe.train: policy must be one of {POLICIES}, got "
+                           f"{spec.policy!r}")
+    if spec.iterations < 0 or spec.lookahead < 0 or spec.lru_rows < 0:
+        raise BagpipeError("bagpipe.train: iterations, lookahead and lru_rows must be >= 0")
+    if spec.checkpoint_every is not None and (spec.checkpoint_every < 1
+                                              or not spec.checkpoint_dir):
+        raise BagpipeError("bagpipe.train: checkpoint_every needs a value >= 1 and a "
+                           "checkpoint_dir")
+    if spec.fail_at is not None and not 0 <= spec.fail_at[0] < trainers:
+        raise BagpipeError(f"bagpipe.train: fail_at names trainer {spec.fail_at[0]} of "
+                           f"{trainers}")
+
+
+def _shard(x: Any, T: int, r: int, what: str):
+    if not isinstance(x, torch.Tensor):
+        raise BagpipeError(f"bagpipe: batch {what} must be tensors, got {type(x).__name__}")
+    B = x.shape[0]
+    if B % T:
+        raise BagpipeError(f"bagpipe: batch size {B} is not divisible by {T} trainers")
+    n = B // T
+    return x[r * n:(r + 1) * n]
+
+
+# -- process bodies ---------------------------------------------------------------------------
+def _rpc_options(port: int, timeout_s: float):
+    import torch.distributed.rpc as rpc
+
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           rpc_timeout=timeout_s, num_worker_threads=16)
+
+
+def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: str) -> dict:
+    import torch.distributed.rpc as rpc
+
+    from tidal.ir.plans.embedding_cache import table_ids
+    from tidal.runtime.bagpipe.oracle import Lookahead, LruPlanner
+    from tidal.runtime.bagpipe.server import EmbeddingServer, assemble
+    from tidal.runtime.bagpipe.trainer import BatchWork, Trainer, TrainerConfig
+
+    gm, plan, weights = _unpack(spec.model)
+    start = 0
+    if spec.resume:
+        ck = load_checkpoint(spec.resume)
+        weights, start = ck["tables"], ck["next"]
+        gm.load_state_dict(ck["dense"])
+    weights = {t.name: weights[t.name].detach().to(t.torch_dtype) for t in plan.tables}
+    stop = spec.iterations
+    servers = [rpc.remote(f"server{s}", EmbeddingServer, args=(s, S, weights))
+               for s in range(S)]
+    cfg = TrainerConfig(trainers=T, lr=spec.lr, lookahead=spec.lookahead, start=start,
+                        stop=stop, timeout_s=timeout_s, checkpoint_every=spec.checkpoint_every,
+                        checkpoint_dir=spec.checkpoint_dir, progress_dir=progress_dir,
+                        fail_at=spec.fail_at)
+    loss_fn = spec.loss_fn or _default_loss
+    trainers = [rpc.remote(f"trainer{r}", Trainer, args=(r, gm, plan, servers, loss_fn, cfg))
+                for r in range(T)]
+    runs = [t.rpc_async(timeout=0).run() for t in trainers]
+
+    def planner():
+        if spec.policy == "bagpipe":
+            return Lookahead(trainers=T, lookahead=spec.lookahead, stop=stop, start=start,
+                             segment=spec.checkpoint_every)
+        rows = spec.lru_rows if spec.policy == "lru" else 0
+        return LruPlanner(trainers=T, rows=rows, stop=stop, start=start,
+                          segment=spec.checkpoint_every)
+
+    planners = {t.name: planner() for t in plan.tables}
+    held: dict[int, tuple] = {}
+    ready: dict[int, dict] = {}
+    sent = []
+    for x in range(start, stop):
+        inputs, targets = _batch(spec.data, x)
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        shards = [(tuple(_shard(a, T, r, "inputs") for a in inputs),
+                   _shard(targets, T, r, "targets")) for r in range(T)]
+        held[x] = shards
+        uses = [table_ids(gm, plan, *sh[0]) for sh in shards]
+        for t in plan.tables:
+            for d in planners[t.name].feed(x, [torch.unique(u[t.name]).tolist()
+                                              for u in uses]):
+                ready.setdefault(d.batch, {})[t.name] = d
+        for b in sorted(ready):
+            if len(ready[b]) < len(plan.tables):
+                break
+            decisions = ready.pop(b)
+            for r, tr in enumerate(trainers):
+                ins, tg = held[b][r]
+                sent.append(tr.rpc_async().deliver(BatchWork(b, ins, tg, decisions)))
+            del held[b]
+    for f in sent:
+        f.wait()
+    outs = [f.wait() for f in runs]
+    shards = [s.rpc_sync().shards() for s in servers]
+    tables = {t.name: assemble([sh[t.name] for sh in shards], t.num_rows) for t in plan.tables}
+    per_trainer = [o["stats"] for o in outs]
+    stats = [IterationStats.total([p[k] for p in per_trainer])
+             for k in range(len(per_trainer[0]))]
+    return {"tables": tables, "dense": outs[0]["dense"], "stats": stats,
+            "per_trainer": per_trainer}
+
+
+def _default_loss(out, targets):
+    return torch.nn.functional.binary_cross_entropy_with_logits(out, targets)
+
+
+def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, payload: bytes,
+            workdir: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+
+    torch.set_num_threads(1)
+    opts = _rpc_options(ports[1], timeout_s)
+    world = 1 + T + S
+    try:
+        importlib.import_module("tidal.ir.cached_embedding_op")  # before unpickling graphs
+        specs = pickle.loads(payload)
+        if 1 <= rank <= T:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}",
+                                    rank=rank - 1, world_size=T,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            rpc.init_rpc(f"trainer{rank - 1}", rank=rank, world_size=world,
+                         rpc_backend_options=opts)
+        elif rank > T:
+            rpc.init_rpc(f"server{rank - T - 1}", rank=rank, world_size=world,
+                         rpc_backend_options=opts)
+        else:
+            rpc.init_rpc("oracle", rank=0, world_size=world, rpc_backend_options=opts)
+            for k, spec in enumerate(specs):
+                out = _oracle_run(spec, T, S, timeout_s, os.path.join(workdir, f"run{k}"))
+                torch.save(out, os.path.join(workdir, f"result{k}.pt"))
+        rpc.shutdown()
+        if 1 <= rank <= T:
+            dist.destroy_process_group()
+    except BaseException as e:  # report, then die: the parent turns it into a BagpipeError
+        msg = str(e) if isinstance(e, BagpipeError) else "".join(
+            traceback.format_exception_only(type(e), e)).strip()
+        Path(workdir, f"error{rank}").write_text(msg + "\n" + traceback.format_exc())
+        os._exit(1)
+
+
+# -- the parent ----------------------------------------------------------------------------
+def _role(rank: int, T: int) -> str:
+    return "oracle cacher" if rank == 0 else (f"trainer {rank - 1}" if rank <= T
+                                              else f"embedding server {rank - T - 1}")
+
+
+def _last_checkpoint(spec: RunSpec) -> Optional[str]:
+    from tidal.runtime.bagpipe.trainer import CHECKPOINT_FILE
+
+    if spec.checkpoint_dir and (Path(spec.checkpoint_dir) / CHECKPOINT_FILE).exists():
+        return spec.checkpoint_dir
+    return None
+
+
+def _iteration_of(workdir: str, run: int, trainer: int) -> Optional[int]:
+    p = Path(workdir, f"run{run}", f"trainer{trainer}")
+    try:
+        return int(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _current_run(workdir: str, n: int) -> int:
+    return min(sum(Path(workdir, f"result{k}.pt").exists() for k in range(n)), n - 1)
+
+
+def train_many(specs: Sequence[RunSpec], *, trainers: int = 2, servers: int = 1,
+               timeout_s: float = 60.0) -> list[Result]:
+    """Run every spec in order on one set of processes (one spawn); a :class:`Result` each."""
+    import torch.multiprocessing as mp
+
+    from tidal.runtime.distributed import free_port
+
+    if trainers < 1 or servers < 1:
+        raise BagpipeError(f"bagpipe.train: need >= 1 trainer and >= 1 server, got "
+                           f"{trainers} and {servers}")
+    for s in specs:
+        _check(s, trainers)
+    specs = [_portable(s) for s in specs]
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bagpipe_") as workdir:
+        for k in range(len(specs)):
+            os.makedirs(os.path.join(workdir, f"run{k}"))
+        ports = (free_port(), free_port())
+        world = 1 + trainers + servers
+        try:
+            payload = pickle.dumps(list(specs))
+        except Exception as e:
+            raise BagpipeError(f"bagpipe.train: the runs cannot be sent to the worker "
+                               f"processes (model, data and loss_fn must pickle): {e}") from e
+        procs = [ctx.Process(target=_worker, args=(r, trainers, servers, ports, timeout_s,
+                                                   payload, workdir), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            _watch(procs, specs, trainers, timeout_s, workdir)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(5)
+        results = []
+        for k in range(len(specs)):
+            out = torch.load(os.path.join(workdir, f"result{k}.pt"), weights_only=False)
+            results.append(Result(out["tables"], out["dense"], out["stats"],
+                                  out["per_trainer"]))
+        return results
+
+
+def _watch(procs, specs, T: int, timeout_s: float, workdir: str) -> None:
+    """Wait for every process; a death or a stall (no progress for ``timeout_s``) raises."""
+    last_change, seen = time.monotonic(), None
+    while True:
+        codes = [p.exitcode for p in procs]
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            time.sleep(0.3)  # let a first failure's neighbours report theirs
+            codes = [p.exitcode for p in procs]
+            raise _failure(codes, specs, T, workdir)
+        marks = sorted((f.name, f.stat().st_mtime_ns) for f in Path(workdir).rglob("*")
+                       if f.is_file())
+        if marks != seen:
+            seen, last_change = marks, time.monotonic()
+        elif time.monotonic() - last_change > timeout_s:
+            run = _current_run(workdir, len(specs))
+            raise BagpipeError(f"bagpipe: no progress for {timeout_s:g} s (run {run}); "
+                               f"last checkpoint: {_last_checkpoint(specs[run])}",
+                               checkpoint=_last_checkpoint(specs[run]))
+        time.sleep(0.05)
+
+
+def _failure(codes, specs, T: int, workdir: str) -> BagpipeError:
+    run = _current_run(workdir, len(specs))
+    ck = _last_checkpoint(specs[run])
+    dead = [r for r, c in enumerate(codes) if c not in (None, 0)]
+    reported = {r: Path(workdir, f"error{r}").read_text().split("\n")[0]
+                for r in dead if Path(workdir, f"error{r}").exists()}
+    silent = [r for r in dead if r not in reported]  # died without reporting: the culprit
+    r = (silent or dead)[0]
+    it = _iteration_of(workdir, run, r - 1) if 1 <= r <= T else None
+    where = f" at iteration {it}" if it is not None else ""
+    why = reported.get(r, f"exit code {codes[r]}")
+    return BagpipeError(f"bagpipe: {_role(r, T)} died{where} ({why}); last checkpoint: {ck}",
+                        trainer=r - 1 if 1 <= r <= T else None, iteration=it, checkpoint=ck)
+
+
+def train(model: Any, data: Any, iterations: int, *, trainers: int = 2, servers: int = 1,
+          lookahead: int = 1, policy: str = "bagpipe", lru_rows: int = 0, lr: float = 0.1,
+          loss_fn: Optional[Callable] = None, checkpoint_every: Optional[int] = None,
+          checkpoint_dir: Optional[str] = None, resume: Optional[str] = None,
+          timeout_s: float = 60.0, fail_at: Optional[tuple] = None) -> Result:
+    """Train ``iterations`` batches of ``data`` with Bagpipe (see :class:`RunSpec` for the
+    arguments); ``resume=checkpoint_dir`` continues from a checkpoint to ``iterations``."""
+    spec = RunSpec(model=model, data=data, iterations=iterations, lookahead=lookahead,
+                   policy=policy, lru_rows=lru_rows, lr=lr, loss_fn=loss_fn,
+                   checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
+                   resume=resume, fail_at=fail_at)
+    return train_many([spec], trainers=trainers, servers=servers, timeout_s=timeout_s)[0]
+

@@ -1,0 +1,413 @@
+"""A Bagpipe trainer: the rewritten graph on its shard of each batch, fed by the Oracle Cacher,
+with an LRPP cache per table, prefetch, delayed synchronization and write-back.
+
+Per iteration ``x`` (SGD without momentum, the reference arithmetic kept exactly):
+
+1. if the prefetch for ``x`` was not issued ahead (``L <= 1``, first batch of a segment): wait
+   for this trainer's write-backs, barrier with the other trainers, issue it; wait for the rows;
+2. forward and backward of ``gm(*shard, **working)`` on the cached rows (leaves);
+3. LOCAL rows: ``row.add_(g / T, alpha=-lr)`` at once (no communication);
+4. the background sync of ``x - 1`` is waited for and applied, then the write-backs of ``x - 1``
+   that waited for it are issued (asynchronous RPCs);
+5. dense gradients all-reduced (sum) / T, ``p.add_(g, alpha=-lr)``;
+6. once this trainer's write-backs are complete, the critical all-reduce: shared rows that
+   ``x + 1`` uses (gradient sums) and the values of ids promoted to shared for ``x + 1`` (owner's
+   value, zeros elsewhere), in one flat buffer. Completing it proves every trainer's write-backs
+   up to ``x - 1`` are done, so prefetches whose ``written_through`` allows it are issued now;
+7. the other shared rows of ``x`` are all-reduced in the background (async gloo work);
+   evictions of ``x`` are written back now, or after that background sync (step 4 of ``x + 1``).
+
+Example:
+    >>> from tidal.runtime.bagpipe.trainer import flat_rows
+    >>> import torch
+    >>> flat_rows(torch.tensor([2, 5, 9]), torch.tensor([5, 9]),
+    ...           torch.tensor([[1.], [2.]]), dim=1).tolist()
+    [[0.0], [1.0], [2.0]]
+"""
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tidal.runtime.bagpipe.cache import TableCache
+from tidal.runtime.bagpipe.errors import BagpipeError
+from tidal.runtime.bagpipe.oracle import TableDecision
+from tidal.runtime.bagpipe.server import merge_rows, split_by_server
+from tidal.runtime.bagpipe.stats import IterationStats
+
+__all__ = ["BatchWork", "TrainerConfig", "Trainer", "flat_rows", "CHECKPOINT_FILE"]
+
+CHECKPOINT_FILE = "bagpipe_checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class BatchWork:
+    """What the Oracle Cacher sends a trainer for one batch: its shard of the inputs and
+    targets and the decision of every table."""
+
+    batch: int
+    inputs: tuple
+    targets: Any
+    decisions: dict  # table name -> TableDecision
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Settings every trainer shares."""
+
+    trainers: int
+    lr: float
+    lookahead: int
+    start: int
+    stop: int
+    timeout_s: float
+    checkpoint_every: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+    progress_dir: Optional[str] = None
+    fail_at: Optional[tuple[int, int]] = None
+
+
+def flat_rows(ids: torch.Tensor, have: torch.Tensor, rows: torch.Tensor, dim: int
+              ) -> torch.Tensor:
+    """A ``[len(ids), dim]`` buffer holding ``rows[k]`` at the position of ``have[k]`` in the
+    sorted ``ids`` and zeros elsewhere (``have`` sorted; ids of ``have`` not in ``ids`` are
+    ignored)."""
+    out = torch.zeros(len(ids), dim, dtype=rows.dtype)
+    if len(ids) and len(have):
+        mask = torch.isin(ids, have)
+        out[mask] = rows[torch.searchsorted(have, ids[mask])]
+    return out
+
+
+def _barrier() -> None:
+    """Barrier of the trainers' group (a one-element all-reduce)."""
+    dist.all_reduce(torch.zeros(1))
+
+
+def _ids(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+class Trainer:
+    """Trainer ``rank`` of ``config.trainers``: holds ``gm`` (the rewritten graph: its dense
+    parameters), a cache per table of ``plan``, and RRefs of the embedding servers. Batches
+    arrive through :meth:`deliver`; :meth:`run` trains and returns per-iteration stats (and,
+    on trainer 0, the final dense state)."""
+
+    def __init__(self, rank: int, gm: torch.nn.Module, plan: Any, servers: list,
+                 loss_fn: Callable, config: TrainerConfig):
+        self.rank = rank
+        self.gm = gm
+        self.plan = plan
+        self.servers = servers
+        self.loss_fn = loss_fn
+        self.cfg = config
+        self.tables = {t.name: t for t in plan.tables}
+        self.caches = {t.name: TableCache(t.name, t.dim, t.torch_dtype) for t in plan.tables}
+        table_params = {f"{t.name}.weight" for t in plan.tables}
+        self.params = [p for n, p in gm.named_parameters() if n not in table_params]
+        self._inbox: queue.Queue = queue.Queue()
+        self._work: dict[int, BatchWork] = {}
+        self._fetches: dict[int, dict] = {}
+        self._writes: list = []
+        self._deferred: Optional[tuple] = None
+        self._confirmed = config.start - 1
+        self._next_prefetch = config.start
+
+    # -- called by the Oracle Cacher over RPC ------------------------------------------------
+    def deliver(self, work: BatchWork) -> None:
+        """Queue one batch's work (RPC target)."""
+        self._inbox.put(work)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _get(self, x: int) -> BatchWork:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while x not in self._work:
+            left = deadline - time.monotonic()
+            try:
+                w = self._inbox.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                raise BagpipeError(f"bagpipe trainer {self.rank}: no work for iteration {x} "
+                                   f"from the Oracle Cacher within {self.cfg.timeout_s:g} s",
+                                   trainer=self.rank, iteration=x) from None
+            self._work[w.batch] = w
+        return self._work[x]
+
+    def _issue_prefetch(self, x: int, st: Optional[IterationStats]) -> None:
+        w = self._get(x)
+        S = len(self.servers)
+        per_table = {}
+        for name, d in w.decisions.items():
+            ids = _ids(d.fetch[self.rank])
+            parts = split_by_server(ids, S)
+            futs = [self.servers[s].rpc_async(timeout=self.cfg.timeout_s).fetch(name, part)
+                    if len(part) else None for s, part in enumerate(parts)]
+            per_table[name] = (ids, parts, futs)
+        self._fetches[x] = per_table
+        self._next_prefetch = x + 1
+
+    def _prefetch_ahead(self, upto: int) -> None:
+        while self._next_prefetch <= min(upto, self.cfg.stop - 1):
+            w = self._get(self._next_prefetch)
+            if any(d.written_through > self._confirmed for d in w.decisions.values()):
+                return
+            self._issue_prefetch(self._next_prefetch, None)
+
+    def _wait_writes(self) -> None:
+        for f in self._writes:
+            f.wait()
+        self._writes = []
+
+    def _write_back(self, name: str, ids: Sequence[int], st: IterationStats) -> None:
+        cache = self.caches[name]
+        if not len(ids):
+            return
+        ids_t = _ids(ids)
+        rows = cache.evict(ids)
+        S = len(self.servers)
+        for s, part in enumerate(split_by_server(ids_t, S)):
+            if len(part):
+                sel = rows[ids_t % S == s]
+                self._writes.append(self.servers[s].rpc_async(
+                    timeout=self.cfg.timeout_s).write(name, part, sel))
+        st.rows_written += len(ids)
+        st.bytes_written += rows.numel() * rows.element_size()
+
+    def _drop(self, name: str, d: TableDecision, st: IterationStats, critical: bool) -> None:
+        """After batch ``d.batch``'s syncs: write back this trainer's evictions, drop the
+        others' copies of evicted shared rows."""
+        cache = self.caches[name]
+        mine = set(d.writeback[self.rank])
+        before = st.bytes_written
+        self._write_back(name, sorted(mine), st)
+        if critical:
+            st.bytes_critical += st.bytes_written - before
+        others = [i for i in d.dropped if i not in mine and i in cache]
+        if others:
+            cache.evict(others)
+
+    def _decisions_of(self, x: int) -> dict:
+        return self._work[x].decisions
+
+    def _finish_deferred(self, st: IterationStats) -> None:
+        if self._deferred is None:
+            return
+        x, handle, buf, layout = self._deferred
+        self._deferred = None
+        if handle is not None:
+            handle.wait()
+            self._apply(buf, layout)
+        for name, d in self._decisions_of(x).items():
+            self._drop(name, d, st, critical=False)
+        self._work.pop(x, None)
+
+    def _apply(self, buf: torch.Tensor, layout: list) -> None:
+        """Apply an all-reduced buffer: gradient segments ``/ T`` as SGD steps, promotion
+        segments as values."""
+        T, lr = self.cfg.trainers, self.cfg.lr
+        for name, kind, ids, lo, hi in layout:
+            seg = buf[lo:hi].view(len(ids), self.tables[name].dim)
+            cache = self.caches[name]
+            if kind == "grad":
+                cache.update(ids, seg / T, lr)
+            else:
+                ttl = dict(self._work[kind].decisions[name].ttl)
+                have = [i for i in ids if i in cache]
+                missing = [k for k, i in enumerate(ids) if i not in cache]
+                if have:
+                    cache.assign(have, seg[[k for k, i in enumerate(ids) if i in cache]])
+                if missing:
+                    cache.insert([ids[k] for k in missing], seg[missing],
+                                 ttl=ttl.get(ids[missing[0]], -1))
+                    for k in missing:
+                        cache.set_ttl([ids[k]], ttl.get(ids[k], -1))
+
+    def _save_checkpoint(self, x: int) -> None:
+        """Trainer 0 at the start of a segment (every cache flushed, write-backs confirmed):
+        the full tables from the servers, the dense state and the next iteration."""
+        futs = [s.rpc_async(timeout=self.cfg.timeout_s).shards() for s in self.servers]
+        shards = [f.wait() for f in futs]
+        from tidal.runtime.bagpipe.server import assemble
+        tables = {t.name: assemble([sh[t.name] for sh in shards], t.num_rows)
+                  for t in self.plan.tables}
+        state = {"tables": tables, "dense": {k: v.clone() for k, v in
+                                             self.gm.state_dict().items()},
+                 "next": x}
+        d = Path(self.cfg.checkpoint_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / (CHECKPOINT_FILE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, d / CHECKPOINT_FILE)
+
+    def _progress(self, x: int) -> None:
+        if self.cfg.progress_dir:
+            p = Path(self.cfg.progress_dir) / f"trainer{self.rank}"
+            p.write_text(str(x))
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Train iterations ``start .. stop-1``; returns ``{"stats": [...], "dense": ...}``."""
+        cfg = self.cfg
+        T, lr = cfg.trainers, cfg.lr
+        W = cfg.lookahead + 1  # the window: the batch and the L batches beyond it
+        stats = []
+        for x in range(cfg.start, cfg.stop):
+            self._progress(x)
+            if cfg.fail_at is not None and tuple(cfg.fail_at) == (self.rank, x):
+                os._exit(1)
+            t0 = time.perf_counter()
+            st = IterationStats(iteration=x)
+            w = self._get(x)
+            sync_fetch = self._next_prefetch <= x
+            if sync_fetch:
+                self._wait_writes()
+                _barrier()
+                self._confirmed = x - 1
+                if (cfg.checkpoint_every and cfg.checkpoint_dir and x > cfg.start
+                        and x % cfg.checkpoint_every == 0):
+                    if self.rank == 0:
+                        self._save_checkpoint(x)
+                    _barrier()
+                self._issue_prefetch(x, st)
+            # rows for x
+            kwargs = {}
+            leaves = {}
+            for name, d in w.decisions.items():
+                cache = self.caches[name]
+                ids, _, futs = self._fetches[x][name]
+                if len(ids):
+                    rows = merge_rows(ids, [f.wait() if f is not None else None
+                                            for f in futs], len(self.servers),
+                                      self.tables[name].dim, self.tables[name].torch_dtype)
+                    cache.insert(ids.tolist(), rows)
+                    nb = rows.numel() * rows.element_size()
+                    st.rows_fetched += len(ids)
+                    st.bytes_fetched += nb
+                    if sync_fetch:
+                        st.bytes_critical += nb
+                for i, t in d.ttl:
+                    if i in cache:
+                        cache.set_ttl([i], t)
+                used = d.uses[self.rank]
+                st.lookups += len(used)
+                st.hits += len(set(used).difference(d.fetch[self.rank]))
+                t = self.tables[name]
+                used_t = _ids(used)
+                leaf = cache.rows(used).requires_grad_(True)
+                kwargs[t.ids_input] = used_t
+                kwargs[t.rows_input] = leaf
+                leaves[name] = (used_t, leaf)
+            del self._fetches[x]
+            for p in self.params:
+                p.grad = None
+            out = self.gm(*w.inputs, **kwargs)
+            loss = self.loss_fn(out, w.targets)
+            loss.backward()
+            grads = {}
+            for name, (used_t, leaf) in leaves.items():
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                grads[name] = g
+                d = w.decisions[name]
+                loc = d.local[self.rank]
+                if loc:
+                    self.caches[name].update(
+                        loc, flat_rows(_ids(loc), used_t, g, self.tables[name].dim) / T, lr)
+            self._finish_deferred(st)
+            # dense gradients
+            if self.params:
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                                  .reshape(-1) for p in self.params])
+                dist.all_reduce(flat)
+                dense = flat / T
+            self._wait_writes()
+            # critical buffer: shared grads used by x+1, promotions for x+1
+            parts, layout, pos = [], [], 0
+            for name, d in w.decisions.items():
+                if d.critical:
+                    parts.append(flat_rows(_ids(d.critical), leaves[name][0], grads[name],
+                                           self.tables[name].dim).reshape(-1))
+                    layout.append((name, "grad", list(d.critical), pos, pos + parts[-1].numel()))
+                    pos += parts[-1].numel()
+                    st.rows_synced_critical += len(d.critical)
+            if x + 1 < cfg.stop:
+                nxt = self._get(x + 1)
+                for name, d in nxt.decisions.items():
+                    if d.promote:
+                        ids = [i for i, _ in d.promote]
+                        mine = [i for i, o in d.promote if o == self.rank]
+                        vals = torch.zeros(len(ids), self.tables[name].dim,
+                                           dtype=self.tables[name].torch_dtype)
+                        if mine:
+                            vals = flat_rows(_ids(ids), _ids(sorted(mine)),
+                                             self.caches[name].rows(sorted(mine)),
+                                             self.tables[name].dim)
+                        parts.append(vals.reshape(-1))
+                        layout.append((name, x + 1, ids, pos, pos + vals.numel()))
+                        pos += vals.numel()
+                        st.rows_promoted += len(ids)
+            dtype = parts[0].dtype if parts else torch.float64
+            buf = torch.cat(parts) if parts else torch.zeros(1, dtype=dtype)
+            dist.all_reduce(buf)
+            self._confirmed = x - 1
+            if parts:
+                nb = buf.numel() * buf.element_size()
+                st.bytes_synced += nb
+                st.bytes_critical += nb
+            if self.params:
+                off = 0
+                for p in self.params:
+                    n = p.numel()
+                    with torch.no_grad():
+                        p.add_(dense[off:off + n].view_as(p), alpha=-lr)
+                    off += n
+            self._apply(buf, layout)
+            # background sync of x
+            bparts, blayout, pos = [], [], 0
+            for name, d in w.decisions.items():
+                if d.background:
+                    bparts.append(flat_rows(_ids(d.background), leaves[name][0], grads[name],
+                                            self.tables[name].dim).reshape(-1))
+                    blayout.append((name, "grad", list(d.background), pos,
+                                    pos + bparts[-1].numel()))
+                    pos += bparts[-1].numel()
+                    st.rows_synced_background += len(d.background)
+            handle, bbuf = None, None
+            if bparts:
+                bbuf = torch.cat(bparts)
+                handle = dist.all_reduce(bbuf, async_op=True)
+                st.bytes_synced += bbuf.numel() * bbuf.element_size()
+            deferred = any(d.deferred for d in w.decisions.values())
+            if deferred:
+                self._deferred = (x, handle, bbuf, blayout)
+            else:
+                if handle is not None:  # the oracle never asks for this; stay correct anyway
+                    handle.wait()
+                    self._apply(bbuf, blayout)
+                for name, d in w.decisions.items():
+                    self._drop(name, d, st, critical=True)
+                self._work.pop(x, None)
+            self._prefetch_ahead(x + W - 1)
+            st.seconds = time.perf_counter() - t0
+            stats.append(st)
+        final = IterationStats(iteration=cfg.stop)
+        self._finish_deferred(final)
+        self._wait_writes()
+        left = {n: len(c) for n, c in self.caches.items() if len(c)}
+        if left:
+            raise BagpipeError(f"bagpipe trainer {self.rank}: rows still cached after the last "
+                               f"iteration: {left}", trainer=self.rank, iteration=cfg.stop)
+        _barrier()
+        if stats:
+            stats[-1].rows_written += final.rows_written
+            stats[-1].bytes_written += final.bytes_written
+        out = {"stats": stats}
+        if self.rank == 0:
+            out["dense"] = {k: v.detach().clone() for k, v in self.gm.state_dict().items()}
+        return out

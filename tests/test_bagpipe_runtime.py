@@ -1,0 +1,129 @@
+"""Bagpipe's runtime on gloo + TensorPipe: 2 trainers, 2 embedding servers and the Oracle
+Cacher give, bit for bit in float64, the tables and dense parameters of synchronous
+data-parallel SGD without a cache (computed here in one process), for lookahead 0, 1 and 5 at
+two skews, for the LRU and "no cache" policies, and across a checkpoint and resume (all in ONE
+spawn); a killed trainer raises a BagpipeError naming it (a second spawn)."""
+import copy
+import multiprocessing
+
+import pytest
+import torch
+
+import tidal
+from examples.data.clicks import ClickData
+from examples.models.recsys import click_loss, dlrm_small
+from tidal.passes.embedding_cache import EmbeddingCache
+from tidal.runtime.bagpipe import BagpipeError, RunSpec, load_checkpoint, train, train_many
+
+ROWS = (40, 70, 120)
+BATCH, ITERS, LR, T = 8, 6, 0.1, 2
+
+
+class Float64Clicks:
+    """ClickData batches with float64 dense features and labels."""
+
+    def __init__(self, **kw):
+        self.data = ClickData(4, ROWS, BATCH, **kw)
+
+    def batch(self, i):
+        (dense, sparse), y = self.data.batch(i)
+        return (dense.double(), sparse), y.double()
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = dlrm_small(table_rows=ROWS, dim=4).double()
+    data = Float64Clicks(alpha=1.0)
+    c = tidal.compile(copy.deepcopy(model), data.batch(0)[0], passes=[EmbeddingCache(lookahead=2)])
+    plan = c.plan.get("embedding_cache")
+    weights = {t.name: model.get_submodule(t.name).weight.detach().clone() for t in plan.tables}
+    return model, (c.graph_module, plan, weights)
+
+
+def _reference(model, data, iterations):
+    """Synchronous data-parallel SGD over T shards without a cache: states after each step."""
+    model = copy.deepcopy(model)
+    states = []
+    for x in range(iterations):
+        (dense, sparse), y = data.batch(x)
+        n, total = dense.shape[0] // T, None
+        for r in range(T):
+            model.zero_grad(set_to_none=True)
+            s = slice(r * n, (r + 1) * n)
+            click_loss(model(dense[s], sparse[s]), y[s]).backward()
+            g = [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                 for p in model.parameters()]
+            total = g if total is None else [a + b for a, b in zip(total, g)]
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), total):
+                p.add_(g / T, alpha=-LR)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states
+
+
+def _assert_equal(tables, dense, state, what):
+    for name, w in tables.items():
+        assert torch.equal(w, state[f"{name}.weight"]), f"{what}: table {name} differs"
+    for k, v in dense.items():
+        if k in state:
+            assert torch.equal(v, state[k]), f"{what}: dense {k} differs"
+    assert any(k in state for k in dense), what
+
+
+def test_equivalence_policies_checkpoint_resume(tmp_path):
+    model, compiled = _setup()
+    skews = {"alpha0.5": Float64Clicks(alpha=0.5), "hot0.9": Float64Clicks(
+        hot_fraction=0.05, hot_share=0.9)}
+    specs, names = [], []
+    for skew, data in skews.items():
+        for L in (0, 1, 5):
+            specs.append(RunSpec(compiled, data, ITERS, lookahead=L, lr=LR, loss_fn=click_loss))
+            names.append((skew, f"bagpipe L={L}"))
+    data = skews["hot0.9"]
+    specs.append(RunSpec(compiled, data, ITERS, policy="lru", lru_rows=12, lr=LR,
+                         loss_fn=click_loss))
+    names.append(("hot0.9", "lru"))
+    specs.append(RunSpec(compiled, data, ITERS, policy="none", lr=LR, loss_fn=click_loss))
+    names.append(("hot0.9", "none"))
+    ck = str(tmp_path / "ck")
+    specs.append(RunSpec(compiled, data, ITERS, lookahead=3, lr=LR, loss_fn=click_loss,
+                         checkpoint_every=4, checkpoint_dir=ck))
+    names.append(("hot0.9", "checkpointed"))
+    specs.append(RunSpec(compiled, data, ITERS, lookahead=3, lr=LR, loss_fn=click_loss,
+                         resume=ck))
+    names.append(("hot0.9", "resumed"))
+    results = train_many(specs, trainers=T, servers=2, timeout_s=60)
+    refs = {skew: _reference(model, d, ITERS) for skew, d in skews.items()}
+    for (skew, what), res in zip(names, results):
+        _assert_equal(res.tables, res.dense, refs[skew][-1], f"{skew} {what}")
+    by = dict(zip(names, results))
+    assert len(by[("hot0.9", "resumed")].stats) == ITERS - 4   # it did resume at iteration 4
+    assert load_checkpoint(ck)["next"] == 4
+    deep = by[("hot0.9", "bagpipe L=5")].stats
+    assert sum(s.hits for s in deep) > 0 and sum(s.rows_synced_background for s in deep) > 0
+    none = by[("hot0.9", "none")].stats
+    assert all(s.hits == 0 and s.rows_synced_background == 0 for s in none)
+    assert sum(s.bytes_critical for s in deep) < sum(s.bytes_critical for s in none)
+    assert all(s.hits == 0 for s in by[("hot0.9", "bagpipe L=0")].stats)
+
+
+def test_killed_trainer_raises_and_leaves_checkpoint(tmp_path):
+    model, compiled = _setup()
+    data = Float64Clicks(hot_fraction=0.05, hot_share=0.9)
+    ck = str(tmp_path / "ck")
+    with pytest.raises(BagpipeError, match=r"trainer 1 died at iteration 3") as err:
+        train(compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR,
+              loss_fn=click_loss, checkpoint_every=2, checkpoint_dir=ck, timeout_s=30,
+              fail_at=(1, 3))
+    assert err.value.trainer == 1 and err.value.iteration == 3 and err.value.checkpoint == ck
+    assert ck in str(err.value)
+    assert not multiprocessing.active_children()
+    saved = load_checkpoint(ck)
+    assert saved["next"] == 2
+    _assert_equal(saved["tables"], saved["dense"], _reference(model, data, 2)[-1],
+                  "checkpoint at 2")
+
+
+def test_bad_policy_is_a_clear_error():
+    with pytest.raises(BagpipeError, match="policy"):
+        train((None, None, None), None, 2, policy="fifo")
