@@ -237,6 +237,42 @@ class Compiled:
             self.train_trace = list(runtime.trace)
             return stats
 
+    def bagpipe(self, data: Any, iterations: int, **options: Any) -> Any:
+        """Train with Bagpipe (the ``embedding_cache`` plan, dissertation ch. 5): the rewritten
+        graph on ``trainers`` trainer processes, the model's embedding tables on row-sharded
+        embedding servers, the Oracle Cacher looking ``lookahead`` batches ahead of ``data``
+        (``.batch(i) -> (inputs, targets)`` or such a callable) to prefetch and to cache with a
+        TTL; LRPP caches and delayed synchronization; synchronous SGD semantics (bit for bit).
+        ``options`` are :func:`tidal.runtime.bagpipe.train`'s (``trainers``, ``servers``,
+        ``lookahead`` (default: the plan's), ``policy``, ``lr``, ``checkpoint_every``, ...);
+        ``loss_fn`` defaults to the one given to ``compile``. Returns its ``Result``: final
+        tables, dense state and per-iteration statistics. Workers are spawned: run it under
+        ``if __name__ == "__main__":``.
+
+        Example:
+            >>> import tidal
+            >>> from examples.models.recsys import SMALL_ROWS, click_loss, dlrm_small
+            >>> from examples.data.clicks import ClickData
+            >>> from tidal.passes.embedding_cache import EmbeddingCache
+            >>> model, data = dlrm_small(), ClickData(4, SMALL_ROWS, 16)
+            >>> c = tidal.compile(model, data.batch(0)[0], loss_fn=click_loss,
+            ...                   passes=[EmbeddingCache(lookahead=5)])
+            >>> result = c.bagpipe(data, 20, trainers=2)     # doctest: +SKIP
+            >>> sum(s.hits for s in result.stats) > 0          # doctest: +SKIP
+            True
+        """
+        from tidal.runtime.bagpipe import train
+
+        plan = self.plan.get("embedding_cache")
+        if plan is None:
+            raise ValueError("Compiled.bagpipe: no embedding_cache plan: compile with "
+                             "passes=[EmbeddingCache(...)] on a model with embedding lookups")
+        weights = {t.name: _table_weight(self.model, t.name) for t in plan.tables}
+        options.setdefault("lookahead", plan.lookahead)
+        if options.get("loss_fn") is None:
+            options["loss_fn"] = self.context.loss_fn
+        return train((self.graph_module, plan, weights), data, iterations, **options)
+
     def trace(self, path: Union[str, Path]) -> Path:
         """Write the pieces of the latest ``step`` (per stream, this rank as the process) as a
         Chrome trace (``chrome://tracing``, ui.perfetto.dev); returns the path. Raises
@@ -306,3 +342,12 @@ def _lowered(gm: fx.GraphModule, ctx: PassContext, lower: Optional[str]):
     from tidal.runtime.lower import lower as lower_graph
 
     return lower_graph(gm, ctx.example_inputs)
+
+
+def _table_weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The full table of the cached embedding ``name``: the weight of the module at that path,
+    or the parameter at that path (an ``F.embedding`` table)."""
+    try:
+        return model.get_submodule(name).weight.detach()
+    except AttributeError:
+        return model.get_parameter(name).detach()

@@ -127,3 +127,9 @@ def test_killed_trainer_raises_and_leaves_checkpoint(tmp_path):
 def test_bad_policy_is_a_clear_error():
     with pytest.raises(BagpipeError, match="policy"):
         train((None, None, None), None, 2, policy="fifo")
+
+
+def test_compiled_bagpipe_needs_the_embedding_cache_plan():
+    c = tidal.compile(dlrm_small(), ClickData(4, (100,) * 8, 4).batch(0)[0])
+    with pytest.raises(ValueError, match="no embedding_cache plan"):
+        c.bagpipe(None, 2)

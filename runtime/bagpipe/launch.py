@@ -23,6 +23,7 @@ import pickle
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -232,6 +233,9 @@ def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, payload: 
     import torch.distributed.rpc as rpc
 
     torch.set_num_threads(1)
+    # torch's own object collectives (rpc start-up on a gloo group) warn about a deprecated
+    # use inside torch; nothing a user can act on
+    warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
     opts = _rpc_options(ports[1], timeout_s)
     world = 1 + T + S
     try:
