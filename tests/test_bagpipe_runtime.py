@@ -40,17 +40,48 @@ def _setup():
     return model, (c.graph_module, plan, weights)
 
 
-def _reference(model, data, iterations):
+class TokenBatches:
+    """Seeded token ids (batch-first) and class labels for a Hugging Face classifier."""
+
+    def batch(self, i):
+        g = torch.Generator().manual_seed(100 + i)
+        ids = (torch.rand(BATCH, 6, generator=g) ** 3 * 64).long()   # skewed toward low ids
+        return (ids,), torch.randint(0, 2, (BATCH,), generator=g)
+
+
+def _hf_loss(out, y):
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
+def _hf_bert():
+    """A tiny transformers BertForSequenceClassification (float64, no dropout) whose word
+    embeddings the pass caches (position and token-type embeddings stay in the model)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg).double()
+    data = TokenBatches()
+    c = tidal.compile(copy.deepcopy(model), data.batch(0)[0], passes=[EmbeddingCache()])
+    plan = c.plan.get("embedding_cache")
+    assert [t.name for t in plan.tables] == ["bert.embeddings.word_embeddings"]
+    weights = {t.name: model.get_submodule(t.name).weight.detach().clone() for t in plan.tables}
+    return model, (c.graph_module, plan, weights), data
+
+
+def _reference(model, data, iterations, loss_fn=click_loss):
     """Synchronous data-parallel SGD over T shards without a cache: states after each step."""
     model = copy.deepcopy(model)
     states = []
     for x in range(iterations):
-        (dense, sparse), y = data.batch(x)
-        n, total = dense.shape[0] // T, None
+        inputs, y = data.batch(x)
+        n, total = inputs[0].shape[0] // T, None
         for r in range(T):
             model.zero_grad(set_to_none=True)
             s = slice(r * n, (r + 1) * n)
-            click_loss(model(dense[s], sparse[s]), y[s]).backward()
+            loss_fn(model(*(t[s] for t in inputs)), y[s]).backward()
             g = [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                  for p in model.parameters()]
             total = g if total is None else [a + b for a, b in zip(total, g)]
@@ -92,7 +123,12 @@ def test_equivalence_policies_checkpoint_resume(tmp_path):
     specs.append(RunSpec(compiled, data, ITERS, lookahead=3, lr=LR, loss_fn=click_loss,
                          resume=ck))
     names.append(("hot0.9", "resumed"))
+    bert, bert_compiled, bert_data = _hf_bert()
+    specs.append(RunSpec(bert_compiled, bert_data, 3, lookahead=2, lr=LR, loss_fn=_hf_loss))
     results = train_many(specs, trainers=T, servers=2, timeout_s=60)
+    hf = results.pop()
+    _assert_equal(hf.tables, hf.dense, _reference(bert, bert_data, 3, _hf_loss)[-1],
+                  "transformers BertForSequenceClassification")
     refs = {skew: _reference(model, d, ITERS) for skew, d in skews.items()}
     for (skew, what), res in zip(names, results):
         _assert_equal(res.tables, res.dense, refs[skew][-1], f"{skew} {what}")

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from tidal.ir.portable_graph import PortableGraph
 from tidal.runtime.bagpipe.errors import BagpipeError
 from tidal.runtime.bagpipe.stats import IterationStats
 
@@ -92,28 +93,12 @@ def _unpack(model: Any) -> tuple:
                            "graph_module, plan and weights attributes") from None
 
 
-def _picklable(gm: Any) -> Any:
-    """A copy of graph module ``gm`` that pickles: fx cannot pickle a graph whose nodes carry
-    string type annotations (``from __future__ import annotations`` models), so they go."""
-    import copy
-
-    import torch.fx as fx
-
-    if not isinstance(gm, fx.GraphModule):
-        return gm
-    if not any(isinstance(n.type, str) for n in gm.graph.nodes):
-        return gm
-    gm = copy.deepcopy(gm)
-    for n in gm.graph.nodes:
-        if isinstance(n.type, str):
-            n.type = None
-    gm.recompile()
-    return gm
-
-
 def _portable(spec: RunSpec) -> RunSpec:
+    """``spec`` with its graph as a :class:`~tidal.ir.portable_graph.PortableGraph`: fx's own
+    pickling re-traces the graph's code, which fails on graphs that only run on concrete values
+    (Hugging Face models slicing by a shape) and on string type annotations."""
     gm, plan, weights = _unpack(spec.model)
-    return replace(spec, model=(_picklable(gm), plan, dict(weights)))
+    return replace(spec, model=(PortableGraph.of(gm), plan, dict(weights)))
 
 
 def _batch(data: Any, i: int):
@@ -162,6 +147,7 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
     from tidal.runtime.bagpipe.trainer import BatchWork, Trainer, TrainerConfig
 
     gm, plan, weights = _unpack(spec.model)
+    gm = gm.build() if isinstance(gm, PortableGraph) else gm
     start = 0
     if spec.resume:
         ck = load_checkpoint(spec.resume)
@@ -176,8 +162,9 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
                         checkpoint_dir=spec.checkpoint_dir, progress_dir=progress_dir,
                         fail_at=spec.fail_at)
     loss_fn = spec.loss_fn or _default_loss
-    trainers = [rpc.remote(f"trainer{r}", Trainer, args=(r, gm, plan, servers, loss_fn, cfg))
-                for r in range(T)]
+    portable = PortableGraph.of(gm)  # RPC pickles its arguments; see _portable
+    trainers = [rpc.remote(f"trainer{r}", Trainer,
+                           args=(r, portable, plan, servers, loss_fn, cfg)) for r in range(T)]
     runs = [t.rpc_async(timeout=0).run() for t in trainers]
 
     def planner():

@@ -31,11 +31,12 @@ import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from tidal.ir.portable_graph import PortableGraph
 from tidal.runtime.bagpipe.cache import TableCache
 from tidal.runtime.bagpipe.errors import BagpipeError
 from tidal.runtime.bagpipe.oracle import TableDecision
@@ -101,9 +102,10 @@ class Trainer:
     arrive through :meth:`deliver`; :meth:`run` trains and returns per-iteration stats (and,
     on trainer 0, the final dense state)."""
 
-    def __init__(self, rank: int, gm: torch.nn.Module, plan: Any, servers: list,
-                 loss_fn: Callable, config: TrainerConfig):
+    def __init__(self, rank: int, gm: Union[torch.nn.Module, PortableGraph], plan: Any,
+                 servers: list, loss_fn: Callable, config: TrainerConfig):
         self.rank = rank
+        gm = gm.build() if isinstance(gm, PortableGraph) else gm
         self.gm = gm
         self.plan = plan
         self.servers = servers
