@@ -169,3 +169,11 @@ def test_compiled_bagpipe_needs_the_embedding_cache_plan():
     c = tidal.compile(dlrm_small(), ClickData(4, (100,) * 8, 4).batch(0)[0])
     with pytest.raises(ValueError, match="no embedding_cache plan"):
         c.bagpipe(None, 2)
+
+
+def test_flattened_ids_with_offsets_are_refused_not_split_wrong():
+    from tidal.runtime.bagpipe.launch import _same_batch
+    ids, offsets = torch.arange(10), torch.tensor([0, 3, 7, 9])
+    with pytest.raises(BagpipeError, match=r"batch 2: .*dim-0 sizes \[10, 4, 4\]"):
+        _same_batch((ids, offsets), torch.zeros(4), 2)
+    _same_batch((torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long)), torch.zeros(4), 0)

@@ -130,6 +130,17 @@ def _shard(x: Any, T: int, r: int, what: str):
     return x[r * n:(r + 1) * n]
 
 
+def _same_batch(inputs: tuple, targets: Any, x: int) -> None:
+    """Every input and the targets are batch-first with one batch size: each trainer takes its
+    share by slicing dim 0 (flattened ids with offsets cannot be split that way)."""
+    sizes = [getattr(a, "shape", (None,))[0] if getattr(a, "dim", lambda: 0)() else None
+             for a in (*inputs, targets)]
+    if len(set(sizes)) != 1:
+        raise BagpipeError(f"bagpipe: batch {x}: inputs and targets must all be batch-first with "
+                           f"one batch size (dim-0 sizes {sizes}); flattened ids with offsets "
+                           "cannot be split across trainers: pass ids as a [batch, n] tensor")
+
+
 # -- process bodies ---------------------------------------------------------------------------
 def _rpc_options(port: int, timeout_s: float):
     import torch.distributed.rpc as rpc
@@ -182,6 +193,7 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
     for x in range(start, stop):
         inputs, targets = _batch(spec.data, x)
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        _same_batch(inputs, targets, x)
         shards = [(tuple(_shard(a, T, r, "inputs") for a in inputs),
                    _shard(targets, T, r, "targets")) for r in range(T)]
         held[x] = shards
