@@ -4,6 +4,7 @@
     tidal inspect MODEL [--passes a,b|auto] [--gpus N] [--batch B] [--input-shape 3,224,224]
                         [--bandwidth-gbps G] [--latency-us L] [--memory-gb M] [-o key=value]
                         [--dump DIR] [--json]
+                        [--bagpipe N [--trainers T] [--lookahead L] [--zipf-alpha A]]
     tidal dump MODEL --out DIR [same model options]
 
 MODEL is ``module:factory``, ``path/to/file.py:factory`` or, from a checkout of the
@@ -25,6 +26,7 @@ import textwrap
 from typing import Any, Optional, Sequence
 
 from tidal.compiler.cli_args import add_model_args, compile_from_args, steps_table, write_dump
+from tidal.compiler.cli_bagpipe import add_bagpipe_args
 from tidal.ir.errors import TidalError
 
 EXIT_USAGE = 2
@@ -80,10 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_p = sub.add_parser(
         "inspect", help="compile MODEL and print the per-pass report and plans",
         description="Trace MODEL, annotate costs, run the passes, and print the per-pass table "
-                    "(wall time, nodes added/removed, plan) and each plan.")
+                    "(wall time, nodes added/removed, plan) and each plan. With --bagpipe N "
+                    "(and --passes embedding_cache on a recommendation model such as "
+                    "dlrm_small), then train N iterations with Bagpipe and print each "
+                    "iteration's cache hit rate, rows prefetched, rows synced on and off the "
+                    "critical path and bytes moved.")
     add_model_args(inspect_p)
-    inspect_p.add_argument("--dump", metavar="DIR", help="also write the visualization dump here")
-    inspect_p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect_p.add_argument("--dump", metavar="DIR", help="also write the visualization dump here "
+                           "(with --bagpipe, its index shows the per-iteration table too)")
+    inspect_p.add_argument("--json", action="store_true", help="print JSON instead of tables "
+                           "(with --bagpipe, the per-iteration stats under \"bagpipe\")")
+    add_bagpipe_args(inspect_p)
     dump_p = sub.add_parser("dump", help="write graph visualizations for MODEL",
                             description="Write per-pass DOT/SVG graphs and index.html.")
     add_model_args(dump_p)
@@ -118,20 +127,39 @@ def _record_json(r) -> dict:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from tidal.compiler import cli_bagpipe
+
+    cli_bagpipe.check_bagpipe_args(args)
     compiled = compile_from_args(args)
-    index = write_dump(compiled, args.dump, "--dump") if args.dump else None
+    run = None
+    if args.bagpipe is not None:
+        data = cli_bagpipe.prepare(args, compiled)
+        if not args.json:  # the report first: the run takes a while
+            _print_report(compiled)
+        run = cli_bagpipe.run_bagpipe(args, compiled, data)
+    sections = (lambda out: [cli_bagpipe.bagpipe_section(out, run)]) if run else None
+    index = write_dump(compiled, args.dump, "--dump", sections=sections) if args.dump else None
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch,
                           "records": [_record_json(r) for r in compiled.records],
+                          "bagpipe": cli_bagpipe.stats_json(run) if run else None,
                           "dump": str(index) if index else None}, indent=1))
         return 0
+    if run is None:
+        _print_report(compiled)
+    else:
+        print(f"\n== {cli_bagpipe.title(run)} ==\n{cli_bagpipe.stats_table(run)}")
+    if index:
+        print(f"\ndump: {index}")
+    return 0
+
+
+def _print_report(compiled) -> None:
     print(compiled.report())
     for r in compiled.records:
         if r.plan is not None:
             print(f"\n== {r.name} plan ==\n{r.plan.table()}")
-    if index:
-        print(f"\ndump: {index}")
-    return 0
+    sys.stdout.flush()
 
 
 def _cmd_dump(args: argparse.Namespace) -> int:

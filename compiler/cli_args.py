@@ -99,6 +99,8 @@ def pass_options(args: argparse.Namespace) -> dict[str, Any]:
     options = dict(args.option)
     if getattr(args, "amp_limit", None) is not None:
         options["amp_limit"] = args.amp_limit
+    if getattr(args, "lookahead", None) is not None:
+        options["lookahead"] = args.lookahead
     return options
 
 

@@ -313,13 +313,16 @@ class Compiled:
             notes += [f"  runtime: {n}" for n in self.executor.notes()]
         return text + ("\nnotes:\n" + "\n".join(notes) if notes else "")
 
-    def dump(self, out_dir: Union[str, Path], *, scaling: Any = None) -> Path:
+    def dump(self, out_dir: Union[str, Path], *, scaling: Any = None,
+             sections: Optional[Callable[[Path], Sequence[Any]]] = None) -> Path:
         """Write each pass's graph before/after (DOT, and SVG when graphviz is installed), the
         passes' artifacts and an ``index.html`` listing them in order; return the index path.
         With ``scaling`` (a statistical-efficiency table: a ``global_batch,steps`` CSV path or a
         ``tidal.runtime.sim.scaling.StepsTable``), the index also shows the simulated weak,
         strong and batch-optimal scaling of the model on the compile's cluster (DeepPool
-        Fig. 1) as ``scaling.svg`` and ``scaling.txt``."""
+        Fig. 1) as ``scaling.svg`` and ``scaling.txt``. ``sections`` (a function of the
+        directory that writes its files there and returns more index sections,
+        ``viz.DumpSection``) adds them at the end of the index."""
         from tidal.compiler.dump import scaling_section, write_dump
 
         title = type(self.model).__name__
@@ -327,6 +330,8 @@ class Compiled:
         if scaling is not None:
             extra.append(scaling_section(Path(out_dir), self.graph_module, self.context.cluster,
                                          self.context.batch_size, scaling, title))
+        if sections is not None:
+            extra.extend(sections(Path(out_dir)))
         return write_dump(Path(out_dir), title, self.records, self.context.batch_size, extra)
 
 
