@@ -205,6 +205,8 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
         for b in sorted(ready):
             if len(ready[b]) < len(plan.tables):
                 break
+            if b - spec.lookahead - AHEAD >= start:
+                _wait_trainers(progress_dir, T, b - spec.lookahead - AHEAD, timeout_s)
             decisions = ready.pop(b)
             for r, tr in enumerate(trainers):
                 ins, tg = held[b][r]
@@ -220,6 +222,31 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
              for k in range(len(per_trainer[0]))]
     return {"tables": tables, "dense": outs[0]["dense"], "stats": stats,
             "per_trainer": per_trainer}
+
+
+AHEAD = 2
+"""Batches the Oracle Cacher may deliver beyond a trainer's prefetch window (``lookahead``):
+it waits for the slowest trainer before sending more, so nothing piles up in a long run."""
+
+
+def _wait_trainers(progress_dir: str, T: int, x: int, timeout_s: float) -> None:
+    """Wait until every trainer has started iteration ``x`` (its progress file)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = [_read_int(Path(progress_dir, f"trainer{r}")) for r in range(T)]
+        if all(d is not None and d >= x for d in done):
+            return
+        if time.monotonic() > deadline:
+            raise BagpipeError(f"bagpipe: the Oracle Cacher waited {timeout_s:g} s for the "
+                               f"trainers to reach iteration {x} (they are at {done})")
+        time.sleep(0.002)
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _default_loss(out, targets):
@@ -279,11 +306,7 @@ def _last_checkpoint(spec: RunSpec) -> Optional[str]:
 
 
 def _iteration_of(workdir: str, run: int, trainer: int) -> Optional[int]:
-    p = Path(workdir, f"run{run}", f"trainer{trainer}")
-    try:
-        return int(p.read_text())
-    except (OSError, ValueError):
-        return None
+    return _read_int(Path(workdir, f"run{run}", f"trainer{trainer}"))
 
 
 def _current_run(workdir: str, n: int) -> int:
