@@ -1,7 +1,9 @@
-"""Test configuration: the repository root on sys.path (for ``examples.models``), one thread."""
+"""Test configuration: the repository root on sys.path (for ``examples.models``), one thread,
+and the ``cli`` fixture (the tidal command line run in this process)."""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -9,3 +11,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def cli(capfd):
+    """``cli(*args, cwd=None, scratch=False)``: ``tidal ARGS`` run in this process through
+    ``tidal.compiler.cli.main`` (``cli_inprocess.run_cli``): exit status, stdout and stderr
+    as a subprocess would give them, the process left as it was."""
+    from cli_inprocess import run_cli
+
+    return lambda *args, cwd=None, scratch=False: run_cli(capfd, args, cwd, scratch)

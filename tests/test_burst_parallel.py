@@ -24,6 +24,8 @@ from tidal.passes.burst_parallel import BurstParallel, build_problem
 from tidal.passes.burst_planner import plan_from_counts
 from tidal.runtime.distributed import spawn
 
+from rank_parts import part, spawn_parts
+
 BATCH = 8
 
 
@@ -265,9 +267,12 @@ def _check_results(cases, results):
             assert any(len(o) < len(names) for o in owned), "branches own their parameters"
 
 
+TWO_RANK_CASES = [CASES[1], CASES[4], CASES[5]]
+
+
 @pytest.mark.slow
-def test_two_ranks_match_single_process():
-    _check_ranks(2, [CASES[1], CASES[4], CASES[5]])
+def test_two_ranks_match_single_process(two_rank_job):
+    _check_results(TWO_RANK_CASES, two_rank_job["equivalence"])
 
 
 SKIP_CASES = [("flat", ("layers", {"view": 1, "fc1": 1})),
@@ -278,9 +283,17 @@ SKIP_CASES = [("flat", ("layers", {"view": 1, "fc1": 1})),
 
 
 @pytest.fixture(scope="module")
-def skip_results():
-    """One 2-rank job for the skip cases, read by the two tests below."""
-    return spawn(_equivalence, 2, SKIP_CASES, timeout_s=600)
+def two_rank_job():
+    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
+    return spawn_parts(2, [part(_equivalence, TWO_RANK_CASES, name="equivalence"),
+                           part(_equivalence, SKIP_CASES, name="skip"), part(_owner_state),
+                           part(_composed)], timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def skip_results(two_rank_job):
+    """The 2-rank run of the skip cases, read by the tests below."""
+    return two_rank_job["skip"]
 
 
 def test_ranks_outside_a_layers_set_skip_it(skip_results):
@@ -404,10 +417,10 @@ def _owner_state(rank, size):
             burst.state_bytes(gm, compiled.optimizer), compiled.report())
 
 
-def test_owner_only_buffers_checkpoint_and_inference():
+def test_owner_only_buffers_checkpoint_and_inference(two_rank_job):
     from tidal.runtime.programs.burst import state_table
 
-    results = spawn(_owner_state, 2, timeout_s=300)
+    results = two_rank_job["_owner_state"]
     (b0, ref, init, state0, out0, second0, again0, bytes0, _), \
         (b1, _, _, state1, out1, second1, again1, bytes1, report1) = results
     # bn1 ran on rank 0 alone, on the whole batch: exactly the single-process statistics;
@@ -559,8 +572,8 @@ def _composed(rank, size):
     return out
 
 
-def test_compression_wraps_the_burst_sync():
-    results = spawn(_composed, 2, timeout_s=300)
+def test_compression_wraps_the_burst_sync(two_rank_job):
+    results = two_rank_job["_composed"]
     for r in results:
         for step, plain in enumerate(r["plain"]):
             assert all(r[tag][step].keys() == plain.keys() for tag in ("off", "topk1", "psgd1"))

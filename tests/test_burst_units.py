@@ -14,7 +14,8 @@ from tidal.ir import cost
 from tidal.ir.inputs import bind_inputs
 from tidal.passes.burst_parallel import BurstParallel, analyse, build_problem
 from tidal.passes.burst_planner import plan_burst, plan_from_counts
-from tidal.runtime.distributed import spawn
+
+from rank_parts import part, spawn_parts
 
 HF = importlib.util.find_spec("transformers") is not None
 needs_hf = pytest.mark.skipif(not HF, reason="needs the hf extra")
@@ -71,10 +72,20 @@ def _centred_step(rank, size):
         dict(ref.named_parameters())
 
 
-def test_a_pinned_unit_sees_the_whole_batch_on_two_ranks():
+@pytest.fixture(scope="module")
+def two_rank_job():
+    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results} (the
+    hand plans of Hugging Face models only with the hf extra)."""
+    parts = [part(_centred_step), part(_written_step)]
+    if HF:
+        parts.append(part(_hand_plans, ("gpt2", "swin")))
+    return spawn_parts(2, parts, timeout_s=540)
+
+
+def test_a_pinned_unit_sees_the_whole_batch_on_two_ranks(two_rank_job):
     # the mean is over all 8 samples, as in one process (data parallelism would centre each
     # rank's 4 rows on their own mean: a different model)
-    for loss, want, gpus, params, ref in spawn(_centred_step, 2, timeout_s=120):
+    for loss, want, gpus, params, ref in two_rank_job["_centred_step"]:
         assert gpus == [1, 2]
         assert loss == pytest.approx(want, rel=1e-6)
         for n, p in params.items():
@@ -126,8 +137,8 @@ def _hand_plans(rank, size, names):
 
 
 @needs_hf
-def test_hand_plans_move_values_between_gpu_sets_on_two_ranks():
-    for result in spawn(_hand_plans, 2, ("gpt2", "swin"), timeout_s=300):
+def test_hand_plans_move_values_between_gpu_sets_on_two_ranks(two_rank_job):
+    for result in two_rank_job["_hand_plans"]:
         for name, (loss, want, err, moves) in result.items():
             assert moves >= 10, (name, moves)
             assert loss == pytest.approx(want, rel=1e-5, abs=1e-6), name
@@ -191,8 +202,8 @@ def _written_step(rank, size):
         return c(x), model(x)
 
 
-def test_a_value_written_in_place_moves_again_for_a_later_reader():
-    for got, want in spawn(_written_step, 2, timeout_s=120):
+def test_a_value_written_in_place_moves_again_for_a_later_reader(two_rank_job):
+    for got, want in two_rank_job["_written_step"]:
         torch.testing.assert_close(got, want)
 
 

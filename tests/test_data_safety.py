@@ -22,10 +22,11 @@ from tidal.passes.burst_planner import split_batch
 from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.program import ProgramExecutor
 from tidal.runtime.programs.burst import BurstProgram
-from tidal.runtime.distributed import spawn
 from tidal.runtime.programs.layer_groups import cold_start, run_pipelined
 from tidal.runtime.weight_loader import expected_specs, group_tensors, write_groups
 from tidal.runtime.weight_store import WeightStore, WeightStoreError, write_store
+
+from rank_parts import part, spawn_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,8 +274,15 @@ def _executor_beyond_world(rank, size):
     return None
 
 
-def test_executor_refuses_a_layer_needing_more_ranks_than_the_world():
-    for message in spawn(_executor_beyond_world, 2, timeout_s=300):
+@pytest.fixture(scope="module")
+def two_rank_job():
+    """One 2-rank job for both 2-rank cases of this module: {case: the ranks' results}."""
+    return spawn_parts(2, [part(_executor_beyond_world), part(_foreign_checkpoints)],
+                       timeout_s=300)
+
+
+def test_executor_refuses_a_layer_needing_more_ranks_than_the_world(two_rank_job):
+    for message in two_rank_job["_executor_beyond_world"]:
         assert message is not None and "layer '_0' needs 4 GPUs, but the world has 2" in message
 
 
@@ -305,9 +313,8 @@ def _foreign_checkpoints(rank, size):
             messages)
 
 
-def test_a_burst_checkpoint_loads_only_on_the_rank_that_owns_it():
-    (d0, own0, groups0, m0), (d1, own1, groups1, m1) = spawn(_foreign_checkpoints, 2,
-                                                              timeout_s=300)
+def test_a_burst_checkpoint_loads_only_on_the_rank_that_owns_it(two_rank_job):
+    (d0, own0, groups0, m0), (d1, own1, groups1, m1) = two_rank_job["_foreign_checkpoints"]
     assert d0 == [] and d1 == ["0.weight", "0.bias"]  # the optimizer keeps owned parameters
     assert own0 == ["0.bias", "0.weight", "1.bias", "1.weight"] and own1 == ["1.bias", "1.weight"]
     assert groups0 == [4] and groups1 == [2]

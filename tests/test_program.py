@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from tidal.ir.capture import capture_train_step
-from tidal.runtime.distributed import spawn
 from tidal.runtime.program import COMM, COMPUTE, ProgramRunner, chrome_trace, data_parallel
+
+from rank_parts import part, spawn_parts
 
 BATCH = 64
 WIDTH = 1024  # each hidden layer's backward takes milliseconds: the first all-reduce overlaps
@@ -78,8 +79,15 @@ def _dp_step(rank, size, overlap):
     return losses, err, traces[-1]
 
 
-def test_two_ranks_step_equals_one_process_and_overlap_is_real():
-    for overlap, (losses, err, trace) in [(o, r) for ranks in spawn(_dp_steps, 2, timeout_s=120)
+@pytest.fixture(scope="module")
+def two_rank_job():
+    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
+    return spawn_parts(2, [part(_dp_steps), part(_compiled_dp), part(_batchnorm_state)],
+                       timeout_s=420)
+
+
+def test_two_ranks_step_equals_one_process_and_overlap_is_real(two_rank_job):
+    for overlap, (losses, err, trace) in [(o, r) for ranks in two_rank_job["_dp_steps"]
                                           for o, r in ranks.items()]:
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
         assert losses[2] == pytest.approx(losses[3], rel=1e-5)
@@ -151,12 +159,12 @@ def _compiled_dp(rank, size):
     return out
 
 
-def test_compile_runs_plain_data_parallelism_as_a_program():
+def test_compile_runs_plain_data_parallelism_as_a_program(two_rank_job):
     # compression off is plain data parallelism: Compiled.step runs the program (with its
     # trace); a step whose captured graph cannot run (the LSTM's fused kernel) falls back to
     # the eager data-parallel program (forward and backward pieces, then the syncs) and says
     # why, naming the node; both equal the one-process step
-    spawn_results = spawn(_compiled_dp, 2, timeout_s=180)
+    spawn_results = two_rank_job["_compiled_dp"]
     for result in spawn_results:
         kind, loss, want, err, streams, why, pieces = result["mlp"]
         assert kind == "DataParallelProgram" and why == "" and COMM in streams
@@ -197,8 +205,8 @@ def _batchnorm_state(rank, size):
     return out
 
 
-def test_the_program_keeps_batchnorm_statistics_as_eager_data_parallelism():
-    for program, eager in spawn(_batchnorm_state, 2, timeout_s=120):
+def test_the_program_keeps_batchnorm_statistics_as_eager_data_parallelism(two_rank_job):
+    for program, eager in two_rank_job["_batchnorm_state"]:
         for a, b in zip(program, eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

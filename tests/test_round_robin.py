@@ -15,6 +15,8 @@ from tidal.passes.round_robin import (RoundRobin, balanced_partition, brute_forc
                                       partition_cost, round_robin_schedule)
 from tidal.runtime.distributed import spawn
 
+from rank_parts import part, spawn_parts
+
 
 # -- planner ------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(40))
@@ -116,8 +118,10 @@ def _run_rr(rank, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_ranks_equal_micro_batch_accumulation(world):
-    for errors, same_keys in spawn(_run_rr, world):
+def test_gloo_ranks_equal_micro_batch_accumulation(world, request):
+    ranks = request.getfixturevalue("two_rank_job")["_run_rr"] if world == 2 else \
+        spawn(_run_rr, world)
+    for errors, same_keys in ranks:
         assert same_keys
         assert max(errors.values()) < 1e-6, errors
 
@@ -135,8 +139,8 @@ def _bn_buffers(rank, world):
     return bn.running_mean.clone(), bn.running_var.clone(), seen
 
 
-def test_batchnorm_statistics_are_averaged_over_ranks():
-    results = spawn(_bn_buffers, 2)
+def test_batchnorm_statistics_are_averaged_over_ranks(two_rank_job):
+    results = two_rank_job["_bn_buffers"]
     (mean0, var0, seen), (mean1, var1, _) = results
     torch.testing.assert_close(mean0, mean1, rtol=0, atol=0)
     torch.testing.assert_close(var0, var1, rtol=0, atol=0)
@@ -189,8 +193,8 @@ def _composed(rank, world):
     return out
 
 
-def test_compression_wraps_each_partitions_sync():
-    results = spawn(_composed, 2)
+def test_compression_wraps_each_partitions_sync(two_rank_job):
+    results = two_rank_job["_composed"]
     for r in results:
         plain = r["plain"][0]
         assert r["plain"][1] == [] and r["off"][1] == ["none"] and r["topk1"][1] == ["topk:1"]
@@ -252,9 +256,16 @@ def _run_token_model(rank, world):
 
 
 @pytest.fixture(scope="module")
-def token_model_ranks():
-    """One 2-rank job of the token model, shared by the tests that read it."""
-    return spawn(_run_token_model, 2)
+def two_rank_job():
+    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
+    return spawn_parts(2, [part(_run_rr), part(_bn_buffers), part(_composed),
+                           part(_run_token_model)])
+
+
+@pytest.fixture(scope="module")
+def token_model_ranks(two_rank_job):
+    """The 2-rank run of the token model, shared by the tests that read it."""
+    return two_rank_job["_run_token_model"]
 
 
 def test_gloo_ranks_sync_get_attr_parameters_and_send_non_contiguous_activations(

@@ -105,14 +105,9 @@ def test_layer_times_from_a_traced_model_use_the_profile():
     assert sum(plain.param_bytes) == sum(p.numel() * 4 for p in model.parameters())
 
 
-def test_simulate_cli_prints_simulated_summary_and_rejects_bad_batch():
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    run = lambda *a: subprocess.run([sys.executable, "-m", "tidal", "simulate", *a], cwd=root,
-                                    capture_output=True, text=True, timeout=300)
-    trace = Path(__import__("tempfile").mkdtemp()) / "t.json"
+def test_simulate_cli_prints_simulated_summary_and_rejects_bad_batch(cli, tmp_path):
+    run = lambda *a: cli("simulate", *a)  # tidal simulate, in this process (conftest.py)
+    trace = tmp_path / "t.json"
     r = run("vgg16_small", "--gpus", "4", "--global-batch", "16", "--trace", str(trace))
     assert r.returncode == 0, r.stderr
     assert "simulated (not measured)" in r.stdout and "4 GPUs" in r.stdout
@@ -213,14 +208,8 @@ def test_wavelet_schedules_become_timelines():
 
 
 @pytest.mark.parametrize("plan", ["round_robin", "tick_tock"])
-def test_simulate_cli_wavelet_plans(plan):
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--gpus", "2",
-                        "--global-batch", "8", "--plan", plan], cwd=root, capture_output=True,
-                       text=True, timeout=300)
+def test_simulate_cli_wavelet_plans(plan, cli):
+    r = cli("simulate", "vgg16_small", "--gpus", "2", "--global-batch", "8", "--plan", plan)
     assert r.returncode == 0, r.stderr
     assert f"  {plan}" in r.stdout and "rank 1:" in r.stdout
 
@@ -248,16 +237,10 @@ def test_scaling_strategies_and_steps_table(tmp_path):
         StepsTable.load(f)
 
 
-def test_simulate_cli_scaling_chart(tmp_path):
-    import subprocess
-    import sys
-
+def test_simulate_cli_scaling_chart(tmp_path, cli):
     (tmp_path / "steps.csv").write_text("8,1000\n64,200\n512,100\n")
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", "--gpus", "4",
-                        "--global-batch", "16", "--scaling", str(tmp_path / "steps.csv"),
-                        "--scaling-svg", str(tmp_path / "s.svg")], cwd=root,
-                       capture_output=True, text=True, timeout=300)
+    r = cli("simulate", "vgg16_small", "--gpus", "4", "--global-batch", "16", "--scaling",
+            tmp_path / "steps.csv", "--scaling-svg", tmp_path / "s.svg")
     assert r.returncode == 0, r.stderr
     assert "batch-optimal" in r.stdout and "<polyline" in (tmp_path / "s.svg").read_text()
 
@@ -479,20 +462,16 @@ def test_job_utilization_never_rounds_above_one():
     assert BackgroundJob(10.0, 1, u).utilization == 1.0
 
 
-def _simulate_cli(*args):
-    """``tidal simulate vgg16_small ARGS`` from the repository root: the finished process."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "tidal", "simulate", "vgg16_small", *args],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+def _simulate_cli(cli, *args):
+    """``tidal simulate vgg16_small ARGS`` from the repository root, in this process
+    (conftest.py's ``cli``): its exit status and output."""
+    r = cli("simulate", "vgg16_small", *args)
     assert r.returncode == 0, r.stderr
     return r
 
 
-def test_simulate_cli_burst_with_background_on_a_small_model():
-    r = _simulate_cli("--plan", "burst+bg", "--gpus", "4", "--global-batch", "16")
+def test_simulate_cli_burst_with_background_on_a_small_model(cli):
+    r = _simulate_cli(cli, "--plan", "burst+bg", "--gpus", "4", "--global-batch", "16")
     assert "burst + background" in r.stdout
 
 
@@ -512,8 +491,8 @@ def test_wavelet_results_count_steps_of_the_global_batch():
     assert one.steps == 1 and "global batch 8: iteration" in one.summary()
 
 
-def test_simulate_cli_tick_tock_prints_the_global_batch_it_was_given():
-    r = _simulate_cli("--plan", "tick_tock", "--gpus", "2", "--global-batch", "16")
+def test_simulate_cli_tick_tock_prints_the_global_batch_it_was_given(cli):
+    r = _simulate_cli(cli, "--plan", "tick_tock", "--gpus", "2", "--global-batch", "16")
     lines = [line for line in r.stdout.splitlines() if line.startswith("  tick_tock")]
     assert len(lines) == 2 and all("global batch 16: 2 steps in" in line for line in lines)
     assert "global batch 32" not in r.stdout

@@ -12,6 +12,8 @@ from tidal.ir.plan import Plan
 from tidal.passes.tick_tock import TickTock, tick_tock_schedule
 from tidal.runtime.distributed import spawn
 
+from rank_parts import part, spawn_parts
+
 STEPS = 4
 BATCH = 8
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -204,8 +206,14 @@ def test_persistent_waves_overlap_across_steps_and_train_as_separate_steps():
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return spawn(_two_ranks, 2)
+def two_rank_job():
+    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
+    return spawn_parts(2, [part(_two_ranks), part(_bn_statistics), part(_run_composed)])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_job):
+    return two_rank_job["_two_ranks"]
 
 
 @pytest.mark.slow
@@ -264,8 +272,8 @@ def _bn_statistics(rank, world):
     return model[1].running_mean.clone(), tock_bn.running_mean.clone(), seen
 
 
-def test_batchnorm_statistics_are_averaged_within_each_wave():
-    (tick0, tock0, seen), (tick1, tock1, _) = spawn(_bn_statistics, 2)
+def test_batchnorm_statistics_are_averaged_within_each_wave(two_rank_job):
+    (tick0, tock0, seen), (tick1, tock1, _) = two_rank_job["_bn_statistics"]
     torch.testing.assert_close(tick0, tick1, rtol=0, atol=0)
     torch.testing.assert_close(tock0, tock1, rtol=0, atol=0)
     m = 0.1  # momentum: one update per rank and wave, then the wave's average over 2 ranks
@@ -330,8 +338,8 @@ def _run_composed(rank, world):
     return out
 
 
-def test_compression_wraps_tick_tock_sync_and_off_equals_all_reduce():
-    for r in spawn(_run_composed, 2):
+def test_compression_wraps_tick_tock_sync_and_off_equals_all_reduce(two_rank_job):
+    for r in two_rank_job["_run_composed"]:
         assert r["off"][1] == {"T": "none", "K": "none"}
         assert r["topk1"][1] == {"T": "topk:1", "K": "topk:1"}
         plain, off, topk, psgd = (_tensors(r[k][0]) for k in ("plain", "off", "topk1", "psgd1"))
@@ -366,8 +374,11 @@ def test_compression_after_a_plan_it_does_not_wrap_trains_data_parallel():
 STALL_TIMEOUT_S = 3.0
 
 
-def _stalled_peer(rank, world):
-    """Both ranks train one step; then rank 1 stalls and rank 0 steps alone."""
+def _stalled_peer(rank, world, failed_flag):
+    """Both ranks train one step; then rank 1 stalls and rank 0 steps alone. Rank 1 stalls
+    until rank 0's step has failed (rank 0 then creates ``failed_flag``), at most
+    ``10 * STALL_TIMEOUT_S``: the job then ends without waiting out the stall."""
+    import os
     import time
 
     model = _model()
@@ -376,23 +387,28 @@ def _stalled_peer(rank, world):
                       loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
     c.step(x, y)
     if rank == 1:
-        time.sleep(10 * STALL_TIMEOUT_S)
+        give_up = time.monotonic() + 10 * STALL_TIMEOUT_S
+        while not os.path.exists(failed_flag) and time.monotonic() < give_up:
+            time.sleep(0.05)
         return None
     start = time.monotonic()
     try:
         c.step(x, y)
     except tidal.TidalError as e:  # the wave sync's own error (a note names the piece)
         raise RuntimeError(f"{e} [after {time.monotonic() - start:.1f} s]") from None
+    finally:
+        open(failed_flag, "w").close()  # rank 1 may stop stalling now
     return None
 
 
-def test_a_stalled_peer_fails_the_wave_sync_within_the_world_timeout():
+def test_a_stalled_peer_fails_the_wave_sync_within_the_world_timeout(tmp_path):
     """The wave groups take the world group's timeout; before, they had torch's 30-minute
     default and rank 0 blocked until its peer went away."""
     from tidal.runtime.distributed import RankError
 
     with pytest.raises(RankError) as info:
-        spawn(_stalled_peer, 2, pg_timeout_s=STALL_TIMEOUT_S, timeout_s=120)
+        spawn(_stalled_peer, 2, str(tmp_path / "rank0-failed"), pg_timeout_s=STALL_TIMEOUT_S,
+              timeout_s=120)
     message = str(info.value)
     assert info.value.rank == 0 and "a peer rank stalled or died" in message, message
     elapsed = float(message.split("[after ")[1].split(" s]")[0])

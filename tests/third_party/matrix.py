@@ -279,3 +279,16 @@ def run_ranks(rank: int, world: int, model_name: str) -> dict:
         flat = torch.cat([p.reshape(-1) for _, p in named])
         out[kind] = ("ok", float((loss - want_loss).abs()), perr, flat.numpy().copy())
     return out
+
+
+def run_models(rank: int, world: int, model_names: list) -> dict:
+    """:func:`run_ranks` for each of ``model_names`` in turn, in one spawned job (one start of
+    the ranks for the whole matrix): {model name: its cells' results}. An exception that
+    escapes a model's cells (they record their own errors) ends the job, naming the model."""
+    out = {}
+    for name in model_names:
+        try:
+            out[name] = run_ranks(rank, world, name)
+        except Exception as e:
+            raise RuntimeError(f"{name}: {type(e).__name__}: {e}") from e
+    return out

@@ -1,10 +1,11 @@
 """The third-party matrix on 2 gloo ranks: for burst_parallel, round_robin and compression (off,
 and Top-K at 100 %), one training step equals one single-process SGD step on the same global
 batch (loss and every parameter) and both ranks hold identical parameters; a refusal is the
-recorded clear error. One spawned job per model runs all of its cells. burst_parallel keeps
-owner-only state, so there the parameters compared are each rank's copies of those it owns and,
-for the others, its owners' copies (``matrix.burst_owned``, ``matrix._owners_view``): owners
-that disagree still differ between the ranks."""
+recorded clear error. One spawned job runs every model's cells (``matrix.run_models``: the
+ranks start once, not once per model); each model's test then reads its own results.
+burst_parallel keeps owner-only state, so there the parameters compared are each rank's copies
+of those it owns and, for the others, its owners' copies (``matrix.burst_owned``,
+``matrix._owners_view``): owners that disagree still differ between the ranks."""
 import importlib.util
 import re
 
@@ -13,7 +14,7 @@ import pytest
 
 from tidal.runtime.distributed import spawn
 
-from .matrix import MULTI_RANK, Bug, Refuse, expected, run_ranks
+from .matrix import MULTI_RANK, Bug, Refuse, expected, run_models
 from .models import BUILDERS
 
 HF = importlib.util.find_spec("transformers") is not None
@@ -60,8 +61,31 @@ def _params():
     return out
 
 
+TEST_NAME = "test_two_ranks_step_equals_one_process_step"
+
+
+@pytest.fixture(scope="module")
+def rank_results(request):
+    """Every multi-rank cell of the models this session runs (not skipped), from one spawned
+    2-rank job: {model name: per-rank results}, or the job's ``RankError`` (raised by each
+    model's test, so that every one of them fails, inside its test)."""
+    names = []
+    for item in request.session.items:
+        if (getattr(item, "originalname", None) == TEST_NAME and item.module is request.module
+                and item.get_closest_marker("skip") is None):
+            name = item.callspec.params["model_name"]
+            if name not in names:
+                names.append(name)
+    try:
+        results = spawn(run_models, 2, names, timeout_s=120 + 60 * len(names))
+    except Exception as e:  # noqa: BLE001 - re-raised by every test below
+        return e
+    return {name: [r[name] for r in results] for name in names}
+
+
 @pytest.mark.parametrize("model_name", _params())
-def test_two_ranks_step_equals_one_process_step(model_name):
-    results = spawn(run_ranks, 2, model_name, timeout_s=300)
-    failures = check_rank_results(model_name, results)
+def test_two_ranks_step_equals_one_process_step(model_name, rank_results):
+    if isinstance(rank_results, Exception):
+        raise rank_results.with_traceback(None)  # the same error for every model
+    failures = check_rank_results(model_name, rank_results[model_name])
     assert not failures, failures
