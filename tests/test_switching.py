@@ -20,6 +20,16 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 CE = torch.nn.functional.cross_entropy
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Bit-for-bit comparisons with the one-thread reference: the same thread count, so no
+    kernel splits a reduction differently (machines differ in cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _mlp(width: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.BatchNorm1d(width),
