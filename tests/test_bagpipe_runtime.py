@@ -72,8 +72,17 @@ def _hf_bert():
 
 
 def _reference(model, data, iterations, loss_fn=click_loss):
-    """Synchronous data-parallel SGD over T shards without a cache: states after each step."""
-    model = copy.deepcopy(model)
+    """Synchronous data-parallel SGD over T shards without a cache: states after each step
+    (on one thread, as the trainers run: no kernel may split a reduction differently)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(copy.deepcopy(model), data, iterations, loss_fn)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(model, data, iterations, loss_fn):
     states = []
     for x in range(iterations):
         inputs, y = data.batch(x)
