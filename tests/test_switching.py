@@ -141,8 +141,9 @@ class _AfterPieces:
         return self.asked > self.n
 
 
-@pytest.mark.parametrize("step, pieces", [(0, 2), (2, 1), (2, 5)],
-                         ids=["while-transmitting", "first-group", "before-optimizer"])
+@pytest.mark.parametrize("step, pieces", [(0, 2), (2, 1), (2, 5), (2, 8), (2, 11)],
+                         ids=["while-transmitting", "first-group", "before-backward",
+                              "inside-backward", "before-optimizer"])
 def test_task_preempted_at_a_piece_rolls_back(step, pieces):
     """Stop iteration ``step`` after ``pieces`` pieces started: ``step`` returns None and the
     job resumed in a fresh task from that iteration equals 5 straight steps bit for bit (the

@@ -49,6 +49,7 @@ from tidal.runtime.programs.layer_groups import (LoadTimeline, bind_training, gr
 from tidal.runtime.switching.host_model import HostModel
 from tidal.runtime.switching.job import SwitchJob
 from tidal.runtime.switching.stack import ArenaStack
+from tidal.runtime.weight_loader import group_tensors
 
 
 class Transmission:
@@ -128,6 +129,19 @@ class Task:
         self.runner = ProgramRunner()
         self.loads: Optional[Transmission] = None
         self._empty = {name: t.data for name, t in self._tensors()}
+        self._preempted: Optional[Callable[[], bool]] = None
+        if job.training:  # preemption points inside the backward: one per layer group
+            for group in group_tensors(self.gm):
+                first = next((t for _, t in group
+                              if isinstance(t, torch.nn.Parameter) and t.requires_grad), None)
+                if first is not None:
+                    first.register_post_accumulate_grad_hook(self._check_backward)
+
+    def _check_backward(self, param: torch.Tensor) -> None:
+        """A layer group's gradients are done (the backward runs the groups last to first):
+        stop here if a preemption was asked during this iteration."""
+        if self._preempted is not None and self._preempted():
+            raise Preempted("preempted inside the backward, at a layer group's boundary")
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.gm.named_parameters()) + list(self.gm.named_buffers())
@@ -166,8 +180,9 @@ class Task:
              preempted: Optional[Callable[[], bool]] = None) -> Optional[StepResult]:
         """Run iteration ``i``: its inputs carved from ``stack`` (freed after it), the weights
         transmitted by the first iteration after :meth:`activate`. With ``preempted``, every
-        piece asks it before starting: once it says True the iteration stops after the
-        pieces already running and is rolled back (buffers such as BatchNorm statistics
+        piece asks it before starting, and a training job's backward asks it again after each
+        layer group's gradients: once it says True the iteration stops there (after the
+        pieces already running) and is rolled back (buffers such as BatchNorm statistics
         restored, gradients dropped; the weights and optimizer state change only in the last
         piece, the optimizer step, so they are those of iteration ``i - 1``) and ``step``
         returns None: iteration ``i`` runs again when the job resumes."""
@@ -190,12 +205,15 @@ class Task:
             bound = InterpretedSegments(run, graph_interpreter(self.gm, *inputs), loads)
         work = bound.work if preempted is None else _stoppable(bound.work, preempted)
         saved = None if preempted is None or loading else self._buffers()
+        self._preempted = preempted
         try:
             trace = self.runner.launch(bound.program, work)
         except Preempted:
             self._roll_back(saved)
             stack.pop(top)
             return None
+        finally:
+            self._preempted = None
         value = bound.loss().item() if self.job.training else tree_map(
             lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, bound.output())
         stack.pop(top)
