@@ -212,13 +212,8 @@ def preemption(name_a: str, name_b: str, rounds: int, seed: int) -> list[list[st
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--preempt-rounds", type=int, default=5,
-                    help="rounds of the preemption comparison (0: skip it)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the preemption moments")
-    args = ap.parse_args(argv)
+def _switch_table(rounds: int) -> None:
+    """The switch request -> first output table of (a), (b), (c) for both models."""
     gbps = _copy_gbps()
     print(f"host copy bandwidth {gbps:.1f} Gb/s (CPU)", file=sys.stderr, flush=True)
     jobs = {}
@@ -229,11 +224,11 @@ def main(argv=None) -> int:
     res = {(n, m): [] for n in MODELS for m in "abc"}
     with Switcher([j for j, _, _ in jobs.values()], standby=1) as sw:
         sw.switch(MODELS[-1], iterations=1)
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name in MODELS:
                 res[(name, "c")].append(tidal_switch(sw, name))
     previous = jobs[MODELS[-1]][0].graph
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name in MODELS:
             res[(name, "a")].append(stop_and_start(ctx, jobs[name][0], hosts[name]))
             r = reload_in_process(jobs[name][0], hosts[name], previous)
@@ -260,7 +255,7 @@ def main(argv=None) -> int:
                          f"{med['first'] * 1e3:.0f}", f"{med['first'] / base:.3f}",
                          f"{(med['first'] - ready) * 1e3:.0f}",
                          f"{(med['first'] - ready) / base_over:.3f}", pipe])
-    print("CPU figures (no GPU on this machine); medians of", args.rounds, "rounds, ms")
+    print("CPU figures (no GPU on this machine); medians of", rounds, "rounds, ms")
     print(format_table(["model", "mechanism", "task cleaning", "task init", "memory alloc",
                         "model transmission", "request -> first output", "vs (a)",
                         "overhead (- ready forward)", "overhead vs (a)",
@@ -268,6 +263,18 @@ def main(argv=None) -> int:
     print("ready forward (ms, in this process): " + ", ".join(
         f"{n} {jobs[n][2] * 1e3:.0f}" for n in MODELS))
     print("goals: (c) <= 0.050 of (a); first output / (group 0 transfer + forward) <= 1.2")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the switch table (0: skip it)")
+    ap.add_argument("--preempt-rounds", type=int, default=5,
+                    help="rounds of the preemption comparison (0: skip it)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the preemption moments")
+    args = ap.parse_args(argv)
+    if args.rounds:
+        _switch_table(args.rounds)
     if args.preempt_rounds:
         rows = preemption(MODELS[0], MODELS[1], args.preempt_rounds, args.seed)
         print(f"\npreemption (CPU; medians of {args.preempt_rounds} requests at seeded random "

@@ -49,7 +49,6 @@ from tidal.runtime.programs.layer_groups import (LoadTimeline, bind_training, gr
 from tidal.runtime.switching.host_model import HostModel
 from tidal.runtime.switching.job import SwitchJob
 from tidal.runtime.switching.stack import ArenaStack
-from tidal.runtime.weight_loader import group_tensors
 
 
 class Transmission:
@@ -130,18 +129,16 @@ class Task:
         self.loads: Optional[Transmission] = None
         self._empty = {name: t.data for name, t in self._tensors()}
         self._preempted: Optional[Callable[[], bool]] = None
-        if job.training:  # preemption points inside the backward: one per layer group
-            for group in group_tensors(self.gm):
-                first = next((t for _, t in group
-                              if isinstance(t, torch.nn.Parameter) and t.requires_grad), None)
-                if first is not None:
-                    first.register_post_accumulate_grad_hook(self._check_backward)
+        if job.training:  # preemption points inside the backward: each parameter's gradient
+            for p in self.gm.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._check_backward)
 
     def _check_backward(self, param: torch.Tensor) -> None:
-        """A layer group's gradients are done (the backward runs the groups last to first):
-        stop here if a preemption was asked during this iteration."""
+        """A parameter's gradient is complete: stop here if a preemption was asked during this
+        iteration (the backward is the longest piece of a training step)."""
         if self._preempted is not None and self._preempted():
-            raise Preempted("preempted inside the backward, at a layer group's boundary")
+            raise Preempted("preempted inside the backward")
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.gm.named_parameters()) + list(self.gm.named_buffers())
@@ -180,8 +177,8 @@ class Task:
              preempted: Optional[Callable[[], bool]] = None) -> Optional[StepResult]:
         """Run iteration ``i``: its inputs carved from ``stack`` (freed after it), the weights
         transmitted by the first iteration after :meth:`activate`. With ``preempted``, every
-        piece asks it before starting, and a training job's backward asks it again after each
-        layer group's gradients: once it says True the iteration stops there (after the
+        piece asks it before starting, and a training job's backward asks it again as each
+        parameter's gradient completes: once it says True the iteration stops there (after the
         pieces already running) and is rolled back (buffers such as BatchNorm statistics
         restored, gradients dropped; the weights and optimizer state change only in the last
         piece, the optimizer step, so they are those of iteration ``i - 1``) and ``step``
