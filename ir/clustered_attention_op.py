@@ -142,6 +142,17 @@ def _combined(causal: Optional[torch.Tensor], mask: Optional[torch.Tensor]
     return mask.masked_fill(~causal, float("-inf"))
 
 
+def apply_mask(scores: torch.Tensor, mask: Optional[torch.Tensor],
+               hides: bool = False) -> torch.Tensor:
+    """``scores`` with an attention ``mask`` applied: a boolean mask keeps where True
+    (``hides``: hides where True) and puts -inf elsewhere; any other mask is added."""
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(mask if hides else ~mask, float("-inf"))
+    return scores + mask
+
+
 @clustered_attention.register_fake
 def _clustered_attention_fake(query, key, value, rep_of_head, scale, is_causal, attn_mask):
     _check(query, key, value, rep_of_head)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clustered_attention)
+from tidal.ir.clustered_attention_op import apply_mask
 from tidal.ir.head_clusters import FIRST_TOKENS, Membership, check_count, online_memberships
 from tidal.passes.attention_match import EagerParts
 
@@ -150,7 +151,7 @@ class ClusteredHeads(torch.nn.Module):
             if is_causal else None  # the first rows keep their place in the whole block
         k_all, v_all = _repeat_kv(key, heads), _repeat_kv(value, heads)
         scores = query[:, :, :first] @ k_all.transpose(-1, -2) * scale
-        probs = _masked(_masked(scores, causal), mask_first).softmax(dim=-1)
+        probs = apply_mask(apply_mask(scores, causal), mask_first).softmax(dim=-1)
         self.last_membership = self.memberships(probs)
         rep = torch.tensor([m.rep_of_head for m in self.last_membership], device=query.device)
         # the op takes every row (a square causal block runs SDPA's fused causal kernel); its
@@ -163,17 +164,6 @@ class ClusteredHeads(torch.nn.Module):
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
-
-
-def _masked(scores: torch.Tensor, mask: Optional[torch.Tensor],
-            hides: bool = False) -> torch.Tensor:
-    """``scores`` with ``mask`` applied: a boolean mask keeps where True (``hides``: hides
-    where True) and puts -inf elsewhere; any other mask is added."""
-    if mask is None:
-        return scores
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(mask if hides else ~mask, float("-inf"))
-    return scores + mask
 
 
 class ClusteredSDPA(ClusteredHeads):
@@ -199,9 +189,9 @@ class ClusteredSDPA(ClusteredHeads):
         scores = query @ key.transpose(-1, -2) * scale
         if is_causal:
             tq, tk = scores.shape[-2:]
-            scores = _masked(scores, torch.ones(tq, tk, dtype=torch.bool,
+            scores = apply_mask(scores, torch.ones(tq, tk, dtype=torch.bool,
                                                 device=scores.device).tril(tk - tq))
-        probs = super().forward(_masked(scores, attn_mask).softmax(dim=-1))
+        probs = super().forward(apply_mask(scores, attn_mask).softmax(dim=-1))
         self.last_route = f"all heads: {why}"
         if dropout_p:
             probs = F.dropout(probs, dropout_p)
@@ -492,7 +482,7 @@ class ClusteredMultiheadAttention(ClusteredHeads):
         heads = q.shape[1]
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
         for mask in _mha_masks(attn_mask, key_padding_mask, heads):
-            scores = _masked(scores, mask, hides=True)
+            scores = apply_mask(scores, mask, hides=True)
         probs = ClusteredHeads.forward(self, scores.softmax(dim=-1))
         if self.mha.dropout and self.training:
             probs = F.dropout(probs, self.mha.dropout)

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clustered_attention)
+from tidal.ir.clustered_attention_op import apply_mask
 from tidal.ir.head_clusters import Membership, online_memberships
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
 
@@ -293,7 +294,7 @@ class ClusteredKCache(DynamicCache):
         causal = torch.arange(t, device=q.device)[None, None, :] <= rows[:, :, None]
         scores = scores.masked_fill(~causal[:, None], float("-inf"))
         if mask is not None:
-            scores = _add_mask(scores, _mask_rows(mask, rows))
+            scores = apply_mask(scores, _mask_rows(mask, rows))
         probs = scores.softmax(dim=-1)
         state = _LayerState([None] * b, q.new_zeros(b, h, first, first))
         for i, pad in enumerate(pads):
@@ -325,7 +326,7 @@ class ClusteredKCache(DynamicCache):
         scores = q @ (keys.repeat_interleave(group, 1) if group > 1 else keys).transpose(-1, -2)
         scores = scores * scale
         if mask is not None:
-            scores = _add_mask(scores, mask)
+            scores = apply_mask(scores, mask)
         probs = scores.softmax(dim=-1)                                       # [B, H, 1, n]
         rep = self._rep_of_head(state, h, q.device)                          # before fixing
         shared = torch.gather(probs, 1, rep[:, :, None, None].expand_as(probs))
@@ -374,11 +375,6 @@ class LayerView(tuple):
         return view
 
 
-def _add_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
-        else scores + mask
-
-
 def _mask_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The rows ``rows`` ``[B, F]`` of a 4-D mask (a mask with one row applies to all)."""
     if mask.shape[-2] == 1:
@@ -399,7 +395,7 @@ def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, l
     qr = torch.gather(q[:, :, 0], 1, lay.q_index.reshape(b, -1, 1).expand(-1, -1, d))
     scores = qr.view(b, g_kept, reps, d) @ keys.transpose(-1, -2) * scale  # [B, G', R, n]
     if mask is not None:
-        scores = _add_mask(scores, mask)
+        scores = apply_mask(scores, mask)
     probs = scores.softmax(dim=-1).view(b, g_kept * reps, n)
     probs = torch.gather(probs, 1, lay.slot_of_head[:, :, None].expand(-1, -1, n))
     kv = values.shape[1]
