@@ -11,7 +11,7 @@ import torch
 
 import tidal
 from examples.data.clicks import ClickData
-from examples.models.recsys import click_loss, dlrm_small
+from examples.models.recsys import click_loss, deepfm_small, dlrm_small
 from tidal.passes.embedding_cache import EmbeddingCache
 from tidal.runtime.bagpipe import BagpipeError, RunSpec, load_checkpoint, train, train_many
 
@@ -30,9 +30,9 @@ class Float64Clicks:
         return (dense.double(), sparse), y.double()
 
 
-def _setup():
+def _setup(factory=dlrm_small):
     torch.manual_seed(0)
-    model = dlrm_small(table_rows=ROWS, dim=4).double()
+    model = factory(table_rows=ROWS, dim=4).double()
     data = Float64Clicks(alpha=1.0)
     c = tidal.compile(copy.deepcopy(model), data.batch(0)[0], passes=[EmbeddingCache(lookahead=2)])
     plan = c.plan.get("embedding_cache")
@@ -132,12 +132,18 @@ def test_equivalence_policies_checkpoint_resume(tmp_path):
     specs.append(RunSpec(compiled, data, ITERS, lookahead=3, lr=LR, loss_fn=click_loss,
                          resume=ck))
     names.append(("hot0.9", "resumed"))
+    fm, fm_compiled = _setup(deepfm_small)
+    specs.append(RunSpec(fm_compiled, skews["alpha0.5"], 4, lookahead=2, lr=LR,
+                         loss_fn=click_loss))
     bert, bert_compiled, bert_data = _hf_bert()
     specs.append(RunSpec(bert_compiled, bert_data, 3, lookahead=2, lr=LR, loss_fn=_hf_loss))
     results = train_many(specs, trainers=T, servers=2, timeout_s=60)
-    hf = results.pop()
+    hf, deep_fm = results.pop(), results.pop()
     _assert_equal(hf.tables, hf.dense, _reference(bert, bert_data, 3, _hf_loss)[-1],
                   "transformers BertForSequenceClassification")
+    assert len(deep_fm.tables) == 2 * len(ROWS)     # tables.t and the 1-wide linear.t
+    _assert_equal(deep_fm.tables, deep_fm.dense, _reference(fm, skews["alpha0.5"], 4)[-1],
+                  "DeepFM (nn.Embedding, 1-wide linear tables)")
     refs = {skew: _reference(model, d, ITERS) for skew, d in skews.items()}
     for (skew, what), res in zip(names, results):
         _assert_equal(res.tables, res.dense, refs[skew][-1], f"{skew} {what}")
