@@ -192,3 +192,15 @@ def test_flattened_ids_with_offsets_are_refused_not_split_wrong():
     with pytest.raises(BagpipeError, match=r"batch 2: .*dim-0 sizes \[10, 4, 4\]"):
         _same_batch((ids, offsets), torch.zeros(4), 2)
     _same_batch((torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.long)), torch.zeros(4), 0)
+
+
+def test_progress_line_names_the_run_and_the_slowest_trainer(tmp_path, capsys):
+    from tidal.runtime.bagpipe.launch import _report
+    specs = [RunSpec(None, None, 10), RunSpec(None, None, 30)]
+    for k, marks in enumerate([("10", "10"), ("7", "5")]):
+        (tmp_path / f"run{k}").mkdir()
+        for r, x in enumerate(marks):
+            (tmp_path / f"run{k}" / f"trainer{r}").write_text(x)
+    (tmp_path / "result0.pt").write_text("")   # run 0 is finished
+    _report(specs, 2, str(tmp_path), started=0.0)
+    assert "tidal bagpipe: run 2 of 2, iteration 5 of 30" in capsys.readouterr().err

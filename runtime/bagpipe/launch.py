@@ -20,6 +20,7 @@ import datetime
 import importlib
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -314,8 +315,9 @@ def _current_run(workdir: str, n: int) -> int:
 
 
 def train_many(specs: Sequence[RunSpec], *, trainers: int = 2, servers: int = 1,
-               timeout_s: float = 60.0) -> list[Result]:
-    """Run every spec in order on one set of processes (one spawn); a :class:`Result` each."""
+               timeout_s: float = 60.0, progress: bool = True) -> list[Result]:
+    """Run every spec in order on one set of processes (one spawn); a :class:`Result` each.
+    ``progress``: a line on stderr every 10 s while it runs."""
     import torch.multiprocessing as mp
 
     from tidal.runtime.distributed import free_port
@@ -343,7 +345,7 @@ def train_many(specs: Sequence[RunSpec], *, trainers: int = 2, servers: int = 1,
         for p in procs:
             p.start()
         try:
-            _watch(procs, specs, trainers, timeout_s, workdir)
+            _watch(procs, specs, trainers, timeout_s, workdir, progress)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -358,10 +360,31 @@ def train_many(specs: Sequence[RunSpec], *, trainers: int = 2, servers: int = 1,
         return results
 
 
-def _watch(procs, specs, T: int, timeout_s: float, workdir: str) -> None:
-    """Wait for every process; a death or a stall (no progress for ``timeout_s``) raises."""
+PROGRESS_EVERY_S = 10.0
+"""How often a run that goes on prints where it is (on stderr)."""
+
+
+def _report(specs, T: int, workdir: str, started: float) -> None:
+    run = _current_run(workdir, len(specs))
+    done = [_iteration_of(workdir, run, r) for r in range(T)]
+    at = min((d for d in done if d is not None), default=None)
+    where = f"iteration {at} of {specs[run].iterations}" if at is not None else "starting"
+    runs = f"run {run + 1} of {len(specs)}, " if len(specs) > 1 else ""
+    print(f"tidal bagpipe: {runs}{where} ({time.monotonic() - started:.0f} s)",
+          file=sys.stderr, flush=True)
+
+
+def _watch(procs, specs, T: int, timeout_s: float, workdir: str, progress: bool = True
+           ) -> None:
+    """Wait for every process; a death or a stall (no progress for ``timeout_s``) raises.
+    With ``progress``, a line on stderr every ``PROGRESS_EVERY_S`` seconds says where the
+    run is."""
     last_change, seen = time.monotonic(), None
+    started = next_report = last_change
     while True:
+        if progress and time.monotonic() - next_report > PROGRESS_EVERY_S:
+            next_report = time.monotonic()
+            _report(specs, T, workdir, started)
         codes = [p.exitcode for p in procs]
         if all(c == 0 for c in codes):
             return
@@ -400,12 +423,15 @@ def train(model: Any, data: Any, iterations: int, *, trainers: int = 2, servers:
           lookahead: int = 1, policy: str = "bagpipe", lru_rows: int = 0, lr: float = 0.1,
           loss_fn: Optional[Callable] = None, checkpoint_every: Optional[int] = None,
           checkpoint_dir: Optional[str] = None, resume: Optional[str] = None,
-          timeout_s: float = 60.0, fail_at: Optional[tuple] = None) -> Result:
+          timeout_s: float = 60.0, fail_at: Optional[tuple] = None,
+          progress: bool = True) -> Result:
     """Train ``iterations`` batches of ``data`` with Bagpipe (see :class:`RunSpec` for the
-    arguments); ``resume=checkpoint_dir`` continues from a checkpoint to ``iterations``."""
+    arguments); ``resume=checkpoint_dir`` continues from a checkpoint to ``iterations``;
+    ``progress``: a line on stderr every 10 s while it runs."""
     spec = RunSpec(model=model, data=data, iterations=iterations, lookahead=lookahead,
                    policy=policy, lru_rows=lru_rows, lr=lr, loss_fn=loss_fn,
                    checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir,
                    resume=resume, fail_at=fail_at)
-    return train_many([spec], trainers=trainers, servers=servers, timeout_s=timeout_s)[0]
+    return train_many([spec], trainers=trainers, servers=servers, timeout_s=timeout_s,
+                      progress=progress)[0]
 
