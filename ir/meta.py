@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import sympy
 import torch
@@ -32,6 +32,7 @@ _ADDED_BY = "tidal.added_by"
 _INPUT_NAME = "tidal.input_name"
 _TRACE_NOTES = "tidal.trace_notes"
 _BATCH_DIM = "tidal.batch_dim"
+_DERIVED = "tidal.derived"  # gm.meta: graph modules derived from this one, by purpose
 _FX_MODULE_STACK = "nn_module_stack"  # written by torch.fx's tracer
 
 
@@ -155,6 +156,18 @@ def get_trace_notes(gm: fx.GraphModule) -> tuple[str, ...]:
 def set_trace_notes(gm: fx.GraphModule, notes: tuple[str, ...]) -> None:
     """Record what tracing had to do, for the compile report."""
     gm.meta[_TRACE_NOTES] = tuple(notes)
+
+
+def get_derived(gm: fx.GraphModule, purpose: str, key: Any) -> Optional[Any]:
+    """A value derived from ``gm`` for ``purpose`` (e.g. the ``embedding_cache`` plan's ids
+    graph), if it was recorded with this ``key`` (what it was derived from)."""
+    held = gm.meta.get(_DERIVED, {}).get(purpose)
+    return held[1] if held is not None and held[0] == key else None
+
+
+def set_derived(gm: fx.GraphModule, purpose: str, key: Any, value: Any) -> None:
+    """Record ``value``, derived from ``gm`` for ``purpose`` from ``key``."""
+    gm.meta.setdefault(_DERIVED, {})[purpose] = (key, value)
 
 
 def get_batch_dim(node: fx.Node) -> Optional[Union["BatchDim", tuple]]:

@@ -33,10 +33,10 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
+from tidal.ir.meta import get_derived, set_derived
 from tidal.ir.plan import Plan
 from tidal.ir.table import format_table
 
-_IDS_MODULE_KEY = "tidal.embedding_cache.ids_module"  # gm.meta: the table_ids graph, by plan
 
 
 @dataclass(frozen=True)
@@ -177,14 +177,13 @@ def table_ids(gm: fx.GraphModule, plan: EmbeddingCachePlan, *inputs: Any, **kw_i
     from tidal.ir.inputs import bind_inputs
 
     key = (plan, gm.code)
-    held = gm.meta.get(_IDS_MODULE_KEY)
-    if held is None or held[0] != key:
-        held = (key, ids_module(gm, plan))
-        gm.meta[_IDS_MODULE_KEY] = held
+    module = get_derived(gm, "embedding_cache.ids_module", key)
+    if module is None:
+        module = ids_module(gm, plan)
+        set_derived(gm, "embedding_cache.ids_module", key, module)
     if kw_inputs and inputs:
         raise TypeError("table_ids: give the model's inputs positionally or by keyword, "
                         "not both")
-    module = held[1]
     args = bind_inputs(module, kw_inputs, "table_ids inputs") if kw_inputs else inputs
     return dict(module(*args))
 

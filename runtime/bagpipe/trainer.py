@@ -3,7 +3,7 @@ with an LRPP cache per table, prefetch, delayed synchronization and write-back.
 
 Per iteration ``x`` (SGD without momentum, the reference arithmetic kept exactly):
 
-1. if the prefetch for ``x`` was not issued ahead (``L <= 1``, first batch of a segment): wait
+1. if the prefetch for ``x`` was not issued ahead (``L = 0``, first batch of a segment): wait
    for this trainer's write-backs, barrier with the other trainers, issue it; wait for the rows;
 2. forward and backward of ``gm(*shard, **working)`` on the cached rows (leaves);
 3. LOCAL rows: ``row.add_(g / T, alpha=-lr)`` at once (no communication);
