@@ -20,15 +20,24 @@ class UsageError(TidalError, ValueError):
     """A command-line argument that cannot be used; the message names the argument."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least {low}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

@@ -16,7 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from tidal.compiler.cli_args import UsageError, positive_float, positive_int
+from tidal.compiler.cli_args import (UsageError, non_negative_int, positive_float,
+                                     positive_int)
 
 PASS = "embedding_cache"
 CLICK_DATA_MODULE = "examples.data.clicks"
@@ -26,17 +27,6 @@ DEFAULT_ALPHA = 1.0
 SERVERS = 1
 HEADERS = ("iteration", "hit rate", "prefetched", "synced critical", "synced background",
            "written back", "KiB moved", "KiB critical", "ms")
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return v
 
 
 def add_bagpipe_args(p: argparse.ArgumentParser) -> None:

@@ -108,6 +108,20 @@ def test_stack_cap_spills_to_host_and_cap_changes():
     assert s.used == mark
 
 
+def _resume_in_a_fresh_task(job, host, stack, first, start, want_w, want_opt):
+    """Clean ``first``, resume the job in a fresh task (as another worker would) from
+    iteration ``start`` to 5: weights, buffers and momentum equal 5 straight steps."""
+    state = first.clean(host)
+    stack.pop(0)
+    second = Task(_shipped(job))
+    second.activate(host, stack, state)
+    for i in range(start, 5):
+        second.step(i, stack)
+    state = second.clean(host)
+    assert all(torch.equal(t, want_w[k]) for k, t in host.tensors().items())
+    assert _same_state(state, want_opt)
+
+
 def test_task_resumes_bit_for_bit_in_another_task():
     """Clean after 2 steps, activate a fresh task (as another worker would), run 3 more: the
     weights (BatchNorm's running statistics included) and momentum equal 5 straight steps."""
@@ -119,15 +133,7 @@ def test_task_resumes_bit_for_bit_in_another_task():
     first.activate(host, stack)
     for i in range(2):
         first.step(i, stack)
-    state = first.clean(host)
-    stack.pop(0)
-    second = Task(_shipped(job))
-    second.activate(host, stack, state)
-    for i in range(2, 5):
-        second.step(i, stack)
-    state = second.clean(host)
-    assert all(torch.equal(t, want_w[k]) for k, t in host.tensors().items())
-    assert _same_state(state, want_opt)
+    _resume_in_a_fresh_task(job, host, stack, first, 2, want_w, want_opt)
 
 
 class _AfterPieces:
@@ -158,15 +164,7 @@ def test_task_preempted_at_a_piece_rolls_back(step, pieces):
         assert first.step(i, stack, lambda: False) is not None
     stop = _AfterPieces(pieces)
     assert first.step(step, stack, stop) is None and stop.asked > pieces
-    state = first.clean(host)
-    stack.pop(0)
-    second = Task(_shipped(job))
-    second.activate(host, stack, state)
-    for i in range(step, 5):
-        second.step(i, stack)
-    state = second.clean(host)
-    assert all(torch.equal(t, want_w[k]) for k, t in host.tensors().items())
-    assert _same_state(state, want_opt)
+    _resume_in_a_fresh_task(job, host, stack, first, step, want_w, want_opt)
 
 
 def test_cleaning_an_idle_training_task_keeps_its_optimizer_state():
