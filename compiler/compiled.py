@@ -94,6 +94,11 @@ class Compiled:
             from tidal.runtime.chai_generate import generation_model
 
             plan = self.plan.get(CHAI_PASS)
+            ran = [r for r in self.records if r.name == CHAI_PASS]
+            if plan is None and ran:
+                raise ValueError(f"Compiled.generate runs the {CHAI_PASS} plan, and the pass "
+                                 f"found nothing to cluster in {type(self.model).__name__}: "
+                                 f"{'; '.join(ran[0].notes) or 'no notes'}")
             if plan is None:
                 raise ValueError(f"Compiled.generate runs the {CHAI_PASS} plan, and this model "
                                  f"was compiled without one (passes: "

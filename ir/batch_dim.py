@@ -58,11 +58,11 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx.node import map_aggregate
 
 from tidal.ir import meta
 from tidal.ir.cost import materialize
 from tidal.ir.inputs import bind_inputs
+from tidal.ir.node_runner import map_tensors
 
 BATCH, FOLDED, REPLICATED, REDUCED, SIZE, UNKNOWN = (
     "batch", "folded", "replicated", "reduced", "size", "unknown")
@@ -217,14 +217,13 @@ class _ShapeRecorder(fx.Interpreter):
             return _Failed(n.name, _message(fake_error))
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         with unset_fake_temporarily():
-            args, kwargs = map_aggregate((args, kwargs), materialize)
+            args, kwargs = map_tensors((args, kwargs), materialize)
             try:
                 with torch.no_grad():
                     out = getattr(self, n.op)(n.target, args, kwargs)
             except Exception as e:  # noqa: BLE001
                 return _Failed(n.name, _message(e))
-        return map_aggregate(out, lambda v: self.mode.from_tensor(v)
-                             if isinstance(v, torch.Tensor) else v)
+        return map_tensors(out, self.mode.from_tensor)
 
 
 def _message(e: Exception) -> str:

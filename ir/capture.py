@@ -16,7 +16,9 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import os
 import sys
 import traceback
@@ -27,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tidal.ir import meta
+from tidal.ir import meta, node_runner
 from tidal.ir.errors import TraceError
 
 LeafSpec = Union[str, type]
@@ -147,11 +149,41 @@ def _hf_tracer_cls(leaf_modules: Sequence[LeafSpec]) -> type:
         def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
             return user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
 
+        @contextlib.contextmanager
+        def patch_for_tracing(self, root):
+            # HFTracer swaps torch.arange & co. and transformers' cache classes for tracing
+            # wrappers and swaps them back only when the trace succeeds: a failed trace left
+            # them in place for every later torch.arange of the process
+            saved = _what_hf_patches(self, root)
+            try:
+                with super().patch_for_tracing(root):
+                    yield
+            finally:
+                for owner, name, value in saved:
+                    setattr(owner, name, value)
+
     return _LeafHFTracer
 
 
+def _what_hf_patches(tracer: Any, root: Any) -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, value)`` of everything ``HFTracer.patch_for_tracing`` replaces: the
+    torch functions it wraps and, in ``transformers`` modules (the root's own module, when it
+    has one), the classes it swaps for proxyable ones."""
+    saved = [(torch, name, getattr(torch, name)) for name in tracer._TORCH_METHODS_TO_PATCH]
+    home = inspect.getmodule(root)
+    for name, module in list(sys.modules.items()):
+        if (home is not None and module is not home) or not name.startswith("transformers"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if any(value is cls for cls in tracer._CLASSES_TO_PATCH):
+                saved.append((module, attr, value))
+    return saved
+
+
 def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
-              leaf_modules: Sequence[LeafSpec] = ()) -> fx.GraphModule:
+              leaf_modules: Sequence[LeafSpec] = (), unlisted: bool = False) -> fx.GraphModule:
+    """``transformers.utils.fx``'s trace; ``unlisted``: also of a model class outside its list
+    of supported models (the caller checks the graph against eager)."""
     try:
         from transformers.utils import fx as hf_fx
     except ImportError as e:  # transformers >= 4.48 removed it
@@ -163,6 +195,7 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     use_cache = getattr(config, "use_cache", None)
     try:
         return hf_fx.symbolic_trace(model, input_names=list(example_inputs),
+                                    disable_check=unlisted,
                                     tracer_cls=_hf_tracer_cls(leaf_modules))
     except Exception as e:
         raise TraceError(
@@ -172,6 +205,59 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     finally:  # the HF tracer turns the model's config.use_cache off: the model keeps its own
         if use_cache is not None:
             config.use_cache = use_cache
+
+
+def _is_unlisted(error: TraceError) -> bool:
+    """Whether ``transformers.utils.fx`` refused only because the model class is not on its
+    list of supported models (it checks the list before tracing)."""
+    cause = error.__cause__
+    return isinstance(cause, NotImplementedError) and "is not supported yet" in str(cause)
+
+
+UNLISTED_RTOL, UNLISTED_ATOL = 1e-5, 1e-6
+"""How close a graph traced outside transformers' supported list must come to eager."""
+
+
+def _trace_hf_unlisted(model: torch.nn.Module, example_inputs: Mapping[str, Any],
+                       leaf_modules: Sequence[LeafSpec], refusal: TraceError
+                       ) -> fx.GraphModule | None:
+    """A model class ``transformers.utils.fx`` does not list (Gemma, Phi, GPT-NeoX, ...): its
+    tracer often works anyway, so trace with the check off and keep the graph only if it equals
+    the eager model on the example inputs (same random state, for dropout); None when it fails
+    or differs, so the caller falls back."""
+    if not _is_unlisted(refusal):
+        return None
+    try:
+        gm = _trace_hf(model, example_inputs, leaf_modules, unlisted=True)
+        same = _equals_eager(gm, model, example_inputs)
+    except Exception:  # noqa: BLE001 - any failure means: fall back to keeping modules whole
+        return None
+    if not same:
+        return None
+    meta.set_trace_notes(gm, (
+        f"transformers.utils.fx does not list {type(model).__name__} as supported; traced with "
+        f"its tracer anyway, and the graph equals the model on the example inputs",))
+    return gm
+
+
+def _equals_eager(gm: fx.GraphModule, model: torch.nn.Module,
+                  example_inputs: Mapping[str, Any]) -> bool:
+    """Whether ``gm`` and ``model`` give the same output tensors (within ``UNLISTED_*TOL``) on
+    ``example_inputs``, each run from the same random state."""
+    outs = []
+    for run in (gm, model):  # fx prints a failing graph's traceback to stderr: not ours to show
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), \
+                contextlib.redirect_stderr(io.StringIO()):
+            torch.manual_seed(0)
+            outs.append(run(**example_inputs))
+    graph_out, eager_out = outs
+    if isinstance(graph_out, Mapping):
+        eager_out = [eager_out[k] if k in eager_out else None for k in graph_out]
+        graph_out = list(graph_out.values())
+    ours, theirs = node_runner.flat_tensors(graph_out), node_runner.flat_tensors(eager_out)
+    return len(ours) == len(theirs) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=UNLISTED_RTOL, atol=UNLISTED_ATOL)
+        for a, b in zip(ours, theirs))
 
 
 def _record_input_names(gm: fx.GraphModule, model: torch.nn.Module) -> None:
@@ -237,6 +323,9 @@ def _trace_any(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapp
         try:
             return _trace_hf(model, example_inputs, leaf_modules)
         except TraceError as hf_error:
+            unlisted = _trace_hf_unlisted(model, example_inputs, leaf_modules, hf_error)
+            if unlisted is not None:
+                return unlisted
             return _trace_keeping_failures_whole(model, example_inputs, leaf_modules, hf_error)
     try:
         return _trace_fx(model, example_inputs, leaf_modules)

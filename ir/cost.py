@@ -22,12 +22,11 @@ from typing import Any, Sequence
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from tidal.ir import meta
-from tidal.ir.node_runner import COMPUTE_OPS, flat_tensors, run_isolated
+from tidal.ir.node_runner import COMPUTE_OPS, flat_tensors, map_tensors, run_isolated
 
 BATCH = sympy.Symbol("B", positive=True, integer=True)
 """The batch-size symbol every cost expression is written in."""
@@ -74,6 +73,14 @@ def materialize(v: Any) -> Any:
     return torch.zeros(v.shape, dtype=v.dtype)
 
 
+def _real_leaf(v: Any) -> Any:
+    """``materialize`` for one value of the meta run, where a ``x.device`` read is the meta
+    device: a real run moving a tensor there (``x.to(y.device)``) must stay on the CPU."""
+    if isinstance(v, torch.device) and v.type == "meta":
+        return torch.device("cpu")
+    return materialize(v)
+
+
 def _replay_leaf(leaf: tuple) -> Any:
     if leaf[0] == "T":
         return torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device="meta")
@@ -99,10 +106,9 @@ class _MetaCostInterpreter(fx.Interpreter):
         """Run one node for real on random CPU inputs of the right shapes (for modules whose
         forward cannot run on the meta device); return meta tensors of the output shapes."""
         real = fx.Interpreter(self.real_gm)
-        real.env = {a: map_aggregate(self.env[a], materialize) for a in n.all_input_nodes}
+        real.env = {a: tree_map(_real_leaf, self.env[a]) for a in n.all_input_nodes}
         out = run_isolated(real, n, fwd, bwd)
-        return map_aggregate(out, lambda v: torch.empty_like(v, device="meta")
-                             if isinstance(v, torch.Tensor) else v)
+        return map_tensors(out, lambda v: torch.empty_like(v, device="meta"))
 
     def _memo_key(self, n: fx.Node) -> Any:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -202,7 +208,7 @@ def annotate(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_dim: int =
     memo: dict = {}
     for b in (b0, b1):
         interp = _MetaCostInterpreter(meta_gm, memo, gm)
-        inputs = map_aggregate(tuple(example_inputs), lambda v: _rebatch(v, b, batch_dim))
+        inputs = map_tensors(tuple(example_inputs), lambda v: _rebatch(v, b, batch_dim))
         interp.run(*inputs)
         runs[b] = interp
     owned: set = set()

@@ -21,12 +21,11 @@ Example:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_aggregate
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 """fx node kinds that compute (as opposed to placeholder, get_attr, output)."""
@@ -38,6 +37,14 @@ def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside it, its containers rebuilt with their
+    own types: a Hugging Face ``ModelOutput`` stays one (fx's ``map_aggregate`` turns it into a
+    plain dict, and ``output[0]`` then fails). Objects pytree does not know (a cache) are kept
+    as they are."""
+    return tree_map_only(torch.Tensor, fn, value)
 
 
 def flat_tensors(value: Any) -> list[torch.Tensor]:
@@ -61,15 +68,15 @@ def run_isolated(
     args, kwargs = interp.fetch_args_kwargs_from_env(n)
     leaves: list[torch.Tensor] = []
 
-    def make_leaf(v):
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
+    def make_leaf(v: torch.Tensor) -> torch.Tensor:
+        if v.is_floating_point():
             leaf = v.detach().requires_grad_(True)
             leaves.append(leaf)
             return leaf.clone()
         return v
 
-    args = map_aggregate(args, make_leaf)
-    kwargs = map_aggregate(kwargs, make_leaf)
+    args = map_tensors(args, make_leaf)
+    kwargs = map_tensors(kwargs, make_leaf)
     with fwd_ctx or nullcontext():
         out = getattr(interp, n.op)(n.target, args, kwargs)
     if bwd_ctx is not None:
@@ -84,4 +91,4 @@ def run_isolated(
                     diff_out, wrt, grad_outputs=[torch.ones_like(t) for t in diff_out],
                     allow_unused=True,
                 )
-    return map_aggregate(out, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
+    return map_tensors(out, torch.Tensor.detach)

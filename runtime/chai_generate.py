@@ -19,7 +19,9 @@ The attention families are recognised by their modules, not by the model's name:
 - GPT-2 (``c_attn``/``c_proj``, a tuple cache in this ``transformers``);
 - OPT (``q_proj``/``k_proj``/``v_proj``/``out_proj`` with ``scaling``, a tuple cache).
 
-Anything else is refused with an error naming the module.
+Anything else is refused with an error naming the module, and so is a module that only looks
+like one of them (``check_family``: at one head per cluster the copy must generate what the
+model does).
 
 Example:
     >>> import torch, transformers
@@ -41,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MethodType
 from typing import Any, Callable, Optional
 
@@ -150,13 +152,94 @@ def attention_family(module: torch.nn.Module, scope: str = "") -> Callable[..., 
                     f"({type(module).__name__}) is not a Llama-style, GPT-2 or OPT attention")
 
 
-def generation_model(model: torch.nn.Module, plan: ChaiPlan) -> torch.nn.Module:
+def generation_model(model: torch.nn.Module, plan: ChaiPlan, check: bool = True
+                     ) -> torch.nn.Module:
     """A copy of the Hugging Face causal LM ``model`` whose attention layers in ``plan`` are
-    clustered and cached by ``ClusteredKCache`` (see the module docstring)."""
+    clustered and cached by ``ClusteredKCache`` (see the module docstring). ``check``: first
+    make sure that at one head per cluster the copy generates what ``model`` does
+    (:func:`check_family`), so that a module only resembling a known family is refused rather
+    than decoded wrongly."""
     if not callable(getattr(model, "generate", None)):
         raise TypeError(f"clustered generation needs a Hugging Face causal LM with generate(); "
                         f"{type(model).__name__} has none (for tidal's own decoder of "
                         f"Llama-architecture models see tidal.runtime.chai_decode.ChaiDecoder)")
+    if check:
+        check_family(model, plan)
+    return _clustered_copy(model, plan)
+
+
+FAMILY_CHECK_TOKENS = 6
+"""The prompt length of :func:`check_family`: past the five tokens that fix a membership, so
+its decode step reads the pruned cache."""
+
+
+def check_family(model: torch.nn.Module, plan: ChaiPlan) -> None:
+    """Raise ``TypeError`` naming the attention module when the clustered copy of ``model`` at
+    one head per cluster (where CHAI is the model itself) does not generate what ``model``
+    does: greedy, 2 new tokens from a short prompt, logits compared step by step (relative
+    difference at most 1e-3, 5e-2 in half precision)."""
+    exact = replace(plan, mode="online", layers=tuple(
+        replace(c, chosen_k=c.num_heads, static_labels=(), static_reps=()) for c in plan.layers))
+    ids = _probe_prompt(model)
+    runs = []
+    for target in (_clustered_copy(model, exact), model):
+        try:
+            with torch.no_grad():
+                runs.append(target.generate(
+                    ids, max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                    pad_token_id=_pad_id(model), return_dict_in_generate=True,
+                    output_logits=True))
+        except Exception as e:
+            if target is model:
+                raise
+            raise TypeError(f"clustered generation cannot run {_family_of(model, plan)}: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+    ours, theirs = runs
+    steps = 2 if torch.equal(ours.sequences, theirs.sequences) else 1
+    for step in range(steps):
+        diff = _relative_difference(ours.logits[step], theirs.logits[step])
+        if diff > (5e-2 if ours.logits[step].dtype in (torch.float16, torch.bfloat16) else 1e-3):
+            raise TypeError(f"clustered generation cannot run {_family_of(model, plan)}: at one "
+                            f"head per cluster its logits differ from the model's own by "
+                            f"{diff:.2g} (relative) at step {step + 1}, so this attention is "
+                            f"not the family it resembles")
+
+
+def _family_of(model: torch.nn.Module, plan: ChaiPlan) -> str:
+    """``"<Model>'s attention (<Class> at <path>, taken for <family>)"`` of the plan's first
+    layer, for errors."""
+    scope = plan.layers[0].scope if plan.layers else "?"
+    module = model.get_submodule(scope) if plan.layers else model
+    family = {_rotary_forward: "a Llama-style attention", _gpt2_forward: "a GPT-2 attention",
+              _opt_forward: "an OPT attention"}[attention_family(module, scope)]
+    return (f"{type(model).__name__}'s attention ({type(module).__name__} at {scope}, taken "
+            f"for {family})")
+
+
+def _pad_id(model: torch.nn.Module) -> int:
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "pad_token_id", None)
+    return 0 if pad is None else int(pad)
+
+
+def _probe_prompt(model: torch.nn.Module) -> torch.Tensor:
+    """``FAMILY_CHECK_TOKENS`` distinct token ids, none of them the pad id, on the model's
+    device."""
+    vocab = int(model.config.vocab_size)
+    pad = _pad_id(model)
+    ids = [t for t in range(1, vocab) if t != pad][:FAMILY_CHECK_TOKENS]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.tensor([ids], device=device)
+
+
+def _relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    theirs = theirs.double()
+    return float((ours.double() - theirs).norm() / theirs.norm().clamp_min(1e-30))
+
+
+def _clustered_copy(model: torch.nn.Module, plan: ChaiPlan) -> torch.nn.Module:
+    """The copy of ``generation_model``, unchecked."""
     gen = structural_copy(model).eval()
     for choice in plan.layers:
         try:

@@ -32,6 +32,14 @@ def _decoder(name: str, impl: str = "sdpa"):
     elif name == "gpt2":
         model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8,
                                                n_positions=128, attn_implementation=impl))
+    elif name == "gemma":  # not on transformers.utils.fx's list: traced by tidal's fallback
+        model = t.GemmaForCausalLM(t.GemmaConfig(**SMALL, head_dim=8, attn_implementation=impl))
+    elif name == "stablelm":  # Llama-like modules, partial rotary: refused
+        model = t.StableLmForCausalLM(t.StableLmConfig(**SMALL, attn_implementation=impl))
+    elif name == "gpt_bigcode":  # GPT-2-like modules, multi-query cache: refused
+        model = t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=128,
+            attn_implementation=impl))
     else:
         model = t.OPTForCausalLM(t.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
                                              num_hidden_layers=2, num_attention_heads=8,
@@ -57,7 +65,7 @@ def _gen(target, ids, new=6, **kw):
                            output_logits=True, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "opt", "gemma"])
 def test_one_head_per_cluster_is_hf_generate(name):
     model = _decoder(name)
     ids = _ids(2, 9)
@@ -271,3 +279,28 @@ def test_mild_clustering_generates_as_the_graph():
     with torch.no_grad():
         graph = _logits(compiled(out.sequences))
     torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 9:15], **TOL)
+
+
+@pytest.mark.parametrize("name,module", [("stablelm", "StableLmSdpaAttention"),
+                                         ("gpt_bigcode", "GPTBigCodeSdpaAttention")])
+def test_a_lookalike_attention_is_refused_not_decoded_wrongly(name, module):
+    # StableLM's modules look Llama-style (q/k/v/o projections, rotary) but rotate part of
+    # each head; GPT-BigCode's look like GPT-2's but keep one K/V head in a fused cache.
+    # Without check_family the first fails deep inside transformers and the second would
+    # decode with the wrong cache layout.
+    model = _decoder(name)
+    ids = _ids(1, 9)
+    compiled = _compiled(model, ids, 2)
+    with pytest.raises(TypeError, match=f"cannot run .*{module} at .*taken for"):
+        compiled.generate(ids, max_new_tokens=3, pad_token_id=0)
+
+
+def test_generate_says_when_the_pass_found_no_attention():
+    torch.manual_seed(0)  # Bloom's alibi scores (baddbmm) are not an attention pattern known
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=8)).eval()
+    ids = _ids(1, 9)
+    compiled = _compiled(model, ids, 2)
+    with pytest.raises(ValueError, match="found nothing to cluster in BloomForCausalLM: no "
+                                         "attention found"):
+        compiled.generate(ids, max_new_tokens=3, pad_token_id=0)
