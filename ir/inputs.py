@@ -70,6 +70,8 @@ def bind_inputs(gm: fx.GraphModule, inputs: Any, what: str = "inputs") -> tuple:
                          f"(its inputs: {', '.join(names)})")
     out = []
     for node, name in zip(nodes, names):
+        if str(node.target).startswith("*"):  # *args / **kwargs (HF's **loss_kwargs): none given
+            break
         if name in inputs:
             out.append(inputs[name])
             continue

@@ -121,6 +121,18 @@ def qwen2() -> Case:
                 token_loss, [4, 4])
 
 
+def gemma() -> Case:
+    """Gemma: not on ``transformers.utils.fx``'s list of supported models, so traced by HF's
+    tracer with its check off and checked against eager (``ir.capture``)."""
+    t = _hf()
+    cfg = t.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=32, attn_implementation="eager")
+    torch.manual_seed(0)
+    return Case("gemma", t.GemmaForCausalLM(cfg).eval(), {"input_ids": _tokens()}, _tokens(11),
+                token_loss, [4, 4])
+
+
 def bert() -> Case:
     """Encoder with a padding attention mask (BERT sequence classification)."""
     t = _hf()
@@ -247,7 +259,7 @@ def mha() -> Case:
 
 
 BUILDERS: dict[str, Callable[[], Case]] = {
-    "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "bert": bert, "t5": t5, "vit": vit,
+    "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "gemma": gemma, "bert": bert, "t5": t5, "vit": vit,
     "swin": swin, "convnext": convnext, "nn_transformer": transformer_encoder,
     "nn_lstm": lstm, "nn_mha": mha,
 }
