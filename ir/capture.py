@@ -48,30 +48,31 @@ def _user_leaf(leaf_modules: Iterable[LeafSpec]) -> Callable[[torch.nn.Module, s
     return lambda m, qualname: qualname in paths or bool(types_) and isinstance(m, types_)
 
 
-class _Tracer(fx.Tracer):
+class _PathTracking:
+    """Tracer mixin: ``failed_at`` is ``(path, class name)`` of the innermost module being
+    traced when tracing failed (None before a failure)."""
+
+    failed_at: tuple[str, str] | None = None
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_at is None:
+                self.failed_at = (self.path_of_module(m), type(m).__name__)
+            raise
+
+
+class _Tracer(_PathTracking, fx.Tracer):
     """fx tracer that honours user leaf modules and remembers which module it was in when
     tracing failed."""
 
     def __init__(self, leaf_modules: Iterable[LeafSpec] = ()):
         super().__init__()
         self.user_leaf = _user_leaf(leaf_modules)
-        self.path_stack: list[tuple[str, str]] = []
-        self.failed_at: tuple[str, str] | None = None
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return self.user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
-
-    def call_module(self, m, forward, args, kwargs):
-        path = self.path_of_module(m)
-        self.path_stack.append((path, type(m).__name__))
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception:
-            if self.failed_at is None:
-                self.failed_at = self.path_stack[-1]
-            raise
-        finally:
-            self.path_stack.pop()
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -139,13 +140,18 @@ def _check_leaf_paths(model: torch.nn.Module, leaf_modules: Sequence[LeafSpec]) 
                              f"{hint}", module_path=leaf, module_type=type(model).__name__)
 
 
-def _hf_tracer_cls(leaf_modules: Sequence[LeafSpec]) -> type:
-    """``transformers``' HFTracer that also keeps ``leaf_modules`` whole."""
+def _hf_tracer_cls(leaf_modules: Sequence[LeafSpec], made: list) -> type:
+    """``transformers``' HFTracer that also keeps ``leaf_modules`` whole and remembers where
+    it failed; each tracer it makes is appended to ``made``."""
     from transformers.utils.fx import HFTracer
 
     user_leaf = _user_leaf(leaf_modules)
 
-    class _LeafHFTracer(HFTracer):
+    class _LeafHFTracer(_PathTracking, HFTracer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
         def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
             return user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
 
@@ -193,15 +199,17 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
             module_type=type(model).__name__) from None
     config = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
+    made: list = []
     try:
         return hf_fx.symbolic_trace(model, input_names=list(example_inputs),
                                     disable_check=unlisted,
-                                    tracer_cls=_hf_tracer_cls(leaf_modules))
+                                    tracer_cls=_hf_tracer_cls(leaf_modules, made))
     except Exception as e:
+        path, kind = (made[-1].failed_at if made else None) or ("", type(model).__name__)
         raise TraceError(
             f"cannot trace Hugging Face model {type(model).__name__} with "
             f"transformers.utils.fx: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-            module_type=type(model).__name__) from e
+            module_path=path, module_type=kind) from e
     finally:  # the HF tracer turns the model's config.use_cache off: the model keeps its own
         if use_cache is not None:
             config.use_cache = use_cache
@@ -227,17 +235,32 @@ def _trace_hf_unlisted(model: torch.nn.Module, example_inputs: Mapping[str, Any]
     or differs, so the caller falls back."""
     if not _is_unlisted(refusal):
         return None
-    try:
-        gm = _trace_hf(model, example_inputs, leaf_modules, unlisted=True)
-        same = _equals_eager(gm, model, example_inputs)
-    except Exception:  # noqa: BLE001 - any failure means: fall back to keeping modules whole
-        return None
-    if not same:
-        return None
-    meta.set_trace_notes(gm, (
-        f"transformers.utils.fx does not list {type(model).__name__} as supported; traced with "
-        f"its tracer anyway, and the graph equals the model on the example inputs",))
-    return gm
+    leaves, kept = list(leaf_modules), []
+    for _ in range(MAX_FALLBACK_LEAVES):
+        try:
+            gm = _trace_hf(model, example_inputs, leaves, unlisted=True)
+        except TraceError as e:
+            if not e.module_path:
+                return None
+            failed = type(model.get_submodule(e.module_path))
+            if failed in leaves:
+                return None
+            leaves.append(failed)  # every module of the class: a model repeats its layers
+            kept.append(f"{failed.__name__} (first: {e.module_path})")
+            continue
+        try:
+            same = _equals_eager(gm, model, example_inputs)
+        except Exception:  # noqa: BLE001 - the graph cannot run: fall back
+            return None
+        if not same:
+            return None
+        meta.set_trace_notes(gm, (
+            f"transformers.utils.fx does not list {type(model).__name__} as supported; traced "
+            f"with its tracer anyway" + (f", keeping whole the modules whose forward it cannot "
+                                         f"trace: {', '.join(kept)}" if kept else "")
+            + ", and the graph equals the model on the example inputs",))
+        return gm
+    return None
 
 
 def _equals_eager(gm: fx.GraphModule, model: torch.nn.Module,
@@ -391,8 +414,8 @@ MAX_FALLBACK_LEAVES = 64
 def _trace_keeping_failures_whole(model: torch.nn.Module, example_inputs: Mapping[str, Any],
                                   leaf_modules: Sequence[LeafSpec], first: TraceError
                                   ) -> fx.GraphModule:
-    """The fallback for a Hugging Face model ``transformers.utils.fx`` cannot trace (e.g.
-    MobileViT, whose patch unfolding calls ``int()`` on a traced size): plain ``torch.fx``,
+    """The fallback for a Hugging Face model ``transformers.utils.fx`` cannot trace, or whose
+    graph from its tracer does not run or differs from eager (CodeGen): plain ``torch.fx``,
     keeping each module whose forward fails to trace whole (a leaf) and tracing again. The
     modules kept whole are recorded as trace notes for the compile report. Raises a
     ``TraceError`` naming both failures when the top-level forward itself cannot be traced."""

@@ -16,7 +16,10 @@ def _mobilevit():
     return transformers.MobileViTForImageClassification(cfg).eval()
 
 
-def test_mobilevit_falls_back_to_torch_fx_with_failing_modules_kept_whole():
+def test_mobilevit_is_traced_with_failing_modules_kept_whole():
+    # not on transformers.utils.fx's list; its tracer fails inside MobileViTLayer (int() of a
+    # traced size), so that class is kept whole and the rest traced (the torch.fx fallback, for
+    # graphs HF's tracer cannot make, is tested in tests/third_party/test_unlisted_hf.py)
     model = _mobilevit()
     x = torch.randn(2, 3, 32, 32)
     c = tidal.compile(model, {"pixel_values": x}, passes=["layer_groups"])
@@ -24,13 +27,13 @@ def test_mobilevit_falls_back_to_torch_fx_with_failing_modules_kept_whole():
         torch.testing.assert_close(c(pixel_values=x)["logits"], model(pixel_values=x).logits,
                                    rtol=1e-5, atol=1e-5)
     notes = meta.get_trace_notes(c.graph_module) or c.records[0].notes
-    assert "traced with torch.fx instead" in notes[0], notes
-    assert "mobilevit.encoder.layer.2 (MobileViTLayer)" in notes[0]
+    assert "traced with its tracer anyway" in notes[0], notes
+    assert "MobileViTLayer (first: mobilevit.encoder.layer.2)" in notes[0]
     assert "supported models" not in notes[0]
     leaves = {n.target for n in c.graph_module.graph.nodes if n.op == "call_module"}
     assert "mobilevit.encoder.layer.2" in leaves          # kept whole
     assert "mobilevit.conv_stem.convolution" in leaves     # the rest is traced through
-    assert "trace: transformers.utils.fx cannot trace" in c.report()
+    assert "trace: transformers.utils.fx does not list" in c.report()
 
 
 def test_a_torch_nn_model_fx_cannot_trace_is_kept_whole():
