@@ -42,6 +42,7 @@ Example:
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass, replace
 from types import MethodType
@@ -101,9 +102,15 @@ def _rotary_forward(self, hidden_states, attention_mask=None, position_ids=None,
     cache = _tidal.cache(self, past_key_value, output_attentions)
     d = self.head_dim
     q, k, v = _heads((p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj)), d)
-    cos, sin = position_embeddings if position_embeddings is not None \
-        else self.rotary_emb(v, position_ids)
-    q, k = sys.modules[type(self).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+    rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb
+    if position_embeddings is None and "position_ids" not in inspect.signature(
+            self.rotary_emb.forward).parameters:  # the older tables by length (Mixtral here)
+        cos, sin = self.rotary_emb(v, seq_len=int(position_ids.max()) + 1)
+        q, k = rotate(q, k, cos, sin, position_ids)
+    else:
+        cos, sin = position_embeddings if position_embeddings is not None \
+            else self.rotary_emb(v, position_ids)
+        q, k = rotate(q, k, cos, sin)
     out = cache.attend(_tidal.layer, q, k, v, attention_mask, getattr(self, "scaling", d ** -0.5))
     out = self.o_proj(out.transpose(1, 2).flatten(2))
     return out, None, past_key_value

@@ -32,6 +32,10 @@ def _decoder(name: str, impl: str = "sdpa"):
     elif name == "gpt2":
         model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8,
                                                n_positions=128, attn_implementation=impl))
+    elif name == "mixtral":  # rotary tables by length, indexed by position ids
+        model = t.MixtralForCausalLM(t.MixtralConfig(**SMALL, num_local_experts=4,
+                                                     num_experts_per_tok=2,
+                                                     attn_implementation=impl))
     elif name == "gemma":  # not on transformers.utils.fx's list: traced by tidal's fallback
         model = t.GemmaForCausalLM(t.GemmaConfig(**SMALL, head_dim=8, attn_implementation=impl))
     elif name == "stablelm":  # Llama-like modules, partial rotary: refused
@@ -65,7 +69,8 @@ def _gen(target, ids, new=6, **kw):
                            output_logits=True, **kw)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "opt", "gemma"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "opt", "gemma",
+                                  "mixtral"])
 def test_one_head_per_cluster_is_hf_generate(name):
     model = _decoder(name)
     ids = _ids(2, 9)
@@ -76,7 +81,7 @@ def test_one_head_per_cluster_is_hf_generate(name):
 
 
 @pytest.mark.parametrize("name,impl", [("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"),
-                                       ("opt", "sdpa")])
+                                       ("opt", "sdpa"), ("mixtral", "sdpa")])
 def test_clustered_generate_is_the_graph_teacher_forced(name, impl):
     model = _decoder(name, impl)
     ids = _ids(1, 11)
