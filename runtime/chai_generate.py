@@ -14,8 +14,8 @@ rewritten graph computes).
 
 The attention families are recognised by their modules, not by the model's name:
 
-- rotary (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and rotary position embeddings):
-  Llama, Qwen2, Mistral and their kin;
+- rotary (``q_proj``/``k_proj``/``v_proj`` or a fused ``qkv_proj``, ``o_proj`` and rotary
+  position embeddings): Llama, Qwen2, Mistral, Gemma, Mixtral, Phi-3 and their kin;
 - GPT-2 (``c_attn``/``c_proj``, a tuple cache in this ``transformers``);
 - OPT (``q_proj``/``k_proj``/``v_proj``/``out_proj`` with ``scaling``, a tuple cache).
 
@@ -101,16 +101,24 @@ def _rotary_forward(self, hidden_states, attention_mask=None, position_ids=None,
     """Llama-style attention (q/k/v/o projections, rotary embeddings) through the cache."""
     cache = _tidal.cache(self, past_key_value, output_attentions)
     d = self.head_dim
-    q, k, v = _heads((p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj)), d)
+    if hasattr(self, "qkv_proj"):  # one fused projection, Q then K then V (Phi-3)
+        q_width, kv_width = self.num_heads * d, self.num_key_value_heads * d
+        projections = self.qkv_proj(hidden_states).split((q_width, kv_width, kv_width), -1)
+    else:
+        projections = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
+    q, k, v = _heads(projections, d)
     rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    if position_embeddings is None and "position_ids" not in inspect.signature(
-            self.rotary_emb.forward).parameters:  # the older tables by length (Mixtral here)
+    takes = () if position_embeddings is not None else \
+        inspect.signature(self.rotary_emb.forward).parameters
+    if position_embeddings is not None:
+        q, k = rotate(q, k, *position_embeddings)
+    elif "position_ids" not in takes:  # the older tables by length (Mixtral here)
         cos, sin = self.rotary_emb(v, seq_len=int(position_ids.max()) + 1)
         q, k = rotate(q, k, cos, sin, position_ids)
-    else:
-        cos, sin = position_embeddings if position_embeddings is not None \
-            else self.rotary_emb(v, position_ids)
-        q, k = rotate(q, k, cos, sin)
+    else:  # a length, where given, picks Phi-3's long or short rotary factors as HF does
+        length = {"seq_len": cache.get_seq_length(_tidal.layer) + q.shape[-2]} \
+            if "seq_len" in takes else {}
+        q, k = rotate(q, k, *self.rotary_emb(v, position_ids, **length))
     out = cache.attend(_tidal.layer, q, k, v, attention_mask, getattr(self, "scaling", d ** -0.5))
     out = self.o_proj(out.transpose(1, 2).flatten(2))
     return out, None, past_key_value
@@ -150,7 +158,8 @@ def attention_family(module: torch.nn.Module, scope: str = "") -> Callable[..., 
     has = lambda *names: all(hasattr(module, n) for n in names)  # noqa: E731
     if has("c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", 0):
         return _gpt2_forward
-    if has("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"):
+    if has("q_proj", "k_proj", "v_proj", "o_proj", "head_dim") or \
+            has("qkv_proj", "o_proj", "head_dim", "num_heads", "num_key_value_heads", "rotary_emb"):
         return _rotary_forward
     if has("q_proj", "k_proj", "v_proj", "out_proj", "scaling") and \
             not getattr(module, "is_cross_attention", False):
