@@ -201,9 +201,11 @@ def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
     use_cache = getattr(config, "use_cache", None)
     made: list = []
     try:
-        return hf_fx.symbolic_trace(model, input_names=list(example_inputs),
-                                    disable_check=unlisted,
-                                    tracer_cls=_hf_tracer_cls(leaf_modules, made))
+        gm = hf_fx.symbolic_trace(model, input_names=list(example_inputs),
+                                  disable_check=unlisted,
+                                  tracer_cls=_hf_tracer_cls(leaf_modules, made))
+        type(gm).__name__ = type(model).__name__  # HF's is "GraphModule"; fx names torch.fx's
+        return gm                                  # after the model (each gm has its own class)
     except Exception as e:
         path, kind = (made[-1].failed_at if made else None) or ("", type(model).__name__)
         raise TraceError(
