@@ -133,6 +133,18 @@ def gemma() -> Case:
                 token_loss, [4, 4])
 
 
+def gpt_neox() -> Case:
+    """GPT-NeoX (Pythia's architecture): unlisted, and HF's tracer cannot trace its attention
+    (``view(*shape)`` of a traced shape), so every attention module is kept whole."""
+    t = _hf()
+    cfg = t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                          attn_implementation="eager")
+    torch.manual_seed(0)
+    return Case("gpt_neox", t.GPTNeoXForCausalLM(cfg).eval(), {"input_ids": _tokens()},
+                _tokens(11), token_loss, [])
+
+
 def bert() -> Case:
     """Encoder with a padding attention mask (BERT sequence classification)."""
     t = _hf()
@@ -259,7 +271,8 @@ def mha() -> Case:
 
 
 BUILDERS: dict[str, Callable[[], Case]] = {
-    "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "gemma": gemma, "bert": bert, "t5": t5, "vit": vit,
+    "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "gemma": gemma, "gpt_neox": gpt_neox,
+    "bert": bert, "t5": t5, "vit": vit,
     "swin": swin, "convnext": convnext, "nn_transformer": transformer_encoder,
     "nn_lstm": lstm, "nn_mha": mha,
 }
