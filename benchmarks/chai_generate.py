@@ -121,7 +121,9 @@ def main(argv=None) -> int:
     none_plan = dataclasses.replace(fixed_plan, layers=tuple(
         dataclasses.replace(c, chosen_k=None) for c in fixed_plan.layers))
     unclustered = tidal.compile(model, example, passes=[ClusteredAttention(plan=none_plan)])
-    variants = {f"fixed k={args.k}": fixed, "budgeted": budgeted, "unclustered (k=H)": unclustered}
+    again = tidal.compile(model, example, passes=[ClusteredAttention(plan=none_plan)])
+    variants = {f"fixed k={args.k}": fixed, "budgeted": budgeted, "unclustered (k=H)": unclustered,
+                "unclustered again": again}  # the same path twice: the noise floor
     print(f"budgeted plan: {budget_plan.summary()}")
 
     base = perplexity(clustered_graph(model, example), evals)
@@ -178,11 +180,16 @@ def main(argv=None) -> int:
         share = (own - 1) / (side_speedup - 1) if side_speedup > 1.02 else math.nan  # noise
         verdict = "the side decoder gains < 2 %, within noise" if math.isnan(share) else \
             ("met" if share >= 0.8 else "NOT met")
+        plain = best["unclustered (k=H)"]
+        noise = abs(best["unclustered again"] / plain - 1)
+        budget_x = plain / best["budgeted"]
+        slower = "met" if budget_x >= 1 - noise else "NOT met"
         print(f"{ctx:>7} fixed k={args.k}: the clustering alone (same path, k=H / k={args.k}) "
               f"{own:.3f}x against the side decoder's {side_speedup:.3f}x: {share:.0%} of its "
               f"gain (goal >= 80 %: {verdict}); compile() path vs HF generate {ours:.3f}x; "
-              f"budgeted vs the unclustered path {best['unclustered (k=H)'] / best['budgeted']:.3f}x"
-              f" (goal: never slower; {budget_plan.clustered_layers()} layer(s) clustered), vs HF "
+              f"budgeted vs the unclustered path {budget_x:.3f}x, the same path twice differs "
+              f"by {noise:.1%} (goal never slower, beyond that noise: {slower}; "
+              f"{budget_plan.clustered_layers()} layer(s) clustered), vs HF "
               f"{hf / best['budgeted']:.3f}x", flush=True)
     return 0
 
