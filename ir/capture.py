@@ -268,10 +268,11 @@ def _trace_hf_unlisted(model: torch.nn.Module, example_inputs: Mapping[str, Any]
 def _equals_eager(gm: fx.GraphModule, model: torch.nn.Module,
                   example_inputs: Mapping[str, Any]) -> bool:
     """Whether ``gm`` and ``model`` give the same output tensors (within ``UNLISTED_*TOL``) on
-    ``example_inputs``, each run from the same random state."""
+    ``example_inputs``, each run from the same random state and the same buffers (a training
+    model's BatchNorm statistics are put back after each run)."""
     outs = []
     for run in (gm, model):  # fx prints a failing graph's traceback to stderr: not ours to show
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), \
+        with _buffers_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad(), \
                 contextlib.redirect_stderr(io.StringIO()):
             torch.manual_seed(0)
             outs.append(run(**example_inputs))
@@ -283,6 +284,20 @@ def _equals_eager(gm: fx.GraphModule, model: torch.nn.Module,
     return len(ours) == len(theirs) and all(
         a.shape == b.shape and torch.allclose(a, b, rtol=UNLISTED_RTOL, atol=UNLISTED_ATOL)
         for a, b in zip(ours, theirs))
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: torch.nn.Module):
+    """Put ``model``'s buffers back as they were on exit: tracing (HF's tracer runs a
+    BatchNorm's ``num_batches_tracked += 1`` for real) and checking a graph against eager in
+    training mode would otherwise change the user's model."""
+    saved = [(b, b.clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def _record_input_names(gm: fx.GraphModule, model: torch.nn.Module) -> None:
@@ -313,7 +328,8 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
     _check_leaf_paths(model, leaf_modules)
     saved = _plain_attributes(model)
     try:
-        return _trace_any(model, example_inputs, leaf_modules)
+        with _buffers_kept(model):
+            return _trace_any(model, example_inputs, leaf_modules)
     finally:
         _restore_traced_attributes(model, saved)
 

@@ -1,6 +1,6 @@
-"""A Hugging Face model that ``transformers.utils.fx`` does not support (MobileViT) is traced
-with plain torch.fx, keeping whole only the modules whose forward cannot be traced; the
-report says which."""
+"""A Hugging Face model that ``transformers.utils.fx`` does not list (MobileViT) is traced with
+its tracer anyway, keeping whole only the modules whose forward cannot be traced; the report
+says which. A top-level ``torch.nn`` module fx cannot trace is kept whole."""
 import torch
 import transformers
 
@@ -47,3 +47,13 @@ def test_a_torch_nn_model_fx_cannot_trace_is_kept_whole():
         torch.testing.assert_close(c(x), enc(x))
     assert "TransformerEncoder" in c.records[0].notes[0] and "kept whole" in c.records[0].notes[0]
     assert [n.op for n in c.graph_module.graph.nodes].count("call_module") == 1
+
+
+def test_tracing_a_training_model_leaves_its_buffers_as_they_were():
+    # HF's tracer runs BatchNorm's num_batches_tracked += 1 for real, and checking the graph
+    # of an unlisted model against eager runs every BatchNorm twice in training mode
+    model = _mobilevit().train()
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    tidal.compile(model, {"pixel_values": torch.randn(2, 3, 32, 32)})
+    changed = [k for k, v in model.named_buffers() if not torch.equal(v, before[k])]
+    assert not changed, changed
