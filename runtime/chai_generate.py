@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 from dataclasses import dataclass, replace
 from types import MethodType
@@ -197,8 +198,9 @@ def check_family(model: torch.nn.Module, plan: ChaiPlan) -> None:
     exact = replace(plan, mode="online", layers=tuple(
         replace(c, chosen_k=c.num_heads, static_labels=(), static_reps=()) for c in plan.layers))
     ids = _probe_prompt(model)
+    reference = structural_copy(model).eval()  # the model, without dropout if it is training
     runs = []
-    for target in (_clustered_copy(model, exact), model):
+    for target in (_clustered_copy(model, exact), reference):
         try:
             with torch.no_grad():
                 runs.append(target.generate(
@@ -206,7 +208,7 @@ def check_family(model: torch.nn.Module, plan: ChaiPlan) -> None:
                     pad_token_id=_pad_id(model), return_dict_in_generate=True,
                     output_logits=True))
         except Exception as e:
-            if target is model:
+            if target is reference:
                 raise
             raise TypeError(f"clustered generation cannot run {_family_of(model, plan)}: "
                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
@@ -244,7 +246,7 @@ def _probe_prompt(model: torch.nn.Module) -> torch.Tensor:
     device."""
     vocab = int(model.config.vocab_size)
     pad = _pad_id(model)
-    ids = [t for t in range(1, vocab) if t != pad][:FAMILY_CHECK_TOKENS]
+    ids = list(itertools.islice((t for t in range(1, vocab) if t != pad), FAMILY_CHECK_TOKENS))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return torch.tensor([ids], device=device)
 

@@ -316,3 +316,15 @@ def test_generate_says_when_the_pass_found_no_attention():
     with pytest.raises(ValueError, match="found nothing to cluster in BloomForCausalLM: no "
                                          "attention found"):
         compiled.generate(ids, max_new_tokens=3, pad_token_id=0)
+
+
+def test_the_family_check_ignores_the_models_dropout():
+    # the check compares against the model itself; a model left in training mode with
+    # attention dropout must be compared without it, not refused
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SMALL, attention_dropout=0.5)).train()
+    ids = _ids(1, 9)
+    compiled = _compiled(model, ids, 2)
+    assert compiled.generate(ids, max_new_tokens=3, pad_token_id=0).shape == (1, 12)
+    assert model.training
