@@ -151,6 +151,10 @@ def left_pads(mask: Optional[torch.Tensor], batch: int, keys: int) -> list[int]:
     return pads
 
 
+GROWTH = 64
+"""Tokens a layer's K/V buffer grows by beyond what it holds (see ``ClusteredKCache.stores``)."""
+
+
 class ClusteredKCache(DynamicCache):
     """A ``DynamicCache`` holding, for each layer the ``plan`` clusters, K only for the KV heads
     its representatives read (see the module docstring); layers are the plan's layer
@@ -163,6 +167,10 @@ class ClusteredKCache(DynamicCache):
         self.first = plan.first_tokens
         self.pads: Optional[list[int]] = None
         self.states: dict[int, _LayerState] = {}
+        self.stores: dict[tuple[int, str], torch.Tensor] = {}
+        """(layer, "k" or "v") -> the buffer whose first positions ``key_cache[layer]`` /
+        ``value_cache[layer]`` view: a step writes its token in place instead of copying the
+        whole cache (``torch.cat``, what ``DynamicCache`` does); it grows by ``GROWTH``."""
 
     # --- what generate and the models read ---
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: D401
@@ -211,7 +219,8 @@ class ClusteredKCache(DynamicCache):
 
     # --- what tidal reads ---
     def k_cache_bytes(self) -> int:
-        """Bytes of K held, every layer."""
+        """Bytes of K held, every layer (the buffers behind them have room for up to
+        ``GROWTH`` more tokens per layer)."""
         return sum(k.numel() * k.element_size() for k in self.key_cache)
 
     def v_cache_bytes(self) -> int:
@@ -266,11 +275,24 @@ class ClusteredKCache(DynamicCache):
         while len(self.key_cache) <= layer:
             self.key_cache.append(torch.empty(0))
             self.value_cache.append(torch.empty(0))
-        if self.key_cache[layer].numel():
-            key = torch.cat((self.key_cache[layer], key), dim=2)
-            value = torch.cat((self.value_cache[layer], value), dim=2)
-        self.key_cache[layer], self.value_cache[layer] = key, value
-        return key, value
+        self.key_cache[layer] = self._write(layer, "k", self.key_cache[layer], key)
+        self.value_cache[layer] = self._write(layer, "v", self.value_cache[layer], value)
+        return self.key_cache[layer], self.value_cache[layer]
+
+    def _write(self, layer: int, which: str, held: torch.Tensor, new: torch.Tensor
+               ) -> torch.Tensor:
+        """``held`` ``[B, heads, n, D]`` followed by ``new``, written into the layer's buffer
+        (a larger one, ``held`` copied once, when it is full or its heads changed)."""
+        used = held.shape[2] if held.numel() else 0
+        need = used + new.shape[2]
+        store = self.stores.get((layer, which))
+        if store is None or store.shape[2] < need or store.shape[:2] != new.shape[:2]:
+            store = new.new_empty(*new.shape[:2], need + GROWTH, new.shape[3])
+            if used:
+                store[:, :, :used] = held
+            self.stores[(layer, which)] = store
+        store[:, :, used:need] = new
+        return store[:, :, :need]
 
     def _membership(self, spec: LayerChoice, probs: torch.Tensor) -> Membership:
         """A sequence's membership from its first rows' probabilities ``[H, first, first]``."""
@@ -359,6 +381,7 @@ class ClusteredKCache(DynamicCache):
         keep = state.layout.kv_keep
         self.key_cache[layer] = torch.gather(
             keys, 1, keep[:, :, None, None].expand(-1, -1, keys.shape[2], keys.shape[3]))
+        self.stores.pop((layer, "k"), None)  # the full-width buffer is freed
 
 
 class LayerView(tuple):

@@ -328,3 +328,23 @@ def test_the_family_check_ignores_the_models_dropout():
     compiled = _compiled(model, ids, 2)
     assert compiled.generate(ids, max_new_tokens=3, pad_token_id=0).shape == (1, 12)
     assert model.training
+
+
+def test_the_cache_grows_in_place_past_its_buffer(monkeypatch):
+    # each step writes its token into the layer's buffer; with room for 2 more tokens the
+    # buffers are replaced (held K/V copied) every few steps, K also when it is cut
+    from tidal.runtime import chai_cache
+
+    monkeypatch.setattr(chai_cache, "GROWTH", 2)
+    model = _decoder("llama")
+    ids = _ids(2, 9)
+    compiled = _compiled(model, ids, 2)
+    cache = compiled.new_cache()
+    out = _gen(compiled, ids, new=9, do_sample=False, past_key_values=cache)
+    with torch.no_grad():
+        graph = _logits(compiled(out.sequences))
+    torch.testing.assert_close(torch.stack(out.logits, 1), graph[:, 8:17], **TOL)
+    length = 9 + 9 - 1
+    for layer in (0, 1):
+        assert cache.key_cache[layer].shape[2] == cache.value_cache[layer].shape[2] == length
+        assert cache.stores[(layer, "v")].shape[2] <= length + 2
