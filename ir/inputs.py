@@ -70,8 +70,8 @@ def bind_inputs(gm: fx.GraphModule, inputs: Any, what: str = "inputs") -> tuple:
                          f"(its inputs: {', '.join(names)})")
     out = []
     for node, name in zip(nodes, names):
-        if str(node.target).startswith("*"):  # *args / **kwargs (HF's **loss_kwargs): none given
-            break
+        if str(node.target).startswith("**"):  # **kwargs (HF's **loss_kwargs), always last:
+            break                                # it takes nothing
         if name in inputs:
             out.append(inputs[name])
             continue
