@@ -108,6 +108,17 @@ def test_stack_cap_spills_to_host_and_cap_changes():
     assert s.used == mark
 
 
+def _started_against_five_steps(job):
+    """The reference after 5 straight steps ``(weights, optimizer state)``, the job's host
+    model, an arena stack and a first task activated on them."""
+    want_w, want_opt = _reference(job, 5)
+    host = HostModel.of(job.graph)
+    stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8))
+    first = Task(_shipped(job))
+    first.activate(host, stack)
+    return want_w, want_opt, host, stack, first
+
+
 def _resume_in_a_fresh_task(job, host, stack, first, start, want_w, want_opt):
     """Clean ``first``, resume the job in a fresh task (as another worker would) from
     iteration ``start`` to 5: weights, buffers and momentum equal 5 straight steps."""
@@ -126,11 +137,7 @@ def test_task_resumes_bit_for_bit_in_another_task():
     """Clean after 2 steps, activate a fresh task (as another worker would), run 3 more: the
     weights (BatchNorm's running statistics included) and momentum equal 5 straight steps."""
     job = _train_job()
-    want_w, want_opt = _reference(job, 5)
-    host = HostModel.of(job.graph)
-    stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8))
-    first = Task(_shipped(job))
-    first.activate(host, stack)
+    want_w, want_opt, host, stack, first = _started_against_five_steps(job)
     for i in range(2):
         first.step(i, stack)
     _resume_in_a_fresh_task(job, host, stack, first, 2, want_w, want_opt)
@@ -155,11 +162,7 @@ def test_task_preempted_at_a_piece_rolls_back(step, pieces):
     job resumed in a fresh task from that iteration equals 5 straight steps bit for bit (the
     stopped iteration's BatchNorm updates and gradients undone)."""
     job = _train_job()
-    want_w, want_opt = _reference(job, 5)
-    host = HostModel.of(job.graph)
-    stack = ArenaStack(torch.empty(1 << 20, dtype=torch.uint8))
-    first = Task(_shipped(job))
-    first.activate(host, stack)
+    want_w, want_opt, host, stack, first = _started_against_five_steps(job)
     for i in range(step):
         assert first.step(i, stack, lambda: False) is not None
     stop = _AfterPieces(pieces)
