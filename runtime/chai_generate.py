@@ -59,11 +59,13 @@ from tidal.runtime.chai_cache import ClusteredKCache, LayerView
 @dataclass(frozen=True)
 class _Binding:
     """What a clustered attention module knows beyond its own weights: its plan layer, the
-    plan (for a cache-less forward) and its module path (for errors)."""
+    plan (for a cache-less forward), its module path (for errors) and the parameter names of
+    its rotary embedding's forward (read once here, not at every decode step)."""
 
     layer: int
     plan: ChaiPlan
     scope: str
+    rotary_args: frozenset = frozenset()
 
     def cache(self, module: torch.nn.Module, past: Any, output_attentions: bool,
               **unsupported: Any) -> ClusteredKCache:
@@ -109,8 +111,7 @@ def _rotary_forward(self, hidden_states, attention_mask=None, position_ids=None,
         projections = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
     q, k, v = _heads(projections, d)
     rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    takes = () if position_embeddings is not None else \
-        inspect.signature(self.rotary_emb.forward).parameters
+    takes = _tidal.rotary_args
     if position_embeddings is not None:
         q, k = rotate(q, k, *position_embeddings)
     elif "position_ids" not in takes:  # the older tables by length (Mixtral here)
@@ -267,7 +268,9 @@ def _clustered_copy(model: torch.nn.Module, plan: ChaiPlan) -> torch.nn.Module:
                              f"{choice.scope!r}, which {type(model).__name__} does not have "
                              f"(a plan calibrated for another model?)") from None
         forward = attention_family(module, choice.scope)
-        binding = _Binding(choice.layer, plan, choice.scope)
+        rotary = getattr(module, "rotary_emb", None)
+        binding = _Binding(choice.layer, plan, choice.scope, frozenset(
+            inspect.signature(rotary.forward).parameters) if rotary is not None else frozenset())
         module.forward = MethodType(
             lambda self, *a, _f=forward, _b=binding, **kw: _f(self, *a, _tidal=_b, **kw), module)
     if not getattr(gen, "_supports_cache_class", True):
