@@ -13,6 +13,17 @@ if str(ROOT) not in sys.path:
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped where no CUDA device is visible (``make gpu-check``
+    runs them on a GPU machine: ``pytest -m cuda``)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run by make gpu-check)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def cli(capfd):
     """``cli(*args, cwd=None, scratch=False)``: ``tidal ARGS`` run in this process through
