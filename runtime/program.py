@@ -51,7 +51,7 @@ from torch.fx import _pytree as fx_pytree
 
 from tidal.ir.capture import TrainStep, _as_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.runtime.backend import HIGH, LOW, CpuBackend, Launch
+from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for
 from tidal.runtime.lower import lower
 from tidal.runtime.scheduler import FunctionJob, Runtime
 from tidal.runtime.scheduler import Piece as SchedulerPiece
@@ -212,6 +212,20 @@ def program_pieces(program: Program, work: Work) -> list[SchedulerPiece]:
     return out
 
 
+def runner_backend(device: Any = "cpu") -> Backend:
+    """The backend a :class:`ProgramRunner` on ``device`` runs programs on: the device's own
+    (``CudaBackend``: CUDA streams at the pieces' priorities, events between them); on the CPU
+    a ``CpuBackend`` whose streams run freely (``slots=None``), each piece on its stream's
+    worker thread.
+
+    Example:
+        >>> type(runner_backend("cpu")).__name__
+        'CpuBackend'
+    """
+    dev = torch.device(device)
+    return backend_for(dev, slots=None) if dev.type == "cpu" else backend_for(dev)
+
+
 class ProgramRunner:
     """Runs programs on a CPU backend, one stream per stream name the program uses
     (:func:`stream_kind`), cross-stream dependencies through events.
@@ -222,9 +236,9 @@ class ProgramRunner:
     is averaged over the ranks (each rank passes its own shard). ``optimizer``, when given,
     takes its step in the program's ``optimizer`` piece on the averaged gradients."""
 
-    def __init__(self, backend: Optional[CpuBackend] = None,
-                 group: Optional[dist.ProcessGroup] = None):
-        self.backend = backend or CpuBackend(slots=None)
+    def __init__(self, backend: Optional[Backend] = None,
+                 group: Optional[dist.ProcessGroup] = None, device: Any = "cpu"):
+        self.backend = backend if backend is not None else runner_backend(device)
         self.group = group
         self.streams: dict = {}  # the scheduler's streams, kept from step to step
         self._captures: dict[tuple[int, int], CapturedProgram] = {}
