@@ -31,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tidal.ir import meta, node_runner
 from tidal.ir.errors import TraceError
+from tidal.ir.rng import fork_rng_of
 
 LeafSpec = Union[str, type]
 """A leaf module given by qualified path (``"layer1.0"``) or by class (``Bottleneck``)."""
@@ -272,7 +273,7 @@ def _equals_eager(gm: fx.GraphModule, model: torch.nn.Module,
     model's BatchNorm statistics are put back after each run)."""
     outs = []
     for run in (gm, model):  # fx prints a failing graph's traceback to stderr: not ours to show
-        with _buffers_kept(model), torch.random.fork_rng(devices=[]), torch.no_grad(), \
+        with _buffers_kept(model), fork_rng_of(model, example_inputs), torch.no_grad(), \
                 contextlib.redirect_stderr(io.StringIO()):
             torch.manual_seed(0)
             outs.append(run(**example_inputs))

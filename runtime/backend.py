@@ -3,8 +3,12 @@
 One interface, three implementations selected by :func:`backend_for`:
 
 - ``CudaBackend`` (a CUDA device): ``torch.cuda.Stream(priority=...)``, ``torch.cuda.Event``,
-  ``torch.cuda.CUDAGraph`` capture after a warm-up on a side stream, static input buffers copied
-  in before each replay, one memory pool shared by every capture. Small and never run here.
+  ``torch.cuda.CUDAGraph`` capture after a warm-up on a side stream. Inputs named ``in_place``
+  (parameters, buffers: tensors that keep their storage from step to step) are captured against
+  their own storage and read in place; the others are copied into static buffers before a replay
+  (only when they are not already those buffers). Each owner of captures (a lowered module, a
+  program) asks for its own memory pool (:meth:`Backend.memory_pool`). Times come from CUDA
+  events against one reference event, and ``now_us`` counts from that same event: one clock.
 - ``CpuBackend`` (the CPU): the same semantics emulated. A stream is a FIFO worker thread; work
   that occupies the device passes a gate with ``slots`` places (default 1: one device) that is
   granted to the most urgent ready stream first and is never preempted (as a GPU's block
@@ -17,6 +21,13 @@ One interface, three implementations selected by :func:`backend_for`:
 Priorities follow CUDA: a lower number is more urgent (``HIGH = -1``, ``LOW = 0``). Launches
 run the host side of a piece at once (CUDA: enqueue; CPU: hand to the stream worker) and return
 a :class:`Launch` whose ``ready_us``/``start_us``/``end_us`` are device-side times.
+
+Work that reads what another stream produced waits for it: :meth:`Backend.current_stream` is
+the stream the caller's work goes to (CUDA: ``torch.cuda.current_stream``; CPU: the host, where
+work is done when it returns, or a stream made current with :meth:`Backend.use`), and
+``record``/``wait`` put an event between two streams. ``record_stream(tensor, stream)`` tells
+the allocator a tensor is used on another stream than the one that made it (CUDA's
+``Tensor.record_stream``; nothing to do on the CPU, where memory is freed by reference).
 
 Example:
     >>> import torch
@@ -31,11 +42,12 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -116,10 +128,33 @@ class Backend:
         """The backend clock in microseconds."""
         raise NotImplementedError
 
-    def capture(self, program: Callable, static_inputs: Sequence[Any]) -> Captured:
+    def capture(self, program: Callable, static_inputs: Sequence[Any], *,
+                pool: Any = None, in_place: Sequence[int] = ()) -> Captured:
         """Capture ``program`` (a straight-line segment) for replay on inputs shaped like
-        ``static_inputs``."""
+        ``static_inputs``. ``pool``: the memory pool of the captures' owner
+        (:meth:`memory_pool`). ``in_place``: positions of inputs read from their own storage
+        at every replay (parameters and buffers), never copied."""
         return Captured(program, static_inputs)
+
+    def memory_pool(self) -> Any:
+        """A memory pool for one owner's captures (CUDA: a graph pool handle; None here)."""
+        return None
+
+    def current_stream(self) -> Any:
+        """The stream the caller's work goes to (see the module docstring)."""
+        return None
+
+    def record(self, stream: Any, event: Any) -> None:
+        """Complete ``event`` when ``stream`` reaches this point."""
+        raise NotImplementedError
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Later work on ``stream`` waits for ``event``."""
+        raise NotImplementedError
+
+    def record_stream(self, tensor: Any, stream: Any) -> None:
+        """``tensor`` is used on ``stream`` too: its memory is not reused before the work
+        enqueued there so far has run (see the module docstring)."""
 
     def synchronize(self) -> None:
         """Wait until every stream is drained."""
@@ -292,6 +327,14 @@ class CpuStream:
         self._thread.join()
 
 
+class HostStream:
+    """The CPU backend's stream of the calling thread when no stream is current: the host
+    itself, where work is done when the call returns (an event recorded on it is complete at
+    once)."""
+
+    priority = LOW
+
+
 class CpuBackend(Backend):
     """The CPU emulation of the GPU runtime (see the module docstring). ``slots``: how many
     pieces occupy the device at once (None: unlimited, no priority dispatch)."""
@@ -302,6 +345,23 @@ class CpuBackend(Backend):
         self._t0 = time.perf_counter()
         self._streams: list[CpuStream] = []
         self._done = threading.Condition()
+        self._host = HostStream()
+        self._current = threading.local()
+
+    def current_stream(self) -> Any:
+        """The stream made current in this thread by :meth:`use`, else the host."""
+        return getattr(self._current, "stream", None) or self._host
+
+    @contextlib.contextmanager
+    def use(self, stream: CpuStream) -> Iterator[CpuStream]:
+        """Make ``stream`` the current stream of this thread (as ``torch.cuda.stream``): work
+        the runtime runs meanwhile waits for what was enqueued on it."""
+        before = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield stream
+        finally:
+            self._current.stream = before
 
     def now_us(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6
@@ -334,15 +394,22 @@ class CpuBackend(Backend):
                     return
                 self._done.wait(left)
 
-    def record(self, stream: CpuStream, event: Event) -> None:
-        """Complete ``event`` when ``stream`` reaches this point."""
-        stream.record(event)
+    def record(self, stream: Any, event: Event) -> None:
+        """Complete ``event`` when ``stream`` reaches this point (at once on the host)."""
+        if isinstance(stream, HostStream):
+            event._set(self.now_us())
+        else:
+            stream.record(event)
 
-    def wait(self, stream: CpuStream, event: Event) -> None:
-        """Later work on ``stream`` waits for ``event``."""
-        stream.wait_event(event)
+    def wait(self, stream: Any, event: Event) -> None:
+        """Later work on ``stream`` waits for ``event`` (the host waits now)."""
+        if isinstance(stream, HostStream):
+            event.synchronize()
+        else:
+            stream.wait_event(event)
 
-    def capture(self, program: Callable, static_inputs: Sequence[Any]) -> Captured:
+    def capture(self, program: Callable, static_inputs: Sequence[Any], *, pool: Any = None,
+                in_place: Sequence[int] = ()) -> Captured:
         """Warm the program up once on ``static_inputs`` (it must run) and bind it."""
         with torch.no_grad():
             program(*static_inputs)
@@ -447,36 +514,49 @@ class LogicalBackend(Backend):
 
 
 class CudaBackend(Backend):  # pragma: no cover - needs a GPU
-    """CUDA streams with priorities, CUDA events, CUDA-graph capture into a shared pool."""
+    """CUDA streams with priorities, CUDA events, CUDA-graph capture into the pool of the
+    captures' owner (see the module docstring). Every time is on one clock: microseconds since
+    the reference event recorded (and waited for) when the backend was made."""
 
     def __init__(self, device: torch.device, warmup: int = 3):
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.warmup = warmup
-        self._pool = torch.cuda.graph_pool_handle()
-        self._ref = torch.cuda.Event(enable_timing=True)
-        self._ref.record()
+        with torch.cuda.device(device):
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record()
+            self._ref.synchronize()  # the host clock starts when the device passed the event
         self._t0 = time.perf_counter()
 
     def now_us(self) -> float:
+        """Microseconds since the reference event (the clock of every launch's times)."""
         return (time.perf_counter() - self._t0) * 1e6
 
     def stream(self, priority: int = LOW) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device, priority=int(priority))
 
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
     def event(self) -> torch.cuda.Event:
         """A timing CUDA event."""
         return torch.cuda.Event(enable_timing=True)
 
+    def memory_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
     def launch(self, stream, fn, *args, uses_device=True, label=""):
         launch = _CudaLaunch(label, self._ref)
         launch.started = True  # enqueued: the device runs it in stream order
-        with torch.cuda.stream(stream):
-            launch.start_ev.record()
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            launch.start_ev.record(stream)
             try:
                 launch.result = fn(*args)
             except BaseException as e:
                 launch.error = e
-            launch.end_ev.record()
+            launch.end_ev.record(stream)
         return launch
 
     def record(self, stream, event):
@@ -485,6 +565,10 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
     def wait(self, stream, event):
         stream.wait_event(event)
 
+    def record_stream(self, tensor, stream):
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            tensor.record_stream(stream)
+
     def wait_any(self, launches, timeout_us=None):
         deadline = None if timeout_us is None else time.perf_counter() + timeout_us * 1e-6
         while not any(l.done() for l in launches):
@@ -492,16 +576,20 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
                 return
             time.sleep(20e-6)
 
-    def capture(self, program, static_inputs):
-        static = [v.clone() if isinstance(v, torch.Tensor) else v for v in static_inputs]
+    def capture(self, program, static_inputs, *, pool=None, in_place=()):
+        keep = frozenset(in_place)
+        static = [v if i in keep or not isinstance(v, torch.Tensor) else v.clone()
+                  for i, v in enumerate(static_inputs)]
+        current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(current)
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(self.warmup):
                 program(*static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool if pool is not None
+                                               else self.memory_pool()):
             outputs = program(*static)
         return _CudaCaptured(program, static, graph, outputs)
 
@@ -531,6 +619,28 @@ class _CudaLaunch(Launch):  # pragma: no cover - needs a GPU
         return super().wait()
 
 
+def used_here(*tensors: Any) -> None:
+    """The CUDA tensors among ``tensors`` are used by the stream current in this thread (a
+    piece reading what another stream made): ``Tensor.record_stream`` on it, so the caching
+    allocator does not hand their memory to the stream that made them before this use has
+    run. Nothing to do for CPU tensors (and other values).
+
+    Example:
+        >>> used_here(torch.ones(2), "not a tensor")
+    """
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:  # pragma: no cover - needs a GPU
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b`` or views the same memory the same way (a replay reads it in
+    place, no copy needed)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype
+                      and a.device == b.device)
+
+
 class _CudaCaptured(Captured):  # pragma: no cover - needs a GPU
     def __init__(self, program, static, graph, outputs):
         super().__init__(program, static)
@@ -538,7 +648,7 @@ class _CudaCaptured(Captured):  # pragma: no cover - needs a GPU
 
     def replay(self, *inputs):
         for buf, x in zip(self.static, inputs):
-            if isinstance(buf, torch.Tensor) and buf is not x:
+            if isinstance(buf, torch.Tensor) and not same_storage(buf, x):
                 buf.copy_(x)
         self.graph.replay()
         return self.outputs

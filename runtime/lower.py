@@ -99,29 +99,36 @@ def _training(n: fx.Node, schema: Any) -> bool:
 
 
 def _written_input(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
-    """The graph input ``n`` writes in place, if any: an aten op's argument its schema marks
+    """The first graph input ``n`` writes in place, if any (see :func:`_written_inputs`)."""
+    written = _written_inputs(gm, n)
+    return written[0] if written else None
+
+
+def _written_inputs(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
+    """The graph inputs ``n`` writes in place: an aten op's arguments its schema marks
     written (``add_``'s self, ``native_batch_norm``'s running statistics), or the first
     argument of an in-place method or module."""
     schema = getattr(n.target, "_schema", None)
     if schema is not None:
         hidden = _UNDECLARED_WRITES.get(schema.name, ())
+        found = []
         for i, arg in enumerate(schema.arguments):
             value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
             written = arg.alias_info is not None and arg.alias_info.is_write
             if isinstance(value, fx.Node) and value.op == "placeholder" and (
                     written or (arg.name in hidden and _training(n, schema))):
-                return value
-        return None
+                found.append(value)
+        return found
     first = n.args[0] if n.args else None
     if not (isinstance(first, fx.Node) and first.op == "placeholder"):
-        return None
+        return []
     if n.op == "call_method":
         inplace = n.target.endswith("_") and not n.target.endswith("__")
     elif n.op == "call_module":
         inplace = bool(getattr(gm.get_submodule(n.target), "inplace", False))
     else:
         inplace = bool(n.kwargs.get("inplace", False))
-    return first if inplace else None
+    return [first] if inplace else []
 
 
 def stop_reason(gm: fx.GraphModule, n: fx.Node) -> Optional[tuple[str, str]]:
@@ -393,7 +400,7 @@ class LoweredModule(torch.nn.Module):
     was captured; ``pieces(*inputs)`` gives the steps as scheduler pieces."""
 
     def __init__(self, gm: fx.GraphModule, steps: list[_Step], report: LowerReport,
-                 backend: Backend, cg: _Codegen):
+                 backend: Backend, cg: _Codegen, in_place: frozenset[str] = frozenset()):
         super().__init__()
         self.gm = gm
         self.report = report
@@ -408,6 +415,14 @@ class LoweredModule(torch.nn.Module):
         self._free_after = self._plan_frees()
         self._uncaptured = self._make_driver([s.program for s in steps], "uncaptured")
         self._grad_safe = backend.device.type == "cpu"
+        written = {w for n in gm.graph.nodes if n.op in ("call_function", "call_method",
+                                                          "call_module")
+                   for w in _written_inputs(gm, n)}
+        # the input variables every capture reads from their own storage (parameters and
+        # buffers no step writes): never cloned for capture, never copied before a replay
+        self.in_place = frozenset(cg.var(n) for n in self._placeholders
+                                  if n.target in in_place and n not in written)
+        self._pool = backend.memory_pool()  # this module's captures share one pool of their own
 
     def _plan_frees(self) -> list[list[str]]:
         last: dict[str, int] = {}
@@ -461,13 +476,18 @@ class LoweredModule(torch.nn.Module):
         if calls is None:
             # capture on copies: an uncaptured step that writes an input in place (a
             # BatchNorm statistic) runs during capture, and must not write the real one
-            env = {self._cg.var(n): v.detach().clone() if isinstance(v, torch.Tensor) else v
-                   for n, v in zip(self._placeholders, values)}
+            env = {}
+            for n, v in zip(self._placeholders, values):
+                var = self._cg.var(n)
+                keep = var in self.in_place or not isinstance(v, torch.Tensor)
+                env[var] = v if keep else v.detach().clone()
             calls = []
             for s in self._steps:
                 ins = [env[v] for v in s.ins]
                 if s.info.kind == "captured":
-                    call = self.backend.capture(s.program, ins).replay
+                    call = self.backend.capture(
+                        s.program, ins, pool=self._pool,
+                        in_place=[i for i, v in enumerate(s.ins) if v in self.in_place]).replay
                 else:
                     call = s.program
                 env.update(zip(s.outs, call(*ins)))
@@ -534,7 +554,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = No
           backend: Optional[Backend] = None, piece_us: Optional[float] = None,
           cluster: Optional[Cluster] = None,
           time_us: Optional[Callable[[fx.Node], float]] = None,
-          cuts: Sequence[str] = ()) -> LoweredModule:
+          cuts: Sequence[str] = (), in_place: Sequence[str] = ()) -> LoweredModule:
     """Lower ``gm`` into captured segments (see the module docstring) and capture them on
     ``example_inputs``.
 
@@ -543,6 +563,9 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = No
     this many µs (None: no split). Predictions come from ``time_us(node)`` or else
     ``node_time_us(gm, node, batch, cluster)`` (annotating ``gm`` if it has no costs).
     ``cuts``: names of nodes after which a step always ends (a program's segment boundaries).
+    ``in_place``: names of inputs (placeholders) that keep their storage from call to call
+    (parameters, buffers): captures read them where they are instead of copying them into
+    static buffers (an input some step writes in place is still copied).
     """
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"lower: expected a torch.fx.GraphModule, got {type(gm).__name__}")
@@ -560,7 +583,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any], *, device: Any = No
     steps = _build_steps(gm, cg, _group(gm, verdicts, time_us, piece_us, frozenset(cuts)),
                          time_us)
     report = LowerReport(tuple(s.info for s in steps), piece_us)
-    lowered = LoweredModule(gm, steps, report, backend, cg)
+    lowered = LoweredModule(gm, steps, report, backend, cg, frozenset(in_place))
     with torch.no_grad():
         lowered._captured_calls(lowered._bind(inputs, {}))
     return lowered

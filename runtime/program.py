@@ -48,10 +48,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.fx import _pytree as fx_pytree
+from torch.utils._pytree import tree_leaves
 
 from tidal.ir.capture import TrainStep, _as_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for
+from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for, used_here
 from tidal.runtime.lower import lower
 from tidal.runtime.scheduler import FunctionJob, Runtime
 from tidal.runtime.scheduler import Piece as SchedulerPiece
@@ -89,6 +90,29 @@ class Program:
             deps = ", ".join(self.pieces[d].name for d in p.deps)
             rows.append(f"{i:3d} {p.stream:7s} {p.name:{width}s} {what:14s} after: {deps or '-'}")
         return "\n".join(rows)
+
+
+def state_inputs(step: TrainStep) -> int:
+    """How many of the captured step's flat inputs are parameters and buffers (they come
+    first): what its captures read in place (:meth:`CapturedProgram.build`)."""
+    return len(step.param_names) + len(step.buffer_names)
+
+
+def device_of(*values: Any) -> torch.device:
+    """The device of the first tensor in ``values`` (modules count by their parameters and
+    buffers; nesting as ``torch.utils._pytree`` flattens); the CPU when there is none.
+
+    Example:
+        >>> device_of(torch.nn.Linear(2, 2), (torch.ones(1),))
+        device(type='cpu')
+    """
+    for leaf in tree_leaves(values):
+        tensors = ([*leaf.parameters(), *leaf.buffers()] if isinstance(leaf, torch.nn.Module)
+                   else [leaf])
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cpu")
 
 
 def _grad_nodes(step: TrainStep) -> tuple[fx.Node, list[fx.Node]]:
@@ -302,6 +326,7 @@ class ProgramRunner:
                 offset += g.numel()
 
         def apply() -> None:
+            used_here(*averaged.values())  # made on the comm stream, read on this one
             for i, name in enumerate(step.param_names):  # a replay reuses a CUDA graph's outputs
                 g = averaged[i]
                 params[name].grad = g.clone() if world == 1 and g.is_cuda else g
@@ -327,7 +352,8 @@ class ProgramRunner:
                   ) -> "CapturedProgram":
         key = (id(program), id(step))
         if key not in self._captures:
-            self._captures[key] = CapturedProgram.build(program, step.gm, flat, self.backend)
+            self._captures[key] = CapturedProgram.build(program, step.gm, flat, self.backend,
+                                                        state=state_inputs(step))
         return self._captures[key]
 
 
@@ -342,13 +368,18 @@ class CapturedProgram:
     steps: Mapping[int, tuple[int, ...]]
 
     @classmethod
-    def build(cls, program: Program, gm: fx.GraphModule, flat: Sequence[Any], backend: Any
-              ) -> "CapturedProgram":
+    def build(cls, program: Program, gm: fx.GraphModule, flat: Sequence[Any], backend: Any,
+              state: int = 0) -> "CapturedProgram":
         """Lower ``gm`` (a joint graph whose placeholders take ``flat``) cut after the last
         node of each of ``program``'s segments, and capture it on ``flat`` (on copies: an
-        uncaptured step that writes an input runs during capture)."""
+        uncaptured step that writes an input runs during capture). The first ``state`` inputs
+        (the parameters and buffers of a :class:`~tidal.ir.capture.TrainStep`:
+        :func:`state_inputs`) are read in place by every replay, never copied. The captures
+        get a memory pool of their own."""
         cuts = [p.nodes[-1] for p in program.pieces if p.nodes]
-        lowered = lower(gm, list(flat), backend=backend, cuts=cuts)
+        placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+        lowered = lower(gm, list(flat), backend=backend, cuts=cuts,
+                        in_place=placeholders[:state])
         owner = {name: k for k, info in enumerate(lowered.report.steps) for name in info.nodes}
         steps = {i: tuple(dict.fromkeys(owner[n] for n in p.nodes if n in owner))
                  for i, p in enumerate(program.pieces) if p.nodes}
@@ -419,6 +450,7 @@ class ProgramExecutor:
     def __init__(self, rank_program: RankProgram, runner: Optional[ProgramRunner] = None):
         self.rank_program = rank_program
         self._runner = runner
+        self.device: Optional[torch.device] = None  # where the latest step ran
         self.last_program: Optional[Program] = None
         self.last_trace: list[PieceTrace] = []
 
@@ -430,9 +462,15 @@ class ProgramExecutor:
 
     @property
     def runner(self) -> ProgramRunner:
-        """The runner (its backend's streams are made on first use)."""
+        """The runner, on the device's own backend (:func:`runner_backend`: CUDA streams on a
+        GPU) of the latest step's model; its streams are made on first use. A step on another
+        device than the runner's gets a new runner."""
+        device = self.device or torch.device("cpu")
+        if self._runner is not None and self._runner.backend.device != device:
+            self._runner.close()
+            self._runner = None
         if self._runner is None:
-            self._runner = ProgramRunner()
+            self._runner = ProgramRunner(device=device)
         return self._runner
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
@@ -442,6 +480,7 @@ class ProgramExecutor:
     def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """One training step: bind the program to this step's tensors and run it."""
+        self.device = device_of(model, inputs)
         bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
         self.last_program = bound.program
         self.last_trace = self.runner.launch(bound.program, bound.work)

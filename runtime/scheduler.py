@@ -207,6 +207,9 @@ class JobHandle:
         # dispatched pieces by (iteration, index), of the iterations still queued or running
         self.dispatched: dict[tuple[int, int], _Queued] = {}
         self.events: dict[tuple[int, int], Any] = {}  # ... and the event each one records
+        # by iteration: the event recorded on the stream current when its pieces were made
+        # (what produced its inputs), and the streams that already wait for it
+        self.origins: dict[int, tuple[Any, set[int]]] = {}
 
     def device_outstanding(self, stream: Optional[str] = None) -> int:
         """Outstanding pieces that occupy the device (what launch pacing counts): all of
@@ -475,6 +478,10 @@ class Runtime:
             h.exhausted = True
             return False
         pieces = list(pieces)
+        if self._events:  # its inputs were made on the caller's stream: its streams wait
+            origin = self.backend.event()
+            self.backend.record(self.backend.current_stream(), origin)
+            h.origins[h.next_index] = (origin, set())
         for i, p in enumerate(pieces):
             if any(not 0 <= d < i for d in p.after):
                 self._fail(h, ValueError(f"iteration {h.next_index}: piece {p.name!r} waits "
@@ -605,6 +612,11 @@ class Runtime:
         if h.iteration_start is None:
             h.iteration_start = now
         stream = self._stream_of(h, q.piece)
+        origin = h.origins.get(q.iteration)
+        if origin is not None and id(stream) not in origin[1]:
+            origin[1].add(id(stream))
+            if not origin[0].query():  # what the caller enqueued has not run yet
+                self.backend.wait(stream, origin[0])
         for d in q.piece.after:
             key = (q.iteration, d)
             if self._events and self._stream_of(h, h.dispatched[key].piece) is not stream:
@@ -630,6 +642,8 @@ class Runtime:
             for key in [k for k in h.dispatched if k[0] < oldest]:
                 del h.dispatched[key]
                 h.events.pop(key, None)
+            for it in [i for i in h.origins if i < oldest]:
+                del h.origins[it]
 
     def _collocated(self, ready: float, end: float) -> bool:
         for h in self.handles:

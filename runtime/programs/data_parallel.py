@@ -59,12 +59,13 @@ from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.cost import example_batch
 from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import flat_tensors
+from tidal.ir.rng import fork_rng_of
 from tidal.runtime.accordion import Accordion, LrLookahead
-from tidal.runtime.backend import backend_for
+from tidal.runtime.backend import backend_for, used_here
 from tidal.runtime.compressors import Comm, Compressor, NoCompression
 from tidal.runtime.grad_sync import GradSync
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program, _grad_nodes,
-                                   data_parallel)
+                                   data_parallel, state_inputs)
 
 BROADCAST, OPTIMIZER, ACCORDION = "broadcast", "optimizer", "accordion"
 
@@ -213,10 +214,11 @@ class DataParallelProgram:
                                                        overlap=self.overlap).pieces]
                 program = self._program(pieces, world)
                 flat = _flat(step, gm, inputs, targets)
-                with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
+                with fork_rng_of(flat):  # capturing consumes no randomness (CPU nor CUDA)
                     try:
                         captured = _Captured(step, CapturedProgram.build(
-                            program, step.gm, flat, backend_for(flat_tensors(flat)[0].device)))
+                            program, step.gm, flat, backend_for(flat_tensors(flat)[0].device),
+                            state=state_inputs(step)))
                     except Exception as e:  # noqa: BLE001 - the eager program runs, named
                         reason = "the captured step failed to run: " + (
                             _failing_node(step, flat) or f"{type(e).__name__}: {e}")
@@ -355,6 +357,7 @@ class _Step:
             {self._names[i]: self.grad(i) for i in indices}))
 
     def _apply(self) -> None:
+        used_here(*self._synced.values())  # made on the comm stream, read on this one
         for name, g in self._synced.items():
             p = self._params[name]
             p.grad = g.reshape(p.shape)

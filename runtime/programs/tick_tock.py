@@ -61,11 +61,13 @@ from tidal.ir.capture import TrainStep, capture_train_step
 from tidal.ir.collectives import new_group
 from tidal.ir.errors import TidalError, TraceError
 from tidal.ir.node_runner import flat_tensors
+from tidal.ir.rng import fork_rng_of
 from tidal.ir.schedule import Action, Schedule, split_batch
 from tidal.runtime.backend import backend_for
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
-from tidal.runtime.program import COMM, CapturedProgram, CapturedRun, Piece, Program
+from tidal.runtime.program import (COMM, CapturedProgram, CapturedRun, Piece, Program,
+                                   state_inputs)
 from tidal.runtime.programs.data_parallel import _failing_node, _flat
 
 PLAN_KIND = "TickTockPlan"
@@ -288,9 +290,10 @@ class TickTockProgram:
                             [n.name for n in backward], len(grad_nodes))
         flats = {w.name: _flat(step, w.gm, w.inputs, w.targets) for w in waves.values()}
         device = flat_tensors(flats[tick.name])[0].device
-        with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
-            try:  # a backend (CUDA: a graph memory pool) per wave: the waves replay at once
-                lowered = {w: CapturedProgram.build(program, step.gm, flat, backend_for(device))
+        with fork_rng_of(flats):  # capturing consumes no randomness (CPU nor CUDA)
+            try:  # a graph memory pool per wave (CapturedProgram.build): they replay at once
+                lowered = {w: CapturedProgram.build(program, step.gm, flat, backend_for(device),
+                                                    state=state_inputs(step))
                            for w, flat in flats.items()}
             except Exception as e:  # noqa: BLE001 - the waves run eagerly, the node named
                 why = _failing_node(step, flats[tick.name])
