@@ -1,13 +1,21 @@
 """Process groups and multi-rank launch, through ``torch.distributed`` only.
 
-``init_process_group_from_env`` joins the group ``torchrun`` set up (gloo on CPU, NCCL on
-CUDA) with a timeout. ``spawn`` runs a function on N local ranks for tests and benchmarks: each
-rank gets one thread, a process group with a timeout over a TCPStore on 127.0.0.1, and the
-result of every rank comes back to the caller; a rank that raises or dies becomes a
-``RankError`` naming the rank, never a hang.
+Every process group tidal starts goes through :func:`init_rank_group`: gloo on the CPU; on
+CUDA, NCCL, with the rank's GPU (``cuda:<local rank>``) made current *before* the group is
+initialised and bound to it (``device_id``), so NCCL never guesses a device. A group has a
+timeout (:data:`DEFAULT_TIMEOUT_S`), so a stalled peer fails cleanly.
+``init_process_group_from_env`` joins the group ``torchrun`` set up. ``spawn`` runs a function
+on N local ranks for tests and benchmarks (gloo, or NCCL with ``device="cuda"``, one GPU per
+rank): each rank gets one thread, a process group over a TCPStore on 127.0.0.1, and the result
+of every rank comes back to the caller; a rank that raises or dies becomes a ``RankError``
+naming the rank, never a hang. ``single_rank_group`` is a group of one in this process.
+
+A collective takes its tensors on the group's device, :func:`collective_device`: the current
+CUDA device for NCCL (which refuses CPU tensors), the CPU for gloo. Every flag, scalar or buffer
+tidal builds for a collective is made there.
 
 Example:
-    >>> from tidal.runtime.distributed import spawn
+    >>> from tidal.runtime.distributed import collective_device, single_rank_group, spawn
     >>> def world(rank, size):
     ...     import torch, torch.distributed as dist
     ...     t = torch.tensor([rank + 1.0])
@@ -15,16 +23,21 @@ Example:
     ...     return t.item()
     >>> spawn(world, 2)  # doctest: +SKIP
     [3.0, 3.0]
+    >>> with single_rank_group("cpu") as device:
+    ...     device, collective_device()
+    (device(type='cpu'), device(type='cpu'))
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import queue
 import socket
+import tempfile
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +62,62 @@ def backend_for(device: torch.device | str | None = None) -> str:
     return "nccl" if dev.type == "cuda" else "gloo"
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """The device the collectives of ``group`` (None: the default group) take their tensors
+    on: the current CUDA device when the group's backend is NCCL, else the CPU (gloo, or no
+    process group at all).
+
+    Example:
+        >>> collective_device()        # no process group here
+        device(type='cpu')
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group))
+    # "nccl", or a per-device list such as "cpu:gloo,cuda:nccl" (a group for both)
+    if backend == "nccl" or "cuda:nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_device(device: torch.device | str | None, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on its machine: the CPU stays the CPU; CUDA
+    without an index is ``cuda:<local_rank>`` (one GPU per rank); an index given is kept.
+
+    Example:
+        >>> rank_device("cuda", 3), rank_device("cuda:0", 3), rank_device(None, 3)
+        (device(type='cuda', index=3), device(type='cuda', index=0), device(type='cpu'))
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", local_rank)
+    return dev
+
+
+def init_rank_group(device: torch.device | str | None, rank: int, world_size: int, *,
+                    local_rank: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    store: Any = None) -> torch.device:
+    """Initialise the default process group for this rank on ``device`` (its backend from
+    :func:`backend_for`) with a timeout of ``timeout_s``, over ``store`` (default: the
+    ``env://`` rendezvous, ``MASTER_ADDR``/``MASTER_PORT``). On CUDA the rank's GPU
+    (:func:`rank_device` of ``local_rank``, default ``rank``) is made current first and the
+    group is bound to it. Returns the rank's device. Raises ``RankError`` naming the rank when
+    that GPU does not exist."""
+    dev = rank_device(device, rank if local_rank is None else local_rank)
+    options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if store is not None:
+        options["store"] = store
+    if dev.type == "cuda":
+        visible = torch.cuda.device_count()
+        if dev.index >= visible:
+            raise RankError(f"rank {rank}: device {dev} does not exist ({visible} CUDA "
+                            "device(s) visible); NCCL needs one GPU per rank", rank)
+        torch.cuda.set_device(dev)          # before the group: NCCL's communicator uses it
+        options["device_id"] = dev
+    dist.init_process_group(backend_for(dev), rank=rank, world_size=world_size, **options)
+    return dev
+
+
 def is_distributed() -> bool:
     """True when a process group with more than one rank is initialised."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -64,15 +133,36 @@ def rank_and_size() -> tuple[int, int]:
 def init_process_group_from_env(device: torch.device | str | None = None,
                                 timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Join the process group ``torchrun`` describes in the environment (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``); a no-op when already initialised or when
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) on ``device`` (CUDA: the
+    ``LOCAL_RANK``-th GPU, :func:`init_rank_group`); a no-op when already initialised or when
     not launched by torchrun. Returns whether a group is initialised."""
     if dist.is_initialized():
         return True
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return False
-    dist.init_process_group(backend_for(device),
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    rank = int(os.environ["RANK"])
+    init_rank_group(device, rank, int(os.environ["WORLD_SIZE"]),
+                    local_rank=int(os.environ.get("LOCAL_RANK", rank)), timeout_s=timeout_s)
     return True
+
+
+@contextlib.contextmanager
+def single_rank_group(device: torch.device | str | None = None,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[torch.device]:
+    """A default process group of one rank in this process on ``device`` (gloo on the CPU,
+    NCCL on CUDA, :func:`init_rank_group`) over a ``FileStore`` in a temporary folder, for the
+    duration of the block; yields the rank's device. Raises ``RuntimeError`` when a process
+    group is already initialised (it is not this block's to replace)."""
+    if dist.is_initialized():
+        raise RuntimeError("single_rank_group: a process group is already initialised in this "
+                           "process; destroy it first or use it")
+    with tempfile.TemporaryDirectory(prefix="tidal-store-") as folder:
+        store = dist.FileStore(os.path.join(folder, "store"), 1)
+        dev = init_rank_group(device, 0, 1, local_rank=0, timeout_s=timeout_s, store=store)
+        try:
+            yield dev
+        finally:
+            dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -83,13 +173,12 @@ def free_port() -> int:
 
 
 def _worker(rank: int, size: int, port: int, timeout_s: float, fn: Callable, args: tuple,
-            results: Any) -> None:
+            results: Any, device: torch.device | str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        init_rank_group(device, rank, size, local_rank=rank, timeout_s=timeout_s)
         try:
             # plain pickle bytes: tensors travel by value, not as shared-memory handles that
             # vanish when this process exits before the parent reads them
@@ -123,19 +212,30 @@ def _root_cause(errors: dict[int, str], results: Any, grace_s: float = 2.0) -> R
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
-          timeout_s: float = DEFAULT_TIMEOUT_S * 3, pg_timeout_s: float = DEFAULT_TIMEOUT_S
-          ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks and return the
-    ranks' results in rank order. ``fn`` must be picklable (module level). Raises
-    ``RankError`` if a rank raises, exits without a result, or the whole run exceeds
+          timeout_s: float = DEFAULT_TIMEOUT_S * 3, pg_timeout_s: float = DEFAULT_TIMEOUT_S,
+          device: torch.device | str | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks and return the ranks'
+    results in rank order: gloo ranks on the CPU (``device`` None or ``"cpu"``), NCCL ranks
+    with ``device="cuda"``, rank ``r`` on ``cuda:r`` (:func:`init_rank_group`; a
+    ``ValueError`` when fewer GPUs are visible). ``fn`` must be picklable (module level).
+    Raises ``RankError`` if a rank raises, exits without a result, or the whole run exceeds
     ``timeout_s``; the other ranks are then terminated."""
     if world_size < 1:
         raise ValueError(f"spawn(world_size={world_size}): need at least one rank")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        if dev.index is not None and world_size > 1:
+            raise ValueError(f"spawn(device={str(dev)!r}, world_size={world_size}): NCCL "
+                             "needs one GPU per rank; give device='cuda'")
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) + world_size > visible:
+            raise ValueError(f"spawn(world_size={world_size}, device={str(dev)!r}): NCCL "
+                             f"needs one GPU per rank, {visible} visible")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, pg_timeout_s, fn, args,
-                                              results), daemon=True)
+                                              results, dev), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -188,10 +288,14 @@ def copy_from_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def all_reduce_tensors(tensors: list[torch.Tensor], group: Any = None,
                        average: bool = False) -> None:
     """Sum (or with ``average``, average) ``tensors`` over the ranks of ``group`` in place,
-    as one flat all-reduce."""
+    as one flat all-reduce on the group's device (:func:`collective_device`; the results are
+    copied back to wherever ``tensors`` live)."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    device = collective_device(group)
+    if flat.device != device:
+        flat = flat.to(device)
     dist.all_reduce(flat, group=group)
     if average:
         flat /= dist.get_world_size(group)

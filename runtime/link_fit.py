@@ -22,6 +22,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tidal.runtime.distributed import collective_device
+
 DEFAULT_SIZES = (4096, 8 * 1024 * 1024)
 """Message sizes (bytes) of the two timed all-reduces: one latency-bound, one bandwidth-bound."""
 
@@ -56,16 +58,26 @@ def fit_ring_link(world: int, sizes: Sequence[float], times_us: Sequence[float])
 
 
 def time_allreduce_us(nbytes: int, repeats: int = 15, warmup: int = 2) -> float:
-    """Median time (µs) of a float32 all-reduce of ``nbytes`` on the default group, each timed
-    after a barrier. Collective: every rank must call it."""
-    t = torch.zeros(max(1, nbytes // 4))
+    """Median time (µs) of a float32 all-reduce of ``nbytes`` on the default group, on the
+    group's device (:func:`~tidal.runtime.distributed.collective_device`), each timed after a
+    barrier; on CUDA until the device has finished it (NCCL returns before). Collective:
+    every rank must call it."""
+    device = collective_device()
+    t = torch.zeros(max(1, nbytes // 4), device=device)
+
+    def finished() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for _ in range(warmup):
         dist.all_reduce(t)
     times = []
     for _ in range(repeats):
+        finished()
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)
+        finished()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
 

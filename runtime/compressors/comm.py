@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from tidal.runtime.compressors.base import ALL_REDUCE, Compressor, Message, World
+from tidal.runtime.distributed import collective_device
 
 WIRE_DTYPES = (torch.float16, torch.bfloat16)
 """The dtypes a floating-point payload may be sent in (``wire_dtype``)."""
@@ -102,11 +103,15 @@ class Lane:
 
 class Comm:
     """Collectives on ``group``. ``all_gather=False`` declares a group on which all-gather is not
-    available; a compressor that needs it is then refused with a ``ValueError``."""
+    available; a compressor that needs it is then refused with a ``ValueError``. In a group of
+    one rank the collectives are skipped (their result is their input), unless ``issue_alone``
+    (a check of the collectives themselves, e.g. on an NCCL group of one)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, all_gather: bool = True):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, all_gather: bool = True,
+                 issue_alone: bool = False):
         self.group = group
         self.all_gather_available = all_gather
+        self.issue_alone = bool(issue_alone)
         self.bytes_sent = 0
         self.lane = Lane()
 
@@ -135,10 +140,16 @@ class Comm:
         for i, msg in enumerate(messages):
             for j, t in enumerate(msg.tensors):
                 groups.setdefault((msg.op, t.dtype), []).append((i, j))
+        # a collective takes its tensors on the group's device (NCCL: the current GPU); the
+        # results come back to where the messages live
+        local = world.size == 1 and not (self.issue_alone and _initialised())
+        device = None if local else collective_device(self.group)
         issued = []
+        homes = []
         scaled = set()  # float16 sums: divided by the world size first (no overflow past 65504)
         for (op, dtype), slots in groups.items():
             parts = [messages[i].tensors[j].reshape(-1) for i, j in slots]
+            homes.append(parts[0].device)
             wire = wire_dtype if dtype.is_floating_point and wire_dtype else dtype
             if op == ALL_REDUCE and wire == torch.float16 and dtype != wire and world.size > 1:
                 flat = _packed(parts, dtype).div_(world.size).to(wire)
@@ -146,24 +157,24 @@ class Comm:
             else:
                 flat = _packed(parts, wire)
             self.bytes_sent += flat.numel() * flat.element_size()
-            if world.size == 1:
+            if local:
                 out = flat if op == ALL_REDUCE else flat.view(1, -1)
                 done: torch.futures.Future = torch.futures.Future()
                 done.set_result([out])
                 issued.append(done)
-            elif op == ALL_REDUCE:
+                continue
+            if flat.device != device:
+                flat = flat.to(device)
+            if op == ALL_REDUCE:
                 issued.append(dist.all_reduce(flat, group=self.group, async_op=True)
                               .get_future())
             else:
-                out = torch.empty(world.size * flat.numel(), dtype=flat.dtype, device=flat.device)
-                work = dist.all_gather_single(out, flat, group=self.group, async_op=True)
-                issued.append(work.get_future().then(lambda f, out=out, n=world.size:
-                                                     (f.wait(), [out.view(n, -1)])[1]))
+                issued.append(_all_gather(flat, world.size, self.group, device))
 
         def unpack(all_done: torch.futures.Future) -> list[tuple[torch.Tensor, ...]]:
             results: list[list] = [[None] * len(m.tensors) for m in messages]
-            for ((op, dtype), slots), fut in zip(groups.items(), all_done.value()):
-                out = fut.value()[0].to(dtype)
+            for ((op, dtype), slots), fut, home in zip(groups.items(), all_done.value(), homes):
+                out = fut.value()[0].to(home, dtype)
                 if (op, dtype) in scaled:
                     out = out.mul_(world.size)
                 sizes = [messages[i].tensors[j].numel() for i, j in slots]
@@ -180,6 +191,30 @@ class Comm:
             ) -> list[tuple[torch.Tensor, ...]]:
         """:meth:`run_async`, waited for."""
         return self.run_async(messages, wire_dtype=wire_dtype).wait()
+
+
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_gather_into_tensor() -> Callable[..., Any]:
+    """torch's single-tensor all-gather, ``(output, input, group=, async_op=)``:
+    ``dist.all_gather_single`` where this torch has it (newer than 2.11, which deprecates the
+    old name), else ``dist.all_gather_into_tensor`` (torch 2.4 to 2.11)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather(flat: torch.Tensor, size: int, group: Optional[dist.ProcessGroup],
+                device: torch.device) -> torch.futures.Future:
+    """Issue the all-gather of the 1-D ``flat`` (on ``device``, the group's) over the ``size``
+    ranks of ``group``; a future of ``[gathered]``, ``gathered`` shaped ``[size,
+    flat.numel()]`` in ``flat``'s dtype. The payload travels as bytes: an all-gather only moves
+    them, and NCCL has no 16-bit integer type (QSGD's levels past 127)."""
+    wire = flat.view(torch.uint8)
+    out = torch.empty(size * wire.numel(), dtype=torch.uint8, device=device)
+    work = all_gather_into_tensor()(out, wire, group=group, async_op=True)
+    return work.get_future().then(
+        lambda f: (f.wait(), [out.view(size, -1).view(flat.dtype)])[1])
 
 
 def _packed(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -63,6 +63,7 @@ from tidal.ir.rng import fork_rng_of
 from tidal.runtime.accordion import Accordion, LrLookahead
 from tidal.runtime.backend import backend_for, used_here
 from tidal.runtime.compressors import Comm, Compressor, NoCompression
+from tidal.runtime.distributed import collective_device
 from tidal.runtime.grad_sync import GradSync
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program, _grad_nodes,
                                    data_parallel, state_inputs)
@@ -248,7 +249,8 @@ class DataParallelProgram:
         every rank runs the same program."""
         if not _distributed() or self.comm.world.size == 1:
             return reason
-        flag = torch.tensor([1 if reason else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if reason else 0], dtype=torch.int32,
+                            device=collective_device(self.comm.group))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.comm.group)
         return reason or ("another rank cannot run the captured step" if flag.item() else "")
 

@@ -87,7 +87,7 @@ from tidal.ir.errors import PlanError, TraceError
 from tidal.ir.node_runner import fetch_attr
 from tidal.ir.schedule import split_batch
 from tidal.runtime.backend import backend_for
-from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
+from tidal.runtime.distributed import all_reduce_tensors, collective_device, rank_and_size
 from tidal.runtime.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, CapturedRun, Piece,
                                    Program)
@@ -1073,7 +1073,7 @@ class _Step:
         all_reduce_tensors(o._buffers[p], average=True)
 
     def _all_reduce_loss(self, slot: _Slot) -> None:
-        loss = torch.tensor(self.states[slot.rank].loss)
+        loss = torch.tensor(self.states[slot.rank].loss, device=collective_device())
         dist.all_reduce(loss)
         self._loss = loss
 
