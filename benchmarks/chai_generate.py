@@ -22,11 +22,19 @@ Needs ``make attention-models``. Run (1 thread; about 15 min on a quiet 2-core m
     python benchmarks/chai_generate.py                    # contexts 2048 4096, calibrates
     python benchmarks/chai_generate.py --plan plan.json   # budgeted plan from chai.py
     python benchmarks/chai_generate.py --contexts 512 --new-tokens 4 --repeats 1   # a look
+    python benchmarks/chai_generate.py --device cuda      # the same on a GPU
+
+``--tiny`` needs no weights: a small random Llama (``tiny_llama``) and only the decode timings
+(``tiny_ttnt``: HF ``generate`` against ``compiled.generate`` at k and at k = H, and the side
+decoder), printed as a table and one JSON line; a harness calls ``tiny_ttnt(device)`` itself:
+
+    python benchmarks/chai_generate.py --tiny --device cuda --contexts 1024 --new-tokens 32
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -62,15 +70,108 @@ def _ttnt_generate(target, ids: torch.Tensor, new: int, **kw) -> tuple[float, ob
     return (clock.times[-1] - clock.times[1]) / (len(clock.times) - 2), out
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a GPU runs asynchronously to the host's clock)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _ttnt_side(dec: ChaiDecoder, ids: torch.Tensor, new: int) -> float:
     """Mean seconds per greedy step of the side decoder after its prefill."""
     with torch.inference_mode():
         logits, state = dec.prefill(ids, ids.shape[1] + new + 1, last_only=True)
         tok = logits[:, -1:].argmax(-1)
+        _sync(dec.device)
         t0 = time.perf_counter()
         for _ in range(new):
             tok = dec.step(tok, state)[:, -1:].argmax(-1)
+        _sync(dec.device)
         return (time.perf_counter() - t0) / new
+
+
+def tiny_llama(*, layers: int = 4, heads: int = 8, kv_heads: int = 4, hidden: int = 256,
+               vocab: int = 512, positions: int = 2048, seed: int = 0) -> torch.nn.Module:
+    """A random Llama-architecture LM (``transformers.LlamaConfig``, sdpa attention, grouped-
+    query attention) in eval mode on the CPU: nothing to download. The global RNG is left as
+    it was."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg).eval()
+
+
+TINY_PATHS = {"hf": "HF generate (DynamicCache)", "compiled_k": "compiled.generate, k",
+              "compiled_kH": "compiled.generate, k = H", "decoder_full": "ChaiDecoder, unclustered",
+              "decoder_k": "ChaiDecoder, k"}
+"""The paths ``tiny_ttnt`` times, by the key prefix of their figures."""
+
+
+def tiny_ttnt(device: str = "cpu", *, context: int = 256, new_tokens: int = 8,
+              repeats: int = 2, k: int = 2) -> dict:
+    """CHAI decode against HF ``generate`` on ``device`` with ``tiny_llama``: time to next
+    token (``<path>.ttnt_ms``, greedy, best of ``repeats`` alternating rounds after a warm-up
+    round) of each of ``TINY_PATHS``: HF ``generate`` (``DynamicCache``), ``compiled.generate``
+    at ``k`` clusters per layer and at one head per cluster (k = H: the path's own cost), and
+    the side decoder ``ChaiDecoder`` unclustered and at ``k``; ``<path>.x_vs_hf`` the ratio to
+    HF (> 1: faster); ``equal``: at k = H ``compiled.generate`` gives HF's tokens. One flat,
+    JSON-ready dict.
+
+    Example (a look on the CPU, a few seconds; ``device="cuda"`` on a GPU):
+        >>> r = tiny_ttnt("cpu", context=32, new_tokens=2, repeats=1)
+        >>> r["equal"], r["hf.x_vs_hf"], r["decoder_k.ttnt_ms"] > 0
+        (True, 1.0, True)
+    """
+    dev = torch.device(device)
+    model = tiny_llama(positions=context + new_tokens + 8).to(dev)
+    cfg = model.config
+    ids = torch.randint(1, cfg.vocab_size, (1, context),
+                        generator=torch.Generator().manual_seed(1)).to(dev)
+    fixed = tidal.compile(model, (ids,), passes=[ClusteredAttention(clusters=k)])
+    whole = tidal.compile(model, (ids,), passes=[ClusteredAttention(
+        clusters=cfg.num_attention_heads)])
+    with torch.inference_mode():
+        greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        equal = torch.equal(whole.generate(ids, **greedy), model.generate(ids, **greedy))
+    side = ChaiDecoder(model)
+    runs = {
+        "hf": lambda n: _ttnt_generate(model, ids, n, past_key_values=DynamicCache())[0],
+        "compiled_k": lambda n: _ttnt_generate(fixed, ids, n,
+                                               past_key_values=fixed.new_cache())[0],
+        "compiled_kH": lambda n: _ttnt_generate(whole, ids, n,
+                                                past_key_values=whole.new_cache())[0],
+        "decoder_full": lambda n: _ttnt_side(side, ids, n),
+        "decoder_k": lambda n: _ttnt_side(side.with_clusters(counts=k), ids, n),
+    }
+    for run in runs.values():   # warm-up: kernels, allocator, lazy initialisation
+        run(2)
+    best = {name: math.inf for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            best[name] = min(best[name], run(new_tokens))
+    result = {"device": str(dev), "model": f"tiny random Llama ({cfg.num_hidden_layers} layers, "
+              f"{cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads, hidden "
+              f"{cfg.hidden_size}, fp32, sdpa)", "context": context, "new_tokens": new_tokens,
+              "k": k, "equal": equal}
+    for name, t in best.items():
+        result[f"{name}.ttnt_ms"] = t * 1e3
+        result[f"{name}.x_vs_hf"] = best["hf"] / t
+    return result
+
+
+def _print_tiny(result: dict) -> None:
+    """``tiny_ttnt``'s result as a table, then as one JSON line."""
+    print(f"# {result['model']} on {result['device']}: context {result['context']}, "
+          f"{result['new_tokens']} timed tokens, k = {result['k']}; at k = H compiled.generate "
+          f"gives HF's tokens: {result['equal']}")
+    print(f"{'path':<28} {'TTNT ms':>8} {'x vs HF':>8}")
+    for name, label in TINY_PATHS.items():
+        print(f"{label:<28} {result[name + '.ttnt_ms']:>8.2f} {result[name + '.x_vs_hf']:>8.2f}")
+    print(json.dumps(result), flush=True)
 
 
 def _k_bytes(cache) -> int:
@@ -79,7 +180,8 @@ def _k_bytes(cache) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--contexts", type=int, nargs="+",
+                        help="prompt lengths (default 2048 4096; --tiny: 256)")
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2,
                         help="alternating rounds per context; the best round counts")
@@ -91,16 +193,28 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-chunks", type=int, default=4)
     parser.add_argument("--chunk-len", type=int, default=512)
     parser.add_argument("--plan", help="the budgeted ChaiPlan JSON (else calibrate here)")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda, ...)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small random Llama (no weights), decode timings only")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.tiny:
+        for ctx in args.contexts or [256]:
+            _print_tiny(tiny_ttnt(args.device, context=ctx, new_tokens=args.new_tokens,
+                                  repeats=args.repeats, k=args.k))
+        return 0
+    args.contexts = args.contexts or [2048, 4096]
+    device = torch.device(args.device)
 
     model, tok = load_smollm2("sdpa")
-    calib_ids = tok(calibration_text(), return_tensors="pt").input_ids[0]
-    eval_ids = tok(evaluation_text(), return_tensors="pt").input_ids[0]
+    model = model.to(device)
+    calib_ids = tok(calibration_text(), return_tensors="pt").input_ids[0].to(device)
+    eval_ids = tok(evaluation_text(), return_tensors="pt").input_ids[0].to(device)
     evals = _chunks(eval_ids, args.chunk_len, args.eval_chunks)
-    print(f"# SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32, sdpa), CPU, "
-          f"{torch.get_num_threads()} thread(s); greedy, {args.new_tokens} timed tokens")
+    threads = f"{torch.get_num_threads()} thread(s)" if device.type == "cpu" else str(device)
+    print(f"# SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32, sdpa), {threads}; "
+          f"greedy, {args.new_tokens} timed tokens")
     example = evals[0]
     fixed = tidal.compile(model, example, passes=[ClusteredAttention(clusters=args.k)])
     fixed_plan = fixed.plan.get("clustered_attention")

@@ -12,6 +12,9 @@ probabilities: the graph (``tidal.passes.clustered_attention``) and the decode r
 (``tidal.runtime.chai_decode``) both call it, on the same features (``head_features``);
 ``static_membership`` gives CHAI-static's fixed clusters from an averaged similarity.
 
+Clustering runs on the host: the features (a few rows per head) are copied to the CPU once, as
+float64, rather than deciding each merge with a device round trip (``.item()``) per pair.
+
 Every clustering decision is a comparison of float scores that different kernels or operation
 orders compute with different rounding. Scores that agree within ``TIE_RTOL`` (relative) or
 ``TIE_ATOL`` (absolute) count as equal and the lowest index wins (``first_best``), so a result
@@ -205,6 +208,7 @@ def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int],
     docstring)."""
     if clustering not in CLUSTERINGS:
         raise ValueError(f"head clustering {clustering!r} is not one of {CLUSTERINGS}")
+    features = features.detach().to("cpu", torch.float64)   # on the host (module docstring)
     sim = cosine_similarity(features)
     labels = average_linkage(sim, k) if clustering == "linkage" else kmeans_labels(features, k)
     return Membership(labels, representatives(labels, sim, kv_of_head))
@@ -216,12 +220,13 @@ def online_memberships(probs: torch.Tensor, k: int, kv_of_head: Sequence[int],
     """Each sequence's membership from its first ``first`` query tokens: ``probs``
     ``[B, H, Tq, Tk]`` attention probabilities (``Tq >= first``). The one function the graph
     and the decode runtime both use, so that they cluster alike."""
-    return tuple(membership(head_features(p, first), k, kv_of_head, clustering)
-                 for p in probs)
+    rows = probs[:, :, :first].detach().cpu()   # one copy to the host for the batch
+    return tuple(membership(head_features(p, first), k, kv_of_head, clustering) for p in rows)
 
 
 def static_membership(sim: torch.Tensor, k: int, kv_of_head: Sequence[int]) -> Membership:
     """Membership from an (averaged) similarity matrix: CHAI-static's fixed clusters."""
+    sim = sim.detach().to("cpu", torch.float64)
     labels = average_linkage(sim, k)
     return Membership(labels, representatives(labels, sim, kv_of_head))
 

@@ -8,7 +8,10 @@ decode runtime and lives in ``tidal.ir.head_clusters``; the plan (``ChaiPlan``,
 
 - ``HeadStats`` accumulates, per layer and per calibration sequence, the k-means clustering error
   of the layer's heads for k = 1..H (the elbow plot, dissertation §6.2.2, Fig. 6.5) and the mean
-  head-to-head cosine similarity (for CHAI-static's fixed membership).
+  head-to-head cosine similarity (for CHAI-static's fixed membership). It copies the sampled
+  rows of the model's attention to the host: k-means (seeded draws from a CPU generator) runs on
+  the CPU, so a plan is the same whichever device the model ran on (``kmeans_sse`` itself takes
+  points on any device and does the same).
 - ``elbow(errors)``: the elbow rule. The error curve is normalised to [0, 1] on both axes and the
   elbow is the k farthest below the straight line from (1, e(1)) to (H, e(H)) (the "kneedle"
   rule of Satopää et al. 2011); a curve with no point below the line (no plateau: heads are not
@@ -78,15 +81,17 @@ def nearest_centres(x: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
     d = _distances(x, centres)
     best = d.min(dim=1, keepdim=True).values
     ties = d <= torch.maximum(best * (1 + TIE_RTOL), best + TIE_ATOL)
-    index = torch.arange(d.shape[1]).expand_as(d)
+    index = torch.arange(d.shape[1], device=d.device).expand_as(d)
     return index.masked_fill(~ties, d.shape[1]).min(dim=1).values
 
 
 def kmeans_sse(points: torch.Tensor, k: int, *, restarts: int = 3, iters: int = 30,
                seed: int = 0) -> float:
     """Smallest within-cluster sum of squared distances of k-means (k-means++ seeding, Lloyd
-    iterations) over ``restarts`` seeded runs, on the rows of ``points`` ``[N, F]``."""
-    x = points.reshape(points.shape[0], -1).double()
+    iterations) over ``restarts`` seeded runs, on the rows of ``points`` ``[N, F]`` (on any
+    device: they are copied to the CPU, where the seeded draws are made, so the result does
+    not depend on the device)."""
+    x = points.detach().reshape(points.shape[0], -1).to("cpu", torch.float64)
     n = x.shape[0]
     check_count(k, n)
     if k == n:
@@ -155,7 +160,8 @@ class HeadStats:
         """Add one batch of attention probabilities of ``layer``."""
         t = probs.shape[2]
         idx = torch.linspace(min(FIRST_TOKENS, t - 1), t - 1, min(self.rows, t)).long()
-        for seq in probs[:, :, idx].detach().double():
+        rows = probs.detach()[:, :, idx.to(probs.device)]   # the same rows on every device
+        for seq in rows.to("cpu", torch.float64):           # k-means on the host
             points = seq.flatten(1)
             curve = kmeans_errors(points)
             acc = self.sse.setdefault(layer, [0.0] * len(curve))

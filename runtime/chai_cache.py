@@ -186,7 +186,8 @@ class ClusteredKCache(DynamicCache):
         if layer_idx < len(self.key_cache) and self.key_cache[layer_idx].numel():
             return LayerView(self, layer_idx, self.key_cache[layer_idx],
                              self.value_cache[layer_idx])
-        empty = torch.empty(0, 0, 0, 0)
+        held = next((v for v in self.value_cache if v.numel()), None)  # the cache's device
+        empty = torch.empty(0, 0, 0, 0, device=None if held is None else held.device)
         return LayerView(self, layer_idx, empty, empty)
 
     def __iter__(self):
@@ -272,9 +273,9 @@ class ClusteredKCache(DynamicCache):
         if kv_keep is not None:
             key = torch.gather(key, 1, kv_keep[:, :, None, None].expand(
                 -1, -1, key.shape[2], key.shape[3]))
-        while len(self.key_cache) <= layer:
-            self.key_cache.append(torch.empty(0))
-            self.value_cache.append(torch.empty(0))
+        while len(self.key_cache) <= layer:  # placeholders on the layer's device
+            self.key_cache.append(value.new_empty(0))
+            self.value_cache.append(value.new_empty(0))
         self.key_cache[layer] = self._write(layer, "k", self.key_cache[layer], key)
         self.value_cache[layer] = self._write(layer, "v", self.value_cache[layer], value)
         return self.key_cache[layer], self.value_cache[layer]

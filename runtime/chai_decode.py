@@ -16,6 +16,10 @@ plan) the logits equal the original model's.
 Online membership is per sequence, so clustered online decoding takes one sequence at a time
 (batch 1); static mode and unclustered decoding take any batch.
 
+The decoder runs where the model's weights are (``ChaiDecoder.device``, in their dtype): the
+rotary tables, the masks, the cache and the cluster index tensors are made there; token ids on
+another device are refused by name, and so is a model whose weights sit on several devices.
+
 Example:
     >>> import torch
     >>> from examples.models import llama_small
@@ -121,10 +125,12 @@ class ChaiDecoder:
                 a.o_proj.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                 torch.cat((m.gate_proj.weight, m.up_proj.weight)).detach(),
                 m.down_proj.weight.detach()))
+        self.device = self.embed.device
+        _check_one_device(self)
         group = self.heads // self.kv_heads
         self.kv_of_head = tuple(h // group for h in range(self.heads))
-        inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
-        self.inv_freq = inv
+        steps = torch.arange(0, self.head_dim, 2, device=self.device).float()
+        self.inv_freq = 1.0 / self.theta ** (steps / self.head_dim)
         self._set_clusters(plan, counts, mode)
 
     def _set_clusters(self, plan: Optional[ChaiPlan],
@@ -175,8 +181,14 @@ class ChaiDecoder:
         return other
 
     # --- helpers ---
+    def _check_tokens(self, ids: torch.Tensor, name: str) -> None:
+        """``ValueError`` unless the token ids ``ids`` are on the weights' device."""
+        if ids.device != self.device:
+            raise ValueError(f"ChaiDecoder: {name} is on {ids.device} but the model's weights "
+                             f"are on {self.device}; move it there (.to({str(self.device)!r}))")
+
     def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + n, dtype=torch.float32)
+        pos = torch.arange(start, start + n, dtype=torch.float32, device=self.inv_freq.device)
         ang = torch.outer(pos, self.inv_freq)
         ang = torch.cat((ang, ang), dim=-1)
         return ang.cos().to(self.embed.dtype), ang.sin().to(self.embed.dtype)
@@ -187,8 +199,9 @@ class ChaiDecoder:
         width = max(len(p) for p in per_kv)
         rows = [p + [p[0]] * (width - len(p)) for p in per_kv]
         slot = {r: i * width + j for i, p in enumerate(per_kv) for j, r in enumerate(p)}
-        return _Clusters(mem, torch.tensor(keep), torch.tensor(rows),
-                         torch.tensor([slot[r] for r in mem.rep_of_head]))
+        keep_t, rows_t, slot_t = (torch.tensor(x, device=self.device)   # where the cache is
+                                  for x in (keep, rows, [slot[r] for r in mem.rep_of_head]))
+        return _Clusters(mem, keep_t, rows_t, slot_t)
 
     def new_state(self, batch: int, max_len: int) -> DecodeState:
         """An empty static cache for ``batch`` sequences of up to ``max_len`` tokens."""
@@ -221,7 +234,7 @@ class ChaiDecoder:
         scale = 1 / math.sqrt(self.head_dim)
         f = self.first
         kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        head = torch.ones(f, f, dtype=torch.bool).tril()
+        head = torch.ones(f, f, dtype=torch.bool, device=q.device).tril()
         p5 = (q[:, :, :f] @ kf[:, :, :f].transpose(-1, -2) * scale).masked_fill(~head, -math.inf)
         p5 = p5.softmax(-1)
         mem = self.first_token_membership(i, p5)
@@ -294,6 +307,7 @@ class ChaiDecoder:
         """Run the prompt; returns the logits of every prompt position (``last_only``: of the
         last one, ``[B, 1, vocab]``) and the cache (sized ``max_len``, default the prompt
         length + 64)."""
+        self._check_tokens(input_ids, "input_ids")
         b, t = input_ids.shape
         state = self.new_state(b, max_len or min(t + 64, self.max_positions))
         cos, sin = self._rope(0, t)
@@ -315,6 +329,7 @@ class ChaiDecoder:
     @torch.inference_mode()
     def step(self, token: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Feed one token per sequence ``[B, 1]``; returns its logits ``[B, 1, vocab]``."""
+        self._check_tokens(token, "token")
         b = token.shape[0]
         pos = state.length
         if pos >= state.values[0].shape[2]:
@@ -349,6 +364,20 @@ class ChaiDecoder:
     def memberships(self, state: DecodeState) -> list[Optional[Membership]]:
         """Each layer's fixed membership in ``state`` (None: unclustered)."""
         return [None if c is None else c.membership for c in state.clusters]
+
+
+def _check_one_device(dec: ChaiDecoder) -> None:
+    """``ValueError`` unless every weight ``dec`` read is on the embedding's device."""
+    weights = {"lm_head": dec.lm_head, "model.norm": dec.norm}
+    for i, layer in enumerate(dec.layers):
+        weights.update({f"layer {i} {name}": getattr(layer, name)
+                        for name in layer.__dataclass_fields__})
+    elsewhere = {name: w.device for name, w in weights.items() if w.device != dec.device}
+    if elsewhere:
+        name, device = next(iter(elsewhere.items()))
+        raise ValueError(f"ChaiDecoder: the weights must be on one device; the embedding is on "
+                         f"{dec.device}, {name} on {device} ({len(elsewhere)} tensor(s) "
+                         f"elsewhere)")
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
