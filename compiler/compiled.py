@@ -295,13 +295,16 @@ class Compiled:
         out.write_text(json.dumps(chrome_trace({rank: pieces})))
         return out
 
-    def cold_start(self, path: Union[str, Path], *inputs: Any, **kwargs: Any) -> Any:
+    def cold_start(self, path: Union[str, Path], *inputs: Any, device: Any = None,
+                   **kwargs: Any) -> Any:
         """The first output while the weights stream in, group by group, from the store at
         ``path`` (written by ``tidal.runtime.weight_loader.write_groups``; needs the
-        ``layer_groups`` pass). Inputs default to the compile-time example inputs."""
+        ``layer_groups`` pass) onto ``device`` (by default where the model's parameters are;
+        the inputs' tensors are moved there). Inputs default to the compile-time example
+        inputs."""
         from tidal.runtime.programs.layer_groups import cold_start
 
-        return cold_start(self, path, *inputs, **kwargs)
+        return cold_start(self, path, *inputs, device=device, **kwargs)
 
     def report(self) -> str:
         """A table of the compile stages and passes: wall time, node counts, what was added

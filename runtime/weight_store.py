@@ -19,9 +19,18 @@ missing, or with another shape, dtype or group) raises :class:`WeightStoreError`
 first mismatching tensor; the tensors are compared before the group count, so a store of
 another model names the first tensor that differs. The data itself is checked as it is read:
 :meth:`WeightStore.verify` runs one checksum pass over a group's bytes (the loader calls it on the
-copy it just made, before the group's parameters point at it), so bytes overwritten since the
-store was written (random bytes, NaNs) raise :class:`WeightStoreError` naming the tensor and
-its group instead of loading silently.
+copy it reads out of the file, before the group's parameters point at anything made from it),
+so bytes overwritten since the store was written (random bytes, NaNs) raise
+:class:`WeightStoreError` naming the tensor and its group instead of loading silently. The check
+is made once per read from the file, not at every load: where the device is not host memory
+(a GPU), the bytes are read once into a :class:`HostCopy` and verified there, and the device
+copies come from it.
+
+A :class:`HostCopy` is a loader's host-side copy of a store (pinned for a GPU's DMA): one
+buffer allocated once and reused by every later load, each group read from the file and
+verified once (again only if the file changed), so a reload copies verified bytes without
+reading the disk or checksumming them again (PipeSwitch keeps the models it switches between in
+pinned host memory).
 
 Example:
     >>> import tempfile, os, torch
@@ -42,7 +51,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -194,8 +203,11 @@ class WeightStore:
 
     def __init__(self, path: Path, mm: mmap.mmap, data_start: int,
                  layout: list[list[tuple[TensorSpec, int]]], ranges: list[tuple[int, int]],
-                 checksums: dict[str, int]):
+                 checksums: dict[str, int], identity: tuple = ()):
         self.path = path
+        self.identity = identity
+        """(device, inode, size, modification time) of the file when it was opened: another
+        value means other bytes."""
         self._mm = mm
         self._data_start = data_start
         self._layout = layout
@@ -228,7 +240,9 @@ class WeightStore:
                                    f"{size}")
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return cls(path, mm, data_start, layout, ranges, checksums)
+            st = os.fstat(f.fileno())
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(path, mm, data_start, layout, ranges, checksums, identity)
 
     def verify(self, k: int, buffer: torch.Tensor) -> None:
         """Check the tensors of group ``k`` in ``buffer`` (a ``uint8`` CPU tensor holding the
@@ -286,6 +300,61 @@ class WeightStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A ``uint8`` host buffer of ``nbytes`` (page-locked when ``pin``: a GPU copies from it
+    asynchronously, by DMA)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+class HostCopy:
+    """A store's groups in one host buffer (see the module docstring), for a loader whose
+    device is not host memory: ``group(store, k)`` gives group ``k``'s bytes, read from the
+    file and verified the first time (:meth:`WeightStore.verify`) and as they are afterwards.
+    The buffer (:func:`host_buffer`, pinned when ``pin``) is allocated once, on first use, and
+    reused for every later load; the groups are read again only when the store's file changed
+    (another :attr:`WeightStore.identity`). A group whose check failed is read again next time.
+    Loads must have finished reading the buffer (their copies done) before a changed file is
+    read into it: a loader runs one load at a time and a run ends when its copies have.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> write_store(path, [[("a", torch.ones(3))], [("b", torch.zeros(2))]])
+        >>> specs = [[TensorSpec.of("a", torch.ones(3))], [TensorSpec.of("b", torch.zeros(2))]]
+        >>> copy = HostCopy(pin=False)
+        >>> with WeightStore.open(path, specs) as store:
+        ...     first = copy.group(store, 0)
+        ...     again = copy.group(store, 0)            # no read, no check: the same bytes
+        >>> first.data_ptr() == again.data_ptr(), first[:12].view(torch.float32).tolist()
+        (True, [1.0, 1.0, 1.0])
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._buffer: Optional[torch.Tensor] = None
+        self._identity: Optional[tuple] = None
+        self._offsets: list[int] = []
+        self._ready: set[int] = set()
+
+    def group(self, store: "WeightStore", k: int) -> torch.Tensor:
+        """Group ``k`` of ``store`` in the host buffer, verified (raises ``WeightStoreError``
+        naming a corrupt tensor)."""
+        if store.identity != self._identity or not store.identity:
+            sizes = [store.group_nbytes(j) for j in range(store.num_groups)]
+            self._offsets = [0]
+            for n in sizes:
+                self._offsets.append(self._offsets[-1] + n)
+            if self._buffer is None or self._buffer.numel() < self._offsets[-1]:
+                self._buffer = host_buffer(self._offsets[-1], self.pin)
+            self._identity, self._ready = store.identity, set()
+        view = self._buffer[self._offsets[k]:self._offsets[k + 1]]
+        if k not in self._ready:
+            view.copy_(store.group_region(k))  # the one read from the file
+            store.verify(k, view)
+            self._ready.add(k)
+        return view
 
 
 def view_tensor(buffer: torch.Tensor, spec: TensorSpec, offset: int) -> torch.Tensor:

@@ -8,27 +8,38 @@ parameters and buffers each group loads, ``write_groups`` writes them as a store
 stream and a ``group k`` piece on the ``compute`` stream, the group's segment of the graph (cut
 at the markers, :func:`cut_at_markers`), which waits for ``load group k`` and ``group k-1``. The
 loads run one after another (one link) and ahead of the compute, so group ``k+1``'s weights
-load while group ``k`` computes. A load copies the group's contiguous buffer out of the
-memory-mapped store (through a pinned staging copy on a side CUDA stream on a GPU), checks the
-bytes against the store's checksums (a corrupt tensor raises ``WeightStoreError`` naming it and
-its group) and points the group's parameters and buffers at views of the copy. The store is
-validated before anything runs.
+load while group ``k`` computes. The program runs on its device's backend
+(``tidal.runtime.program.runner_backend``; on a GPU, CUDA streams): the loads on the backend's
+``load`` stream (low priority, not occupying the device), the groups on the compute stream at
+the job's priority, an event between a group's load and its compute. A load copies the
+group's contiguous buffer onto the device on the stream it runs on and points the group's
+parameters and buffers at views of the copy; on a GPU the group's compute waits for the copy's
+event and the copy is marked used on the compute stream (``record_stream``). The bytes are
+checked against the store's checksums as they are read from the file (a corrupt tensor raises
+``WeightStoreError`` naming it and its group): on the CPU into the copy itself, on any other
+device into the program's host copy (``tidal.runtime.weight_store.HostCopy``: one buffer,
+pinned on a GPU, allocated once and reused, each group read and verified once), from which a
+GPU copies by DMA. The store is validated before anything runs. A run's
+:class:`LoadTimeline` is read from its launches: device-side times on the backend's one clock
+(CUDA event times on a GPU).
 
 :class:`LayerGroupsProgram` is the rank program of a ``LayerGroupPlan`` that names a weight
 store (:func:`from_plan`). Its first forward streams the weights in
 (:meth:`~LayerGroupsProgram.run`; the :class:`LoadTimeline` it returns is read from the piece
-trace). A training step (:meth:`~LayerGroupsProgram.bind`) runs the groups' forward segments of
-the captured joint forward+backward graph (``tidal.ir.capture.capture_train_step``, cut at the
-same markers), then ``backward k`` segments (each ends where the gradients of group ``k``'s
-parameters are complete, the last group first) and the ``optimizer`` piece; the loads are in the
-program only until the weights are resident. The segments are lowered and captured once per
-input shape (``tidal.runtime.program.CapturedProgram``: a CUDA graph on a GPU, the straight-line
-replay on the CPU); a node that cannot run captured (an in-place update of a buffer, a host
-sync) runs uncaptured in its piece and :meth:`~LayerGroupsProgram.uncaptured` names it. A step
-that cannot be captured runs the groups' segments of the graph module with autograd, then an
-eager ``backward`` piece (``fallback_reason`` says why). :func:`run_pipelined` and
-:func:`cold_start` are the cold-start forward of a graph module and of a compiled model (run
-node by node, not captured: see :meth:`~LayerGroupsProgram.run`).
+trace). Its first training step (:meth:`~LayerGroupsProgram.bind`) loads the weights: the
+groups run the graph module's segments with autograd as the weights stream in, then an eager
+``backward`` piece. Every later step runs the groups' forward segments of the captured joint
+forward+backward graph (``tidal.ir.capture.capture_train_step``, cut at the same markers), then
+``backward k`` segments (each ends where the gradients of group ``k``'s parameters are
+complete, the last group first) and the ``optimizer`` piece. The segments are lowered and
+captured once per input shape, against the resident weights, which every replay reads in place
+(``tidal.runtime.program.CapturedProgram``: CUDA graphs in a memory pool of their own on a GPU,
+the straight-line replay on the CPU); a node that cannot run captured (an in-place update of a
+buffer, a host sync) runs uncaptured in its piece and :meth:`~LayerGroupsProgram.uncaptured`
+names it. A step that cannot be captured runs the groups' segments of the graph module with
+autograd, then an eager ``backward`` piece (``fallback_reason`` says why). :func:`run_pipelined`
+and :func:`cold_start` are the cold-start forward of a graph module and of a compiled model, on
+any device (run node by node, not captured: see :meth:`~LayerGroupsProgram.run`).
 
 Example:
     >>> import os, tempfile, torch, tidal
@@ -61,32 +72,47 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
 from tidal.ir import ops
 from tidal.ir.capture import TrainStep, capture_train_step
 from tidal.ir.errors import TraceError
 from tidal.ir.inputs import as_kwargs, bind_inputs
 from tidal.ir.node_runner import flat_tensors
-from tidal.runtime.backend import Backend, backend_for
+from tidal.ir.rng import fork_rng_of
+from tidal.runtime.backend import Backend, backend_for, used_here
 from tidal.runtime.program import (COMPUTE, CapturedProgram, CapturedRun, Piece, PieceTrace,
-                                   Program, ProgramRunner, _grad_nodes)
+                                   Program, ProgramRunner, _grad_nodes, device_of,
+                                   runner_backend, state_inputs)
 from tidal.runtime.programs.data_parallel import _failing_node, _flat
 from tidal.runtime.weight_loader import GroupedTensors, expected_specs, group_tensors
-from tidal.runtime.weight_store import PathLike, WeightStore, WeightStoreError, view_tensor
+from tidal.runtime.weight_store import HostCopy, PathLike, WeightStore, view_tensor
 
 PLAN_KIND = "LayerGroupPlan"
 LOAD = "load"
-"""The stream of the weight loads (host-side: it does not occupy the device)."""
+"""The stream of the weight loads (low priority; a copy engine's work: it does not occupy the
+device's compute)."""
+
+LOADING_STEP = ("the step that loads the weights runs the groups with autograd and an eager "
+                "backward (the captured steps after it read the weights in place, where the "
+                "loads put them)")
+"""Why the training step that loads the weights runs uncaptured."""
 
 Segment = tuple[str, ...]
 """Node names of one compute piece, in graph order."""
 
 
 def from_plan(gm: fx.GraphModule, plan: Any) -> Optional["LayerGroupsProgram"]:
-    """The rank program of a ``layer_groups`` plan that names a weight store (None without
-    one: the graph runs as it is)."""
+    """The rank program of a ``layer_groups`` plan that names a weight store, loading onto
+    the device of ``gm``'s parameters (None without a store: the graph runs as it is)."""
     store = getattr(plan, "weight_store", None)
-    return LayerGroupsProgram(store) if store else None
+    return LayerGroupsProgram(store, device_of(gm)) if store else None
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (a device without an index matches any index
+    of its type)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def cut_at_markers(nodes: Iterable[fx.Node]) -> list[Segment]:
@@ -139,9 +165,11 @@ def pipelined(forward: Sequence[Segment], tail: Sequence[tuple[str, Segment]] = 
 
 @dataclass(frozen=True)
 class LoadTimeline:
-    """Recorded times in seconds from the start of the run: per group the ``transfer`` (its
-    load piece) and the ``execute`` (its compute piece) interval, and when the output was
-    ready; ``program`` and ``trace`` are the pieces that ran."""
+    """Recorded times in seconds from the start of the run, read from the pieces' launches:
+    device-side times on the backend's one clock (on a GPU, CUDA event times; on the CPU, the
+    stream workers'): per group the ``transfer`` (its load piece) and the ``execute`` (its
+    compute piece) interval, and when the output was ready; ``program`` and ``trace`` are the
+    pieces that ran."""
 
     transfer: tuple[tuple[float, float], ...]
     execute: tuple[tuple[float, float], ...]
@@ -165,18 +193,23 @@ class LoadTimeline:
 
 
 class _Loads:
-    """One run's weight loads: ``load(k)`` (the ``load group k`` piece) copies group ``k`` out
-    of the open ``store``, checks it and points the group's tensors (``targets[k]``) at the
-    copy; ``ready(k)`` (at the start of ``group k``) raises if that failed. The store closes
-    after the last load, and ``resident()`` is called once every group is in."""
+    """One run's weight loads: ``load(k)`` (the ``load group k`` piece) copies group ``k``
+    of the open ``store`` onto ``device`` (on the stream the piece runs on) and points the
+    group's tensors (``targets[k]``) at the copy; ``ready(k)`` (at the start of ``group k``)
+    raises if that failed and, on a GPU, orders the consuming stream after the copy. Bytes
+    are verified as they are read from the file (see the module docstring; ``host`` is the
+    program's host copy for a device that is not host memory). The store closes after the
+    last load, and ``resident()`` is called once every group is in."""
 
     def __init__(self, store: WeightStore, targets: GroupedTensors, device: torch.device,
-                 link: tuple[Optional[float], float], resident: Callable[[], None]):
+                 link: tuple[Optional[float], float], resident: Callable[[], None],
+                 host: Optional[HostCopy] = None):
         self.store, self.targets, self.device, self.link = store, targets, device, link
         self.resident = resident
+        self.host = host if host is not None else HostCopy(pin=device.type == "cuda")
         self.done = [False] * store.num_groups
+        self.buffers: list[Optional[torch.Tensor]] = [None] * store.num_groups
         self.events: list[Any] = [None] * store.num_groups
-        self.cuda_stream: Any = None
 
     def load(self, k: int) -> None:
         """Load group ``k`` (after the groups before it)."""
@@ -186,7 +219,7 @@ class _Loads:
                 raise RuntimeError(f"weight group {k} of {self.store.path} is not loaded: "
                                    f"loading group {failed[0]} failed")
             start = time.perf_counter()
-            buf = self._copy(k)
+            buf = self.buffers[k] = self._copy(k)
             for (spec, offset), (_, target) in zip(self.store.group_tensors(k), self.targets[k]):
                 target.data = view_tensor(buf, spec, offset)
             bandwidth, overhead = self.link
@@ -202,34 +235,32 @@ class _Loads:
             self.resident()
 
     def _copy(self, k: int) -> torch.Tensor:
-        """Group ``k``'s bytes on the device, checked against the store's checksums before
-        they are returned (on a GPU the check reads the pinned staging copy while the
-        transfer runs)."""
-        region = self.store.group_region(k)
-        if self.device.type == "cuda":  # pinned staging + side stream; not measured here
-            self.cuda_stream = self.cuda_stream or torch.cuda.Stream(self.device)
-            staging = region.pin_memory()
-            with torch.cuda.stream(self.cuda_stream):
-                dst = torch.empty(region.numel(), dtype=torch.uint8, device=self.device)
-                dst.copy_(staging, non_blocking=True)
-                self.events[k] = torch.cuda.Event()
-                self.events[k].record(self.cuda_stream)
-            self.store.verify(k, staging)
+        """Group ``k``'s bytes on the device, verified: on the CPU the copy out of the file is
+        checked; elsewhere the verified host copy is copied on the current stream (on a GPU
+        asynchronously, from pinned memory, an event recorded after it)."""
+        if self.device.type == "cpu":
+            dst = torch.empty(self.store.group_nbytes(k), dtype=torch.uint8)
+            dst.copy_(self.store.group_region(k))  # the read from the file
+            self.store.verify(k, dst)
             return dst
-        dst = torch.empty(region.numel(), dtype=torch.uint8, device=self.device)
-        dst.copy_(region)
-        # the checksum is computed on the host: verify the source bytes off the CPU
-        self.store.verify(k, dst if dst.device.type == "cpu" else region)
+        src = self.host.group(self.store, k)
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        dst.copy_(src, non_blocking=self.host.pin)
+        if self.device.type == "cuda":
+            self.events[k] = torch.cuda.Event()
+            self.events[k].record(torch.cuda.current_stream(self.device))
         return dst
 
     def ready(self, k: int) -> None:
-        """Raise unless group ``k``'s weights were loaded (on a GPU, make the current stream
-        wait for their copy)."""
+        """Raise unless group ``k``'s weights were loaded; on a GPU, make the current stream
+        wait for their copy and mark the copy used on it (the copy was made on the load
+        stream: its memory is not reused before this stream's work on it ends)."""
         if not self.done[k]:
             raise RuntimeError(f"group {k} cannot run: its weights were not loaded (see the "
                                f"piece 'load group {k}')")
         if self.events[k] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.events[k])
+            used_here(self.buffers[k])
 
 
 def graph_interpreter(gm: fx.GraphModule, *args: Any) -> fx.Interpreter:
@@ -328,14 +359,13 @@ def _positional(gm: fx.GraphModule, args: Sequence[Any], kwargs: Optional[dict])
 
 @dataclass(frozen=True)
 class _Step:
-    """A training step for one input shape: the captured joint graph and its lowered, captured
-    segments (None: eager backward), its program with the loads and without them, and what it
-    runs uncaptured (the node and why; for the eager step, the fallback reason)."""
+    """A training step for one input shape on the resident weights: the captured joint graph
+    and its lowered, captured segments (None: eager backward), its program, and what it runs
+    uncaptured (the node and why; for the eager step, the fallback reason)."""
 
     train: Optional[TrainStep]
     captured: Optional[CapturedProgram]
-    loading: Pipelined
-    resident: Pipelined
+    run: Pipelined
     uncaptured: tuple[tuple[str, str], ...] = ()
 
 
@@ -372,30 +402,47 @@ def _joint_segments(train: TrainStep, groups: GroupedTensors
 class LayerGroupsProgram:
     """The rank program of a layer-group plan with a weight store at ``path`` (see the module
     docstring). ``loaded`` says whether the weights are resident; ``last_timeline`` is the
-    cold-start forward's :class:`LoadTimeline`. ``device`` is where the weights go;
-    ``link_bytes_per_us``/``link_overhead_us`` emulate a slower link (each load takes at least
-    ``overhead + bytes / bandwidth``), for tests and benchmarks."""
+    cold-start forward's :class:`LoadTimeline`. ``device`` is where the weights go (the CPU
+    by default); ``backend`` what :meth:`run` runs on and the steps are captured with (by
+    default the device's, ``runner_backend(device)``, made once: on a GPU its CUDA graphs have
+    this program's own memory pool); ``link_bytes_per_us``/``link_overhead_us`` emulate a
+    slower link (each load takes at least ``overhead + bytes / bandwidth``), for tests and
+    benchmarks. The program's host copy of the store (:class:`HostCopy`, for a device other
+    than the CPU) is filled by its first load and serves every later one."""
 
     def __init__(self, path: PathLike, device: Optional[torch.device] = None,
-                 link_bytes_per_us: Optional[float] = None, link_overhead_us: float = 0.0):
+                 link_bytes_per_us: Optional[float] = None, link_overhead_us: float = 0.0,
+                 backend: Optional[Backend] = None):
         if link_bytes_per_us is not None and not link_bytes_per_us > 0:
             raise ValueError(f"LayerGroupsProgram: link_bytes_per_us={link_bytes_per_us!r} "
                              f"must be > 0")
         self.path = path
-        self.device = torch.device(device or "cpu")
+        self.device = torch.device(device if device is not None else "cpu")
         self.link = (link_bytes_per_us, link_overhead_us)
         self.loaded = False
         self.fallback_reason = ""
         self.last_timeline: Optional[LoadTimeline] = None
+        self.host = HostCopy(pin=self.device.type == "cuda")
         self._steps: dict[tuple, _Step] = {}
         self._latest: Optional[_Step] = None
+        self._given = backend
+        self._own: Optional[Backend] = None
         self._backends: dict[torch.device, Backend] = {}
+
+    @property
+    def backend(self) -> Backend:
+        """The backend this program runs and captures on (see the class docstring)."""
+        if self._given is not None:
+            return self._given
+        if self._own is None:  # the meta device (shapes, no data) runs on the CPU's
+            self._own = runner_backend("cpu" if self.device.type == "meta" else self.device)
+        return self._own
 
     def _open(self, gm: fx.GraphModule) -> _Loads:
         """The loads of one run from the store, validated against ``gm``'s groups first."""
         targets = group_tensors(gm)
         store = WeightStore.open(self.path, expected_specs(targets))
-        return _Loads(store, targets, self.device, self.link, self._resident)
+        return _Loads(store, targets, self.device, self.link, self._resident, self.host)
 
     def _resident(self) -> None:
         self.loaded = True
@@ -408,14 +455,20 @@ class LayerGroupsProgram:
         cold start it is there to shorten."""
         values = _positional(gm, args, kwargs)
         loads = self._open(gm)
+        runner = ProgramRunner(backend=self.backend)
         try:
             run = pipelined(cut_at_markers(gm.graph.nodes))
             bound = InterpretedSegments(run, graph_interpreter(gm, *values), loads)
-            with ProgramRunner() as runner:
-                trace = runner.launch(bound.program, bound.work)  # a corrupt load: WeightStoreError
+            trace = runner.launch(bound.program, bound.work)  # a corrupt load: WeightStoreError
         finally:
             loads.store.close()
-        return bound.output(), LoadTimeline.of(run, trace)
+            if self._given is None:  # the CPU's stream workers end; the backend stays
+                runner.close()
+        out = bound.output()
+        # made on the program's streams, used on the caller's from now on (a GPU's allocator
+        # must not hand their memory back to those streams before the caller's work on it ran)
+        used_here(*flat_tensors(out), *(b for b in loads.buffers if b is not None))
+        return out, LoadTimeline.of(run, trace)
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """The first call streams the weights in (:meth:`run`); later ones run the resident
@@ -427,27 +480,31 @@ class LayerGroupsProgram:
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> _Bound:
-        """One training step (see the module docstring); the step's program is built and
-        captured once per input shape, with the loads until the weights are resident. One
-        step of a shape runs at a time (a program job binds a step once the previous one
-        ended): its captured segments have one set of static buffers."""
+        """One training step (see the module docstring). Until the weights are resident, the
+        step loads them: its groups run ``gm``'s segments with autograd as the weights stream
+        in, then an eager ``backward`` (the captures read the parameters in place, from where
+        the loads put them, so they are made once the weights are resident). Afterwards the
+        step's program is built and captured once per input shape. One step of a shape runs
+        at a time (a program job binds a step once the previous one ended): its captured
+        segments have one set of static buffers."""
         inputs = tuple(inputs)
+        if not self.loaded:
+            run = pipelined(cut_at_markers(gm.graph.nodes), [("backward", ()), ("optimizer", ())])
+            self._latest = _Step(None, None, run, (("-", LOADING_STEP),))
+            return bind_training(run, gm, inputs, targets, loss_fn, optimizer, self._open(gm))
         key = tuple((tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
         if key not in self._steps:
             self._steps[key] = self._capture(gm, inputs, targets, loss_fn)
         step = self._latest = self._steps[key]
-        loads = None if self.loaded else self._open(gm)
-        run = step.resident if loads is None else step.loading
-        if step.captured is None or (loads is not None and _moves(loads)):
-            # the weights change device during this step: the captured segments cannot
-            # take them (their inputs' devices are fixed), this one step runs eagerly
-            return bind_training(run, gm, inputs, targets, loss_fn, optimizer, loads)
-        return _bind_captured(run, step, gm, inputs, targets, optimizer, loads)
+        if step.captured is None:
+            return bind_training(step.run, gm, inputs, targets, loss_fn, optimizer, None)
+        return _bind_captured(step, gm, inputs, targets, optimizer)
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of each node the latest step's program runs uncaptured (the
         ``group_boundary`` markers, which compute nothing, left out); for an eager step,
-        ``[(node or "-", fallback_reason)]``."""
+        ``[(node or "-", fallback_reason)]``; for the step that loads the weights,
+        ``[("-", LOADING_STEP)]``."""
         return list(self._latest.uncaptured) if self._latest is not None else []
 
     def _capture(self, gm: fx.GraphModule, inputs: tuple, targets: Any,
@@ -459,52 +516,43 @@ class LayerGroupsProgram:
         except (TraceError, ValueError) as e:
             return self._eager_step(gm, str(e))
         tail.append(("optimizer", ()))
-        resident = pipelined(forward, tail, loads=False)
-        flat = _flat(train, gm, inputs, targets)
-        # on copies placed where the weights will be once loaded (capturing moves nothing)
-        where = [v.to(self.device) if isinstance(v, torch.Tensor) and not self.loaded else v
-                 for v in flat]
+        run = pipelined(forward, tail, loads=False)
+        flat = _flat(train, gm, inputs, targets)  # the resident weights, read in place
         try:
-            with torch.random.fork_rng(devices=[]):  # capturing consumes no randomness
-                captured = CapturedProgram.build(resident.program, train.gm, where,
-                                                 self._backend(where))
+            with fork_rng_of(flat):  # capturing consumes no randomness, on any device
+                captured = CapturedProgram.build(run.program, train.gm, flat,
+                                                 self._backend(flat), state=state_inputs(train))
         except Exception as e:  # noqa: BLE001 - the eager step runs, the node named
-            failing = _failing_node(train, where)
+            failing = _failing_node(train, flat)
             named = re.match(r"node '([^']+)'", failing)
             return self._eager_step(gm, "the captured step failed to run: " + (
                 failing or f"{type(e).__name__}: {e}"), named.group(1) if named else "-")
         markers = {n.name for n in train.gm.graph.nodes if n.target is ops.GROUP_BOUNDARY}
         uncaptured = tuple((node, why) for node, why in captured.uncaptured()
                            if node not in markers)
-        return _Step(train, captured, pipelined(forward, tail), resident, uncaptured)
+        return _Step(train, captured, run, uncaptured)
 
     def _eager_step(self, gm: fx.GraphModule, why: str, node: str = "-") -> _Step:
         """The step that runs the groups with autograd and an eager ``backward``."""
         self.fallback_reason = (f"the training step runs the groups with autograd and an "
                                 f"eager backward: {why}")
-        forward, tail = cut_at_markers(gm.graph.nodes), [("backward", ()), ("optimizer", ())]
-        return _Step(None, None, pipelined(forward, tail), pipelined(forward, tail, loads=False),
-                     ((node, self.fallback_reason),))
+        run = pipelined(cut_at_markers(gm.graph.nodes), [("backward", ()), ("optimizer", ())],
+                        loads=False)
+        return _Step(None, None, run, ((node, self.fallback_reason),))
 
     def _backend(self, flat: Sequence[Any]) -> Backend:
-        """The capture backend of the device of ``flat``'s tensors (one per device, so a
-        GPU's CUDA graphs share one memory pool)."""
+        """The capture backend of the device of ``flat``'s tensors: this program's
+        :attr:`backend` on its device, else one made once per device."""
         device = flat_tensors(flat)[0].device
+        if _same_device(device, self.device):
+            return self.backend
         if device not in self._backends:
             self._backends[device] = backend_for(device)
         return self._backends[device]
 
 
-def _moves(loads: _Loads) -> bool:
-    """Whether the loads put a tensor on another device than the one it is on."""
-    to = loads.device
-    return any(t.device.type != to.type or to.index is not None and t.device.index != to.index
-               for group in loads.targets for _, t in group)
-
-
-def _bind_captured(run: Pipelined, step: _Step, gm: fx.GraphModule, inputs: tuple,
-                   targets: Any, optimizer: torch.optim.Optimizer,
-                   loads: Optional[_Loads]) -> _Bound:
+def _bind_captured(step: _Step, gm: fx.GraphModule, inputs: tuple, targets: Any,
+                   optimizer: torch.optim.Optimizer) -> _Bound:
     """A step of the captured joint graph: its segments (lowered, captured) compute the loss
     and the gradients, the ``optimizer`` piece applies them. What outlives the step is copied
     out of a CUDA graph's static outputs, which the next step's replay overwrites."""
@@ -520,8 +568,8 @@ def _bind_captured(run: Pipelined, step: _Step, gm: fx.GraphModule, inputs: tupl
             params[name].grad = g if g.device.type == "cpu" else g.clone()  # CPU: its own
         optimizer.step()
 
-    index = {p.name: i for i, p in enumerate(step.resident.program.pieces)}
-    return _Replayed(run, replay, index, loads, calls={"optimizer": apply},
+    index = {p.name: i for i, p in enumerate(step.run.program.pieces)}
+    return _Replayed(step.run, replay, index, None, calls={"optimizer": apply},
                      loss=lambda: replay.value(loss).detach().clone())
 
 
@@ -545,20 +593,27 @@ def bind_training(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: An
 
 def run_pipelined(gm: fx.GraphModule, path: PathLike, inputs: Sequence[Any],
                   kwargs: Optional[dict] = None, *, device: Optional[torch.device] = None,
-                  link_bytes_per_us: Optional[float] = None, link_overhead_us: float = 0.0
-                  ) -> tuple[Any, LoadTimeline]:
-    """Run ``gm`` while its weights stream in from the store at ``path``; return the output
-    and the recorded timeline (:meth:`LayerGroupsProgram.run`). The store is validated before
-    anything runs."""
-    return LayerGroupsProgram(path, device, link_bytes_per_us, link_overhead_us).run(
-        gm, inputs, kwargs)
+                  link_bytes_per_us: Optional[float] = None, link_overhead_us: float = 0.0,
+                  backend: Optional[Backend] = None) -> tuple[Any, LoadTimeline]:
+    """Run ``gm`` while its weights stream in from the store at ``path`` onto ``device``
+    (the CPU by default); return the output and the recorded timeline
+    (:meth:`LayerGroupsProgram.run`). The store is validated before anything runs."""
+    return LayerGroupsProgram(path, device, link_bytes_per_us, link_overhead_us,
+                              backend).run(gm, inputs, kwargs)
 
 
-def cold_start(compiled: Any, path: PathLike, *inputs: Any, **kwargs: Any) -> Any:
-    """The first output of a compiled model whose weights stream in from ``path`` (the
-    ``layer_groups`` pass must have run). Inputs default to the compile-time example inputs."""
+def cold_start(compiled: Any, path: PathLike, *inputs: Any, device: Any = None,
+               **kwargs: Any) -> Any:
+    """The first output of a compiled model whose weights stream in from ``path`` onto
+    ``device`` (by default where the model's parameters are; the ``layer_groups`` pass must
+    have run). Inputs default to the compile-time example inputs; their tensors are moved to
+    ``device``."""
+    gm = compiled.graph_module
+    where = torch.device(device) if device is not None else device_of(gm)
     if not inputs and not kwargs:
         example = compiled.context.example_inputs
         inputs, kwargs = ((), dict(example)) if isinstance(example, Mapping) else (example, {})
-    out, _ = run_pipelined(compiled.graph_module, path, inputs, kwargs)
+    inputs, kwargs = tree_map(lambda v: v.to(where) if isinstance(v, torch.Tensor) else v,
+                              (tuple(inputs), dict(kwargs)))
+    out, _ = run_pipelined(gm, path, inputs, kwargs, device=where)
     return out
