@@ -14,19 +14,26 @@ model transmission), for
 Models: ResNet-152 and BERT-base (examples/models, batch 1, inference), grouped by the
 ``layer_groups`` pass (its ``optimal`` grouping, calibrated to this machine's host copy
 bandwidth and forward speed). For (c) it also prints the pipelining ratio: B's first output
-in the worker over (group 0's transfer + a resident forward); the goal is <= 1.2. On this
-machine the "device" is the CPU: every figure is a CPU figure, none is a GPU number.
+in the worker over (group 0's transfer + a resident forward); the goal is <= 1.2. ``--device``
+picks the device (default ``cpu``; ``cuda`` on a GPU machine: the new process of (a) then
+creates its CUDA context, as a restarted job does); figures are labelled with it.
+
+``stop_and_start(ctx, job, host, device)`` and ``tidal_switch(sw, name)`` are what a harness
+calls to compare one switch against a restart on any device with small models (``make
+gpu-check``'s ``task_switch``).
 
 It then compares where a switch stops a *training* job A (ResNet-152-sized, batch 2) for an
 inference job B: ``preempt_at="piece"`` (after the running piece, the unfinished iteration
 rolled back) against ``"iteration"`` (at the end of the iteration): the wait until A stopped
 and B's request -> first output, for requests at seeded random moments of A's iteration.
 
-Run: ``.venv/bin/python benchmarks/switching.py`` (``--rounds 3 --preempt-rounds 5``).
+Run: ``.venv/bin/python benchmarks/switching.py`` (``--rounds 3 --preempt-rounds 5
+--device cpu``).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import pickle
@@ -49,37 +56,62 @@ from tidal.ir import cost  # noqa: E402
 from tidal.ir.table import format_table  # noqa: E402
 from tidal.passes.layer_groups import LayerGroups  # noqa: E402
 from tidal.runtime.switching import HostModel, Repeat, SwitchJob, Switcher  # noqa: E402
+from tidal.runtime.switching.device import enter_device, to_device  # noqa: E402
 from tidal.runtime.switching.job import PortableGraph, weightless  # noqa: E402
 
 MODELS = ("resnet152", "bert_base")
 
 
-def _copy_gbps(nbytes: int = 256 << 20) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8).share_memory_()
-    dst = torch.empty_like(src)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _same(out: torch.Tensor, expected: torch.Tensor, device: str) -> bool:
+    """B's output (on the CPU) is the eager model's: bit for bit on the CPU, to float32
+    rounding on a GPU (other kernels)."""
+    if torch.device(device).type == "cpu":
+        return torch.equal(out, expected)
+    return torch.allclose(out.cpu(), expected.cpu(), rtol=1e-4, atol=1e-5)
+
+
+def _copy_gbps(device: str = "cpu", nbytes: int = 256 << 20) -> float:
+    """Host copy -> ``device`` bandwidth (from pinned memory on a GPU)."""
+    dev = enter_device(device)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    src = src.pin_memory() if dev.type == "cuda" else src.share_memory_()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst.copy_(src)
+    _sync(dev)
     t0 = time.perf_counter()
     dst.copy_(src)
+    _sync(dev)
     return nbytes * 8 / 1e9 / (time.perf_counter() - t0)
 
 
-def _job(name: str, gbps: float) -> tuple[SwitchJob, torch.Tensor, float]:
+def _job(name: str, gbps: float, device: str = "cpu") -> tuple[SwitchJob, torch.Tensor, float]:
+    """Job ``name`` grouped for this machine (its forward timed on ``device``), its eager
+    output (on the CPU) and forward seconds."""
     torch.manual_seed(0)
     model = ZOO[name]().eval()
     x = model.example_inputs(1)
     flops = cost.total_cost(tidal.compile(model, x).graph_module, 1)["fwd_flops"]
+    dev = enter_device(device)
+    on_device, xd = copy.deepcopy(model).to(dev), to_device(x, dev)
     with torch.no_grad():
-        model(*x)
+        on_device(*xd)
+        _sync(dev)
         t0 = time.perf_counter()
-        expected = model(*x)
+        expected = on_device(*xd)
+        _sync(dev)
         fwd = time.perf_counter() - t0
     cluster = tidal.Cluster(gpus=1, bandwidth_gbps=gbps, latency_us=20.0,
                             peak_tflops=flops / fwd / 1e12)
     c = tidal.compile(model, x, cluster=cluster, passes=[LayerGroups(grouping="optimal")])
     groups = len(c.plan.get("layer_groups").groups)
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
-          f"{groups} groups, forward {fwd * 1e3:.0f} ms (CPU)", file=sys.stderr, flush=True)
-    return SwitchJob(name, c.graph_module, Repeat(x)), expected, fwd
+          f"{groups} groups, forward {fwd * 1e3:.0f} ms ({dev})", file=sys.stderr, flush=True)
+    return SwitchJob(name, c.graph_module, Repeat(x)), expected.cpu(), fwd
 
 
 # (a) stop-and-start -------------------------------------------------------------------------
@@ -88,24 +120,30 @@ def _idle(ready) -> None:
     time.sleep(3600)
 
 
-def _cold(packed: bytes, host: HostModel, inputs, out) -> None:
+def _cold(packed: bytes, host: HostModel, inputs, out, device: str = "cpu") -> None:
     entered = time.monotonic()
+    dev = enter_device(device)  # a restarted job creates its device context
     gm = weightless(pickle.loads(packed).build())
     built = time.monotonic()
     tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
     views = host.tensors()
-    fresh = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in views.items()}
+    fresh = {k: torch.empty(v.shape, dtype=v.dtype, device=dev) for k, v in views.items()}
     allocated = time.monotonic()
     for k, t in fresh.items():
         t.copy_(views[k])
         tensors[k].data = t
+    _sync(dev)
     loaded = time.monotonic()
     with torch.no_grad():
-        y = gm(*inputs)
+        y = gm(*to_device(inputs, dev)).cpu()  # waits for the device
     out.put((entered, built, allocated, loaded, time.monotonic(), y.numpy()))  # no fd to share
 
 
-def stop_and_start(ctx, job: SwitchJob, host: HostModel) -> dict:
+def stop_and_start(ctx, job: SwitchJob, host: HostModel, device: str = "cpu") -> dict:
+    """Job A's process is killed and a new process started for ``job`` on ``device`` (imports,
+    device context, model, allocation, copy from ``host``, first forward): seconds of each
+    part (``clean``, ``init``, ``alloc``, ``trans``), ``first`` (request -> first output) and
+    ``out`` (B's output, on the CPU)."""
     ready, out = ctx.Event(), ctx.Queue()
     old = ctx.Process(target=_idle, args=(ready,), daemon=True)
     old.start()
@@ -115,7 +153,8 @@ def stop_and_start(ctx, job: SwitchJob, host: HostModel) -> dict:
     old.kill()
     old.join()
     cleaned = time.monotonic()
-    new = ctx.Process(target=_cold, args=(packed, host, job.batches(0), out), daemon=True)
+    new = ctx.Process(target=_cold, args=(packed, host, job.batches(0), out, device),
+                      daemon=True)
     new.start()
     entered, built, allocated, loaded, done, y = out.get(timeout=300)
     first = time.monotonic() - t0
@@ -125,25 +164,29 @@ def stop_and_start(ctx, job: SwitchJob, host: HostModel) -> dict:
 
 
 # (b) one process that reloads ------------------------------------------------------------
-def reload_in_process(job: SwitchJob, host: HostModel, previous: torch.nn.Module) -> dict:
+def reload_in_process(job: SwitchJob, host: HostModel, previous: torch.nn.Module,
+                      device: str = "cpu") -> dict:
+    dev = enter_device(device)
     packed = pickle.dumps(PortableGraph.of(weightless(job.graph)))
+    _sync(dev)
     t0 = time.perf_counter()
     for t in list(previous.parameters()) + list(previous.buffers()):
-        t.data = torch.empty(0, dtype=t.dtype)
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     gc.collect()
     cleaned = time.perf_counter()
     gm = pickle.loads(packed).build()
     built = time.perf_counter()
     views = host.tensors()
-    fresh = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in views.items()}
+    fresh = {k: torch.empty(v.shape, dtype=v.dtype, device=dev) for k, v in views.items()}
     allocated = time.perf_counter()
     tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
     for k, t in fresh.items():
         t.copy_(views[k])
         tensors[k].data = t
+    _sync(dev)
     loaded = time.perf_counter()
     with torch.no_grad():
-        y = gm(*job.batches(0))
+        y = gm(*to_device(job.batches(0), dev)).cpu()
     return {"clean": cleaned - t0, "init": built - cleaned, "alloc": allocated - built,
             "trans": loaded - allocated, "first": time.perf_counter() - t0, "out": y,
             "gm": gm}
@@ -181,16 +224,17 @@ def _train_job(name: str, preempt_at: str) -> SwitchJob:
                      preempt_at=preempt_at)
 
 
-def preemption(name_a: str, name_b: str, rounds: int, seed: int) -> list[list[str]]:
+def preemption(name_a: str, name_b: str, rounds: int, seed: int,
+               device: str = "cpu") -> list[list[str]]:
     """Training job A (``name_a``) runs; at a uniformly random moment of an iteration, a switch
     to inference job B (``name_b``) is asked. Per ``preempt_at``: A's iteration, the wait from
     the request until A stopped (its cleaning excluded) and B's request -> first output (A and
     B share the CPU until A stops)."""
     trains = {m: _train_job(name_a, m) for m in ("piece", "iteration")}
-    infer, expected, _ = _job(name_b, _copy_gbps())
+    infer, expected, _ = _job(name_b, _copy_gbps(device), device)
     rng = random.Random(seed)
     res: dict[str, list[tuple[float, float, float]]] = {m: [] for m in trains}
-    with Switcher(list(trains.values()) + [infer], standby=1) as sw:
+    with Switcher(list(trains.values()) + [infer], device, standby=1) as sw:
         for _ in range(rounds):
             for mode, job in trains.items():
                 sw.switch(job.name)                # until preempted; returns at its first output
@@ -199,7 +243,7 @@ def preemption(name_a: str, name_b: str, rounds: int, seed: int) -> list[list[st
                 iteration = sw.states[job.name].outputs[-1].result.seconds
                 time.sleep(rng.uniform(0.0, iteration))
                 b = sw.switch(infer.name, iterations=1)
-                if not torch.equal(b.output, expected):
+                if not _same(b.output, expected, device):
                     raise AssertionError(f"{name_b}: output differs from the model")
                 a = sw.wait_saved(job.name)
                 sw.stop()
@@ -212,17 +256,17 @@ def preemption(name_a: str, name_b: str, rounds: int, seed: int) -> list[list[st
     return rows
 
 
-def _switch_table(rounds: int) -> None:
+def _switch_table(rounds: int, device: str = "cpu") -> None:
     """The switch request -> first output table of (a), (b), (c) for both models."""
-    gbps = _copy_gbps()
-    print(f"host copy bandwidth {gbps:.1f} Gb/s (CPU)", file=sys.stderr, flush=True)
+    gbps = _copy_gbps(device)
+    print(f"host copy bandwidth {gbps:.1f} Gb/s ({device})", file=sys.stderr, flush=True)
     jobs = {}
     for name in MODELS:
-        jobs[name] = _job(name, gbps)
+        jobs[name] = _job(name, gbps, device)
     hosts = {n: HostModel.of(j.graph) for n, (j, _, _) in jobs.items()}
     ctx = tmp.get_context("spawn")
     res = {(n, m): [] for n in MODELS for m in "abc"}
-    with Switcher([j for j, _, _ in jobs.values()], standby=1) as sw:
+    with Switcher([j for j, _, _ in jobs.values()], device, standby=1) as sw:
         sw.switch(MODELS[-1], iterations=1)
         for _ in range(rounds):
             for name in MODELS:
@@ -230,8 +274,8 @@ def _switch_table(rounds: int) -> None:
     previous = jobs[MODELS[-1]][0].graph
     for _ in range(rounds):
         for name in MODELS:
-            res[(name, "a")].append(stop_and_start(ctx, jobs[name][0], hosts[name]))
-            r = reload_in_process(jobs[name][0], hosts[name], previous)
+            res[(name, "a")].append(stop_and_start(ctx, jobs[name][0], hosts[name], device))
+            r = reload_in_process(jobs[name][0], hosts[name], previous, device)
             previous = r.pop("gm")
             res[(name, "b")].append(r)
     labels = {"a": "(a) stop-and-start", "b": "(b) reload in one process",
@@ -244,7 +288,7 @@ def _switch_table(rounds: int) -> None:
         for m in "abc":
             runs = res[(name, m)]
             for r in runs:
-                if not torch.equal(r["out"], jobs[name][1]):
+                if not _same(r["out"], jobs[name][1], device):
                     raise AssertionError(f"{name} {labels[m]}: output differs from the model")
             med = {k: statistics.median(r[k] for r in runs)
                    for k in ("clean", "init", "alloc", "trans", "first")}
@@ -255,7 +299,7 @@ def _switch_table(rounds: int) -> None:
                          f"{med['first'] * 1e3:.0f}", f"{med['first'] / base:.3f}",
                          f"{(med['first'] - ready) * 1e3:.0f}",
                          f"{(med['first'] - ready) / base_over:.3f}", pipe])
-    print("CPU figures (no GPU on this machine); medians of", rounds, "rounds, ms")
+    print(f"{_label(device)} figures; medians of", rounds, "rounds, ms")
     print(format_table(["model", "mechanism", "task cleaning", "task init", "memory alloc",
                         "model transmission", "request -> first output", "vs (a)",
                         "overhead (- ready forward)", "overhead vs (a)",
@@ -265,6 +309,11 @@ def _switch_table(rounds: int) -> None:
     print("goals: (c) <= 0.050 of (a); first output / (group 0 transfer + forward) <= 1.2")
 
 
+def _label(device: str) -> str:
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3,
@@ -272,13 +321,14 @@ def main(argv=None) -> int:
     ap.add_argument("--preempt-rounds", type=int, default=5,
                     help="rounds of the preemption comparison (0: skip it)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the preemption moments")
+    ap.add_argument("--device", default="cpu", help="the device jobs run on (cpu, cuda)")
     args = ap.parse_args(argv)
     if args.rounds:
-        _switch_table(args.rounds)
+        _switch_table(args.rounds, args.device)
     if args.preempt_rounds:
-        rows = preemption(MODELS[0], MODELS[1], args.preempt_rounds, args.seed)
-        print(f"\npreemption (CPU; medians of {args.preempt_rounds} requests at seeded random "
-              "moments of an iteration, ms)")
+        rows = preemption(MODELS[0], MODELS[1], args.preempt_rounds, args.seed, args.device)
+        print(f"\npreemption ({_label(args.device)}; medians of {args.preempt_rounds} requests "
+              "at seeded random moments of an iteration, ms)")
         print(format_table(["active job", "its iteration", "wait until it stopped",
                             "wait / iteration", f"{MODELS[1]} request -> first output"], rows))
     return 0

@@ -1,11 +1,13 @@
 """PipeSwitch-style fast task switching on one device: a controller with a memory daemon
 (:class:`Arena`), one active and standby worker processes, pipelined weight transmission from
-host memory, and AntMan's arena-enforced memory caps with host fallback.
+host memory, and AntMan's arena-enforced memory caps (a job over its cap spills outside the
+arena and runs on).
 
 Modules: ``arena`` (the one device block and its leases), ``stack`` (a worker's stack-wise
-carving, cap, host fallback), ``host_model`` (host copies in shared memory), ``job`` (what runs),
-``task`` (a job inside a worker), ``worker`` (the worker process), ``switcher`` (the
-controller), ``errors``.
+carving, cap, spills past it), ``host_model`` (host copies in shared memory, page-locked per
+process), ``job`` (what runs), ``task`` (a job inside a worker), ``worker`` (the worker
+process), ``switcher`` (the controller), ``device`` (the indexed device, what moves to and off
+it), ``messages`` (what crosses between processes, checked in the sender), ``errors``.
 
 Example:
     >>> from tidal.runtime.switching import Arena

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from tidal.runtime.switching.device import resolve_device
 from tidal.runtime.switching.errors import SwitchingError
 
 ALIGN = 512
@@ -52,12 +53,13 @@ class Lease:
 class Arena:
     """One block of ``capacity`` bytes on ``device``, allocated at construction (the only
     allocator call: ``allocations``), handed out as :class:`Lease` ranges. ``block`` is the
-    ``uint8`` tensor the workers receive."""
+    ``uint8`` tensor the workers receive; ``device`` is indexed (a bare ``"cuda"``: the
+    current CUDA device)."""
 
     def __init__(self, capacity: int, device: Any = "cpu"):
         if capacity <= 0:
             raise ValueError(f"Arena: capacity={capacity} must be > 0")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.capacity = round_up(capacity, ALIGN)
         self.allocations = 0
         self.block = self._allocate(self.capacity)

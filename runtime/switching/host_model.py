@@ -1,5 +1,6 @@
 """Host copies of a registered model: its weights, layer group by layer group, in shared memory
-(pinned on a GPU), the source of pipelined transmission and where a preempted job's state goes.
+(page-locked on a GPU by each worker that copies from them), the source of pipelined
+transmission and where a preempted job's state goes.
 
 :class:`HostModel` holds one contiguous ``uint8`` buffer per layer group of a graph grouped by
 the ``layer_groups`` pass (the groups of :func:`tidal.runtime.weight_loader.group_tensors`), each
@@ -8,6 +9,12 @@ process sees the same bytes: :meth:`~HostModel.transmit` copies group ``k`` into
 (a slice of the arena) and points the group's tensors of a worker's graph at views of it;
 :meth:`~HostModel.save` copies a job's current tensors back (task cleaning of a training job),
 so the next activation resumes from them bit for bit.
+
+Page-locking is per process: a worker that receives the shared buffers registers them itself
+(:meth:`HostModel.page_lock`, ``cudaHostRegister``) before copying from them to a GPU, checks the
+return code and unregisters them when it stops (:class:`PageLock`). A buffer that cannot be
+registered is named in ``PageLock.failures`` (and a warning) and its copies run unpinned
+(slower, synchronous), never silently.
 
 Example:
     >>> import torch, tidal
@@ -26,7 +33,9 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -46,9 +55,10 @@ class HostModel:
     layout: tuple[tuple[tuple[TensorSpec, int], ...], ...]
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, pin: bool = False) -> "HostModel":
+    def of(cls, gm: fx.GraphModule) -> "HostModel":
         """The host copy of ``gm``'s current weights (``gm`` grouped by the ``layer_groups``
-        pass). ``pin``: page-lock the buffers too (for a GPU's DMA)."""
+        pass), in shared memory (page-lock it in the process that copies from it:
+        :meth:`page_lock`)."""
         buffers, layout = [], []
         for group in group_tensors(gm):
             entries, at = [], 0
@@ -59,8 +69,6 @@ class HostModel:
                 at += spec.nbytes
             buf = torch.zeros(round_up(max(at, 1), TENSOR_ALIGN), dtype=torch.uint8)
             buf.share_memory_()
-            if pin:  # pragma: no cover - needs a GPU
-                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
             for (spec, off), (_, t) in zip(entries, group):
                 view_tensor(buf, spec, off).copy_(t.detach())
             buffers.append(buf)
@@ -95,6 +103,12 @@ class HostModel:
             for (spec, off), t in zip(self.layout[k], self._targets(gm, k)):
                 view_tensor(self.buffers[k], spec, off).copy_(t.detach())
 
+    def page_lock(self, what: str, warn: bool = True) -> "PageLock":
+        """Page-lock the buffers in this process (``cudaHostRegister``) for a GPU's DMA;
+        ``what`` names this host copy in the failures (e.g. ``"job 'bert'"``)."""
+        return PageLock(self.buffers, [f"host copy of {what}, group {k}"
+                                       for k in range(self.num_groups)], warn=warn)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor as a view of the host buffers, by name."""
         return {spec.name: view_tensor(self.buffers[k], spec, off)
@@ -107,3 +121,63 @@ def _tensor(gm: fx.GraphModule, name: str) -> torch.Tensor:
         return gm.get_parameter(name)
     except AttributeError:
         return gm.get_buffer(name)
+
+
+def cuda_error(cudart: Any, code: Any) -> Optional[str]:
+    """None if ``code`` (a CUDA runtime call's return code) is ``cudaSuccess``, else its number
+    and text."""
+    number = int(code)
+    if number == 0:
+        return None
+    try:
+        text = cudart.cudaGetErrorString(code)
+    except Exception:  # noqa: BLE001 - the number alone still names it
+        text = "no description"
+    return f"CUDA error {number} ({text})"
+
+
+class PageLock:
+    """``buffers`` (named ``names``) registered with ``cudaHostRegister`` in this process; a
+    non-zero return code leaves that buffer pageable and is reported in ``failures`` (and a
+    ``RuntimeWarning`` when ``warn``). :meth:`close` unregisters what was registered.
+
+    Example (on the CPU, with a stand-in for ``torch.cuda.cudart()``):
+        >>> import torch
+        >>> from tidal.runtime.switching.host_model import PageLock
+        >>> class OutOfMemory:
+        ...     def cudaHostRegister(self, ptr, size, flags): return 2
+        ...     def cudaGetErrorString(self, code): return "out of memory"
+        >>> lock = PageLock([torch.zeros(64, dtype=torch.uint8)], ["group 0"], warn=False,
+        ...                 cudart=OutOfMemory())
+        >>> lock.failures, lock.locked
+        (['group 0: cudaHostRegister failed: CUDA error 2 (out of memory); its copies ...'], [])
+    """
+
+    def __init__(self, buffers: Sequence[torch.Tensor], names: Sequence[str], *,
+                 warn: bool = True, cudart: Any = None):
+        self.cudart = cudart if cudart is not None else torch.cuda.cudart()
+        self.warn = warn
+        self.locked: list[tuple[str, torch.Tensor]] = []
+        self.failures: list[str] = []
+        for name, buf in zip(names, buffers):
+            code = self.cudart.cudaHostRegister(buf.data_ptr(),
+                                                buf.numel() * buf.element_size(), 0)
+            error = cuda_error(self.cudart, code)
+            if error is None:
+                self.locked.append((name, buf))
+            else:
+                self._fail(f"{name}: cudaHostRegister failed: {error}; its copies run "
+                           "unpinned (slower, synchronous)")
+
+    def _fail(self, note: str) -> None:
+        self.failures.append(note)
+        if self.warn:
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+
+    def close(self) -> None:
+        """Unregister every registered buffer (no copy from them may still be running)."""
+        for name, buf in self.locked:
+            error = cuda_error(self.cudart, self.cudart.cudaHostUnregister(buf.data_ptr()))
+            if error is not None:
+                self._fail(f"{name}: cudaHostUnregister failed: {error}")
+        self.locked = []

@@ -8,7 +8,8 @@ worker by pickle) and, for a training job, a loss function and an optimizer fact
 loss function the job is inference: each iteration is one forward whose output goes back to the
 controller. ``activation_bytes`` is the arena room kept for an iteration's inputs beyond the
 weights; ``cap`` is an opportunistic job's memory cap in bytes (AntMan): what it would hold in
-the arena past the cap lives in host memory instead. ``preempt_at`` says where a switch stops
+the arena past the cap is allocated outside the arena instead (a spill, counted: the job runs
+on, outside its cap). ``preempt_at`` says where a switch stops
 the job: ``"piece"`` (default) after the pieces running when it is asked (a layer group, the
 backward, the optimizer step), the unfinished iteration rolled back and run again on resume, so
 a switch waits at most one piece; ``"iteration"`` at the end of the current iteration, no work

@@ -1,13 +1,16 @@
 """A worker's allocator: tensors carved stack-wise from its arena lease (a model's weights, then
-its activations), with AntMan's memory cap and host fallback (Universal Memory).
+its activations), with AntMan's memory cap and the fallback of a job over it.
 
 :class:`ArenaStack` never calls the device allocator: :meth:`~ArenaStack.take` returns a view of
 the arena block at the stack top, :meth:`~ArenaStack.mark`/:meth:`~ArenaStack.pop` free stack-wise
 (an iteration's activations are popped at its end). The ``cap`` (bytes, ``None``: the whole
 lease) bounds what the job may hold in the arena; a request past it (or past the lease) is
-served from host memory instead (pinned on a GPU) and counted in ``spills``/``spilled_bytes``:
-the job runs on, slower. ``set_cap`` changes it between iterations; a lowered cap applies to
-the next requests (what is already carved stays).
+served outside the arena instead, by the ordinary allocator of the region's device, and
+counted in ``spills``/``spilled_bytes``: the job runs on, correct, outside its cap. On a GPU a
+kernel takes no host tensor (AntMan's Universal Memory reads host memory over the bus through
+mapped memory, which PyTorch does not allocate), so a spill is device memory the arena does not
+hold; on the CPU it is host memory. ``set_cap`` changes the cap between iterations; a lowered
+cap applies to the next requests (what is already carved stays).
 
 Example:
     >>> import torch
@@ -15,7 +18,7 @@ Example:
     >>> block = torch.zeros(4096, dtype=torch.uint8)
     >>> s = ArenaStack(block, cap=1024)
     >>> w = s.take((64,), torch.float32)      # 256 bytes in the arena
-    >>> a = s.take((256,), torch.float32)     # 1024 more: past the cap, served by the host
+    >>> a = s.take((256,), torch.float32)     # 1024 more: past the cap, a spill
     >>> s.used, s.spills, s.spilled_bytes
     (256, 1, 1024)
     >>> w.data_ptr() == block.data_ptr(), a.data_ptr() == block.data_ptr()
@@ -60,14 +63,14 @@ class ArenaStack:
         self.cap = cap
 
     def take_bytes(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` as a ``uint8`` tensor at the stack top, or from host memory (counted) when
-        the cap or the region would be exceeded."""
+        """``nbytes`` as a ``uint8`` tensor at the stack top, or a spill when the cap or the
+        region would be exceeded: ``nbytes`` on the region's device from its ordinary allocator,
+        outside the arena (counted)."""
         start = round_up(self.used, TENSOR_ALIGN)
         if start + nbytes > self.limit:
             self.spills += 1
             self.spilled_bytes += nbytes
-            host = torch.empty(nbytes, dtype=torch.uint8)
-            return host.pin_memory() if self.region.is_cuda else host
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.region.device)
         self.used = start + nbytes
         self.high_water = max(self.high_water, self.used)
         # a tensor of its own on the region's bytes: its own autograd version counter, so
@@ -102,6 +105,6 @@ class ArenaStack:
         self.used = mark
 
     def on_arena(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in the region (not spilled to the host)."""
+        """Whether ``t`` lies in the region (not spilled)."""
         base = self.region.data_ptr()
         return t.device == self.region.device and base <= t.data_ptr() < base + self.region.numel()

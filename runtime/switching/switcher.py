@@ -4,19 +4,24 @@
 :meth:`Switcher.start` builds the host copy of every job's weights in shared memory
 (:class:`~tidal.runtime.switching.host_model.HostModel`), allocates the arena once and spawns
 ``1 + standby`` worker processes (``torch.multiprocessing``, spawn); each imports torch, creates
-the device context, builds every job's task and warms it up, then waits. :meth:`Switcher.switch`
+the device context, page-locks the host copies for itself (on a GPU; a host copy it cannot
+page-lock is named in a ``RuntimeWarning`` here), builds every job's task and warms it up, then
+waits. The device is resolved once, here (a bare ``"cuda"`` is the current CUDA device), and
+the arena, the workers and their tasks all use that indexed device. :meth:`Switcher.switch`
 to job B sets the active worker's ``preempt`` event (it stops after the pieces it is running,
 rolling back the unfinished iteration, or at the next iteration boundary: the job's
 ``preempt_at``; it keeps its state: the weights go back to the host copy and the optimizer
-state to the controller, and becomes standby: task cleaning, asynchronous), leases B's memory from the arena
-(beside A's while A cleans, when the arena has room) and activates a standby worker: B's
-weights transmit group by group while the first groups compute, and ``switch`` returns at B's
-first output. Every wait has a timeout: a dead worker, a stalled one or one that raised gives a
-:class:`~tidal.runtime.switching.errors.SwitchingError` naming it.
+state to the controller, in host memory, and becomes standby: task cleaning, asynchronous),
+leases B's memory from the arena (beside A's while A cleans, when the arena has room) and
+activates a standby worker: B's weights transmit group by group while the first groups compute,
+and ``switch`` returns at B's first output. Every wait has a timeout: a dead worker, a stalled
+one or one that raised gives a :class:`~tidal.runtime.switching.errors.SwitchingError` naming
+it; a message that cannot cross processes fails at once, in its sender
+(:mod:`~tidal.runtime.switching.messages`).
 
 :meth:`Switcher.set_cap` changes an opportunistic job's memory cap (AntMan) between its
-iterations: what it would carve past the cap comes from host memory, counted in
-``Output.spills``.
+iterations: what it would carve past the cap comes from outside the arena (the device's own
+allocator: :class:`~tidal.runtime.switching.stack.ArenaStack`), counted in ``Output.spills``.
 
 Example:
     >>> import functools, torch, tidal
@@ -40,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -47,9 +53,11 @@ import torch
 import torch.multiprocessing as tmp
 
 from tidal.runtime.switching.arena import Arena, Lease
+from tidal.runtime.switching.device import resolve_device
 from tidal.runtime.switching.errors import SwitchingError
 from tidal.runtime.switching.host_model import HostModel
 from tidal.runtime.switching.job import SwitchJob, weightless
+from tidal.runtime.switching.messages import send
 from tidal.runtime.switching.stack import TENSOR_ALIGN
 from tidal.runtime.switching.task import StepResult
 from tidal.runtime.switching.worker import activate_message, serve
@@ -119,7 +127,8 @@ class _Worker:
 
 
 class Switcher:
-    """Fast task switching between ``jobs`` on ``device`` (see the module docstring).
+    """Fast task switching between ``jobs`` on ``device`` (see the module docstring; a bare
+    ``"cuda"`` is resolved to the current CUDA device: ``self.device`` has an index).
     ``standby`` standby workers (>= 1) beside the active one; ``arena_bytes`` the arena size
     (default: room for the two largest jobs, so a switch never waits for a cleaning);
     ``timeout_s`` bounds every wait of a switch, ``start_timeout_s`` the workers' start;
@@ -134,7 +143,7 @@ class Switcher:
         if not jobs or len(set(names)) != len(names):
             raise ValueError(f"Switcher: jobs need distinct names, got {names}")
         self.jobs = {j.name: j for j in jobs}
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.standby, self.timeout_s, self.start_timeout_s = standby, timeout_s, start_timeout_s
         self.threads = threads
         self.arena_bytes = arena_bytes
@@ -156,8 +165,7 @@ class Switcher:
         ready (``start_timeout_s``)."""
         if self.workers:
             return self
-        pin = self.device.type == "cuda"
-        self.hosts = {n: HostModel.of(j.graph, pin=pin) for n, j in self.jobs.items()}
+        self.hosts = {n: HostModel.of(j.graph) for n, j in self.jobs.items()}
         needs = sorted((self.need_bytes(n) for n in self.jobs), reverse=True)
         self.arena = Arena(self.arena_bytes or sum(needs[:2]), self.device)
         ctx = tmp.get_context("spawn")
@@ -211,8 +219,14 @@ class Switcher:
         js.lease = self.arena.lease(name, need)
         js.finished = False
         stop = None if iterations is None else js.next_iteration + iterations
-        w.inbox.put(activate_message(name, js.lease.offset, js.lease.nbytes, js.optimizer_state,
-                                     js.next_iteration, stop))
+        try:
+            send(w.inbox, activate_message(name, js.lease.offset, js.lease.nbytes,
+                                           js.optimizer_state, js.next_iteration, stop),
+                 f"the controller (to {w.describe()})")
+        except SwitchingError:
+            self.arena.release(js.lease)
+            js.lease = None
+            raise
         w.state, w.job = ACTIVE, name
         seen = len(js.outputs)
         self._pump(lambda: len(js.outputs) > seen, f"the first output of job {name!r}")
@@ -302,6 +316,8 @@ class Switcher:
         w = self.workers[wid]
         if kind == "ready":
             w.startup_s = msg[2]
+            for note in msg[3]:
+                warnings.warn(f"worker {wid}: {note}", RuntimeWarning, stacklevel=2)
         elif kind == "output":
             _, _, name, result, spills, spilled, alloc_s = msg
             self.states[name].outputs.append(Output(result, spills, spilled, alloc_s))

@@ -1,6 +1,7 @@
-"""A worker process: started ahead of time (torch imported, the device context created, every
-job's :class:`~tidal.runtime.switching.task.Task` built and warmed up), then standby until the
-controller activates it for a job.
+"""A worker process: started ahead of time (torch imported, the device context created on the
+indexed device the controller resolved, every job's host copy page-locked in this process on a
+GPU, every job's :class:`~tidal.runtime.switching.task.Task` built and warmed up), then standby
+until the controller activates it for a job.
 
 :func:`serve` is the process's main function (``torch.multiprocessing``, spawn). Messages are
 tuples on ``torch.multiprocessing`` queues (tensors cross by shared memory):
@@ -11,10 +12,16 @@ tuples on ``torch.multiprocessing`` queues (tensors cross by shared memory):
   (the job's ``preempt_at`` "piece": the iteration it stops is rolled back and runs again on
   resume) or at every iteration boundary ("iteration"); ``("stop",)`` ends the process.
 - out (``outbox``), each starting with the kind and the worker id: ``ready`` (with its start-up
-  seconds), ``output`` (a :class:`~tidal.runtime.switching.task.StepResult`, the arena spills and
-  the activation's allocation seconds), ``done`` (the iterations ran out; the weights stay
-  resident until preempted), ``stopped`` (preempted and cleaned: the next iteration, the optimizer
-  state, the cleaning seconds), ``error`` (a traceback).
+  seconds and the host copies it could not page-lock), ``output`` (a
+  :class:`~tidal.runtime.switching.task.StepResult`, the arena spills and the activation's
+  allocation seconds), ``done`` (the iterations ran out; the weights stay resident until
+  preempted), ``stopped`` (preempted and cleaned: the next iteration, the optimizer state, the
+  cleaning seconds), ``error`` (a traceback).
+
+Every tensor in a message is in host memory (:func:`~tidal.runtime.switching.device.to_host`: a
+CUDA tensor received over IPC cannot be shared again), and every message is checked before it
+is queued (:func:`~tidal.runtime.switching.messages.send`): one that cannot cross fails at once,
+reported as this worker's error, instead of being lost in the queue's feeder thread.
 
 A worker whose controller has gone exits on its own.
 
@@ -34,8 +41,10 @@ from typing import Any, Optional
 
 import torch
 
-from tidal.runtime.switching.host_model import HostModel
+from tidal.runtime.switching.device import enter_device, to_host
+from tidal.runtime.switching.host_model import HostModel, PageLock
 from tidal.runtime.switching.job import SwitchJob
+from tidal.runtime.switching.messages import send
 from tidal.runtime.switching.stack import ArenaStack
 from tidal.runtime.switching.task import StepResult, Task
 
@@ -58,36 +67,47 @@ def serve(wid: int, jobs: dict[str, SwitchJob], hosts: dict[str, HostModel],
           caps: dict[str, Any], threads: Optional[int]) -> None:
     """Main function of worker ``wid`` (see the module docstring)."""
     parent = os.getppid()
+    tasks: dict[str, Task] = {}
+    locks: list[PageLock] = []
     try:
         start = time.perf_counter()
         if threads:
             torch.set_num_threads(threads)
-        if torch.device(device).type == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.set_device(torch.device(device))
-            torch.cuda.init()
-        tasks = {name: Task(job, device) for name, job in jobs.items()}
-        for name, task in tasks.items():
-            task.warm_up(hosts[name])
-        outbox.put(("ready", wid, time.perf_counter() - start))
+        dev = enter_device(device)
+        if dev.type == "cuda":  # pragma: no cover - needs a GPU
+            locks = [host.page_lock(f"job {name!r}", warn=False) for name, host in hosts.items()]
+        for name, job in jobs.items():
+            tasks[name] = Task(job, dev)
+            tasks[name].warm_up(hosts[name])
+        send(outbox, ("ready", wid, time.perf_counter() - start,
+                      [note for lock in locks for note in lock.failures]), f"worker {wid}")
+        _serve(wid, tasks, hosts, block, inbox, outbox, preempt, caps, parent)
     except BaseException:  # noqa: BLE001 - reported to the controller
         outbox.put(("error", wid, None, traceback.format_exc()))
-        return
-    try:
-        while True:
-            try:
-                msg = inbox.get(timeout=POLL_S)
-            except queue.Empty:
-                if os.getppid() != parent:
-                    return
-                continue
-            if msg[0] == "stop":
-                return
-            _, name, offset, nbytes, state, first, stop = msg
-            _Activation(wid, tasks[name], hosts[name], caps[name], outbox, preempt, parent).run(
-                block[offset:offset + nbytes], state, first, stop)
     finally:
         for task in tasks.values():
             task.close()
+        if locks:  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(dev)  # no copy from a host copy still runs
+            for lock in locks:
+                lock.close()
+
+
+def _serve(wid: int, tasks: dict[str, Task], hosts: dict[str, HostModel], block: torch.Tensor,
+           inbox: Any, outbox: Any, preempt: Any, caps: dict[str, Any], parent: int) -> None:
+    """Run activations until told to stop or the controller is gone."""
+    while True:
+        try:
+            msg = inbox.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if msg[0] == "stop":
+            return
+        _, name, offset, nbytes, state, first, stop = msg
+        _Activation(wid, tasks[name], hosts[name], caps[name], outbox, preempt, parent).run(
+            block[offset:offset + nbytes], state, first, stop)
 
 
 class _Activation:
@@ -113,20 +133,23 @@ class _Activation:
                                         if self.task.job.preempt_at == "piece" else None)
                 if result is None:
                     break
-                self.outbox.put(("output", self.wid, self.name, _light(result), stack.spills,
-                                 stack.spilled_bytes, alloc_s))
+                self._send(("output", self.wid, self.name, _light(result), stack.spills,
+                            stack.spilled_bytes, alloc_s))
                 i += 1
             if not self.preempt.is_set():
-                self.outbox.put(("done", self.wid, self.name, i))
+                self._send(("done", self.wid, self.name, i))
                 self._wait_preempt()
             t0 = time.perf_counter()
             state = self.task.clean(self.host)
-            self.outbox.put(("stopped", self.wid, self.name, i, state, time.perf_counter() - t0))
+            self._send(("stopped", self.wid, self.name, i, state, time.perf_counter() - t0))
         except BaseException:  # noqa: BLE001 - reported to the controller
             self.task.release()
             self.outbox.put(("error", self.wid, self.name, traceback.format_exc()))
         finally:
             self.preempt.clear()
+
+    def _send(self, msg: tuple) -> None:
+        send(self.outbox, msg, f"worker {self.wid} (job {self.name!r})")
 
     def _wait_preempt(self) -> None:
         while not self.preempt.wait(POLL_S):
@@ -135,8 +158,8 @@ class _Activation:
 
 
 def _light(result: StepResult) -> StepResult:
-    """``result`` without the program and piece trace of its timeline (smaller to send)."""
-    if result.timeline is None:
-        return result
-    return dataclasses.replace(result, timeline=dataclasses.replace(result.timeline,
-                                                                    program=None, trace=()))
+    """``result`` as it is sent: its value in host memory, its timeline without the program and
+    the piece trace (smaller to send)."""
+    timeline = result.timeline if result.timeline is None else dataclasses.replace(
+        result.timeline, program=None, trace=())
+    return dataclasses.replace(result, value=to_host(result.value), timeline=timeline)
