@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from tidal.ir import cost  # noqa: E402
-from tidal.runtime.backend import CpuBackend  # noqa: E402
+from tidal.runtime.backend import backend_for  # noqa: E402
 from tidal.runtime.lower import lower  # noqa: E402
 from tidal.runtime.scheduler import FunctionJob, Piece, Runtime  # noqa: E402
 from tidal.runtime.trace_export import summary_table, write_chrome_trace  # noqa: E402
@@ -76,9 +76,12 @@ def bg_job(lowered, inputs, iters=None) -> FunctionJob:
     return FunctionJob("bg", lambda i: lowered.pieces(*inputs).pieces, iters)
 
 
-def run_config(fg, bg, *, slots, **rt_opts):
-    """Run the given jobs under one runtime configuration; return (runtime, stats)."""
-    with Runtime(backend=CpuBackend(slots=slots), **rt_opts) as rt:
+def run_config(fg, bg, *, slots, device="cpu", **rt_opts):
+    """Run the given jobs under one runtime configuration on ``device`` (``slots``: the CPU
+    backend's device places; a GPU schedules its streams itself); return (runtime, stats)."""
+    backend = backend_for(device, slots=slots) if torch.device(device).type == "cpu" \
+        else backend_for(device)
+    with Runtime(backend=backend, **rt_opts) as rt:
         if fg is not None:
             rt.submit(fg, priority="high")
         if bg is not None:

@@ -498,7 +498,7 @@ class LoweredModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._bind(args, kwargs)
-        if not self._grad_safe and torch.is_grad_enabled():
+        if not self._grad_safe and torch.is_grad_enabled() and self._needs_grad(values):
             return self._uncaptured(*values)  # a CUDA graph replay would drop autograd
         key = _signature(values)
         driver = self._drivers.get(key)
@@ -506,6 +506,12 @@ class LoweredModule(torch.nn.Module):
             self._captured_calls(values)
             driver = self._drivers[key]
         return driver(*values)
+
+    def _needs_grad(self, values: Sequence[Any]) -> bool:
+        """Whether autograd would record this call: an input or a parameter requires grad
+        (grad mode alone does not: a forward of a frozen model still replays its captures)."""
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values) or \
+            any(p.requires_grad for p in self.gm.parameters())
 
     def pieces(self, *args: Any, **kwargs: Any) -> "PieceRun":
         """The steps as scheduler pieces over a fresh environment; after running them in

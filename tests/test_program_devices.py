@@ -178,3 +178,36 @@ def test_cuda_program_streams_wait_for_the_producer_stream():
                       lambda i, piece: lambda: seen.append(x.sum()))
     torch.cuda.synchronize()
     assert seen[0].item() == float(1 << 20)
+
+
+class _CountingReplays(CpuBackend):
+    """A CPU backend standing in for one whose replays drop autograd (its device is not the
+    CPU), counting replays."""
+
+    def __init__(self):
+        super().__init__(slots=None)
+        self.device = torch.device("meta")
+        self.replays = 0
+
+    def capture(self, program, static_inputs, *, pool=None, in_place=()):
+        captured = super().capture(program, static_inputs, pool=pool, in_place=in_place)
+
+        def replay(*inputs):
+            self.replays += 1
+            return captured.program(*inputs)
+        captured.replay = replay
+        return captured
+
+
+def test_a_frozen_forward_in_grad_mode_replays_its_captures():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).requires_grad_(False)
+    x = torch.randn(2, 4)
+    be = _CountingReplays()
+    lowered = lower(tidal.trace(model, (x,)), (x,), backend=be)
+    before = be.replays  # capturing ran it once
+    with torch.enable_grad():
+        assert torch.equal(lowered(x), model(x)) and be.replays == before + 1  # no grad needed
+        model[0].weight.requires_grad_(True)   # now autograd must record: run uncaptured
+        out = lowered(x)
+    assert be.replays == before + 1 and out.requires_grad
+    be.close()
