@@ -43,14 +43,6 @@ def test_train_step_capture_resnet50():
     assert any("convolution_backward" in t for t in targets)
 
 
-@pytest.mark.slow
-def test_train_step_capture_decoder_lm():
-    torch.manual_seed(0)
-    model = ZOO["llama_decoder"]()
-    ids = torch.randint(0, model.config.vocab_size, (1, 9))
-    _check_train_step(model, (ids[:, :-1],), ids[:, 1:])
-
-
 def test_train_step_capture_small_models():
     for name in ("resnet50_small", "llama_small", "bert_small"):
         model = ZOO[name]()
