@@ -24,9 +24,9 @@ the machine-wide monotonic clock) until the *last* rank finishes: a synchronous 
 its slowest rank, and with more ranks than cores the ranks do not finish together. Each round
 runs every measurement once, in an order rotated from round to round (so load from other
 processes hits them alike); medians over rounds after ``--warmup`` rounds. DDP runs without
-its per-forward buffer broadcast (:func:`no_buffer_sync`): the model covers the gradient sync
-only. The paper reports a median error of 1.8 % on its cluster; the
-goal here is <= 10 %.
+its per-forward buffer broadcast (``tidal.ir.compat.no_buffer_sync``): the model covers the
+gradient sync only. The paper reports a median error of 1.8 % on its cluster; the goal here is
+<= 10 %.
 
 Part 2: the model's what-if for ResNet-101, batch 64 per GPU, 64 V100s, 1-30 Gb/s, PowerSGD
 rank 4 (inputs as in ``tidal whatif``), with the crossover bandwidth; the paper's Fig. 4.10 puts
@@ -37,7 +37,6 @@ it near 8.2 Gb/s.
 from __future__ import annotations
 
 import argparse
-import inspect
 import statistics
 import sys
 import time
@@ -54,6 +53,7 @@ if str(ROOT) not in sys.path:
 from examples.models import ZOO  # noqa: E402
 from tidal.compiler import cli_whatif  # noqa: E402
 from tidal.ir import perf_model as pm  # noqa: E402
+from tidal.ir.compat import no_buffer_sync  # noqa: E402
 from tidal.ir.cluster import Cluster  # noqa: E402
 from tidal.runtime.compressors import PowerSGD  # noqa: E402
 from tidal.runtime.compressors.modeling import compressor_cost, encode_decode_fn  # noqa: E402
@@ -67,17 +67,6 @@ DDP_FIRST_BUCKET_BYTES = 2 ** 20
 """DDP caps its first bucket (the first gradients of the backward) at 1 MiB."""
 START_MARGIN_S = 0.03
 """How far ahead rank 0 sets the common start (longer than a broadcast takes here)."""
-
-
-def no_buffer_sync(ddp_class: type = torch.nn.parallel.DistributedDataParallel
-                   ) -> dict[str, bool]:
-    """DDP's keyword that turns off the buffer broadcast before every forward:
-    ``forward_sync_buffers=False`` where ``ddp_class`` has it (torch newer than 2.11, which
-    deprecates the old one), else ``broadcast_buffers=False`` (torch 2.4 to 2.11). The models
-    are built alike on every rank, so the old keyword's skipped initial sync changes nothing."""
-    if "forward_sync_buffers" in inspect.signature(ddp_class).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
 
 
 def _no_comm(state, bucket):  # unannotated: DDP checks hook annotations as objects

@@ -11,8 +11,9 @@ step is N-micro-batch gradient accumulation of the whole global batch, with N âˆ
 on top of the tick wave. Every rank switches partition every cycle; the switches and the
 weight bytes they load are counted and reported as the context-switch cost.
 
-The graph is rewritten with ``torch.fx.passes.split_module`` into ``submod_0 .. submod_{N-1}``
-(same parameters, same outputs); the runtime's program (``tidal.runtime.programs.round_robin``) runs the
+The graph is rewritten with ``torch.fx.passes.split_module`` into ``submod_0 .. submod_{N-1}``,
+each returning a tuple (``tidal.ir.compat.split_module_tuple``), with the same parameters and
+outputs; the runtime's program (``tidal.runtime.programs.round_robin``) runs the
 schedule on N gloo ranks, or all N ranks in one process without a process group.
 
 Example:
@@ -33,10 +34,10 @@ import operator
 from typing import Optional, Sequence
 
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
 
 from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.ir import cost, layer_graph, meta
+from tidal.ir.compat import split_module_tuple
 from tidal.ir.plans.round_robin import RoundRobinPlan
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.schedule import Action, Schedule
@@ -355,8 +356,8 @@ class RoundRobin(Pass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         plan, part = self.plan(gm, ctx)
-        split = split_module(gm, ctx.model, lambda x: part[x.name], keep_original_order=True,
-                             tuple_return=True)
+        split = split_module_tuple(gm, ctx.model, lambda x: part[x.name],
+                                   keep_original_order=True)
         plan.schedule.check()
         notes = (f"{plan.partitions} partitions starting at {', '.join(plan.first_layers)}",
                  f"context switches: {int(plan.schedule.note('switches_per_rank'))} per rank "

@@ -1,18 +1,15 @@
 """Multi-rank code ready for NCCL, shown without a GPU: with a process group that says "nccl"
 (mocked), every tensor handed to a collective was asked for on the current CUDA device, never
 built on the CPU (which NCCL refuses); with gloo it is the CPU. The DDP comm hooks train like DDP
-on a group of one (gloo here; NCCL in the ``cuda`` test), and the torch-2.11 API choices
-(single-tensor all-gather, DDP's buffer-sync keyword) fall back where the newer name is
-missing."""
-import sys
-from pathlib import Path
+on a group of one (gloo here; NCCL in the ``cuda`` test). (The torch-2.11 fallbacks of the
+single-tensor all-gather and DDP's buffer-sync keyword: ``test_compat.py``.)"""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tidal.runtime.accordion import Accordion
-from tidal.runtime.compressors import ALL_GATHER, ALL_REDUCE, Comm, Message, comm as comm_module
+from tidal.runtime.compressors import ALL_GATHER, ALL_REDUCE, Comm, Message
 from tidal.runtime.ddp_check import ddp_hook_check
 from tidal.runtime.distributed import all_reduce_tensors, collective_device
 from tidal.runtime.link_fit import time_allreduce_us
@@ -155,32 +152,6 @@ def test_comm_sends_on_the_gpu_and_gathers_bytes(nccl):
     assert summed.tolist() == [2.0] * 3
     assert values.tolist() == [[0.5, 0.5]] * 2
     assert gathered.dtype == torch.int16 and gathered.tolist() == [levels.tolist()] * 2
-
-
-def test_all_gather_falls_back_to_the_torch_2_11_name(monkeypatch):
-    assert comm_module.all_gather_into_tensor() is getattr(dist, "all_gather_single",
-                                                           dist.all_gather_into_tensor)
-    monkeypatch.delattr(dist, "all_gather_single", raising=False)
-    assert comm_module.all_gather_into_tensor() is dist.all_gather_into_tensor
-
-
-def test_perf_model_turns_ddp_buffer_sync_off_with_the_keyword_torch_has():
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.perf_model import no_buffer_sync
-
-    class DDP211:  # torch 2.11's keywords: no forward_sync_buffers
-        def __init__(self, module, device_ids=None, broadcast_buffers=True):
-            pass
-
-    class DDPNew(DDP211):
-        def __init__(self, module, broadcast_buffers=None, forward_sync_buffers=None):
-            pass
-
-    assert no_buffer_sync(DDP211) == {"broadcast_buffers": False}
-    assert no_buffer_sync(DDPNew) == {"forward_sync_buffers": False}
-    assert len(no_buffer_sync()) == 1      # this torch's DDP takes one of them
 
 
 def test_ddp_hooks_train_like_ddp_on_a_gloo_group_of_one():

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from tidal.ir.compat import all_gather_into_tensor
 from tidal.runtime.compressors.base import ALL_REDUCE, Compressor, Message, World
 from tidal.runtime.distributed import collective_device
 
@@ -195,13 +196,6 @@ class Comm:
 
 def _initialised() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def all_gather_into_tensor() -> Callable[..., Any]:
-    """torch's single-tensor all-gather, ``(output, input, group=, async_op=)``:
-    ``dist.all_gather_single`` where this torch has it (newer than 2.11, which deprecates the
-    old name), else ``dist.all_gather_into_tensor`` (torch 2.4 to 2.11)."""
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _all_gather(flat: torch.Tensor, size: int, group: Optional[dist.ProcessGroup],
