@@ -5,7 +5,13 @@ compile time (trace + cost annotation; the first compile in a process also pays 
 lazy imports, reported separately as "cold"), and the median forward time of the compiled model
 and of the eager model measured interleaved, printed as a ratio (goal: <= 1.03).
 
-    python benchmarks/compile_overhead.py [--repeats 7]
+    python benchmarks/compile_overhead.py [--repeats 7] [--hf]
+
+``--hf``: the capture of Hugging Face decoders, GPT-2 small and a 12-layer Llama-shaped model
+(random weights, batch 1, 128 tokens): ``tidal.trace`` (the path tidal takes for them,
+``torch.export`` non-strict) beside ``transformers.utils.fx.symbolic_trace`` (the path tidal
+took before, present only in transformers 4.x), and whole ``tidal.compile`` times, medians of
+3; the ratio export / fx is printed where both ran.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -52,10 +59,64 @@ def measure(name: str, batch: int, repeats: int, cold: bool) -> dict:
             "ratio": statistics.median(compiled_t) / statistics.median(eager_t)}
 
 
+def hf_decoders() -> dict:
+    """GPT-2 small and a 12-layer Llama-shaped model (SmolLM2's width), random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaConfig(vocab_size=32000, hidden_size=576, intermediate_size=1536,
+                        num_hidden_layers=12, num_attention_heads=9, num_key_value_heads=3,
+                        max_position_embeddings=512)
+    return {"gpt2-small": GPT2LMHeadModel(GPT2Config()).eval(),
+            "llama-12L": LlamaForCausalLM(llama).eval()}
+
+
+def _hf_fx_trace(model, names) -> Optional[float]:
+    """Seconds of ``transformers.utils.fx.symbolic_trace`` (None where transformers has none)."""
+    try:
+        from transformers.utils.fx import symbolic_trace
+    except ImportError:
+        return None
+    return _timed(lambda: symbolic_trace(model, input_names=names))
+
+
+def measure_hf(name: str, model: torch.nn.Module, tokens: int = 128, repeats: int = 3) -> dict:
+    """Capture and compile times of one HF decoder (see the module docstring)."""
+    inputs = {"input_ids": torch.randint(0, model.config.vocab_size, (1, tokens))}
+    trace_s = statistics.median(_timed(lambda: tidal.trace(model, inputs))
+                                for _ in range(repeats))
+    fx = [_hf_fx_trace(model, list(inputs)) for _ in range(repeats)]
+    fx_s = statistics.median(fx) if None not in fx else None
+    compile_s = statistics.median(_timed(lambda: tidal.compile(model, inputs))
+                                  for _ in range(repeats))
+    return {"model": name, "trace_s": trace_s, "fx_s": fx_s, "compile_s": compile_s,
+            "ratio": trace_s / fx_s if fx_s else None}
+
+
+def main_hf() -> int:
+    """The ``--hf`` table."""
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads, CPU")
+    print(f"{'model':11s} {'tidal.trace s':>13s} {'HF utils.fx s':>13s} {'export/fx':>9s} "
+          f"{'tidal.compile s':>15s}")
+    for name, model in hf_decoders().items():
+        r = measure_hf(name, model)
+        fx = f"{r['fx_s']:.2f}" if r["fx_s"] is not None else "absent"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        print(f"{name:11s} {r['trace_s']:13.2f} {fx:>13s} {ratio:>9s} {r['compile_s']:15.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--hf", action="store_true",
+                        help="capture times of HF decoders: torch.export against HF's fx tracer")
     args = parser.parse_args(argv)
+    if args.hf:
+        return main_hf()
     rows = [measure("resnet50", 8, args.repeats, cold=True),
             measure("llama_decoder", 1, args.repeats, cold=False)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
