@@ -55,18 +55,21 @@ from tidal.ir.plans.chai import ChaiPlan  # noqa: E402
 from tidal.passes.chai_calibrate import Budget  # noqa: E402
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate,  # noqa: E402
                                               clustered_graph, perplexity)
+from tidal.runtime import hf_compat  # noqa: E402
+from tidal.runtime.chai_cache import k_bytes  # noqa: E402
 from tidal.runtime.chai_decode import ChaiDecoder  # noqa: E402
 from tidal.runtime.smollm2 import load_smollm2  # noqa: E402
 
 
-def _ttnt_generate(target, ids: torch.Tensor, new: int, **kw) -> tuple[float, object]:
-    """Mean seconds per token after the first of one greedy ``target.generate(ids, **kw)``,
-    and its output."""
+def _ttnt_generate(target, ids: torch.Tensor, new: int, cache) -> tuple[float, object]:
+    """Mean seconds per token after the first of one greedy ``target.generate(ids)`` with
+    ``cache`` (under this transformers' keyword for it), and its output."""
     clock = _Clock()
     with torch.inference_mode():
         out = target.generate(ids, streamer=clock, do_sample=False, pad_token_id=0,
                               max_new_tokens=1 + new, min_new_tokens=1 + new,
-                              return_dict_in_generate=True, **kw)
+                              return_dict_in_generate=True,
+                              **{hf_compat.generate_cache_keyword(): cache})
     return (clock.times[-1] - clock.times[1]) / (len(clock.times) - 2), out
 
 
@@ -139,11 +142,9 @@ def tiny_ttnt(device: str = "cpu", *, context: int = 256, new_tokens: int = 8,
         equal = torch.equal(whole.generate(ids, **greedy), model.generate(ids, **greedy))
     side = ChaiDecoder(model)
     runs = {
-        "hf": lambda n: _ttnt_generate(model, ids, n, past_key_values=DynamicCache())[0],
-        "compiled_k": lambda n: _ttnt_generate(fixed, ids, n,
-                                               past_key_values=fixed.new_cache())[0],
-        "compiled_kH": lambda n: _ttnt_generate(whole, ids, n,
-                                                past_key_values=whole.new_cache())[0],
+        "hf": lambda n: _ttnt_generate(model, ids, n, DynamicCache())[0],
+        "compiled_k": lambda n: _ttnt_generate(fixed, ids, n, fixed.new_cache())[0],
+        "compiled_kH": lambda n: _ttnt_generate(whole, ids, n, whole.new_cache())[0],
         "decoder_full": lambda n: _ttnt_side(side, ids, n),
         "decoder_k": lambda n: _ttnt_side(side.with_clusters(counts=k), ids, n),
     }
@@ -172,10 +173,6 @@ def _print_tiny(result: dict) -> None:
     for name, label in TINY_PATHS.items():
         print(f"{label:<28} {result[name + '.ttnt_ms']:>8.2f} {result[name + '.x_vs_hf']:>8.2f}")
     print(json.dumps(result), flush=True)
-
-
-def _k_bytes(cache) -> int:
-    return sum(k.numel() * k.element_size() for k in cache.key_cache)
 
 
 def main(argv=None) -> int:
@@ -263,13 +260,13 @@ def main(argv=None) -> int:
         kbytes = {}
         for _ in range(args.repeats):
             cache = DynamicCache()
-            t, out = _ttnt_generate(model, ids, args.new_tokens, past_key_values=cache)
+            t, out = _ttnt_generate(model, ids, args.new_tokens, cache)
             best["HF generate (DynamicCache)"] = min(best["HF generate (DynamicCache)"], t)
-            kbytes["HF generate (DynamicCache)"] = _k_bytes(cache)
+            kbytes["HF generate (DynamicCache)"] = k_bytes(cache)
             del out, cache
             for name, compiled in variants.items():
                 cache = compiled.new_cache()
-                t, out = _ttnt_generate(compiled, ids, args.new_tokens, past_key_values=cache)
+                t, out = _ttnt_generate(compiled, ids, args.new_tokens, cache)
                 best[name] = min(best[name], t)
                 kbytes[name] = cache.k_cache_bytes()
                 del out, cache

@@ -172,10 +172,31 @@ class ClusteredSDPA(ClusteredHeads):
     sequence's representative heads (``tidal::clustered_attention``, reading K only for the KV
     heads those use); the first rows run every head, and give the membership. Calibration (an
     ``observer``), dropout (``dropout_p`` > 0, in training or not, as in
-    ``scaled_dot_product_attention``) and gradients spell every head out."""
+    ``scaled_dot_product_attention``) and gradients spell every head out.
+
+    The output is laid out in memory as ``scaled_dot_product_attention`` lays out its own:
+    ``[B, T, H, D]`` in memory when the query's heads lie inside its time steps (a projection
+    ``[B, T, H*D]`` viewed and transposed, as Hugging Face models make it). A graph exported
+    from a model that calls ``.transpose(1, 2).contiguous()`` on it keeps no copy where that
+    layout made one unnecessary, and views the result.
+
+    Example:
+        >>> attn = ClusteredSDPA(layer=0, num_heads=4, num_kv_heads=4, k=2)
+        >>> q = torch.randn(1, 9, 4, 8).transpose(1, 2)      # [B, H, T, D] of a [B, T, H, D]
+        >>> attn(q, q, q, is_causal=True).transpose(1, 2).is_contiguous()
+        True
+    """
 
     def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 scale=None, enable_gqa=False):  # type: ignore[override]
+        out = self._attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if query.dim() == 4 and query.stride(1) < query.stride(2) \
+                and not out.transpose(1, 2).is_contiguous():
+            return out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out
+
+    def _attention(self, query, key, value, attn_mask, dropout_p, is_causal, scale):
+        """The attention (see the class docstring), in whatever memory layout it comes."""
         scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
         why = self._all_heads_reason(query.shape[-2], query, key, value)
         if why is None and query.dim() != 4:

@@ -1,11 +1,13 @@
 """CHAI's pruned KV cache for Hugging Face ``generate``: K kept only for the KV heads that
 representative heads read (dissertation ch. 6, §6.2.4), V whole.
 
-``ClusteredKCache(plan)`` is a ``transformers.DynamicCache`` (so ``generate`` keeps it, grows it
-by concatenation as it does a ``DynamicCache``, and reads its length) that also does each
-layer's attention: the clustered attention modules of ``tidal.runtime.chai_generate`` call
-``cache.attend(layer, q, k, v, attention_mask, scale)`` instead of ``update`` followed by
-attention. Per sequence of the batch, per clustered layer:
+``ClusteredKCache(plan)`` is a ``transformers.DynamicCache`` (so ``generate`` keeps it and reads
+its length as it does a ``DynamicCache``'s; the K/V it holds are where that version keeps them,
+``layers[i].keys``/``.values`` in transformers 5, ``key_cache``/``value_cache`` in 4.47, through
+``tidal.runtime.hf_compat``) that also does each layer's attention: the clustered attention
+modules of ``tidal.runtime.chai_generate`` call ``cache.attend(layer, q, k, v, attention_mask,
+scale)`` instead of ``update`` followed by attention. Per sequence of the batch, per clustered
+layer:
 
 - the first ``plan.first_tokens`` (5) real tokens (after any left padding) use every head; their
   attention probabilities decide the sequence's membership (``head_clusters.online_memberships``,
@@ -34,7 +36,7 @@ Example:
     >>> q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8)
     >>> cache.attend(0, q, k, v, None, 8 ** -0.5).shape
     torch.Size([1, 4, 9, 8])
-    >>> cache.key_cache[0].shape, cache.value_cache[0].shape   # K of 2 of the 4 heads
+    >>> cache[0][0].shape, cache[0][1].shape   # (K, V): K of 2 of the 4 heads
     (torch.Size([1, 2, 9, 8]), torch.Size([1, 4, 9, 8]))
     >>> cache.get_seq_length()
     9
@@ -52,6 +54,7 @@ from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clu
 from tidal.ir.clustered_attention_op import apply_mask
 from tidal.ir.head_clusters import Membership, online_memberships
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+from tidal.runtime import hf_compat
 
 
 @dataclass
@@ -125,7 +128,11 @@ def _kept(mask: torch.Tensor) -> torch.Tensor:
 def left_pads(mask: Optional[torch.Tensor], batch: int, keys: int) -> list[int]:
     """Each sequence's count of left-padding positions, from a 4-D attention mask
     ``[B or 1, 1 or H, Tq, >= keys]`` of the first forward: the leading key columns no query
-    row may attend. ``ValueError`` for holes or right padding.
+    row may attend. A left-padding row attends nothing (transformers 5, 4.47 on the CPU) or,
+    where a version un-masks it for the fused kernels (4.47 on CUDA), everything, future
+    columns included: rows that may attend a column after their own position are not read.
+    A sliding window hides early columns from late rows only. ``ValueError`` for holes or
+    right padding.
 
     Example:
         >>> m = torch.zeros(2, 1, 1, 4)
@@ -138,7 +145,12 @@ def left_pads(mask: Optional[torch.Tensor], batch: int, keys: int) -> list[int]:
     if mask.dim() != 4:
         raise ValueError(f"ClusteredKCache: expected a 4-D attention mask, got shape "
                          f"{tuple(mask.shape)}")
-    seen = _kept(mask[..., :keys]).any(dim=1).any(dim=1).expand(batch, keys)
+    kept = _kept(mask[..., :keys]).any(dim=1)                            # [B or 1, Tq, K]
+    rows = kept.shape[1]
+    future = torch.arange(keys, device=mask.device) > \
+        torch.arange(keys - rows, keys, device=mask.device)[:, None]     # [Tq, K]
+    causal_rows = ~(kept & future).any(dim=-1, keepdim=True)
+    seen = (kept & causal_rows).any(dim=1).expand(batch, keys)
     pads = []
     for b, row in enumerate(seen.tolist()):
         pad = row.index(True) if True in row else keys
@@ -168,12 +180,12 @@ class ClusteredKCache(DynamicCache):
         self.pads: Optional[list[int]] = None
         self.states: dict[int, _LayerState] = {}
         self.stores: dict[tuple[int, str], torch.Tensor] = {}
-        """(layer, "k" or "v") -> the buffer whose first positions ``key_cache[layer]`` /
-        ``value_cache[layer]`` view: a step writes its token in place instead of copying the
-        whole cache (``torch.cat``, what ``DynamicCache`` does); it grows by ``GROWTH``."""
+        """(layer, "k" or "v") -> the buffer whose first positions the layer's K / V view: a
+        step writes its token in place instead of copying the whole cache (``torch.cat``,
+        what ``DynamicCache`` does); it grows by ``GROWTH``."""
 
     # --- what generate and the models read ---
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):  # noqa: D401
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # noqa: D401
         raise TypeError(
             f"ClusteredKCache: layer {layer_idx} called update(): it is running the model's own "
             f"attention, which would attend with K heads the cache no longer holds. Generate "
@@ -181,23 +193,22 @@ class ClusteredKCache(DynamicCache):
             f"whose attention calls ClusteredKCache.attend")
 
     def __getitem__(self, layer_idx: int) -> "LayerView":
-        """``(K, V)`` of one layer (empty tensors before its first token), which is what models
-        with tuple caches (GPT-2, OPT in this transformers) index."""
-        if layer_idx < len(self.key_cache) and self.key_cache[layer_idx].numel():
-            return LayerView(self, layer_idx, self.key_cache[layer_idx],
-                             self.value_cache[layer_idx])
-        held = next((v for v in self.value_cache if v.numel()), None)  # the cache's device
-        empty = torch.empty(0, 0, 0, 0, device=None if held is None else held.device)
+        """``(K, V)`` of one layer (empty tensors before its first token, on the device of
+        what the cache holds), which is what models with tuple caches (GPT-2, OPT in
+        transformers 4.47) index."""
+        held = hf_compat.layer_kv(self, layer_idx)
+        if held is not None:
+            return LayerView(self, layer_idx, *held)
+        other = next((v for _, v in hf_compat.layers_kv(self) if v.numel()), None)
+        empty = torch.empty(0, 0, 0, 0, device=None if other is None else other.device)
         return LayerView(self, layer_idx, empty, empty)
 
     def __iter__(self):
-        return (self[i] for i in range(len(self.key_cache)))
+        return (self[i] for i in range(len(hf_compat.layers_kv(self))))
 
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
-        if layer_idx is None or layer_idx >= len(self.key_cache):
-            return 0
-        return int(self.key_cache[layer_idx].shape[-2]) if self.key_cache[layer_idx].numel() \
-            else 0
+        held = None if layer_idx is None else hf_compat.layer_kv(self, layer_idx)
+        return 0 if held is None else int(held[1].shape[-2])
 
     def _refuse(self, what: str) -> None:
         raise NotImplementedError(f"ClusteredKCache: {what} is not supported (each sequence's "
@@ -222,11 +233,11 @@ class ClusteredKCache(DynamicCache):
     def k_cache_bytes(self) -> int:
         """Bytes of K held, every layer (the buffers behind them have room for up to
         ``GROWTH`` more tokens per layer)."""
-        return sum(k.numel() * k.element_size() for k in self.key_cache)
+        return k_bytes(self)
 
     def v_cache_bytes(self) -> int:
         """Bytes of V held, every layer."""
-        return sum(v.numel() * v.element_size() for v in self.value_cache)
+        return sum(v.numel() * v.element_size() for _, v in hf_compat.layers_kv(self))
 
     def memberships(self, layer: int) -> list[Optional[Membership]]:
         """Layer ``layer``'s membership per sequence (None: unclustered, or still in its first
@@ -257,6 +268,8 @@ class ClusteredKCache(DynamicCache):
         if len(self.pads) != b:
             raise ValueError(f"ClusteredKCache: batch of {b} after a batch of {len(self.pads)}")
         mask = None if attention_mask is None else attention_mask[..., :tk]
+        if mask is not None and not past:
+            mask = _attend_somewhere(mask)
         if spec.chosen_k is None:
             keys, values = self._append(layer, key, value, None)
             return F.scaled_dot_product_attention(
@@ -269,22 +282,22 @@ class ClusteredKCache(DynamicCache):
     def _append(self, layer: int, key, value, kv_keep: Optional[torch.Tensor]):
         """Concatenate the new K (only the kept KV heads when ``kv_keep``) and V."""
         if layer == 0:
-            self._seen_tokens += value.shape[2]
+            hf_compat.count_seen(self, value.shape[2])
         if kv_keep is not None:
             key = torch.gather(key, 1, kv_keep[:, :, None, None].expand(
                 -1, -1, key.shape[2], key.shape[3]))
-        while len(self.key_cache) <= layer:  # placeholders on the layer's device
-            self.key_cache.append(value.new_empty(0))
-            self.value_cache.append(value.new_empty(0))
-        self.key_cache[layer] = self._write(layer, "k", self.key_cache[layer], key)
-        self.value_cache[layer] = self._write(layer, "v", self.value_cache[layer], value)
-        return self.key_cache[layer], self.value_cache[layer]
+        held = hf_compat.layer_kv(self, layer)
+        keys = self._write(layer, "k", None if held is None else held[0], key)
+        values = self._write(layer, "v", None if held is None else held[1], value)
+        hf_compat.set_layer_kv(self, layer, keys, values)  # placeholders on value's device
+        return keys, values
 
-    def _write(self, layer: int, which: str, held: torch.Tensor, new: torch.Tensor
+    def _write(self, layer: int, which: str, held: Optional[torch.Tensor], new: torch.Tensor
                ) -> torch.Tensor:
-        """``held`` ``[B, heads, n, D]`` followed by ``new``, written into the layer's buffer
-        (a larger one, ``held`` copied once, when it is full or its heads changed)."""
-        used = held.shape[2] if held.numel() else 0
+        """``held`` ``[B, heads, n, D]`` (None: nothing yet) followed by ``new``, written into
+        the layer's buffer (a larger one, ``held`` copied once, when it is full or its heads
+        changed)."""
+        used = 0 if held is None else held.shape[2]
         need = used + new.shape[2]
         store = self.stores.get((layer, which))
         if store is None or store.shape[2] < need or store.shape[:2] != new.shape[:2]:
@@ -378,11 +391,23 @@ class ClusteredKCache(DynamicCache):
         state.first_rows = None
         if state.layout.whole:
             return
-        keys = self.key_cache[layer]
+        keys, values = hf_compat.layer_kv(self, layer)
         keep = state.layout.kv_keep
-        self.key_cache[layer] = torch.gather(
-            keys, 1, keep[:, :, None, None].expand(-1, -1, keys.shape[2], keys.shape[3]))
+        hf_compat.set_layer_kv(self, layer, torch.gather(
+            keys, 1, keep[:, :, None, None].expand(-1, -1, keys.shape[2], keys.shape[3])), values)
         self.stores.pop((layer, "k"), None)  # the full-width buffer is freed
+
+
+def k_bytes(cache) -> int:
+    """Bytes of K a ``DynamicCache`` (a ``ClusteredKCache`` or Hugging Face's own, either
+    transformers version) holds, every layer.
+
+    Example:
+        >>> from transformers import DynamicCache
+        >>> k_bytes(DynamicCache())
+        0
+    """
+    return sum(k.numel() * k.element_size() for k, _ in hf_compat.layers_kv(cache))
 
 
 class LayerView(tuple):
@@ -397,6 +422,23 @@ class LayerView(tuple):
         view = super().__new__(cls, (key, value))
         view.cache, view.layer = cache, layer
         return view
+
+
+def _attend_somewhere(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` with each query row that may attend nothing (a left-padding position under a
+    boolean mask, transformers 5's sdpa) let attend everything: its softmax would be NaN, and
+    NaN in a padding position's K/V reaches every real row (0 x NaN), where the model's own
+    kernel returns finite values. Real rows are unchanged; padding rows are never attended.
+
+    Example:
+        >>> m = torch.tensor([[False, False], [False, True]])[None, None]
+        >>> _attend_somewhere(m)[0, 0].tolist()
+        [[True, True], [False, True]]
+    """
+    dead = ~_kept(mask).any(dim=-1, keepdim=True)
+    if mask.dtype == torch.bool:
+        return mask | dead
+    return mask.masked_fill(dead, 0.0)
 
 
 def _mask_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

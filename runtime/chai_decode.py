@@ -3,6 +3,9 @@
 ``ChaiDecoder(model, plan=...)`` reads the weights of the zoo ``LlamaForCausalLM`` or Hugging
 Face's ``LlamaForCausalLM`` (same parameter names) and runs greedy generation with a static,
 preallocated KV cache: fused QKV and gate/up projections, no per-step allocation of the cache.
+The rotary base comes from the config (transformers 5's ``rope_parameters``, 4.47's
+``rope_theta``, through ``tidal.runtime.hf_compat.rope``); scaled or partial rotary
+embeddings are refused by name.
 
 Layers with a cluster count k (from a ``ChaiPlan`` or ``counts``) follow the
 ``clustered_attention`` semantics: the first ``first_tokens`` (5) prompt tokens use every head;
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 
 from tidal.ir.head_clusters import FIRST_TOKENS, Membership, check_count, online_memberships
 from tidal.ir.plans.chai import ChaiPlan
+from tidal.runtime import hf_compat
 
 
 @dataclass
@@ -104,13 +108,19 @@ class ChaiDecoder:
                  counts: Union[int, Sequence[Optional[int]], None] = None,
                  mode: Optional[str] = None) -> None:
         cfg = model.config
-        if getattr(cfg, "rope_scaling", None):
-            raise ValueError("ChaiDecoder: rope_scaling is not supported")
+        rope = hf_compat.rope(cfg)
+        if rope.kind != "default" or rope.partial != 1.0:
+            raise ValueError(f"ChaiDecoder: only plain rotary embeddings are supported; "
+                             f"{type(cfg).__name__} has rope type {rope.kind!r} rotating "
+                             f"{rope.partial:g} of each head")
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.hidden_size // self.heads
+        if (getattr(cfg, "head_dim", None) or self.head_dim) != self.head_dim:
+            raise ValueError(f"ChaiDecoder: head_dim {cfg.head_dim} is not hidden_size / heads "
+                             f"({self.head_dim})")
         self.eps = cfg.rms_norm_eps
-        self.theta = float(getattr(cfg, "rope_theta", 10000.0))
+        self.theta = rope.theta
         self.max_positions = cfg.max_position_embeddings
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()

@@ -14,14 +14,21 @@ rewritten graph computes).
 
 The attention families are recognised by their modules, not by the model's name:
 
-- rotary (``q_proj``/``k_proj``/``v_proj`` or a fused ``qkv_proj``, ``o_proj`` and rotary
-  position embeddings): Llama, Qwen2, Mistral, Gemma, Mixtral, Phi-3 and their kin;
-- GPT-2 (``c_attn``/``c_proj``, a tuple cache in this ``transformers``);
-- OPT (``q_proj``/``k_proj``/``v_proj``/``out_proj`` with ``scaling``, a tuple cache).
+- rotary (``q_proj``/``k_proj``/``v_proj`` or a fused ``qkv_proj``, ``o_proj``, rotary
+  position embeddings, and ``q_norm``/``k_norm`` where the model has them, per head or over
+  the whole projection): Llama, Qwen2, Mistral, Gemma, Mixtral, Phi-3, Qwen3, Qwen3-MoE,
+  Gemma 3, OLMo 2 and their kin;
+- GPT-2 (``c_attn``/``c_proj``; a tuple cache in transformers 4.47);
+- OPT (``q_proj``/``k_proj``/``v_proj``/``out_proj`` with ``scaling``; a tuple cache in 4.47).
 
 Anything else is refused with an error naming the module, and so is a module that only looks
 like one of them (``check_family``: at one head per cluster the copy must generate what the
-model does).
+model does; StableLM's partial rotary and GPT-BigCode's multi-query cache are refused so).
+
+The same forwards serve transformers 5.x and 4.47: what differs (the keyword the cache comes
+under, what an attention module returns, ``generate``'s cache keyword, 4.47's tuple caches) is
+read through ``tidal.runtime.hf_compat``. ``generate`` on the copy takes the cache as
+``cache=`` or ``past_key_values=`` under either version.
 
 Example:
     >>> import torch, transformers
@@ -35,9 +42,10 @@ Example:
     ...                              elbow_k=1),))
     >>> gen = generation_model(model, plan)
     >>> ids = torch.arange(1, 9).unsqueeze(0)   # no token equals pad_token_id
+    >>> cache = gen.new_cache()
     >>> out = gen.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
-    ...                    return_dict_in_generate=True)
-    >>> out.sequences.shape, out.past_key_values.key_cache[0].shape[1]   # K of 1 head of 4
+    ...                    past_key_values=cache)
+    >>> out.shape, cache[0][0].shape[1]   # K of 1 head of 4
     (torch.Size([1, 11]), 1)
 """
 from __future__ import annotations
@@ -46,6 +54,7 @@ import inspect
 import itertools
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from types import MethodType
 from typing import Any, Callable, Optional
 
@@ -53,19 +62,30 @@ import torch
 
 from tidal.ir.module_copy import structural_copy
 from tidal.ir.plans.chai import ChaiPlan
+from tidal.runtime import hf_compat
 from tidal.runtime.chai_cache import ClusteredKCache, LayerView
 
 
 @dataclass(frozen=True)
 class _Binding:
     """What a clustered attention module knows beyond its own weights: its plan layer, the
-    plan (for a cache-less forward), its module path (for errors) and the parameter names of
-    its rotary embedding's forward (read once here, not at every decode step)."""
+    plan (for a cache-less forward), its module path (for errors), the names of its original
+    forward's positional parameters (to name the arguments it is called with) and the
+    parameter names of its rotary embedding's forward (both read once here, not at every
+    decode step)."""
 
     layer: int
     plan: ChaiPlan
     scope: str
+    positional: tuple = ()
     rotary_args: frozenset = frozenset()
+
+    def arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The arguments of a call of the module, by name."""
+        if len(args) > len(self.positional):
+            raise TypeError(f"{self.scope}: {len(args)} positional arguments for "
+                            f"{self.positional}")
+        return {**dict(zip(self.positional, args)), **kwargs}
 
     def cache(self, module: torch.nn.Module, past: Any, output_attentions: bool,
               **unsupported: Any) -> ClusteredKCache:
@@ -97,71 +117,99 @@ def _heads(projections, head_dim: int) -> tuple[torch.Tensor, ...]:
     return tuple(x.unflatten(-1, (-1, head_dim)).transpose(1, 2) for x in projections)
 
 
-def _rotary_forward(self, hidden_states, attention_mask=None, position_ids=None,
-                    past_key_value=None, output_attentions=False, use_cache=False,
-                    cache_position=None, position_embeddings=None, *, _tidal: _Binding,
-                    **kwargs):
-    """Llama-style attention (q/k/v/o projections, rotary embeddings) through the cache."""
-    cache = _tidal.cache(self, past_key_value, output_attentions)
-    d = self.head_dim
+def _rotary_forward(self, call: dict, tidal: _Binding):
+    """Llama-style attention (q/k/v/o projections, rotary embeddings) through the cache;
+    ``call``: the module's arguments by name."""
+    past = hf_compat.passed_cache(call)
+    cache = tidal.cache(self, past, call.get("output_attentions"))
+    hidden_states, d = call["hidden_states"], self.head_dim
     if hasattr(self, "qkv_proj"):  # one fused projection, Q then K then V (Phi-3)
-        q_width, kv_width = self.num_heads * d, self.num_key_value_heads * d
-        projections = self.qkv_proj(hidden_states).split((q_width, kv_width, kv_width), -1)
+        kv_width = self.num_key_value_heads * d
+        q, k, v = self.qkv_proj(hidden_states).split(
+            (self.qkv_proj.out_features - 2 * kv_width, kv_width, kv_width), -1)
     else:
-        projections = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
-    q, k, v = _heads(projections, d)
+        q, k, v = (p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj))
+    norms = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+    per_head = norms[0] is not None and norms[0].weight.shape[-1] == d
+    if norms[0] is not None and not per_head:  # over the whole projection (OLMo 2)
+        q, k = norms[0](q), norms[1](k)
+    q, k, v = _heads((q, k, v), d)
+    if per_head:  # over each head (Qwen3, Gemma 3)
+        q, k = norms[0](q), norms[1](k)
     rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb
-    takes = _tidal.rotary_args
-    if position_embeddings is not None:
-        q, k = rotate(q, k, *position_embeddings)
-    elif "position_ids" not in takes:  # the older tables by length (Mixtral here)
+    takes, position_ids = tidal.rotary_args, call.get("position_ids")
+    if call.get("position_embeddings") is not None:
+        q, k = rotate(q, k, *call["position_embeddings"])
+    elif "position_ids" not in takes:  # 4.47's tables by length (Mixtral)
         cos, sin = self.rotary_emb(v, seq_len=int(position_ids.max()) + 1)
         q, k = rotate(q, k, cos, sin, position_ids)
-    else:  # a length, where given, picks Phi-3's long or short rotary factors as HF does
-        length = {"seq_len": cache.get_seq_length(_tidal.layer) + q.shape[-2]} \
+    else:  # a length, where given, picks 4.47 Phi-3's long or short rotary factors as HF does
+        length = {"seq_len": cache.get_seq_length(tidal.layer) + q.shape[-2]} \
             if "seq_len" in takes else {}
         q, k = rotate(q, k, *self.rotary_emb(v, position_ids, **length))
-    out = cache.attend(_tidal.layer, q, k, v, attention_mask, getattr(self, "scaling", d ** -0.5))
+    out = cache.attend(tidal.layer, q, k, v, call.get("attention_mask"),
+                       getattr(self, "scaling", d ** -0.5))
     out = self.o_proj(out.transpose(1, 2).flatten(2))
-    return out, None, past_key_value
+    return hf_compat.attention_outputs(out, None, past)
 
 
-def _gpt2_forward(self, hidden_states, layer_past=None, attention_mask=None, head_mask=None,
-                  encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False,
-                  output_attentions=False, *, _tidal: _Binding, **kwargs):
-    """GPT-2 attention (fused ``c_attn``) through the cache; the present is the cache's view."""
-    cache = _tidal.cache(self, layer_past, output_attentions, head_mask=head_mask,
-                         encoder_hidden_states=encoder_hidden_states)
-    q, k, v = _heads(self.c_attn(hidden_states).split(self.split_size, dim=2), self.head_dim)
+def _gpt2_forward(self, call: dict, tidal: _Binding):
+    """GPT-2 attention (fused ``c_attn``) through the cache; the present (4.47) is the cache's
+    view."""
+    cache = tidal.cache(self, hf_compat.passed_cache(call), call.get("output_attentions"),
+                        head_mask=call.get("head_mask"),
+                        encoder_hidden_states=call.get("encoder_hidden_states"))
+    q, k, v = _heads(self.c_attn(call["hidden_states"]).split(self.split_size, dim=2),
+                     self.head_dim)
     scale = self.head_dim ** -0.5 if self.scale_attn_weights else 1.0
     if self.scale_attn_by_inverse_layer_idx:
         scale /= float(self.layer_idx + 1)
-    out = cache.attend(_tidal.layer, q, k, v, attention_mask, scale)
+    out = cache.attend(tidal.layer, q, k, v, call.get("attention_mask"), scale)
     out = self.resid_dropout(self.c_proj(out.transpose(1, 2).flatten(2)))
-    return out, (cache[_tidal.layer] if use_cache else None)
+    return hf_compat.attention_outputs(out, cache[tidal.layer] if call.get("use_cache") else None)
 
 
-def _opt_forward(self, hidden_states, key_value_states=None, past_key_value=None,
-                 attention_mask=None, layer_head_mask=None, output_attentions=False, *,
-                 _tidal: _Binding, **kwargs):
+def _opt_forward(self, call: dict, tidal: _Binding):
     """OPT attention (Q scaled by ``scaling``) through the cache."""
-    cache = _tidal.cache(self, past_key_value, output_attentions, layer_head_mask=layer_head_mask,
-                         key_value_states=key_value_states)
-    q, k, v = _heads((p(hidden_states) for p in (self.q_proj, self.k_proj, self.v_proj)),
+    cache = tidal.cache(self, hf_compat.passed_cache(call), call.get("output_attentions"),
+                        layer_head_mask=call.get("layer_head_mask"),
+                        key_value_states=call.get("key_value_states"))
+    q, k, v = _heads((p(call["hidden_states"]) for p in (self.q_proj, self.k_proj, self.v_proj)),
                      self.head_dim)
-    out = cache.attend(_tidal.layer, q, k, v, attention_mask, self.scaling)
+    out = cache.attend(tidal.layer, q, k, v, call.get("attention_mask"), self.scaling)
     out = self.out_proj(out.transpose(1, 2).flatten(2))
-    return out, None, cache[_tidal.layer]
+    return hf_compat.attention_outputs(out, None, cache[tidal.layer])
+
+
+def _clustered_forward(self, *args: Any, _family: Callable[..., Any], _tidal: _Binding,
+                       **kwargs: Any) -> Any:
+    """The forward of a clustered attention module: its family's, given the arguments by
+    name (a transformers version passes some positionally, under its own names)."""
+    return _family(self, _tidal.arguments(args, kwargs), _tidal)
 
 
 def attention_family(module: torch.nn.Module, scope: str = "") -> Callable[..., Any]:
     """The clustered forward for ``module``'s attention family (see the module docstring);
-    ``TypeError`` naming ``scope`` and the class when it is none of them."""
+    ``TypeError`` naming ``scope`` and the class when it is none of them, or when its scores
+    are soft-capped (Gemma 2: ``attn_logit_softcapping``, a change too small at one head per
+    cluster for :func:`check_family` to see on a random model).
+
+    Example:
+        >>> attention_family(torch.nn.Linear(2, 2), "lm_head")
+        Traceback (most recent call last):
+        ...
+        TypeError: clustered generation: the attention module at lm_head (Linear) is not a Llama-style, GPT-2 or OPT attention
+    """
     has = lambda *names: all(hasattr(module, n) for n in names)  # noqa: E731
+    if getattr(module, "attn_logit_softcapping", None):
+        raise TypeError(f"clustered generation: the attention module at {scope or '?'} "
+                        f"({type(module).__name__}) soft-caps its scores "
+                        f"(attn_logit_softcapping={module.attn_logit_softcapping}), which "
+                        f"clustered attention does not")
     if has("c_attn", "c_proj", "split_size") and not getattr(module, "is_cross_attention", 0):
         return _gpt2_forward
     if has("q_proj", "k_proj", "v_proj", "o_proj", "head_dim") or \
-            has("qkv_proj", "o_proj", "head_dim", "num_heads", "num_key_value_heads", "rotary_emb"):
+            has("qkv_proj", "o_proj", "head_dim", "num_key_value_heads"):
         return _rotary_forward
     if has("q_proj", "k_proj", "v_proj", "out_proj", "scaling") and \
             not getattr(module, "is_cross_attention", False):
@@ -267,20 +315,28 @@ def _clustered_copy(model: torch.nn.Module, plan: ChaiPlan) -> torch.nn.Module:
             raise ValueError(f"clustered generation: the plan's layer {choice.layer} is at "
                              f"{choice.scope!r}, which {type(model).__name__} does not have "
                              f"(a plan calibrated for another model?)") from None
-        forward = attention_family(module, choice.scope)
         rotary = getattr(module, "rotary_emb", None)
-        binding = _Binding(choice.layer, plan, choice.scope, frozenset(
-            inspect.signature(rotary.forward).parameters) if rotary is not None else frozenset())
-        module.forward = MethodType(
-            lambda self, *a, _f=forward, _b=binding, **kw: _f(self, *a, _tidal=_b, **kw), module)
-    if not getattr(gen, "_supports_cache_class", True):
-        # a tuple-cache model (GPT-2, OPT here): its code indexes past[i][0], which the
+        binding = _Binding(choice.layer, plan, choice.scope, _positional(type(module).forward),
+                           frozenset(inspect.signature(rotary.forward).parameters)
+                           if rotary is not None else frozenset())
+        module.forward = MethodType(partial(
+            _clustered_forward, _family=attention_family(module, choice.scope), _tidal=binding),
+            module)
+    if not hf_compat.takes_cache_objects(gen):
+        # a tuple-cache model (GPT-2, OPT in 4.47): its code indexes past[i][0], which the
         # cache's LayerView answers, and its attention is ours; generate's check that it
         # takes no Cache object is skipped for it
         gen._validate_model_kwargs = MethodType(_validate_without_cache, gen)
     gen.generate = MethodType(_generate, gen)
     gen.new_cache = lambda: ClusteredKCache(plan)
     return gen
+
+
+def _positional(forward: Callable[..., Any]) -> tuple:
+    """The names of ``forward``'s parameters that may be passed by position, after ``self``."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in inspect.signature(forward).parameters.values()
+                 if p.kind in kinds)[1:]
 
 
 def _validate_without_cache(self, model_kwargs: dict) -> None:
@@ -290,11 +346,16 @@ def _validate_without_cache(self, model_kwargs: dict) -> None:
 
 
 def _generate(self, *args: Any, past_key_values: Optional[ClusteredKCache] = None,
-              **kwargs: Any) -> Any:
-    """``generate`` of the model's class with a fresh ``ClusteredKCache`` unless one is given."""
-    if past_key_values is None:
-        past_key_values = self.new_cache()
-    elif not isinstance(past_key_values, ClusteredKCache):
-        raise TypeError(f"generate: past_key_values must be a tidal ClusteredKCache "
-                        f"(compiled.new_cache()), got {type(past_key_values).__name__}")
-    return type(self).generate(self, *args, past_key_values=past_key_values, **kwargs)
+              cache: Optional[ClusteredKCache] = None, **kwargs: Any) -> Any:
+    """``generate`` of the model's class with a fresh ``ClusteredKCache`` unless one is given
+    (as ``cache=`` or ``past_key_values=``; handed on under this transformers' keyword)."""
+    if cache is not None and past_key_values is not None:
+        raise TypeError("generate: give the cache once, as cache= or past_key_values=")
+    given = past_key_values if cache is None else cache
+    if given is None:
+        given = self.new_cache()
+    elif not isinstance(given, ClusteredKCache):
+        raise TypeError(f"generate: the cache (past_key_values=/cache=) must be a tidal "
+                        f"ClusteredKCache (compiled.new_cache()), got {type(given).__name__}")
+    return type(self).generate(self, *args, **{hf_compat.generate_cache_keyword(): given},
+                               **kwargs)

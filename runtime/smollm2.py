@@ -41,19 +41,22 @@ def gguf_path() -> Path:
 
 
 def load_smollm2(attn_implementation: str = "eager") -> tuple[Any, Any]:
-    """``(model, tokenizer)``: HF ``LlamaForCausalLM`` (float32, eval) and its tokenizer."""
+    """``(model, tokenizer)``: HF ``LlamaForCausalLM`` (float32, eval) and its tokenizer
+    (transformers 5 or 4.47: the dtype keyword through ``tidal.runtime.hf_compat``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tidal.runtime.hf_compat import dtype_keyword
+
+    fp32 = {dtype_keyword(): "float32"}
     target = cache_dir() / "smollm2-135m"
     if not (target / "model.safetensors").exists():
         src = gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     torch_dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, **fp32)
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         target.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(target, safe_serialization=True)
         tok.save_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype="float32",
-                                                 attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn_implementation,
+                                                 **fp32)
     return model.eval(), AutoTokenizer.from_pretrained(target)
