@@ -25,9 +25,9 @@ a :class:`Launch` whose ``ready_us``/``start_us``/``end_us`` are device-side tim
 Work that reads what another stream produced waits for it: :meth:`Backend.current_stream` is
 the stream the caller's work goes to (CUDA: ``torch.cuda.current_stream``; CPU: the host, where
 work is done when it returns, or a stream made current with :meth:`Backend.use`), and
-``record``/``wait`` put an event between two streams. ``record_stream(tensor, stream)`` tells
-the allocator a tensor is used on another stream than the one that made it (CUDA's
-``Tensor.record_stream``; nothing to do on the CPU, where memory is freed by reference).
+``record``/``wait`` put an event between two streams. A piece that reads a tensor another
+stream made calls :func:`used_here` (CUDA's ``Tensor.record_stream`` on its own stream; nothing
+to do on the CPU, where memory is freed by reference).
 
 Example:
     >>> import torch
@@ -151,10 +151,6 @@ class Backend:
     def wait(self, stream: Any, event: Any) -> None:
         """Later work on ``stream`` waits for ``event``."""
         raise NotImplementedError
-
-    def record_stream(self, tensor: Any, stream: Any) -> None:
-        """``tensor`` is used on ``stream`` too: its memory is not reused before the work
-        enqueued there so far has run (see the module docstring)."""
 
     def synchronize(self) -> None:
         """Wait until every stream is drained."""
@@ -564,10 +560,6 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
 
     def wait(self, stream, event):
         stream.wait_event(event)
-
-    def record_stream(self, tensor, stream):
-        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            tensor.record_stream(stream)
 
     def wait_any(self, launches, timeout_us=None):
         deadline = None if timeout_us is None else time.perf_counter() + timeout_us * 1e-6
