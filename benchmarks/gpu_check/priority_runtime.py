@@ -96,7 +96,9 @@ def run(device: str, quick: bool) -> dict:
         error = figures.pop(f"{label}.bg_error", None)
         if error is not None:
             fail(figures, f"{label}: the background job failed: {error}")
-        elif not figures[f"{label}.bg_it_per_s"] > 0:
+        elif not figures[f"{label}.bg_it_per_s"] > 0 and not quick:
+            # a quick run's foreground can end before one background iteration does (a quiet
+            # CPU: 1 ms steps); the full run is long enough for the background to progress
             fail(figures, f"{label}: the background job made no progress")
     if solo.error:
         fail(figures, f"background alone failed: {solo.error}")
