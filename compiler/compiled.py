@@ -354,7 +354,23 @@ def _lowered(gm: fx.GraphModule, ctx: PassContext, lower: Optional[str]):
         return None
     from tidal.runtime.lower import lower as lower_graph
 
+    _inputs_on_the_parameters_device(gm, ctx.example_inputs)
     return lower_graph(gm, ctx.example_inputs)
+
+
+def _inputs_on_the_parameters_device(gm: fx.GraphModule, example_inputs: Any) -> None:
+    """A ``ValueError`` naming the first example input on another device than the
+    parameters (a capture would fail deep inside torch)."""
+    params = list(gm.parameters())
+    if not params:
+        return
+    where = params[0].device
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    for name, value in zip(names, bind_inputs(gm, example_inputs, "compile example_inputs")):
+        if isinstance(value, torch.Tensor) and value.device != where:
+            raise ValueError(f"compile: example input {name!r} is on {value.device}, the "
+                             f"model's parameters on {where}: move it there "
+                             f"({name}.to('{where}')) or the model to {value.device}")
 
 
 def _table_weight(model: torch.nn.Module, name: str) -> torch.Tensor:

@@ -55,6 +55,9 @@ class ClusteredHeads(torch.nn.Module):
     """
 
     representatives_only: bool = True
+    uncaptured_reason = ("clusters heads on the host from the first tokens and checks the "
+                         "KV-head layout (host syncs)")
+    """Why the lowering runs this module uncaptured (``tidal.runtime.lower.stop_reason``)."""
 
     def __init__(self, layer: int, num_heads: int, num_kv_heads: int, k: Optional[int] = None,
                  first: int = FIRST_TOKENS, static: Optional[Membership] = None) -> None:

@@ -105,6 +105,12 @@ class Captured:
         return self.program(*inputs)
 
 
+class CaptureError(RuntimeError):
+    """A program could not be captured (a host sync or a CPU-device copy inside it, say); the
+    device is left as it was before the capture, so the caller can run the program as it is
+    (``LoweredModule`` does, and names the step and the error in its report)."""
+
+
 class Backend:
     """Interface of a runtime backend (see the module docstring)."""
 
@@ -580,13 +586,35 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
                 program(*static)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=pool if pool is not None
-                                               else self.memory_pool()):
-            outputs = program(*static)
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph, pool=pool if pool is not None
+                                                   else self.memory_pool()):
+                outputs = program(*static)
+        except Exception as e:  # noqa: BLE001 - the caller runs the program uncaptured
+            self._end_failed_capture(current)
+            raise CaptureError(f"{type(e).__name__}: {_first_line(e)}") from e
         return _CudaCaptured(program, static, graph, outputs)
+
+    def _end_failed_capture(self, stream: "torch.cuda.Stream") -> None:
+        """Undo what a capture that raised leaves behind: ``torch.cuda.graph`` keeps its
+        capture stream current and the CUDA generators in capture mode (every later random
+        op then fails: 'Offset increment outside graph capture'). ``stream`` becomes current
+        again and one empty capture ends the generators' capture mode."""
+        torch.cuda.set_stream(stream)
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                torch.empty(1, device=self.device).zero_()
+            del graph
 
     def synchronize(self):
         torch.cuda.synchronize(self.device)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class _CudaLaunch(Launch):  # pragma: no cover - needs a GPU

@@ -9,8 +9,11 @@
   ``c10d`` ops), run uncaptured so the runtime can treat them as their own operators;
 - **eager** steps: a host sync (``.item()``, ``.tolist()``, ``bool(t)``...), an op with a
   data-dependent output shape (``nonzero``, ``masked_select``, boolean indexing...), anything
-  using such a value, or an in-place update of a graph input. The report names the node that
-  stopped the preceding segment and why.
+  using such a value, an in-place update of a graph input, or a call of a module that says
+  why it cannot be captured (its ``uncaptured_reason``: CHAI's clustered attention). The report
+  names the node that stopped the preceding segment and why. A step whose capture fails all the
+  same (``CaptureError``: a host sync the rules above missed) runs uncaptured from then on,
+  with a warning and ``capture failed: ...`` as its reason in the report.
 
 Every step is compiled once into a straight-line Python function (module calls bound to their
 ``forward``, or to ``F.linear``/``F.conv2d`` with the weights bound, when the module has no hooks;
@@ -32,8 +35,10 @@ Example:
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import math
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -47,7 +52,7 @@ from tidal.ir import meta
 from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr
 from tidal.ir.ops import is_tidal_op
-from tidal.runtime.backend import Backend, backend_for
+from tidal.runtime.backend import Backend, CaptureError, backend_for
 
 _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__",
                                 "__index__"})
@@ -153,7 +158,20 @@ def stop_reason(gm: fx.GraphModule, n: fx.Node) -> Optional[tuple[str, str]]:
     written = _written_input(gm, n)
     if written is not None:
         return "eager", f"in-place update of graph input {written.name}"
+    declared = _declared_uncaptured(gm, n)
+    if declared is not None:
+        return "eager", declared
     return None
+
+
+def _declared_uncaptured(gm: fx.GraphModule, n: fx.Node) -> Optional[str]:
+    """The reason a called module gives for running uncaptured (its ``uncaptured_reason``),
+    if it gives one. Its output is an ordinary tensor: later nodes can still be captured."""
+    if n.op != "call_module":
+        return None
+    mod = gm.get_submodule(n.target)
+    why = getattr(mod, "uncaptured_reason", None)
+    return f"{type(mod).__name__}: {why}" if why else None
 
 
 @dataclass(frozen=True)
@@ -305,7 +323,8 @@ def _classify(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
             v = ("eager", f"uses data-dependent value of {origin}")
         if v is not None:
             verdicts[n] = v
-            if v[0] == "eager" and (origin is not None or _written_input(gm, n) is None):
+            if v[0] == "eager" and (origin is not None or (
+                    _written_input(gm, n) is None and _declared_uncaptured(gm, n) is None)):
                 tainted[n] = origin or n.name  # an input written in place is data as before
     return verdicts
 
@@ -482,19 +501,33 @@ class LoweredModule(torch.nn.Module):
                 keep = var in self.in_place or not isinstance(v, torch.Tensor)
                 env[var] = v if keep else v.detach().clone()
             calls = []
-            for s in self._steps:
+            for k, s in enumerate(self._steps):
                 ins = [env[v] for v in s.ins]
-                if s.info.kind == "captured":
-                    call = self.backend.capture(
-                        s.program, ins, pool=self._pool,
-                        in_place=[i for i, v in enumerate(s.ins) if v in self.in_place]).replay
-                else:
-                    call = s.program
+                call = s.program
+                if self.report.steps[k].kind == "captured":
+                    try:
+                        call = self.backend.capture(
+                            s.program, ins, pool=self._pool,
+                            in_place=[i for i, v in enumerate(s.ins)
+                                      if v in self.in_place]).replay
+                    except CaptureError as e:
+                        self._capture_failed(k, e)
                 env.update(zip(s.outs, call(*ins)))
                 calls.append(call)
             self._captures[key] = calls
             self._drivers[key] = self._make_driver(calls, "captured")
         return calls
+
+    def _capture_failed(self, k: int, error: CaptureError) -> None:
+        """Step ``k`` could not be captured: it runs as it is from now on (every signature),
+        and the report says so (kind ``eager``, the error as the reason), with a warning."""
+        info = self.report.steps[k]
+        reason = f"capture failed: {error}"
+        steps = list(self.report.steps)
+        steps[k] = dataclasses.replace(info, kind="eager", reason=reason)
+        self.report = dataclasses.replace(self.report, steps=tuple(steps))
+        warnings.warn(f"tidal lower: step {k} ({info.nodes[0]} .. {info.nodes[-1]}) runs "
+                      f"uncaptured: {reason}", RuntimeWarning, stacklevel=3)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._bind(args, kwargs)

@@ -124,3 +124,14 @@ def test_an_option_two_selected_passes_take_is_ambiguous():
     with pytest.raises(tidal.PassError, match="'mode' is taken by passes"):
         tidal.compile(model, x, passes=["compression", "clustered_attention"], mode="static",
                       loss_fn=model.default_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_lowering_names_an_example_input_on_another_device_than_the_parameters():
+    from tidal.compiler.compiled import _inputs_on_the_parameters_device
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    gm = tidal.trace(model, (torch.randn(2, 4),))
+    _inputs_on_the_parameters_device(gm, (torch.randn(2, 4),))
+    with pytest.raises(ValueError, match=r"example input 'input' is on meta, the model's "
+                                         r"parameters on cpu: move it there"):
+        _inputs_on_the_parameters_device(gm, (torch.randn(2, 4, device="meta"),))

@@ -162,3 +162,42 @@ def test_an_input_written_in_place_does_not_make_later_nodes_uncaptured():
             x, y]
     kinds = [info.kind for info in lower(step.gm, flat).report.steps]
     assert kinds.count("eager") == 2 and kinds.count("captured") >= 2, kinds  # bn, its counter
+
+
+class _SyncsOnTheHost(torch.nn.Module):
+    """A module whose forward reads a tensor's value on the host (a CUDA capture would fail)."""
+
+    uncaptured_reason = "reads a scale on the host"
+
+    def forward(self, x):
+        return x * float(x.detach().abs().max())
+
+
+def test_a_module_that_names_why_it_cannot_be_captured_runs_uncaptured():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _SyncsOnTheHost(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    lowered = lower(tidal.trace(model, (x,), leaf_modules=[_SyncsOnTheHost]), (x,))
+    assert [s.kind for s in lowered.report.steps] == ["captured", "eager", "captured"]
+    assert lowered.report.stops == (("_1", "_SyncsOnTheHost: reads a scale on the host"),)
+    torch.testing.assert_close(lowered(x), model(x))
+
+
+class _CaptureFails(tidal.runtime.backend.CpuBackend):
+    """A backend whose captures fail, as CUDA's does on a host sync the lowering's rules did
+    not see (the CUDA backend's own recovery is tests/test_program_devices.py's)."""
+
+    def capture(self, program, static_inputs, *, pool=None, in_place=()):
+        raise tidal.runtime.backend.CaptureError("operation not permitted when stream is "
+                                                 "capturing")
+
+
+def test_a_step_whose_capture_fails_runs_uncaptured_with_a_warning_and_a_reason():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with pytest.warns(RuntimeWarning, match="runs uncaptured: capture failed: operation not "
+                                            "permitted"):
+        lowered = lower(tidal.trace(model, (x,)), (x,), backend=_CaptureFails())
+    assert [s.kind for s in lowered.report.steps] == ["eager"]
+    assert lowered.report.stops[0][1].startswith("capture failed: operation not permitted")
+    torch.testing.assert_close(lowered(x), model(x))
+    torch.testing.assert_close(lowered(2 * x), model(2 * x))  # a new signature: still eager

@@ -211,3 +211,24 @@ def test_a_frozen_forward_in_grad_mode_replays_its_captures():
         out = lowered(x)
     assert be.replays == before + 1 and out.requires_grad
     be.close()
+
+
+class _HiddenHostSync(torch.nn.Module):
+    """A host sync the lowering's rules cannot see (``torch.equal`` inside a leaf module)."""
+
+    def forward(self, x):
+        return x * 2 if torch.equal(x, x) else x
+
+
+@pytest.mark.cuda
+def test_cuda_failed_capture_runs_uncaptured_and_leaves_the_device_usable():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _HiddenHostSync()).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    stream = torch.cuda.current_stream()
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        lowered = lower(tidal.trace(model, (x,), leaf_modules=[_HiddenHostSync]), (x,))
+    assert torch.cuda.current_stream() == stream  # torch.cuda.graph's stream is gone
+    assert "capture failed" in lowered.report.stops[0][1]
+    torch.testing.assert_close(lowered(x), model(x))
+    torch.randn(3, device="cuda")  # the generator left capture mode ('Offset increment ...')
+    torch.nn.functional.dropout(x, 0.5, training=True)

@@ -5,9 +5,12 @@ JSON. The driver starts it in a session of its own and kills the session at its 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import json
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -39,6 +42,15 @@ def run_check(name: str, device: str, quick: bool) -> dict:
     return record(name, dict(figures), None, summary)
 
 
+def dump_stacks_before_deadline(margin_s: float = 3.0) -> None:
+    """Print every thread's stack ``margin_s`` before ``TIDAL_GPU_CHECK_DEADLINE`` (the
+    driver kills the check there): a check that hangs shows where in its log."""
+    deadline = os.environ.get("TIDAL_GPU_CHECK_DEADLINE")
+    if deadline:
+        faulthandler.dump_traceback_later(max(float(deadline) - time.time() - margin_s, 1.0),
+                                          exit=False, file=sys.stderr)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name")
@@ -46,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--result", required=True, type=Path)
     args = ap.parse_args(argv)
+    dump_stacks_before_deadline()
     rec = run_check(args.name, args.device, args.quick)
     args.result.write_text(json.dumps(rec, default=str))
     return 0 if rec["ok"] else 1

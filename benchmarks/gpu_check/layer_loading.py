@@ -7,6 +7,7 @@ calibrated to this machine (``benchmarks/cold_start.py``); on a GPU it plans for
 host link and 50 TFLOP/s."""
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 import time
@@ -38,7 +39,8 @@ def run(device: str, quick: bool) -> dict:
         cluster = _calibrate(model, (x,), Path(tmp)) if dev.type == "cpu" else \
             tidal.Cluster(gpus=1, bandwidth_gbps=200.0, latency_us=10.0, peak_tflops=50.0)
         for _, grouping in STRATEGIES:
-            c = tidal.compile(model, (x,), cluster=cluster,
+            # a copy each: cold_start leaves the weights of the model it loads on the device
+            c = tidal.compile(copy.deepcopy(model), (x,), cluster=cluster,
                               passes=[LayerGroups(grouping=grouping)])
             path = Path(tmp) / f"{grouping}.safetensors"
             write_groups(c.graph_module, path)

@@ -1,7 +1,7 @@
-"""The training step of ``train_step`` (same weights, same batches, batch 1 and 32) through
-``torch.compile(mode="reduce-overhead")`` of the eager step, against eager: the largest
-parameter difference after a few steps and ms/step. Skipped on the CPU (its compile takes
-about 30 s even for a tiny model there)."""
+"""The training step of ``train_step`` (same weights, same batches, batch 1 and 32) with the
+model through ``torch.compile(mode="reduce-overhead")`` (loss and optimizer eager), against
+eager: the largest parameter difference after a few steps and ms/step. Skipped on the CPU
+(its compile takes about 30 s even for a tiny model there)."""
 from __future__ import annotations
 
 import torch
