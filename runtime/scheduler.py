@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from tidal.ir.table import format_table
-from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for
+from tidal.runtime.backend import HIGH, LOW, Backend, CudaBackend, Launch, backend_for
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,14 @@ class Runtime:
     layer's GPU set lend their idle time). Both predictions are conservative: the background
     piece's longest recent isolated duration against the foreground pieces' shortest, so a
     background piece rarely holds the device when the foreground needs it.
+    ``inline_host``: the backend runs a piece's host side inside ``launch``, on the dispatcher's
+    thread, and only its device work in stream order (None: a ``CudaBackend``). A host piece
+    (``uses_device=False``) on a job's own stream, such as a foreground's wait for peers, then
+    blocks the dispatcher while it runs: it is held until the pieces before it on its stream
+    have ended (as a stream worker would run it: the device is idle meanwhile) and dispatched
+    after the other jobs had their turn, so background pieces that fit go into that idle span.
+    Pacing, feedback, compute shares and ``idle_only`` hold back background *device* pieces
+    only; its host pieces (a step's loss, a collective) do not occupy the device.
     """
 
     def __init__(self, device: Any = "cpu", *, backend: Optional[Backend] = None,
@@ -260,7 +268,7 @@ class Runtime:
                  target_slowdown: float = 1.1, feedback: bool = True, priorities: bool = True,
                  calibrate: int = 1, sensitive_kinds: Sequence[str] = (),
                  poll_us: float = 1000.0, stream_pool: Optional[dict] = None,
-                 idle_only: bool = False):
+                 idle_only: bool = False, inline_host: Optional[bool] = None):
         for name, depth in (("fg_depth", fg_depth), ("be_depth", be_depth)):
             if depth is not None and (not isinstance(depth, int) or depth < 1):
                 raise ValueError(f"Runtime({name}={depth!r}): must be a positive int or None")
@@ -284,6 +292,8 @@ class Runtime:
         self._streams: dict = stream_pool if stream_pool is not None else {}
         self.idle_only = idle_only
         self._events = callable(getattr(self.backend, "event", None))
+        self.inline_host = isinstance(self.backend, CudaBackend) if inline_host is None \
+            else inline_host
 
     # -- submission -------------------------------------------------------------------------
     def submit(self, job: Job, priority: Union[str, int] = "low", *,
@@ -353,9 +363,17 @@ class Runtime:
             if depth is not None and q.piece.uses_device and \
                     h.device_outstanding(stream) >= depth:
                 continue
+            if self._blocks_dispatcher(q.piece) and any(
+                    not o.launch.done() for o in h.outstanding if o.piece.stream == stream):
+                continue  # runs in stream order: once the pieces before it have ended
             if self._deps_ready(h, q):
                 return q
         return None
+
+    def _blocks_dispatcher(self, p: Piece) -> bool:
+        """Whether dispatching ``p`` blocks the dispatcher until ``p`` ends: a host piece on
+        its job's own stream (shared with its device pieces) on an ``inline_host`` backend."""
+        return self.inline_host and not p.uses_device and not p.stream
 
     def _foreground(self) -> Optional[JobHandle]:
         return next((h for h in self.handles if h.foreground), None)
@@ -493,6 +511,9 @@ class Runtime:
 
     def _choose(self, now: float, dispatched: set[str]
                 ) -> Optional[tuple[JobHandle, "_Queued"]]:
+        """The next (job, piece) to dispatch: the foreground's first, then the background
+        jobs' in submission order; a piece that blocks the dispatcher goes last."""
+        blocking = None
         for h in self.handles:
             depth = self.fg_depth if h.foreground else self.be_depth
             if depth is None and h.name in dispatched:
@@ -506,9 +527,11 @@ class Runtime:
                 q = self._pick(h, depth)
             if q is None:
                 continue
-            if h.foreground or self._bg_allowed(h, now, q):
+            if self._blocks_dispatcher(q.piece):
+                blocking = blocking or (h, q)  # the other jobs dispatch first
+            elif h.foreground or not q.piece.uses_device or self._bg_allowed(h, now, q):
                 return h, q
-        return None
+        return blocking
 
     def _bg_allowed(self, h: JobHandle, now: float, q: "_Queued") -> bool:
         if h.limits.compute_share < 1.0 and h.stats.first_us is not None:
@@ -589,9 +612,10 @@ class Runtime:
 
     def _next_sensitive_start(self, fg: JobHandle, now: float) -> float:
         """Predicted start of the foreground's next sensitive piece (inf if none is queued)."""
-        if fg.outstanding:
-            t = max(fg.last_end_us, fg.outstanding[0].dispatch_us)
-            for q in fg.outstanding:
+        running = [q for q in fg.outstanding if not q.launch.done()]
+        if running:
+            t = max(fg.last_end_us, running[0].dispatch_us)
+            for q in running:
                 if self.is_sensitive(fg, q.piece):
                     return t
                 t += self._iso(fg, q.piece)

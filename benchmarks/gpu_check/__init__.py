@@ -24,6 +24,7 @@ CHECKS: tuple[tuple[str, float], ...] = (
     ("antman_cap", 45.0),
     ("ddp_hook", 25.0),
     ("capture_memory", 30.0),
+    ("step_profile", 40.0),
     ("torch_compile", 120.0),
     ("cuda_tests", 180.0),
 )
