@@ -20,7 +20,10 @@ creates its CUDA context, as a restarted job does); figures are labelled with it
 
 ``stop_and_start(ctx, job, host, device)`` and ``tidal_switch(sw, name)`` are what a harness
 calls to compare one switch against a restart on any device with small models (``make
-gpu-check``'s ``task_switch``).
+gpu-check``'s ``task_switch``). Every wait of a stop-and-start is bounded (``timeout_s``) and
+ends early, with a ``SwitchingError`` naming the process and its exit code, when a spawned
+process dies; job A's processes can be started ahead of time (``start_idle``), together, since
+their start-up (spawn, imports) is not part of what is measured.
 
 It then compares where a switch stops a *training* job A (ResNet-152-sized, batch 2) for an
 inference job B: ``preempt_at="piece"`` (after the running piece, the unfinished iteration
@@ -37,11 +40,14 @@ import copy
 import functools
 import gc
 import pickle
+import queue
 import random
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as tmp
@@ -55,7 +61,8 @@ from examples.models import ZOO  # noqa: E402
 from tidal.ir import cost  # noqa: E402
 from tidal.ir.table import format_table  # noqa: E402
 from tidal.passes.layer_groups import LayerGroups  # noqa: E402
-from tidal.runtime.switching import HostModel, Repeat, SwitchJob, Switcher  # noqa: E402
+from tidal.runtime.switching import (HostModel, Repeat, SwitchingError,  # noqa: E402
+                                     SwitchJob, Switcher)
 from tidal.runtime.switching.device import enter_device, to_device  # noqa: E402
 from tidal.runtime.switching.job import PortableGraph, weightless  # noqa: E402
 
@@ -120,6 +127,67 @@ def _idle(ready) -> None:
     time.sleep(3600)
 
 
+def _wait_for(proc: Any, poll: Callable[[], Any], what: str, timeout_s: float) -> Any:
+    """Call ``poll()`` (it waits briefly and returns a value, or None for nothing yet) until it
+    gives a value; raise ``SwitchingError`` naming ``what`` as soon as ``proc`` has ended
+    without one (after a last poll: what it sent before it exited) or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = poll()
+        if got is not None:
+            return got
+        if not proc.is_alive():
+            got = poll()
+            if got is not None:
+                return got
+            raise SwitchingError(f"stop-and-start: {what}: process {proc.pid} ended (exit code "
+                                 f"{proc.exitcode}) first")
+        if time.monotonic() > deadline:
+            raise SwitchingError(f"stop-and-start: {what}: nothing within {timeout_s:.0f} s "
+                                 f"(process {proc.pid} is still running)")
+
+
+def _get(q: Any, timeout_s: float = 0.05) -> Optional[tuple]:
+    """The next item of ``q``, or None if none arrives within ``timeout_s``."""
+    try:
+        return q.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def _end(proc: Any, what: str, timeout_s: float = 30.0) -> None:
+    """Join ``proc``; one still running after ``timeout_s`` is killed (with a warning: what
+    it sent is valid, but a process that does not exit is a bug to look at)."""
+    proc.join(timeout_s)
+    if proc.is_alive():
+        warnings.warn(f"stop-and-start: {what} (process {proc.pid}) did not exit within "
+                      f"{timeout_s:.0f} s; killed", RuntimeWarning, stacklevel=2)
+        proc.kill()
+        proc.join(5)
+
+
+def start_idle(ctx) -> tuple[Any, Any]:
+    """Start job A's process for a stop-and-start (it only waits to be killed); returns the
+    process and the event it sets once running. Start several at once, ahead of time: their
+    start-up is not measured."""
+    ready = ctx.Event()
+    old = ctx.Process(target=_idle, args=(ready,), daemon=True)
+    old.start()
+    return old, ready
+
+
+def wait_idle(old: tuple[Any, Any], timeout_s: float = 300.0) -> None:
+    """Wait until job A's process ``old`` (from :func:`start_idle`) runs: at most
+    ``timeout_s``; ``SwitchingError`` (the process killed) if it dies or does not start."""
+    proc, ready = old
+    try:
+        _wait_for(proc, lambda: ready.wait(0.05) or None, "job A's process to start",
+                  timeout_s)
+    except SwitchingError:
+        proc.kill()
+        raise
+
+
 def _cold(packed: bytes, host: HostModel, inputs, out, device: str = "cpu") -> None:
     entered = time.monotonic()
     dev = enter_device(device)  # a restarted job creates its device context
@@ -139,26 +207,36 @@ def _cold(packed: bytes, host: HostModel, inputs, out, device: str = "cpu") -> N
     out.put((entered, built, allocated, loaded, time.monotonic(), y.numpy()))  # no fd to share
 
 
-def stop_and_start(ctx, job: SwitchJob, host: HostModel, device: str = "cpu") -> dict:
-    """Job A's process is killed and a new process started for ``job`` on ``device`` (imports,
-    device context, model, allocation, copy from ``host``, first forward): seconds of each
-    part (``clean``, ``init``, ``alloc``, ``trans``), ``first`` (request -> first output) and
-    ``out`` (B's output, on the CPU)."""
-    ready, out = ctx.Event(), ctx.Queue()
-    old = ctx.Process(target=_idle, args=(ready,), daemon=True)
-    old.start()
-    ready.wait(120)
+def stop_and_start(ctx, job: SwitchJob, host: HostModel, device: str = "cpu",
+                   old: Optional[tuple[Any, Any]] = None, timeout_s: float = 300.0) -> dict:
+    """Job A's process (``old``, from :func:`start_idle`; None: one started here) is killed and
+    a new process started for ``job`` on ``device`` (imports, device context, model,
+    allocation, copy from ``host``, first forward): seconds of each part (``clean``, ``init``,
+    ``alloc``, ``trans``), ``first`` (request -> first output) and ``out`` (B's output, on the
+    CPU). Each wait takes at most ``timeout_s``; a process that dies fails it at once
+    (``SwitchingError``)."""
+    old = old if old is not None else start_idle(ctx)
+    wait_idle(old, timeout_s)
+    proc = old[0]
+    out = ctx.Queue()
     packed = pickle.dumps(PortableGraph.of(weightless(job.graph)))
     t0 = time.monotonic()
-    old.kill()
-    old.join()
+    proc.kill()
+    proc.join(timeout_s)
     cleaned = time.monotonic()
     new = ctx.Process(target=_cold, args=(packed, host, job.batches(0), out, device),
                       daemon=True)
     new.start()
-    entered, built, allocated, loaded, done, y = out.get(timeout=300)
-    first = time.monotonic() - t0
-    new.join()
+    try:
+        entered, built, allocated, loaded, done, y = _wait_for(
+            new, lambda: _get(out), f"job {job.name!r}'s new process to give its output",
+            timeout_s)
+        first = time.monotonic() - t0
+    except SwitchingError:
+        new.kill()
+        raise
+    finally:
+        _end(new, f"job {job.name!r}'s new process", min(30.0, timeout_s))
     return {"clean": cleaned - t0, "init": built - cleaned, "alloc": allocated - built,
             "trans": loaded - allocated, "first": first, "out": torch.from_numpy(y)}
 
@@ -200,7 +278,7 @@ def tidal_switch(sw: Switcher, name: str) -> dict:
     first, resident = outs[-2].result, outs[-1].result
     tl = first.timeline
     if previous is not None:
-        sw._pump(lambda: not sw.states[previous].saving, "the cleaning")  # for its time only
+        sw.wait_saved(previous)  # for its cleaning time only
     t0 = tl.transfer[0][1] - tl.transfer[0][0]
     return {"clean": sw.states[previous].cleaning_s if previous else 0.0,
             "init": s.first_output_s - first.seconds - s.first.alloc_s,

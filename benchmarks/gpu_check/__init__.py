@@ -19,7 +19,7 @@ CHECKS: tuple[tuple[str, float], ...] = (
     ("train_step", 60.0),
     ("priority_runtime", 35.0),
     ("layer_loading", 35.0),
-    ("task_switch", 60.0),
+    ("task_switch", 90.0),
     ("chai_decode", 40.0),
     ("antman_cap", 45.0),
     ("ddp_hook", 25.0),

@@ -16,8 +16,10 @@ leases B's memory from the arena (beside A's while A cleans, when the arena has 
 activates a standby worker: B's weights transmit group by group while the first groups compute,
 and ``switch`` returns at B's first output. Every wait has a timeout: a dead worker, a stalled
 one or one that raised gives a :class:`~tidal.runtime.switching.errors.SwitchingError` naming
-it; a message that cannot cross processes fails at once, in its sender
-(:mod:`~tidal.runtime.switching.messages`).
+it (one that raised: with its job and the stage that raised, as soon as it is reported); a
+message that cannot cross processes fails at once, in its sender
+(:mod:`~tidal.runtime.switching.messages`). A harness with a deadline of its own passes
+``timeout_s`` and ``start_timeout_s`` that fit in it.
 
 :meth:`Switcher.set_cap` changes an opportunistic job's memory cap (AntMan) between its
 iterations: what it would carve past the cap comes from outside the arena (the device's own
@@ -162,7 +164,8 @@ class Switcher:
 
     def start(self) -> "Switcher":
         """Build the host copies, allocate the arena, start the workers and wait until each is
-        ready (``start_timeout_s``)."""
+        ready (``start_timeout_s``); if one fails, every worker is stopped before the error
+        propagates (``with Switcher(...)`` does not close a switcher whose start raised)."""
         if self.workers:
             return self
         self.hosts = {n: HostModel.of(j.graph) for n, j in self.jobs.items()}
@@ -182,8 +185,12 @@ class Switcher:
                                      self._caps, self.threads))
             proc.start()
             self.workers.append(_Worker(wid, proc, inbox, preempt))
-        self._pump(lambda: all(w.startup_s is not None for w in self.workers),
-                   "the workers to start", self.start_timeout_s)
+        try:
+            self._pump(lambda: all(w.startup_s is not None for w in self.workers),
+                       "the workers to start", self.start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     @property
@@ -331,11 +338,12 @@ class Switcher:
                 js.stop_s, js.preempted_at = time.perf_counter() - js.preempted_at, None
             self._free(w, js)
         elif kind == "error":
-            name, tb = msg[2], msg[3]
-            who = w.describe()
+            _, _, name, stage, tb = msg
+            who = w.describe() if name is None or w.job == name else \
+                f"{w.describe()} (job {name!r})"
             if name is not None:
                 self._free(w, self.states[name])
-            raise SwitchingError(f"{who} failed:\n{tb}")
+            raise SwitchingError(f"{who} failed in {stage}:\n{tb}")
 
     def _free(self, w: _Worker, js: JobState) -> None:
         js.saving = False
@@ -344,17 +352,23 @@ class Switcher:
             js.lease = None
         w.state, w.job = STANDBY, None
 
-    def close(self) -> None:
-        """Stop the workers (a stalled one is terminated) and drop the arena."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers: those not gone within ``timeout_s`` in all (a stalled one) are
+        terminated, then killed."""
         for w in self.workers:
             w.preempt.set()
             if w.proc.is_alive():
                 w.inbox.put(("stop",))
+        deadline = time.perf_counter() + timeout_s
         for w in self.workers:
-            w.proc.join(timeout=10)
+            w.proc.join(timeout=max(deadline - time.perf_counter(), 0.0))
+        for w in self.workers:
             if w.proc.is_alive():
                 w.proc.terminate()
-                w.proc.join(timeout=5)
+                w.proc.join(timeout=2)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=2)
         self.workers = []
 
     def __enter__(self) -> "Switcher":

@@ -13,11 +13,11 @@ first-call cost is left for a switch.
 :class:`~tidal.runtime.switching.stack.ArenaStack` (pointer bumps, no allocator call) and
 restores the optimizer state onto the device; the first :meth:`Task.step` after it runs the
 loading program (:class:`Transmission` copies group ``k`` from the shared host copy into its
-slice, on a GPU on a side stream of the task's device), the later ones the resident program;
-each iteration's batch is carved from the arena, which puts it on the device. :meth:`Task.clean`
-(a training job's task cleaning) copies the weights back to the host copy and returns the
-optimizer state in host memory (it crosses to the controller), so the job resumes elsewhere bit
-for bit.
+slice, on a GPU asynchronously on the loading piece's stream), the later ones the resident
+program; each iteration's batch is carved from the arena, which puts it on the device.
+:meth:`Task.clean` (a training job's task cleaning) copies the weights back to the host copy and
+returns the optimizer state in host memory (it crosses to the controller), so the job resumes
+elsewhere bit for bit.
 
 Example (in one process; :class:`~tidal.runtime.switching.switcher.Switcher` runs tasks in
 worker processes):
@@ -61,10 +61,12 @@ from tidal.runtime.switching.stack import ArenaStack
 class Transmission:
     """One activation's weight loads, the ``loads`` of a pipelined program: ``load(k)`` copies
     group ``k`` from the host copy into ``dsts[k]``, ``ready(k)`` raises if that did not happen.
-    On a GPU (``device``) the copy runs on a side stream of ``device`` after the work already
-    queued on the loading piece's stream, and ``ready(k)`` makes the computing piece's stream
-    wait for it; ``dsts[k]`` is recorded on both streams (``record_stream``), so memory the
-    allocator gave (a spill) is not reused while either still reads it."""
+    On a GPU (``device``) the copy runs asynchronously on the loading piece's own stream (the
+    one current when the piece runs: the piece's device times, the ``transfer`` of its
+    :class:`LoadTimeline`, are the copy's; on a side stream of its own they measured nothing),
+    and ``ready(k)`` makes the computing piece's stream wait for it; ``dsts[k]`` is recorded on
+    both streams (``record_stream``), so memory the allocator gave (a spill) is not reused
+    while either still reads it."""
 
     def __init__(self, host: HostModel, gm: torch.fx.GraphModule, dsts: list[torch.Tensor],
                  device: Any = "cpu"):
@@ -72,20 +74,15 @@ class Transmission:
         self.device = torch.device(device)
         self.done = [False] * host.num_groups
         self.events: list[Any] = [None] * host.num_groups
-        self._stream: Any = None
 
     def load(self, k: int) -> None:
         dst = self.dsts[k]
-        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=self.device)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                self.host.transmit(k, self.gm, dst, non_blocking=True)
-                dst.record_stream(self._stream)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self.events[k] = event
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            self.host.transmit(k, self.gm, dst, non_blocking=True)
+            dst.record_stream(stream)
+            self.events[k] = torch.cuda.Event()
+            self.events[k].record(stream)
         else:
             self.host.transmit(k, self.gm, dst)
         self.done[k] = True
@@ -94,7 +91,7 @@ class Transmission:
         if not self.done[k]:
             raise RuntimeError(f"group {k} cannot run: its weights were not transmitted (see "
                                f"the piece 'load group {k}')")
-        if self.events[k] is not None:  # pragma: no cover - needs a GPU
+        if self.events[k] is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(self.events[k])
             self.dsts[k].record_stream(stream)

@@ -16,12 +16,16 @@ tuples on ``torch.multiprocessing`` queues (tensors cross by shared memory):
   :class:`~tidal.runtime.switching.task.StepResult`, the arena spills and the activation's
   allocation seconds), ``done`` (the iterations ran out; the weights stay resident until
   preempted), ``stopped`` (preempted and cleaned: the next iteration, the optimizer state, the
-  cleaning seconds), ``error`` (a traceback).
+  cleaning seconds), ``error`` (the job, None at start-up, the stage that raised, e.g.
+  ``"iteration 3"`` or ``"warm-up of job 'a'"``, and the traceback).
 
 Every tensor in a message is in host memory (:func:`~tidal.runtime.switching.device.to_host`: a
 CUDA tensor received over IPC cannot be shared again), and every message is checked before it
 is queued (:func:`~tidal.runtime.switching.messages.send`): one that cannot cross fails at once,
-reported as this worker's error, instead of being lost in the queue's feeder thread.
+reported as this worker's error, instead of being lost in the queue's feeder thread. Whatever
+a stage raises is reported before anything else is tried (letting go of the job's memory may
+raise too, on a device in an error state), so the controller's wait ends with an error naming
+the worker, the job and the stage, never at its timeout.
 
 A worker whose controller has gone exits on its own.
 
@@ -62,6 +66,15 @@ def _cap(value: Any) -> Optional[int]:
     return None if value.value < 0 else int(value.value)
 
 
+def _report(outbox: Any, wid: int, job: Optional[str], stage: str) -> None:
+    """Send the exception being handled as worker ``wid``'s ``error`` in ``stage`` of ``job``
+    (None: at start-up); a message that cannot be queued is printed to stderr instead."""
+    try:
+        outbox.put(("error", wid, job, stage, traceback.format_exc()))
+    except BaseException:  # noqa: BLE001 - the controller then sees the process die
+        traceback.print_exc()
+
+
 def serve(wid: int, jobs: dict[str, SwitchJob], hosts: dict[str, HostModel],
           block: torch.Tensor, device: str, inbox: Any, outbox: Any, preempt: Any,
           caps: dict[str, Any], threads: Optional[int]) -> None:
@@ -69,28 +82,40 @@ def serve(wid: int, jobs: dict[str, SwitchJob], hosts: dict[str, HostModel],
     parent = os.getppid()
     tasks: dict[str, Task] = {}
     locks: list[PageLock] = []
+    stage = "entering the device"
     try:
         start = time.perf_counter()
         if threads:
             torch.set_num_threads(threads)
         dev = enter_device(device)
         if dev.type == "cuda":  # pragma: no cover - needs a GPU
+            stage = "page-locking the host copies"
             locks = [host.page_lock(f"job {name!r}", warn=False) for name, host in hosts.items()]
         for name, job in jobs.items():
+            stage = f"building the task of job {name!r}"
             tasks[name] = Task(job, dev)
+            stage = f"warm-up of job {name!r}"
             tasks[name].warm_up(hosts[name])
+        stage = "reporting ready"
         send(outbox, ("ready", wid, time.perf_counter() - start,
                       [note for lock in locks for note in lock.failures]), f"worker {wid}")
+        stage = "waiting for work"
         _serve(wid, tasks, hosts, block, inbox, outbox, preempt, caps, parent)
     except BaseException:  # noqa: BLE001 - reported to the controller
-        outbox.put(("error", wid, None, traceback.format_exc()))
+        _report(outbox, wid, None, stage)
     finally:
-        for task in tasks.values():
-            task.close()
-        if locks:  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(dev)  # no copy from a host copy still runs
-            for lock in locks:
-                lock.close()
+        _close(tasks.values(), locks)
+
+
+def _close(tasks: Any, locks: list[PageLock]) -> None:
+    """Stop the tasks' runners and unregister the page-locked host copies (after the device
+    finished every copy from them)."""
+    for task in tasks:
+        task.close()
+    if locks:  # pragma: no cover - needs a GPU
+        torch.cuda.synchronize()  # no copy from a host copy still runs
+        for lock in locks:
+            lock.close()
 
 
 def _serve(wid: int, tasks: dict[str, Task], hosts: dict[str, HostModel], block: torch.Tensor,
@@ -118,35 +143,49 @@ class _Activation:
         self.wid, self.task, self.host, self.cap = wid, task, host, cap
         self.outbox, self.preempt, self.parent = outbox, preempt, parent
         self.name = task.job.name
+        self.stage = "activation"
 
     def run(self, region: torch.Tensor, state: Optional[dict], first: int,
             stop: Optional[int]) -> None:
-        i = first
+        """Run from iteration ``first`` on ``region``; whatever a stage raises is reported
+        (naming the stage) before the task lets go of its memory."""
         try:
-            t0 = time.perf_counter()
-            stack = ArenaStack(region, cap=_cap(self.cap))
-            self.task.activate(self.host, stack, state)
-            alloc_s = time.perf_counter() - t0
-            while (stop is None or i < stop) and not self.preempt.is_set():
-                stack.set_cap(_cap(self.cap))
-                result = self.task.step(i, stack, self.preempt.is_set
-                                        if self.task.job.preempt_at == "piece" else None)
-                if result is None:
-                    break
-                self._send(("output", self.wid, self.name, _light(result), stack.spills,
-                            stack.spilled_bytes, alloc_s))
-                i += 1
-            if not self.preempt.is_set():
-                self._send(("done", self.wid, self.name, i))
-                self._wait_preempt()
-            t0 = time.perf_counter()
-            state = self.task.clean(self.host)
-            self._send(("stopped", self.wid, self.name, i, state, time.perf_counter() - t0))
+            self._run(region, state, first, stop)
         except BaseException:  # noqa: BLE001 - reported to the controller
-            self.task.release()
-            self.outbox.put(("error", self.wid, self.name, traceback.format_exc()))
+            _report(self.outbox, self.wid, self.name, self.stage)
+            try:
+                self.task.release()
+            except BaseException:  # noqa: BLE001 - the first error is the one reported
+                traceback.print_exc()
         finally:
             self.preempt.clear()
+
+    def _run(self, region: torch.Tensor, state: Optional[dict], first: int,
+             stop: Optional[int]) -> None:
+        i = first
+        t0 = time.perf_counter()
+        stack = ArenaStack(region, cap=_cap(self.cap))
+        self.task.activate(self.host, stack, state)
+        alloc_s = time.perf_counter() - t0
+        while (stop is None or i < stop) and not self.preempt.is_set():
+            self.stage = f"iteration {i}"
+            stack.set_cap(_cap(self.cap))
+            result = self.task.step(i, stack, self.preempt.is_set
+                                    if self.task.job.preempt_at == "piece" else None)
+            if result is None:
+                break
+            self._send(("output", self.wid, self.name, _light(result), stack.spills,
+                        stack.spilled_bytes, alloc_s))
+            i += 1
+        if not self.preempt.is_set():
+            self.stage = "reporting done"
+            self._send(("done", self.wid, self.name, i))
+            self.stage = "waiting for preemption"
+            self._wait_preempt()
+        self.stage = "cleaning"
+        t0 = time.perf_counter()
+        state = self.task.clean(self.host)
+        self._send(("stopped", self.wid, self.name, i, state, time.perf_counter() - t0))
 
     def _send(self, msg: tuple) -> None:
         send(self.outbox, msg, f"worker {self.wid} (job {self.name!r})")
