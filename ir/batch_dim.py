@@ -62,7 +62,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from tidal.ir import meta
 from tidal.ir.cost import materialize
 from tidal.ir.inputs import bind_inputs
-from tidal.ir.node_runner import map_tensors
+from tidal.ir.node_runner import map_tensors, op_name
 
 BATCH, FOLDED, REPLICATED, REDUCED, SIZE, UNKNOWN = (
     "batch", "folded", "replicated", "reduced", "size", "unknown")
@@ -252,7 +252,8 @@ def _observe(gm: fx.GraphModule, inputs: Sequence[Any], batch_size: int, b: int)
 
 # --- the rules ---------------------------------------------------------------------------------
 
-_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"})
+_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as",
+                       "_unsafe_view"})
 """Ops whose output may fold (or unfold) the samples into another dimension."""
 
 _METADATA_ONLY = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor",
@@ -267,14 +268,6 @@ _MIXING = {"softmax": (1, -1), "log_softmax": (1, -1), "cumsum": (1, None),
 argument, its default)."""
 
 
-def _op_name(n: fx.Node) -> str:
-    if n.op == "call_module":
-        return str(n.target)
-    if isinstance(n.target, str):
-        return n.target
-    return getattr(n.target, "__name__", str(n.target))
-
-
 def _render(v: Any) -> str:
     if isinstance(v, fx.Node):
         return v.name
@@ -287,7 +280,7 @@ def _describe(n: fx.Node) -> str:
     """``view_3 = view(32, 4, 4, 16)`` (the tensor the op is called on left out)."""
     args = n.args[1:] if n.op in ("call_method", "call_module") else n.args
     parts = [_render(a) for a in args] + [f"{k}={_render(v)}" for k, v in n.kwargs.items()]
-    return f"{n.name} = {_op_name(n)}({', '.join(parts)})"
+    return f"{n.name} = {op_name(n)}({', '.join(parts)})"
 
 
 def _input_leaves(n: fx.Node, facts: Mapping[str, Fact]) -> list[tuple[fx.Node, BatchDim]]:
@@ -354,7 +347,7 @@ class _Rules:
                     why = (f"{self._what(n)} fails at batch {b} ({o.error}): its shape is fixed, "
                            f"so cannot tell which output dim holds the {self.b0} samples")
                 return BatchDim(UNKNOWN, reason=why)
-        if n.op == "call_function" and _op_name(n) == "getitem":
+        if n.op == "call_function" and op_name(n) == "getitem":
             picked = self._getitem(n)
             if picked is not None:
                 return picked
@@ -410,7 +403,7 @@ class _Rules:
                                         f"{v1!r} at batch {self.b1}: not a multiple of the batch")
 
     def _tensor(self, n: fx.Node, s0: tuple, s1: tuple, inputs) -> BatchDim:
-        name = _op_name(n)
+        name = op_name(n)
         first = _first_tensor_arg(n, self.seen0)
         what = self._what(n)
         if len(s0) != len(s1):
@@ -453,7 +446,7 @@ class _Rules:
         if n.op == "call_module":
             return isinstance(self.gm.get_submodule(str(n.target)),
                               (torch.nn.Flatten, torch.nn.Unflatten))
-        return _op_name(n) in _RESHAPES
+        return op_name(n) in _RESHAPES
 
     def _reshape(self, n: fx.Node, what: str, first: Optional[fx.Node], s0: tuple,
                  fact: BatchDim) -> BatchDim:
@@ -471,7 +464,7 @@ class _Rules:
         return fact
 
     def _mixing(self, n: fx.Node, what: str, fact: BatchDim) -> BatchDim:
-        name = _op_name(n)
+        name = op_name(n)
         if n.op == "call_module":
             mod = self.gm.get_submodule(str(n.target))
             if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm) and mod.training:
@@ -490,7 +483,8 @@ class _Rules:
             return fact
         if dims is None:
             return BatchDim(UNKNOWN, reason=f"{what}: {name} over all elements mixes the samples")
-        rank = len(self.seen0[n.name].shape)
+        seen = self.seen0[n.name]   # sort, cummax: (values, indices) of one shape
+        rank = len((seen[0] if isinstance(seen, (tuple, list)) else seen).shape)
         dims = dims if isinstance(dims, (tuple, list)) else (dims,)
         if any(isinstance(d, int) and d % max(rank, 1) == fact.dim for d in dims):
             return BatchDim(UNKNOWN, reason=f"{what}: {name} along dim {fact.dim}, the sample "
@@ -502,9 +496,10 @@ def mutates(n: fx.Node) -> bool:
     """Whether ``n`` writes into its first argument (``x[i] = v``, ``x.masked_fill_(...)``)."""
     if not n.args:
         return False
-    name = _op_name(n)
-    if n.op == "call_function":
-        return name == "setitem"
+    name = op_name(n)
+    if n.op == "call_function":   # an aten operator's in-place variant (``aten.add_``)
+        return name == "setitem" or isinstance(n.target, torch._ops.OpOverload) and \
+            name.endswith("_") and not name.endswith("__")
     return n.op == "call_method" and name.endswith("_") and not name.endswith("__")
 
 

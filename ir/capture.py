@@ -1,5 +1,8 @@
-"""Capture a model as a graph: the forward with ``torch.fx`` and a whole training step
-(forward, loss, backward) as one aten-level graph with ``make_fx``.
+"""Capture a model as a graph: the forward with ``torch.fx`` where its symbolic tracer takes
+the model, else through ``torch.export`` (non-strict, ``tidal.ir.export_capture``; Hugging Face
+models go there first, whatever the transformers version), and a whole training step
+(forward, loss, backward) as one aten-level graph with ``make_fx``. The graph's trace notes
+(the compile report's ``trace`` row) say which path was taken.
 
 Example:
     >>> import torch
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import io
 import os
 import sys
 import traceback
@@ -27,26 +29,16 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tidal.ir import meta, node_runner
+from tidal.ir import meta
 from tidal.ir.errors import TraceError
-from tidal.ir.rng import fork_rng_of
-
-LeafSpec = Union[str, type]
-"""A leaf module given by qualified path (``"layer1.0"``) or by class (``Bottleneck``)."""
+from tidal.ir.export_capture import NAME as EXPORT
+from tidal.ir.export_capture import LeafSpec, export_trace, user_leaf
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _user_leaf(leaf_modules: Iterable[LeafSpec]) -> Callable[[torch.nn.Module, str], bool]:
-    """``(module, qualified name) -> bool``: whether ``leaf_modules`` (paths or classes) names
-    it, for a tracer's ``is_leaf_module``."""
-    leaves = tuple(leaf_modules)
-    paths = frozenset(x for x in leaves if isinstance(x, str))
-    types_ = tuple(x for x in leaves if isinstance(x, type))
-    return lambda m, qualname: qualname in paths or bool(types_) and isinstance(m, types_)
 
 
 class _PathTracking:
@@ -70,7 +62,7 @@ class _Tracer(_PathTracking, fx.Tracer):
 
     def __init__(self, leaf_modules: Iterable[LeafSpec] = ()):
         super().__init__()
-        self.user_leaf = _user_leaf(leaf_modules)
+        self.user_leaf = user_leaf(leaf_modules)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return self.user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
@@ -141,157 +133,11 @@ def _check_leaf_paths(model: torch.nn.Module, leaf_modules: Sequence[LeafSpec]) 
                              f"{hint}", module_path=leaf, module_type=type(model).__name__)
 
 
-def _hf_tracer_cls(leaf_modules: Sequence[LeafSpec], made: list) -> type:
-    """``transformers``' HFTracer that also keeps ``leaf_modules`` whole and remembers where
-    it failed; each tracer it makes is appended to ``made``."""
-    from transformers.utils.fx import HFTracer
-
-    user_leaf = _user_leaf(leaf_modules)
-
-    class _LeafHFTracer(_PathTracking, HFTracer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-        def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-            return user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
-
-        @contextlib.contextmanager
-        def patch_for_tracing(self, root):
-            # HFTracer swaps torch.arange & co. and transformers' cache classes for tracing
-            # wrappers and swaps them back only when the trace succeeds: a failed trace left
-            # them in place for every later torch.arange of the process
-            saved = _what_hf_patches(self, root)
-            try:
-                with super().patch_for_tracing(root):
-                    yield
-            finally:
-                for owner, name, value in saved:
-                    setattr(owner, name, value)
-
-    return _LeafHFTracer
-
-
-def _what_hf_patches(tracer: Any, root: Any) -> list[tuple[Any, str, Any]]:
-    """``(owner, attribute, value)`` of everything ``HFTracer.patch_for_tracing`` replaces: the
-    torch functions it wraps and, in ``transformers`` modules (the root's own module, when it
-    has one), the classes it swaps for proxyable ones."""
-    saved = [(torch, name, getattr(torch, name)) for name in tracer._TORCH_METHODS_TO_PATCH]
-    home = inspect.getmodule(root)
-    for name, module in list(sys.modules.items()):
-        if (home is not None and module is not home) or not name.startswith("transformers"):
-            continue
-        for attr, value in list(vars(module).items()):
-            if any(value is cls for cls in tracer._CLASSES_TO_PATCH):
-                saved.append((module, attr, value))
-    return saved
-
-
-def _trace_hf(model: torch.nn.Module, example_inputs: Mapping[str, Any],
-              leaf_modules: Sequence[LeafSpec] = (), unlisted: bool = False) -> fx.GraphModule:
-    """``transformers.utils.fx``'s trace; ``unlisted``: also of a model class outside its list
-    of supported models (the caller checks the graph against eager)."""
-    try:
-        from transformers.utils import fx as hf_fx
-    except ImportError as e:  # transformers >= 4.48 removed it
-        raise TraceError(
-            f"cannot trace {type(model).__name__}: transformers.utils.fx is unavailable ({e}); "
-            "install the pinned extra: pip install 'tidal[hf]' (transformers==4.47.1)",
-            module_type=type(model).__name__) from None
-    config = getattr(model, "config", None)
-    use_cache = getattr(config, "use_cache", None)
-    made: list = []
-    try:
-        gm = hf_fx.symbolic_trace(model, input_names=list(example_inputs),
-                                  disable_check=unlisted,
-                                  tracer_cls=_hf_tracer_cls(leaf_modules, made))
-        type(gm).__name__ = type(model).__name__  # HF's is "GraphModule"; fx names torch.fx's
-        return gm                                  # after the model (each gm has its own class)
-    except Exception as e:
-        path, kind = (made[-1].failed_at if made else None) or ("", type(model).__name__)
-        raise TraceError(
-            f"cannot trace Hugging Face model {type(model).__name__} with "
-            f"transformers.utils.fx: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-            module_path=path, module_type=kind) from e
-    finally:  # the HF tracer turns the model's config.use_cache off: the model keeps its own
-        if use_cache is not None:
-            config.use_cache = use_cache
-
-
-def _is_unlisted(error: TraceError) -> bool:
-    """Whether ``transformers.utils.fx`` refused only because the model class is not on its
-    list of supported models (it checks the list before tracing)."""
-    cause = error.__cause__
-    return isinstance(cause, NotImplementedError) and "is not supported yet" in str(cause)
-
-
-UNLISTED_RTOL, UNLISTED_ATOL = 1e-5, 1e-6
-"""How close a graph traced outside transformers' supported list must come to eager."""
-
-
-def _trace_hf_unlisted(model: torch.nn.Module, example_inputs: Mapping[str, Any],
-                       leaf_modules: Sequence[LeafSpec], refusal: TraceError
-                       ) -> fx.GraphModule | None:
-    """A model class ``transformers.utils.fx`` does not list (Gemma, Phi, GPT-NeoX, ...): its
-    tracer often works anyway, so trace with the check off and keep the graph only if it equals
-    the eager model on the example inputs (same random state, for dropout); None when it fails
-    or differs, so the caller falls back."""
-    if not _is_unlisted(refusal):
-        return None
-    leaves, kept = list(leaf_modules), []
-    for _ in range(MAX_FALLBACK_LEAVES):
-        try:
-            gm = _trace_hf(model, example_inputs, leaves, unlisted=True)
-        except TraceError as e:
-            if not e.module_path:
-                return None
-            failed = type(model.get_submodule(e.module_path))
-            if failed in leaves:
-                return None
-            leaves.append(failed)  # every module of the class: a model repeats its layers
-            kept.append(f"{failed.__name__} (first: {e.module_path})")
-            continue
-        try:
-            same = _equals_eager(gm, model, example_inputs)
-        except Exception:  # noqa: BLE001 - the graph cannot run: fall back
-            return None
-        if not same:
-            return None
-        meta.set_trace_notes(gm, (
-            f"transformers.utils.fx does not list {type(model).__name__} as supported; traced "
-            f"with its tracer anyway" + (f", keeping whole the modules whose forward it cannot "
-                                         f"trace: {', '.join(kept)}" if kept else "")
-            + ", and the graph equals the model on the example inputs",))
-        return gm
-    return None
-
-
-def _equals_eager(gm: fx.GraphModule, model: torch.nn.Module,
-                  example_inputs: Mapping[str, Any]) -> bool:
-    """Whether ``gm`` and ``model`` give the same output tensors (within ``UNLISTED_*TOL``) on
-    ``example_inputs``, each run from the same random state and the same buffers (a training
-    model's BatchNorm statistics are put back after each run)."""
-    outs = []
-    for run in (gm, model):  # fx prints a failing graph's traceback to stderr: not ours to show
-        with _buffers_kept(model), fork_rng_of(model, example_inputs), torch.no_grad(), \
-                contextlib.redirect_stderr(io.StringIO()):
-            torch.manual_seed(0)
-            outs.append(run(**example_inputs))
-    graph_out, eager_out = outs
-    if isinstance(graph_out, Mapping):
-        eager_out = [eager_out[k] if k in eager_out else None for k in graph_out]
-        graph_out = list(graph_out.values())
-    ours, theirs = node_runner.flat_tensors(graph_out), node_runner.flat_tensors(eager_out)
-    return len(ours) == len(theirs) and all(
-        a.shape == b.shape and torch.allclose(a, b, rtol=UNLISTED_RTOL, atol=UNLISTED_ATOL)
-        for a, b in zip(ours, theirs))
-
-
 @contextlib.contextmanager
 def _buffers_kept(model: torch.nn.Module):
-    """Put ``model``'s buffers back as they were on exit: tracing (HF's tracer runs a
-    BatchNorm's ``num_batches_tracked += 1`` for real) and checking a graph against eager in
-    training mode would otherwise change the user's model."""
+    """Put ``model``'s buffers back as they were on exit: a tracer that runs a forward's
+    in-place updates for real (``num_batches_tracked += 1``) would otherwise change the user's
+    model."""
     saved = [(b, b.clone()) for b in model.buffers()]
     try:
         yield
@@ -317,11 +163,12 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
     """Trace ``model``'s forward into a ``GraphModule`` that shares the model's parameters.
 
     ``example_inputs`` is a tuple of positional inputs (or a dict of keyword inputs, the usual
-    form for Hugging Face models, which are traced with ``transformers.utils.fx``). Forward
-    arguments not given are pinned to their defaults. ``leaf_modules`` (paths or classes) are
-    kept as single ``call_module`` nodes (for Hugging Face models too); a path that names no
-    submodule is a ``TraceError``. Raises ``TraceError`` naming the module and source line on
-    failure.
+    form for Hugging Face models, which are captured through ``torch.export``; see
+    ``tidal.ir.export_capture`` for the graph's form). Forward arguments not given are pinned
+    to their defaults (``use_cache=False`` on the export path). ``leaf_modules`` (paths or
+    classes) are kept as single ``call_module`` nodes (for Hugging Face models too); a path
+    that names no submodule is a ``TraceError``. Raises ``TraceError`` naming the module and
+    source line on failure. The graph's trace notes say which capture path was taken.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tidal can only trace torch.nn.Module instances, got {type(model).__name__}")
@@ -343,11 +190,11 @@ def _plain_attributes(model: torch.nn.Module) -> dict[int, dict[str, Any]]:
 def _restore_traced_attributes(model: torch.nn.Module, saved: dict[int, dict[str, Any]]) -> None:
     """Undo what tracing wrote onto the model: a forward that stores a traced value on its
     module (Hugging Face Swin's ``self.window_size = min(input_resolution)``) would leave an fx
-    Proxy there, breaking the model's next trace."""
+    Proxy there (an export's fake tensor), breaking the model's next run or trace."""
     for m in model.modules():
         before = saved.get(id(m), {})
         for key, value in list(vars(m).items()):
-            if isinstance(value, fx.Proxy):
+            if isinstance(value, (fx.Proxy, FakeTensor)):
                 if key in before:
                     setattr(m, key, before[key])
                 else:
@@ -356,25 +203,31 @@ def _restore_traced_attributes(model: torch.nn.Module, saved: dict[int, dict[str
 
 def _trace_any(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],
                leaf_modules: Sequence[LeafSpec]) -> fx.GraphModule:
-    """Trace a Hugging Face model with transformers.utils.fx (falling back to torch.fx), any
-    other model with torch.fx."""
+    """A Hugging Face model through ``torch.export`` first (torch.fx, keeping failing modules
+    whole, if the export fails); any other model through torch.fx first, then a top-level
+    ``torch.nn`` built-in kept whole, then ``torch.export``."""
     if _is_hf_model(model):
-        if not isinstance(example_inputs, Mapping):
-            sig = list(inspect.signature(model.forward).parameters)
-            example_inputs = dict(zip(sig, example_inputs))
         try:
-            return _trace_hf(model, example_inputs, leaf_modules)
-        except TraceError as hf_error:
-            unlisted = _trace_hf_unlisted(model, example_inputs, leaf_modules, hf_error)
-            if unlisted is not None:
-                return unlisted
-            return _trace_keeping_failures_whole(model, example_inputs, leaf_modules, hf_error)
+            return export_trace(model, example_inputs, leaf_modules)
+        except TraceError as export_error:
+            return _trace_keeping_failures_whole(model, example_inputs, leaf_modules,
+                                                 export_error)
     try:
         return _trace_fx(model, example_inputs, leaf_modules)
     except TraceError as e:
-        if e.module_path or not type(model).__module__.startswith("torch.nn."):
-            raise
-        return _trace_whole(model, example_inputs, e)
+        if not e.module_path and type(model).__module__.startswith("torch.nn."):
+            return _trace_whole(model, example_inputs, e)
+        fx_error = e
+    try:
+        gm = export_trace(model, example_inputs, leaf_modules)
+    except TraceError as export_error:
+        raise TraceError(f"{fx_error} {export_error}", module_path=fx_error.module_path,
+                         module_type=fx_error.module_type,
+                         location=fx_error.location) from fx_error
+    meta.set_trace_notes(gm, (f"torch.fx cannot trace {type(model).__name__} "
+                              f"({_reason(fx_error)}); traced with {EXPORT} instead",)
+                         + meta.get_trace_notes(gm)[1:])
+    return gm
 
 
 def _trace_whole(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],
@@ -422,22 +275,25 @@ def _trace_fx(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mappi
 
 
 def _reason(error: TraceError) -> str:
-    """The cause in a ``transformers.utils.fx`` failure, without its list of supported models."""
-    return str(error).split(": ", 2)[-1].split(", supported models")[0][:200]
+    """The cause in a failed capture: the error's first line, without what tidal adds."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    return ((str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            .split(" If this forward has")[0][:200])
 
 
 MAX_FALLBACK_LEAVES = 64
 """How many modules the tracing fallback may keep whole before it gives up."""
 
 
-def _trace_keeping_failures_whole(model: torch.nn.Module, example_inputs: Mapping[str, Any],
+def _trace_keeping_failures_whole(model: torch.nn.Module,
+                                  example_inputs: Union[Sequence[Any], Mapping[str, Any]],
                                   leaf_modules: Sequence[LeafSpec], first: TraceError
                                   ) -> fx.GraphModule:
-    """The fallback for a Hugging Face model ``transformers.utils.fx`` cannot trace, or whose
-    graph from its tracer does not run or differs from eager (CodeGen): plain ``torch.fx``,
-    keeping each module whose forward fails to trace whole (a leaf) and tracing again. The
-    modules kept whole are recorded as trace notes for the compile report. Raises a
-    ``TraceError`` naming both failures when the top-level forward itself cannot be traced."""
+    """The fallback for a Hugging Face model ``torch.export`` cannot capture: plain
+    ``torch.fx``, keeping each module whose forward fails to trace whole (a leaf) and tracing
+    again. The modules kept whole are recorded as trace notes for the compile report. Raises a
+    ``TraceError`` naming both failures (the module and line of the export's) when the
+    top-level forward itself cannot be traced."""
     leaves = list(leaf_modules)
     kept: list[str] = []
     for _ in range(MAX_FALLBACK_LEAVES):
@@ -446,13 +302,14 @@ def _trace_keeping_failures_whole(model: torch.nn.Module, example_inputs: Mappin
         except TraceError as e:
             if not e.module_path or e.module_path in leaves:
                 raise TraceError(f"{first} Falling back to torch.fx also failed: {e}",
-                                 module_path=e.module_path, module_type=e.module_type,
-                                 location=e.location) from e
+                                 module_path=first.module_path or e.module_path,
+                                 module_type=first.module_type or e.module_type,
+                                 location=first.location or e.location) from first
             leaves.append(e.module_path)
             kept.append(f"{e.module_path} ({e.module_type})")
             continue
         meta.set_trace_notes(gm, (
-            f"transformers.utils.fx cannot trace {type(model).__name__} "
+            f"{EXPORT} cannot capture {type(model).__name__} "
             f"({_reason(first)}); traced with torch.fx instead"
             + (f", keeping whole the modules whose forward cannot be traced: {', '.join(kept)}"
                if kept else ""),))

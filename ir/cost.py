@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from tidal.ir import meta
-from tidal.ir.node_runner import COMPUTE_OPS, flat_tensors, map_tensors, run_isolated
+from tidal.ir.node_runner import COMPUTE_OPS, flat_tensors, map_tensors, op_name, run_isolated
 
 BATCH = sympy.Symbol("B", positive=True, integer=True)
 """The batch-size symbol every cost expression is written in."""
@@ -182,8 +182,7 @@ def layer_ref(gm: fx.GraphModule, n: fx.Node) -> meta.LayerRef:
     if n.op == "call_module":
         kind = type(gm.get_submodule(n.target)).__name__
         return meta.LayerRef(path=str(n.target), kind=kind, scope=meta.module_scope(n))
-    kind = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-    return meta.LayerRef(path=n.name, kind=str(kind), scope=meta.module_scope(n))
+    return meta.LayerRef(path=n.name, kind=op_name(n), scope=meta.module_scope(n))
 
 
 def example_batch(example_inputs: Sequence[Any], batch_dim: int = 0) -> int:

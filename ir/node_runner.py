@@ -31,6 +31,18 @@ COMPUTE_OPS = ("call_module", "call_function", "call_method")
 """fx node kinds that compute (as opposed to placeholder, get_attr, output)."""
 
 
+def op_name(n: fx.Node) -> str:
+    """The op's name: a module path, a method, a function's name, an aten operator's name
+    without its overload (``aten.view.default``: ``view``)."""
+    if n.op == "call_module":
+        return str(n.target)
+    if isinstance(n.target, str):
+        return n.target
+    if isinstance(n.target, torch._ops.OpOverload):
+        return n.target._opname
+    return getattr(n.target, "__name__", str(n.target))
+
+
 def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
     """The object a ``get_attr`` node's dotted ``target`` names on ``gm``."""
     obj: Any = gm
@@ -63,7 +75,8 @@ def run_isolated(
     Floating-point tensor arguments become fresh leaves requiring grad (cloned, so in-place
     modules work), the forward runs inside ``fwd_ctx`` and the backward of the node's
     differentiable outputs (against ones) inside ``bwd_ctx``, with respect to the leaves and the
-    module's parameters. Without a ``bwd_ctx`` no backward is run.
+    module's parameters. Without a ``bwd_ctx`` no backward is run; nor for a node autograd
+    refuses to record (it then runs without grad).
     """
     args, kwargs = interp.fetch_args_kwargs_from_env(n)
     leaves: list[torch.Tensor] = []
@@ -75,10 +88,21 @@ def run_isolated(
             return leaf.clone()
         return v
 
+    plain = (args, kwargs)
     args = map_tensors(args, make_leaf)
     kwargs = map_tensors(kwargs, make_leaf)
-    with fwd_ctx or nullcontext():
-        out = getattr(interp, n.op)(n.target, args, kwargs)
+    try:
+        with fwd_ctx or nullcontext():
+            out = getattr(interp, n.op)(n.target, args, kwargs)
+    except RuntimeError:
+        if not leaves:
+            raise
+        # an op autograd refuses on inputs that require grad (an integer ``cumsum`` of float
+        # counts, as a mixture-of-experts router computes): forward only, without grad
+        args, kwargs = map_tensors(plain, lambda v: v.clone() if v.is_floating_point() else v)
+        with fwd_ctx or nullcontext(), torch.no_grad():
+            out = getattr(interp, n.op)(n.target, args, kwargs)
+        bwd_ctx = None
     if bwd_ctx is not None:
         params = []
         if n.op == "call_module":

@@ -17,6 +17,11 @@ Three forms are recognised (``LOOKED_FOR`` names them for error messages):
   names the call node and the attention module's path inside it. A decoder layer's
   cross-attention (``multihead_attn``) is not matched (``hidden_attention`` lists it).
 
+Graphs captured through ``torch.export`` (``tidal.ir.export_capture``) spell the same forms with
+aten operators (``aten.matmul``/``bmm``/``baddbmm``, ``aten.softmax``,
+``aten.scaled_dot_product_attention``, ``aten.linear``/``addmm`` projections); they are
+recognised alike.
+
 For each match the Q/K/V projection modules, the number of query heads, of KV heads (grouped-query
 attention) and the head size are recorded. Shapes come from tidal's node metadata when the graph
 was annotated (``tidal.compile`` does this), else from the attention module's attributes and
@@ -63,13 +68,20 @@ LOOKED_FOR = (
 _SELF_ATTENTION_LAYERS = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
 """torch's transformer layers whose ``self_attn`` (an ``nn.MultiheadAttention``) is matched."""
 
-_MATMULS = {torch.matmul, operator.matmul, torch.bmm, torch.baddbmm}
+aten = torch.ops.aten
+_MATMULS = {torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, aten.matmul, aten.bmm,
+            aten.baddbmm}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_SOFTMAX_FUNCS = {torch.softmax, F.softmax, torch.Tensor.softmax}
+_SOFTMAX_FUNCS = {torch.softmax, F.softmax, torch.Tensor.softmax, aten.softmax}
 # Ops allowed between the scores matmul and the softmax, or between the softmax and ·V.
 _PASS_THROUGH_FUNCS = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul,
                        torch.div, torch.add, torch.where, torch.masked_fill, F.dropout,
-                       torch.dropout, torch.max, torch.maximum, torch.reshape, torch.tanh}
+                       torch.dropout, torch.max, torch.maximum, torch.reshape, torch.tanh,
+                       aten.mul, aten.div, aten.add, aten.sub, aten.where, aten.masked_fill,
+                       aten.mul_, aten.div_, aten.add_, aten.sub_, aten.masked_fill_,
+                       aten.dropout, aten.max, aten.maximum, aten.reshape, aten.view, aten.tanh,
+                       aten.to, aten._to_copy, aten.type_as, aten.contiguous}
+# aten ops (graphs captured through torch.export) by their overload packet (``_fn``);
 # view/reshape: attention on heads merged into the batch (OPT's [B*H, T, D] bmm) views its
 # scores as [B, H, Tq, Tk] to add the mask and back before the softmax; tanh: soft-capped
 # scores (Gemma 2)
@@ -121,9 +133,16 @@ def no_attention_message(gm: fx.GraphModule) -> str:
             f"({len(gm.graph.nodes)} nodes); looked for: " + "; ".join(LOOKED_FOR))
 
 
+def _fn(n: fx.Node) -> Any:
+    """A ``call_function`` node's function; for an aten operator overload
+    (``aten.matmul.default``) its overload packet (``aten.matmul``), so that the sets above name
+    every overload."""
+    return getattr(n.target, "overloadpacket", n.target)
+
+
 def _is_softmax(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_function":
-        return n.target in _SOFTMAX_FUNCS
+        return _fn(n) in _SOFTMAX_FUNCS
     if n.op == "call_method":
         return n.target == "softmax"
     if n.op == "call_module":
@@ -132,13 +151,13 @@ def _is_softmax(gm: fx.GraphModule, n: fx.Node) -> bool:
 
 
 def _is_matmul(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in _MATMULS) or \
+    return (n.op == "call_function" and _fn(n) in _MATMULS) or \
         (n.op == "call_method" and n.target in _MATMUL_METHODS)
 
 
 def _passes_through(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_function":
-        return n.target in _PASS_THROUGH_FUNCS
+        return _fn(n) in _PASS_THROUGH_FUNCS
     if n.op == "call_method":
         return n.target in _PASS_THROUGH_METHODS
     if n.op == "call_module":
@@ -198,8 +217,9 @@ def _projection_of(gm: fx.GraphModule, start: Any) -> str:
             weight = getattr(mod, "weight", None)
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                 return n.target
-        if n.op == "call_function" and n.target in (F.linear, torch.addmm, torch.matmul,
-                                                     operator.matmul):
+        if n.op == "call_function" and _fn(n) in (F.linear, torch.addmm, torch.matmul,
+                                                  operator.matmul, aten.linear, aten.addmm,
+                                                  aten.matmul, aten.mm):
             weights = [a for a in _node_args(n) if a.op == "get_attr"]
             if weights:
                 return weights[-1].target.rpartition(".")[0]
@@ -255,7 +275,7 @@ def _head_counts(gm: fx.GraphModule, mod: Optional[torch.nn.Module], scope: str,
                  k_proj: str) -> tuple[int, int, int]:
     """``(num_heads, num_kv_heads, head_dim)`` from shapes, module attributes and projections."""
     heads = _module_int(mod, ("num_heads", "num_attention_heads", "n_head"))
-    head_dim = _module_int(mod, ("head_dim", "attention_head_size"))
+    head_dim = _module_int(mod, ("head_dim", "attention_head_size", "head_size"))
     s_shape, q_shape = _shape(scores), _shape(q if isinstance(q, fx.Node) else None)
     if s_shape is not None and len(s_shape) == 4:
         heads = s_shape[1]
@@ -285,7 +305,9 @@ def _eager_match(gm: fx.GraphModule, model: Optional[torch.nn.Module], softmax: 
     pv = _value_matmul_of(gm, softmax)
     if scores is None or pv is None or len(scores.args) < 2:
         return None
-    q, k, v = scores.args[0], scores.args[1], pv.args[1]
+    # baddbmm(input, Q, Kᵀ) adds Q·Kᵀ to ``input`` (GPT-NeoX: zeros, scaled by ``alpha``)
+    first = 1 if _fn(scores) in (torch.baddbmm, aten.baddbmm) and len(scores.args) > 2 else 0
+    q, k, v = scores.args[first], scores.args[first + 1], pv.args[1]
     scope = meta.module_scope(softmax)
     q_proj, k_proj, v_proj = (_projection_of(gm, x) for x in (q, k, v))
     heads, kv, dim = _head_counts(gm, _scope_module(gm, model, scope), scope, scores, q, k,
@@ -337,7 +359,8 @@ def _matches_at(gm: fx.GraphModule, model: Optional[torch.nn.Module], n: fx.Node
     if paths:
         return [_module_match(gm, n, p, index + i) for i, p in enumerate(paths)]
     match = None
-    if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+    if n.op == "call_function" and _fn(n) in (F.scaled_dot_product_attention,
+                                               aten.scaled_dot_product_attention):
         match = _sdpa_match(gm, model, n, index)
     elif _is_softmax(gm, n):
         match = _eager_match(gm, model, n, index)
@@ -465,7 +488,8 @@ class EagerParts:
     softmax, ``post`` leads from its output to the ``· @ value`` matmul (casts, dropout).
     ``removed`` are the nodes such a rewrite erases (in graph order: the chain, and nodes that
     only read its shapes and are unused); ``redirect`` the ``getattr(node, "dtype"/"device")``
-    nodes of the chain that other values still read, all of which equal the query's."""
+    nodes of the chain that other values still read, all of which equal the query's (and an
+    exported graph's ``aten.sym_size.int(node, 0)`` where the node has the query's rows)."""
 
     scores: str
     output: str
@@ -488,10 +512,16 @@ _METADATA_ATTRS = {"dtype", "device", "shape", "ndim", "is_cuda", "layout"}
 _METADATA_METHODS = {"size", "dim", "numel", "get_device"}
 
 
+_SIZE_OPS = {aten.sym_size, aten.sym_numel, aten.sym_stride}
+"""What an exported graph reads a symbolic size with (``aten.sym_size.int(x, 0)``)."""
+
+
 def _reads_metadata(n: fx.Node, of: fx.Node) -> bool:
     """Whether ``n`` reads only ``of``'s metadata (dtype, device, shape), not its values."""
     if n.op == "call_function" and n.target is getattr:
         return n.args[0] is of and n.args[1] in _METADATA_ATTRS
+    if n.op == "call_function" and _fn(n) in _SIZE_OPS:
+        return n.args[0] is of
     return n.op == "call_method" and n.target in _METADATA_METHODS and n.args[0] is of
 
 
@@ -520,18 +550,21 @@ def _dead(n: fx.Node, memo: dict) -> bool:
     return memo[n]
 
 
-_MUL = ({operator.mul, torch.mul}, {"mul", "__mul__"})
-_DIV = ({operator.truediv, torch.div, torch.true_divide}, {"div", "true_divide", "__truediv__"})
-_ADD = ({operator.add, torch.add}, {"add", "__add__"})
-_SUB = ({operator.sub, torch.sub}, {"sub", "__sub__"})
-_WHERE = ({torch.where}, set())
-_MASKED_FILL = ({torch.masked_fill}, {"masked_fill", "masked_fill_"})
-_MAXIMUM = ({torch.max, torch.maximum}, {"max", "maximum"})
-_CLAMP = ({torch.clamp, torch.clamp_min}, {"clamp", "clamp_min"})
-_VIEW = ({torch.reshape}, {"view", "reshape"})
-_CAST = (set(), {"to", "type", "float", "half", "double", "bfloat16", "type_as"})
-_SAME = (set(), {"contiguous"})
-_DROPOUT = ({F.dropout, torch.dropout}, set())
+_MUL = ({operator.mul, torch.mul, aten.mul, aten.mul_}, {"mul", "__mul__"})
+_DIV = ({operator.truediv, torch.div, torch.true_divide, aten.div, aten.div_},
+        {"div", "true_divide", "__truediv__"})
+_ADD = ({operator.add, torch.add, aten.add, aten.add_}, {"add", "__add__"})
+_SUB = ({operator.sub, torch.sub, aten.sub, aten.sub_}, {"sub", "__sub__"})
+_WHERE = ({torch.where, aten.where}, set())
+_MASKED_FILL = ({torch.masked_fill, aten.masked_fill, aten.masked_fill_},
+                {"masked_fill", "masked_fill_"})
+_MAXIMUM = ({torch.max, torch.maximum, aten.max, aten.maximum}, {"max", "maximum"})
+_CLAMP = ({torch.clamp, torch.clamp_min, aten.clamp, aten.clamp_min}, {"clamp", "clamp_min"})
+_VIEW = ({torch.reshape, aten.reshape, aten.view}, {"view", "reshape"})
+_CAST = ({aten.to, aten._to_copy, aten.type_as},
+         {"to", "type", "float", "half", "double", "bfloat16", "type_as"})
+_SAME = ({aten.contiguous, aten.alias}, {"contiguous"})
+_DROPOUT = ({F.dropout, torch.dropout, aten.dropout}, set())
 
 
 def _op_name(n: fx.Node) -> str:
@@ -540,7 +573,7 @@ def _op_name(n: fx.Node) -> str:
 
 
 def _is(n: fx.Node, ops: tuple[set, set]) -> bool:
-    return (n.op == "call_function" and n.target in ops[0]) or \
+    return (n.op == "call_function" and _fn(n) in ops[0]) or \
         (n.op == "call_method" and n.target in ops[1])
 
 
@@ -655,7 +688,7 @@ def _scalar_like(n: Any) -> bool:
     if shape is not None:
         return shape == ()
     return n.op == "call_function" and (
-        n.target is torch.full and tuple(n.args[0]) == () or
+        _fn(n) in (torch.full, aten.full) and tuple(n.args[0]) == () or
         n.target is torch.tensor and not isinstance(n.args[0], (tuple, list)))
 
 
@@ -684,6 +717,12 @@ def _same_dtype_as_query(chain: list[fx.Node], steps: list[Step], operands: list
         if node is n:
             return True
     return False
+
+
+def _same_rows(n: fx.Node, query: fx.Node) -> bool:
+    """Whether chain node ``n`` is recorded with as many rows (dimension 0) as the query."""
+    shapes = [meta.get_tensors(x) for x in (n, query)]
+    return all(shapes) and shapes[0][0].shape[:1] == shapes[1][0].shape[:1]
 
 
 def eager_parts(gm: fx.GraphModule, match: AttentionMatch) -> EagerParts:
@@ -740,9 +779,11 @@ def eager_parts(gm: fx.GraphModule, match: AttentionMatch) -> EagerParts:
                     d = stack.pop()
                     removed.add(d)
                     stack.extend(d.users)
-            elif _reads_metadata(r, c) and r.target is getattr and (
+            elif _reads_metadata(r, c) and (r.target is getattr and (
                     r.args[1] == "device" or r.args[1] == "dtype" and
-                    _same_dtype_as_query(chain, steps, operands, query, c)):
+                    _same_dtype_as_query(chain, steps, operands, query, c)) or
+                    r.target is aten.sym_size.int and r.args[1] == 0 and
+                    _same_rows(c, query)):
                 redirect.append(r.name)
             else:
                 raise NotMappable(f"{_op_name(r)} reads {c.name} as well")

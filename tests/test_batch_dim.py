@@ -218,12 +218,14 @@ def test_outputs_are_batch_dim_0_and_nothing_is_unknown(zoo, name):
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "mistral", "t5", "mha"])
 def test_position_ids_and_rotary_tables_are_replicated(zoo, name):
     gm, facts = zoo(name)
-    aranges = [n for n in gm.graph.nodes if n.target is torch.arange]
+    aranges = [n for n in gm.graph.nodes if batch_dim.op_name(n) == "arange"]
     assert aranges
-    for n in aranges:
-        assert facts[n.name].kind == REPLICATED, n
+    for n in aranges:  # positions; an arange over the samples (transformers 5's masks) batched
+        over_samples = any(isinstance(a, fx.Node) and facts[a.name].kind == batch_dim.SIZE
+                           for a in n.args)
+        assert facts[n.name].kind == (BATCH if over_samples else REPLICATED), n
     for n in gm.graph.nodes:  # rotary embeddings: cos/sin of position x inv_freq
-        if n.op == "call_method" and n.target in ("cos", "sin"):
+        if n.op != "call_module" and batch_dim.op_name(n) in ("cos", "sin"):
             assert facts[n.name].kind == REPLICATED, n
 
 
@@ -250,8 +252,8 @@ def test_attention_mask_derived_values_are_batched(zoo, name):
 
 def test_llama_grouped_query_heads_keep_the_batch(zoo):
     gm, facts = zoo("llama")  # repeat_kv: expand(B, kv, n_rep, T, d).reshape(B, kv*n_rep, T, d)
-    expands = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "expand"
-               and len(n.args) == 6]
+    expands = [n for n in gm.graph.nodes if batch_dim.op_name(n) == "expand"
+               and len(n.args[1:] if n.op == "call_method" else n.args[1]) == 5]
     assert expands
     for n in expands:
         assert (facts[n.name].kind, facts[n.name].dim) == (BATCH, 0)
@@ -282,14 +284,15 @@ def test_swin_window_partition_folds_and_reverse_unfolds(zoo):
     assert folded and {f.factor for f in folded.values()} == {4}
     assert all(f.dim == 0 and f.rows(1, 2) == slice(4, 8) for f in folded.values())
     nodes = _nodes(gm)
-    partitions = [n for n in gm.graph.nodes if n.target == "view" and n.name in folded
-                  and facts[n.args[0].name].kind == BATCH]
-    reverses = [n for n in gm.graph.nodes if n.target == "view" and n.name not in folded
-                and n.args[0].name in folded]
+    views = [n for n in gm.graph.nodes if n.op != "call_module" and
+             batch_dim.op_name(n) == "view"]
+    partitions = [n for n in views if n.name in folded and facts[n.args[0].name].kind == BATCH]
+    reverses = [n for n in views if n.name not in folded and n.args[0].name in folded]
     assert partitions and reverses
     for n in reverses:  # window_reverse's view(-1, h, w, ws, ws, C): the batch again
         assert (facts[n.name].kind, facts[n.name].dim) == (BATCH, 0)
-    rolls = [n for n in gm.graph.nodes if n.target is torch.roll]
+    rolls = [n for n in gm.graph.nodes if n.op != "call_module" and
+             batch_dim.op_name(n) == "roll"]
     assert rolls and all(facts[n.name].kind == BATCH for n in rolls)
     assert nodes["pixel_values"] and batch_dim.summary(gm)[FOLDED] == len(folded)
 
@@ -390,3 +393,23 @@ def test_analysis_leaves_batchnorm_statistics_alone():
     batch_dim.analyze(gm, (torch.randn(8, 4, dtype=torch.float64),), 8)
     for n, b in model.named_buffers():
         assert torch.equal(b, before[n]), n
+
+
+class _SortsAndRanks(torch.nn.Module):
+    """Sorts along the features (a tuple-valued op, as a mixture of experts' top-k routing
+    does), then along the samples."""
+
+    def forward(self, x):
+        values, order = torch.sort(x, dim=-1)
+        by_sample, _ = torch.sort(values, dim=0)
+        return values + order, by_sample
+
+
+def test_tuple_valued_ops_along_a_feature_dim_keep_the_batch():
+    x = torch.randn(B, 5)
+    gm = tidal.trace(_SortsAndRanks(), (x,))
+    facts = batch_dim.analyze(gm, (x,), B)
+    values, order = facts["sort"]   # one fact per element of the tuple
+    assert (values.kind, values.dim, order.kind) == (BATCH, 0, BATCH)
+    assert facts["add"].kind == BATCH
+    assert all(f.kind == UNKNOWN and "mixes the samples" in f.reason for f in facts["sort_1"])

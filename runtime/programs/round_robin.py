@@ -697,8 +697,10 @@ class RoundRobinProgram:
             return [*forward, *leaf_grads, *[g for g in grads[:n] if g is not None]]
 
         wrt = trainable + [example[nm].requires_grad_(True) for nm in floats]
-        grads_out = [] if last else [torch.zeros_like(values[nm]) for nm in st.sends
-                                     if isinstance(values[nm], torch.Tensor)
+        # the output gradients as they arrive: contiguous (a channels-last output's too)
+        grads_out = [] if last else [torch.zeros_like(values[nm],
+                                                      memory_format=torch.contiguous_format)
+                                     for nm in st.sends if isinstance(values[nm], torch.Tensor)
                                      and values[nm].is_floating_point()]
         tensors = [consts[i] for i in tensor_at]
         gm = make_fx(step, tracing_mode="fake")(wrt, tensors, grads_out)

@@ -99,50 +99,67 @@ def gpt2() -> Case:
                 token_loss, [4, 4])
 
 
+def _causal_lm(name: str, config: str, model: str, heads=(4, 4), **extra) -> Case:
+    """A 2-layer decoder LM of ``transformers`` classes ``config`` / ``model`` (4 heads, 2 KV
+    heads, eager attention) on the shared token batch; ``extra`` config fields."""
+    t = _hf()
+    cfg = getattr(t, config)(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=32, attn_implementation="eager", **extra)
+    torch.manual_seed(0)
+    return Case(name, getattr(t, model)(cfg).eval(), {"input_ids": _tokens()}, _tokens(11),
+                token_loss, list(heads))
+
+
 def llama() -> Case:
     """Causal LM with rotary positions and grouped-query attention (4 heads, 2 KV heads)."""
-    t = _hf()
-    cfg = t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=32, attn_implementation="eager")
-    torch.manual_seed(0)
-    return Case("llama", t.LlamaForCausalLM(cfg).eval(), {"input_ids": _tokens()}, _tokens(11),
-                token_loss, [4, 4])
+    return _causal_lm("llama", "LlamaConfig", "LlamaForCausalLM")
 
 
 def qwen2() -> Case:
     """Qwen2: rotary positions, grouped-query attention, biased Q/K/V projections."""
-    t = _hf()
-    cfg = t.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=32, attn_implementation="eager")
-    torch.manual_seed(0)
-    return Case("qwen2", t.Qwen2ForCausalLM(cfg).eval(), {"input_ids": _tokens()}, _tokens(11),
-                token_loss, [4, 4])
+    return _causal_lm("qwen2", "Qwen2Config", "Qwen2ForCausalLM")
 
 
 def gemma() -> Case:
-    """Gemma: not on ``transformers.utils.fx``'s list of supported models, so traced by HF's
-    tracer with its check off and checked against eager (``ir.capture``)."""
-    t = _hf()
-    cfg = t.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=8, max_position_embeddings=32, attn_implementation="eager")
-    torch.manual_seed(0)
-    return Case("gemma", t.GemmaForCausalLM(cfg).eval(), {"input_ids": _tokens()}, _tokens(11),
-                token_loss, [4, 4])
+    """Gemma (transformers.utils.fx never listed it; captured through torch.export like every
+    Hugging Face model)."""
+    return _causal_lm("gemma", "GemmaConfig", "GemmaForCausalLM", head_dim=8)
+
+
+def qwen3() -> Case:
+    """Qwen3 (transformers 5): RMS-normed queries and keys per head."""
+    return _causal_lm("qwen3", "Qwen3Config", "Qwen3ForCausalLM", head_dim=8)
+
+
+def gemma3() -> Case:
+    """Gemma 3 text (transformers 5): sliding-window layers beside global ones, QK norms."""
+    return _causal_lm("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8,
+                      sliding_window=4)
+
+
+def olmo2() -> Case:
+    """OLMo 2 (transformers 5): norms after attention and MLP, QK norms."""
+    return _causal_lm("olmo2", "Olmo2Config", "Olmo2ForCausalLM")
+
+
+def qwen3_moe() -> Case:
+    """Qwen3-MoE (transformers 5): a mixture of 4 experts, 2 per token, in every layer."""
+    return _causal_lm("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=8,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1)
 
 
 def gpt_neox() -> Case:
-    """GPT-NeoX (Pythia's architecture): unlisted, and HF's tracer cannot trace its attention
-    (``view(*shape)`` of a traced shape), so every attention module is kept whole."""
+    """GPT-NeoX (Pythia's architecture; its attention, which transformers.utils.fx could not
+    trace, is captured through torch.export: scores from ``baddbmm`` in transformers 4)."""
     t = _hf()
     cfg = t.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                           num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
                           attn_implementation="eager")
     torch.manual_seed(0)
     return Case("gpt_neox", t.GPTNeoXForCausalLM(cfg).eval(), {"input_ids": _tokens()},
-                _tokens(11), token_loss, [])
+                _tokens(11), token_loss, [4, 4])
 
 
 def bert() -> Case:
@@ -165,7 +182,7 @@ def t5() -> Case:
     t = _hf()
     cfg = t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
                      num_decoder_layers=1, num_heads=4, decoder_start_token_id=0,
-                     dropout_rate=0.0)
+                     dropout_rate=0.0, attn_implementation="eager")
     torch.manual_seed(0)
     return Case("t5", t.T5ForConditionalGeneration(cfg).eval(),
                 {"input_ids": _tokens(), "decoder_input_ids": _tokens(5, 6)}, _tokens(11, 6),
@@ -272,6 +289,7 @@ def mha() -> Case:
 
 BUILDERS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2, "llama": llama, "qwen2": qwen2, "gemma": gemma, "gpt_neox": gpt_neox,
+    "qwen3": qwen3, "gemma3": gemma3, "olmo2": olmo2, "qwen3_moe": qwen3_moe,
     "bert": bert, "t5": t5, "vit": vit,
     "swin": swin, "convnext": convnext, "nn_transformer": transformer_encoder,
     "nn_lstm": lstm, "nn_mha": mha,

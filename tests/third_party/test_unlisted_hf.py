@@ -1,10 +1,7 @@
-"""Hugging Face models that ``transformers.utils.fx`` does not list as supported.
-
-Its check refuses them before tracing, though its tracer handles most of them: tidal traces
-them with the check off, keeping whole the classes of modules it cannot trace (Gemma-2's
-decoder layers), and keeps the graph only if it equals eager on the example inputs (Gemma);
-otherwise it falls back to ``torch.fx``, keeping whole the modules it cannot trace (CodeGen's
-decoder), whose outputs are ``ModelOutput`` objects that the graph then indexes.
+"""Hugging Face models that ``transformers.utils.fx`` never listed as supported (Gemma, whose
+graph its tracer made with the check off; Gemma-2, whose decoder layers it could not trace;
+CodeGen, whose traced graph failed to run; GPT-Neo) are captured whole through torch.export,
+like every Hugging Face model.
 Reference: the eager model on the same inputs (tolerance 1e-5; the same kernels run)."""
 import pytest
 import torch
@@ -24,7 +21,7 @@ def _ids() -> torch.Tensor:
 
 
 def _check(model, note: str) -> None:
-    ids = _ids()  # keyword inputs: the torch.fx fallback's graph also has HF's **loss_kwargs
+    ids = _ids()
     compiled = tidal.compile(model, {"input_ids": ids})
     (trace,) = [r for r in compiled.records if r.name == "trace"]
     assert any(note in n for n in trace.notes), trace.notes
@@ -33,34 +30,17 @@ def _check(model, note: str) -> None:
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_an_unlisted_model_is_traced_by_the_hf_tracer_and_checked():
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "codegen"])
+def test_a_model_the_hf_tracer_could_not_take_is_captured_through_export(name):
     torch.manual_seed(0)
-    model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL)).eval()
-    _check(model, "does not list GemmaForCausalLM as supported; traced with its tracer anyway")
-
-
-def test_modules_the_hf_tracer_cannot_trace_are_kept_whole_by_class():
-    # Gemma-2's decoder layers branch on a traced mask shape: every Gemma2DecoderLayer is kept
-    # whole (one trace failure, not one per layer), the rest of the model is traced
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SMALL)).eval()
-    arange, cache_cls = torch.arange, transformers.models.gemma2.modeling_gemma2.Cache
-    _check(model, "keeping whole the modules whose forward it cannot trace: Gemma2DecoderLayer "
-                  "(first: model.layers.0), and the graph equals the model")
-    # HF's tracer failed half-way through Gemma-2: what it patched for tracing is restored
-    assert torch.arange is arange
-    assert transformers.models.gemma2.modeling_gemma2.Cache is cache_cls
-
-
-def test_a_decoder_kept_whole_returns_a_model_output_the_graph_can_index():
-    # CodeGen's HF-traced graph fails when run, so torch.fx keeps its CodeGenModel whole and the
-    # graph reads outputs[0] of it: cost annotation used to turn that ModelOutput into a plain
-    # dict and fail with a bare "RuntimeError: 0"
-    torch.manual_seed(0)
-    model = transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=128, rotary_dim=4)).eval()
-    _check(model, "keeping whole the modules whose forward cannot be traced: transformer "
-                  "(CodeGenModel)")
+    if name == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL))
+    elif name == "gemma2":   # its decoder layers branch on a mask shape
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**SMALL))
+    else:                    # its graph from HF's tracer failed when run
+        model = transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
+            vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=8, n_positions=128, rotary_dim=4))
+    _check(model.eval(), "traced with torch.export (non-strict)")
 
 
 def test_a_device_read_in_the_graph_does_not_reach_the_meta_device():
