@@ -55,8 +55,20 @@ def load_smollm2(attn_implementation: str = "eager") -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, **fp32)
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         target.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(target, safe_serialization=True)
+        _unquantized(model).save_pretrained(target, safe_serialization=True)
         tok.save_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn_implementation,
                                                  **fp32)
     return model.eval(), AutoTokenizer.from_pretrained(target)
+
+
+def _unquantized(model: Any) -> Any:
+    """The same weights (dequantised already) in a model transformers can save: transformers 5
+    marks a model loaded from GGUF as quantized, and refuses to save it."""
+    config = model.config
+    if getattr(config, "quantization_config", None) is None:
+        return model
+    del config.quantization_config
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    return plain.to(next(model.parameters()).dtype)

@@ -101,9 +101,9 @@ def test_collapsed_regions_are_stated_in_the_plan_and_report():
                       cluster=tidal.Cluster(gpus=2), loss_fn=case.loss_fn,
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     plan = c.plan.get("burst_parallel")
-    attention = [what for name, what in plan.composites if "attention_query" in what]
+    attention = [what for name, what in plan.composites if "attention_q_proj" in what]
     assert len(attention) == 2, plan.composites  # Q, K and V of each of the 2 layers
-    assert "not series-parallel: branches from 'vit_encoder_layer_0_layernorm_before' meet " \
+    assert "not series-parallel: branches from 'vit_layers_0_layernorm_before' meet " \
            "at 'matmul'" in attention[0]
     assert "not series-parallel" in plan.table() and "not series-parallel" in c.report()
 
