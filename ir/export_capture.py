@@ -132,10 +132,11 @@ class _Inputs:
     params: frozenset          # the forward's named parameters
 
     def batched(self) -> tuple[tuple, dict, dict]:
-        """``(args, kwargs, dynamic_shapes)`` for the export: dimension 0 of every tensor input
-        whose dimension 0 holds the batch (the first tensor's) is left to the export to keep
-        symbolic (``Dim.AUTO``), so that the graph runs at any batch size; at batch 1 (which
-        the export would specialise) those inputs are exported at batch 2."""
+        """``(args, kwargs, dynamic_shapes)`` for the export: the dimensions ``_free_dims``
+        names (the batch; every dimension of token ids and masks) are left to the export to
+        keep symbolic (``Dim.AUTO``: where the model fixes one, it stays fixed), so that the
+        graph runs at other batch sizes and sequence lengths; at batch 1 (which the export
+        would specialise) the inputs whose dimension 0 holds the batch are exported at 2."""
         named = dict(zip(self.names, list(self.args) + [self.kwargs[k] for k in self.kwargs]))
         tensors = [v for v in named.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         if not tensors:
@@ -147,7 +148,7 @@ class _Inputs:
                 return v.expand(2, *v.shape[1:]).clone()
             return v
 
-        dims = {name: {i: torch.export.Dim.AUTO for i in range(v.dim())}
+        dims = {name: {i: torch.export.Dim.AUTO for i in _free_dims(v)}
                 if isinstance(v, torch.Tensor) and v.dim() > 0 else None
                 for name, v in named.items()}
         return (tuple(grow(v) for v in self.args), {k: grow(v) for k, v in self.kwargs.items()},
@@ -176,6 +177,15 @@ class _Inputs:
             del model.forward
             if saved is not None:
                 model.forward = saved
+
+
+def _free_dims(value: torch.Tensor) -> range:
+    """The dimensions of an input left symbolic: every one of an integer or boolean tensor
+    (token ids, masks, positions: batch and sequence length vary from call to call), only the
+    batch of a floating one (an image's height and width would make the export reason about
+    every window and padding of a vision model symbolically: minutes for a tiny Swin)."""
+    floating = value.is_floating_point() or value.is_complex()
+    return range(1 if floating else value.dim())
 
 
 def _export_inputs(model: torch.nn.Module,
