@@ -4,7 +4,7 @@ The GPU machines have torch, numpy, sympy, networkx, tqdm, pytest and hypothesis
 transformers than tidal pins. This downloads, for CPython 3.12 on x86-64 Linux
 (``--only-binary=:all: --no-deps``), into ``.whl/``: pydot (and the pyparsing it asks for),
 the transformers of setup.cfg's ``hf`` extra, and the tokenizers and huggingface_hub it
-accepts (read from that wheel's metadata; the newest that matches). ``make gpu-check``
+accepts (read from that wheel's metadata; the oldest that matches). ``make gpu-check``
 installs them with ``pip install --no-index --no-deps --target`` and puts that folder first on
 the path.
 
@@ -66,6 +66,18 @@ def requirement_of(wheel: Path, name: str) -> Optional[str]:
     return None
 
 
+def oldest(spec: str) -> str:
+    """``spec`` narrowed to its lower bound (``">=1.31.0,<3.0"``: ``"==1.31.0"``), else as it
+    is: the oldest release transformers accepts asks least of what the GPU machine already has
+    (the newest huggingface_hub needs packages that are not there).
+
+    >>> oldest(">=1.31.0,<3.0"), oldest("<0.24.0,>=0.23.1"), oldest("")
+    ('==1.31.0', '==0.23.1', '')
+    """
+    lower = [part.strip()[2:] for part in spec.split(",") if part.strip().startswith(">=")]
+    return f"=={lower[0]}" if lower else spec
+
+
 def download(requirement: str, dest: Path, python_version: str) -> Path:
     """``pip download`` one wheel (no dependencies) for CPython ``python_version`` on x86-64
     Linux; return its path."""
@@ -101,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     got.append(hf)
     for dep in ("tokenizers", "huggingface_hub"):
         spec = requirement_of(hf, dep)
-        got.append(download(dep + (spec or ""), args.dest, args.python_version))
+        got.append(download(dep + oldest(spec or ""), args.dest, args.python_version))
     names = {_norm(w.name.split("-")[0]) for w in got}
     stale = sorted(w.name for w in args.dest.glob("*.whl")
                    if w not in got and _norm(w.name.split("-")[0]) in names)
