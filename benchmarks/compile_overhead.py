@@ -93,7 +93,8 @@ def measure_hf(name: str, model: torch.nn.Module, tokens: int = 128, repeats: in
     compile_s = statistics.median(_timed(lambda: tidal.compile(model, inputs))
                                   for _ in range(repeats))
     return {"model": name, "trace_s": trace_s, "export_s": export_s, "fx_s": fx_s,
-            "compile_s": compile_s, "ratio": trace_s / export_s}
+            "compile_s": compile_s, "ratio": trace_s / export_s,
+            "fx_ratio": trace_s / fx_s if fx_s else None}
 
 
 def main_hf() -> int:
@@ -103,12 +104,13 @@ def main_hf() -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads, CPU")
     print(f"{'model':11s} {'tidal.trace s':>13s} {'torch.export s':>14s} {'tidal/export':>12s} "
-          f"{'HF utils.fx s':>13s} {'tidal.compile s':>15s}")
+          f"{'HF utils.fx s':>13s} {'tidal/fx':>8s} {'tidal.compile s':>15s}")
     for name, model in hf_decoders().items():
         r = measure_hf(name, model)
         fx = f"{r['fx_s']:.2f}" if r["fx_s"] is not None else "absent"
+        fx_ratio = f"{r['fx_ratio']:.2f}" if r["fx_ratio"] is not None else "-"
         print(f"{name:11s} {r['trace_s']:13.2f} {r['export_s']:14.2f} {r['ratio']:12.2f} "
-              f"{fx:>13s} {r['compile_s']:15.2f}")
+              f"{fx:>13s} {fx_ratio:>8s} {r['compile_s']:15.2f}")
     return 0
 
 
