@@ -52,8 +52,8 @@ from tidal.ir.plans.chai import ChaiPlan  # noqa: E402
 from tidal.passes.chai_calibrate import Budget  # noqa: E402
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate,  # noqa: E402
                                               clustered_graph, set_counts)
-from tidal.runtime.chai_decode import ChaiDecoder  # noqa: E402
-from tidal.runtime.smollm2 import load_smollm2  # noqa: E402
+from tidal.runtime.chai.decode import ChaiDecoder  # noqa: E402
+from tidal.runtime.chai.smollm2 import load_smollm2  # noqa: E402
 
 
 def _chunks(ids: torch.Tensor, length: int, count: int) -> list[tuple[torch.Tensor]]:

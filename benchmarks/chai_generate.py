@@ -55,10 +55,10 @@ from tidal.ir.plans.chai import ChaiPlan  # noqa: E402
 from tidal.passes.chai_calibrate import Budget  # noqa: E402
 from tidal.passes.clustered_attention import (ClusteredAttention, calibrate,  # noqa: E402
                                               clustered_graph, perplexity)
-from tidal.runtime import hf_compat  # noqa: E402
-from tidal.runtime.chai_cache import k_bytes  # noqa: E402
-from tidal.runtime.chai_decode import ChaiDecoder  # noqa: E402
-from tidal.runtime.smollm2 import load_smollm2  # noqa: E402
+from tidal.runtime.chai import hf_compat  # noqa: E402
+from tidal.runtime.chai.cache import k_bytes  # noqa: E402
+from tidal.runtime.chai.decode import ChaiDecoder  # noqa: E402
+from tidal.runtime.chai.smollm2 import load_smollm2  # noqa: E402
 
 
 def _ttnt_generate(target, ids: torch.Tensor, new: int, cache) -> tuple[float, object]:

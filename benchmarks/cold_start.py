@@ -44,8 +44,8 @@ from tidal.ir import cost  # noqa: E402
 from tidal.ir.table import format_table  # noqa: E402
 from tidal.passes.layer_groups import LayerGroups  # noqa: E402
 from tidal.runtime.programs.layer_groups import LayerGroupsProgram  # noqa: E402
-from tidal.runtime.weight_loader import write_groups  # noqa: E402
-from tidal.runtime.weight_store import drop_page_cache  # noqa: E402
+from tidal.runtime.weights.loader import write_groups  # noqa: E402
+from tidal.runtime.weights.store import drop_page_cache  # noqa: E402
 
 STRATEGIES = (("load all, then run", "single"), ("per-layer pipelining", "per_layer"),
               ("optimal grouping", "optimal"))

@@ -22,8 +22,8 @@ if str(ROOT) not in sys.path:
 
 from examples.models import ZOO  # noqa: E402
 from tidal.ir.perf_model import PAPER_TABLE_4_1_MS  # noqa: E402
-from tidal.runtime.compressors import make_compressor  # noqa: E402
-from tidal.runtime.compressors.modeling import measure_encode_decode_s  # noqa: E402
+from tidal.runtime.comm.compressors import make_compressor  # noqa: E402
+from tidal.runtime.comm.compressors.modeling import measure_encode_decode_s  # noqa: E402
 
 # (spec here, Table 4.1 row)
 METHODS = (("powersgd:4", "PowerSGD-Rank4"), ("topk:0.01", "TopK-1%"),

@@ -13,10 +13,10 @@ PyTorch ratios. Goal: tidal's step <= 1.02x PyTorch's.
 
 PyTorch's hook issues its P and Q all-reduces from callbacks that run on gloo's worker
 threads, unordered with the next bucket's first collective, so with more than one bucket the
-ranks fail with a collective mismatch on gloo (``tidal.runtime.compressors.comm``). For the
+ranks fail with a collective mismatch on gloo (``tidal.runtime.comm.compressors.comm``). For the
 1 MiB buckets it therefore runs serialized: each bucket's hook is called once the previous
 bucket's future has completed (the order NCCL's inline callbacks give). tidal's hook orders
-its collectives itself (``tidal.runtime.compressors.Lane``) and needs no such wrapper.
+its collectives itself (``tidal.runtime.comm.compressors.Lane``) and needs no such wrapper.
 
 Loss curves: the global loss of every step for both hooks and for DDP without a hook
 (uncompressed, the reference), ``--steps`` steps (50) cycling over ``--batches`` fixed batches;

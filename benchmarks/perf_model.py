@@ -4,12 +4,12 @@ ResNet-101 on 64 V100s.
 Part 1: for two zoo models on 2 and 4 local gloo ranks, every rank measures the model's inputs
 on this machine, with all ranks running at once (so they contend for the cores as in
 training), and the model predicts the step (forward + backward + gradient sync) of sync SGD
-(torch DDP) and of DDP with the PowerSGD rank-4 hook (``tidal.runtime.ddp_hooks``). The
+(torch DDP) and of DDP with the PowerSGD rank-4 hook (``tidal.runtime.comm.ddp_hooks``). The
 measured step times are never used to set a model input. The inputs:
 
 - ``T_fwd``, ``T_comp``: forward and backward of the same DDP model with a communication hook
   that does nothing (the step with the communication removed, DDP's own bookkeeping kept);
-- the link ``(alpha, BW)``: ``tidal.runtime.link_fit.fit_ring_link`` through all-reduces of
+- the link ``(alpha, BW)``: ``tidal.runtime.comm.link_fit.fit_ring_link`` through all-reduces of
   4 KiB and 8 MiB;
 - ``gamma``: the backward's slowdown while the all-reduces of buckets 1..k-1 run (issued
   asynchronously at the start of the backward). Both models' gradients fit DDP's first bucket
@@ -55,11 +55,11 @@ from tidal.compiler import cli_whatif  # noqa: E402
 from tidal.ir import perf_model as pm  # noqa: E402
 from tidal.ir.compat import no_buffer_sync  # noqa: E402
 from tidal.ir.cluster import Cluster  # noqa: E402
-from tidal.runtime.compressors import PowerSGD  # noqa: E402
-from tidal.runtime.compressors.modeling import compressor_cost, encode_decode_fn  # noqa: E402
-from tidal.runtime import ddp_hooks  # noqa: E402
+from tidal.runtime.comm.compressors import PowerSGD  # noqa: E402
+from tidal.runtime.comm.compressors.modeling import compressor_cost, encode_decode_fn  # noqa: E402
+from tidal.runtime.comm import ddp_hooks  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
-from tidal.runtime.link_fit import DEFAULT_SIZES, fit_ring_link  # noqa: E402
+from tidal.runtime.comm.link_fit import DEFAULT_SIZES, fit_ring_link  # noqa: E402
 
 MODELS = ("resnet50_small", "bert_small")
 METHODS = ("sync SGD", "powersgd:4")

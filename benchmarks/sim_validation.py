@@ -60,7 +60,7 @@ from tidal.ir.profiler import (StepTime, calibrate_profile, profile_layers,  # n
 from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E402
 from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
-from tidal.runtime.link_fit import measure_ring_link  # noqa: E402
+from tidal.runtime.comm.link_fit import measure_ring_link  # noqa: E402
 from tidal.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
                                 output_bytes, summarize)
 

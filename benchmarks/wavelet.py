@@ -27,7 +27,7 @@ two stages per rank in a V; ``ScheduleInterleavedZeroBubble``: two per rank, loo
   the larger median of the ranks.
 - ``/rr``: ``step ms`` over round_robin's (above 1: slower than round_robin).
 - ``act MiB``: the peak of the activation bytes autograd keeps for backward during one step
-  (``tidal.runtime.memory_probe.MemoryProbe``: each saved storage once, freed when autograd
+  (``tidal.runtime.weights.memory_probe.MemoryProbe``: each saved storage once, freed when autograd
   frees it; parameters excluded; inputs a layer saves count, on rank 0 the global batch whose
   slices the micro-batches are), the max over the ranks. ``-``: the schedule saves nothing the
   probe sees (round_robin runs captured joint graphs on tidal's stream threads, no autograd).
@@ -96,7 +96,7 @@ from tidal.ir.schedule import split_batch  # noqa: E402
 from tidal.passes.round_robin import RoundRobin  # noqa: E402
 from tidal.passes.tick_tock import TickTock  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
-from tidal.runtime.memory_probe import MemoryProbe, heap_bytes, state_bytes  # noqa: E402
+from tidal.runtime.weights.memory_probe import MemoryProbe, heap_bytes, state_bytes  # noqa: E402
 
 MIB = 2 ** 20
 LOSS = torch.nn.functional.cross_entropy

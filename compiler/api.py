@@ -19,7 +19,7 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.input_check import check_input_dtypes
 from tidal.ir.pass_api import Pass, PassContext
 from tidal.passes import registry
-from tidal.runtime.compressors.modeling import encode_decode_s
+from tidal.runtime.comm.compressors.modeling import encode_decode_s
 
 PassSpec = Union[str, Pass]
 

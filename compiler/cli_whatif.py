@@ -47,7 +47,7 @@ from tidal.compiler.cli_args import positive_int
 from tidal.ir import perf_model
 from tidal.ir.cluster import Cluster
 if TYPE_CHECKING:  # imported where used: ``tidal whatif --help`` must not import torch
-    from tidal.runtime.compressors import Compressor
+    from tidal.runtime.comm.compressors import Compressor
 
 DESCRIPTION = """Predict whether gradient compression pays for a model on a cluster, from the
 performance model of "On the utility of gradient compression" (Eq. 4.1): the iteration time of
@@ -87,7 +87,7 @@ def parse_bandwidth(text: str) -> float:
 
 
 def _compressor(text: str) -> Compressor:
-    from tidal.runtime.compressors import make_compressor
+    from tidal.runtime.comm.compressors import make_compressor
 
     try:
         return make_compressor(text)

@@ -60,7 +60,7 @@ class Compiled:
         """Hugging Face ``generate`` with the ``clustered_attention`` plan (CHAI) run in the
         model's own attention modules and KV cache: after each sequence's first five tokens,
         scores only for its representative heads, K kept only for the KV heads they read
-        (``tidal.runtime.chai_generate``). Arguments are ``generate``'s; ``past_key_values``,
+        (``tidal.runtime.chai.generate``). Arguments are ``generate``'s; ``past_key_values``,
         if given, must come from :meth:`new_cache`. Greedy and sampling, batches (left-padded
         when lengths differ).
 
@@ -91,7 +91,7 @@ class Compiled:
         that plan."""
         if self._generation is None:
             from tidal.passes.clustered_attention import PASS_NAME as CHAI_PASS
-            from tidal.runtime.chai_generate import generation_model
+            from tidal.runtime.chai.generate import generation_model
 
             plan = self.plan.get(CHAI_PASS)
             ran = [r for r in self.records if r.name == CHAI_PASS]
@@ -298,7 +298,7 @@ class Compiled:
     def cold_start(self, path: Union[str, Path], *inputs: Any, device: Any = None,
                    **kwargs: Any) -> Any:
         """The first output while the weights stream in, group by group, from the store at
-        ``path`` (written by ``tidal.runtime.weight_loader.write_groups``; needs the
+        ``path`` (written by ``tidal.runtime.weights.loader.write_groups``; needs the
         ``layer_groups`` pass) onto ``device`` (by default where the model's parameters are;
         the inputs' tensors are moved there). Inputs default to the compile-time example
         inputs."""

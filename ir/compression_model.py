@@ -15,7 +15,7 @@ A compressor is named by a *spec* ``name[:level][,option=value...]``:
 
 The ``compression`` pass validates specs and levels (:func:`parse_spec`, :func:`check_level`),
 counts the bytes sent (:meth:`CompressorSpec.payload_bytes`) and prices a compressor
-(:func:`compressor_cost`) from here; the runtime compressors (:mod:`tidal.runtime.compressors`)
+(:func:`compressor_cost`) from here; the runtime compressors (:mod:`tidal.runtime.comm.compressors`)
 are built from the same specs and answer ``check_level``, ``payload_bytes`` and ``spec()``
 through these functions, so a plan's byte counts are the bytes the runtime sends.
 

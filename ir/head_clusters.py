@@ -9,7 +9,7 @@ similar on average to the others; under grouped-query attention it is chosen amo
 whose KV head is already needed, when possible, so that whole KV heads drop out of the K cache.
 ``online_memberships`` is the one entry point for per-sequence membership from attention
 probabilities: the graph (``tidal.passes.clustered_attention``) and the decode runtime
-(``tidal.runtime.chai_decode``) both call it, on the same features (``head_features``);
+(``tidal.runtime.chai.decode``) both call it, on the same features (``head_features``);
 ``static_membership`` gives CHAI-static's fixed clusters from an averaged similarity.
 
 Clustering runs on the host: the features (a few rows per head) are copied to the CPU once, as

@@ -40,8 +40,8 @@ scores are computed, and the probabilities shared after the softmax, for calibra
 cannot take, and with ``representatives_only`` off (the reference, for checks); each module's
 ``last_route`` says which way its last call went. Layers left with a ``ClusteredHeads`` after
 the softmax always compute every head. The smaller K cache is realised by
-``tidal.runtime.chai_cache`` (Hugging Face ``generate`` through ``compiled.generate``) and
-``tidal.runtime.chai_decode`` (tidal's own decoder).
+``tidal.runtime.chai.cache`` (Hugging Face ``generate`` through ``compiled.generate``) and
+``tidal.runtime.chai.decode`` (tidal's own decoder).
 
 ``calibrate(model, batches)`` runs the offline phase (elbow + accuracy budget) and returns a
 ``ChaiPlan`` to give back as ``plan=``.

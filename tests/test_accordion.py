@@ -6,8 +6,8 @@ import io
 import pytest
 import torch
 
-from tidal.runtime.accordion import Accordion, AccordionBatch, is_critical
-from tidal.runtime.compressors import PowerSGD
+from tidal.runtime.comm.accordion import Accordion, AccordionBatch, is_critical
+from tidal.runtime.comm.compressors import PowerSGD
 from tidal.runtime.distributed import spawn
 
 # window norms of two layers, the learning rate now and next window, and the rule's verdict:
@@ -174,7 +174,7 @@ def test_decay_ahead_is_critical_for_the_window_that_runs_at_the_new_rate():
 
 
 def test_peek_leaves_scheduler_and_optimizer_untouched():
-    from tidal.runtime.accordion import LrLookahead, peek_scheduler_lrs
+    from tidal.runtime.comm.accordion import LrLookahead, peek_scheduler_lrs
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

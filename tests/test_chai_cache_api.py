@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
-from tidal.runtime import hf_compat
-from tidal.runtime.chai_cache import ClusteredKCache, k_bytes
-from tidal.runtime.chai_decode import ChaiDecoder
-from tidal.runtime.chai_generate import generation_model
+from tidal.runtime.chai import hf_compat
+from tidal.runtime.chai.cache import ClusteredKCache, k_bytes
+from tidal.runtime.chai.decode import ChaiDecoder
+from tidal.runtime.chai.generate import generation_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -330,7 +330,7 @@ def test_soft_capped_scores_are_refused_by_name():
 
 
 def test_left_padding_is_read_past_sliding_windows_and_unmasked_rows():
-    from tidal.runtime.chai_cache import left_pads
+    from tidal.runtime.chai.cache import left_pads
 
     i = torch.arange(9)
     causal = i[None, :] <= i[:, None]
@@ -348,7 +348,7 @@ def test_left_padding_is_read_past_sliding_windows_and_unmasked_rows():
 
 
 def test_the_cache_grows_in_place_past_its_buffer(monkeypatch):
-    from tidal.runtime import chai_cache
+    from tidal.runtime.chai import cache as chai_cache
 
     monkeypatch.setattr(chai_cache, "GROWTH", 2)
     model = _model("llama")

@@ -14,9 +14,9 @@ import torch
 from examples.models import llama_small
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
 from tidal.passes.chai_calibrate import HeadStats, kmeans_errors, nearest_centres
-from tidal.runtime import hf_compat
-from tidal.runtime.chai_cache import ClusteredKCache
-from tidal.runtime.chai_decode import ChaiDecoder
+from tidal.runtime.chai import hf_compat
+from tidal.runtime.chai.cache import ClusteredKCache
+from tidal.runtime.chai.decode import ChaiDecoder
 
 from test_chai_calibrate import grouped_points
 

@@ -58,7 +58,7 @@ def test_hooks_is_an_importable_module():
     import importlib
 
     import tidal
-    from tidal.runtime import ddp_hooks
+    from tidal.runtime.comm import ddp_hooks
 
     hooks = importlib.import_module("tidal.hooks")
     from tidal.hooks import powersgd, powersgd_state  # noqa: F401

@@ -11,7 +11,7 @@ import torch
 import tidal
 from tidal.ir.head_clusters import Membership, cosine_similarity, head_features
 from tidal.passes.clustered_attention import ClusteredAttention, ClusteredHeads, chai_modules
-from tidal.runtime.chai_decode import ChaiDecoder
+from tidal.runtime.chai.decode import ChaiDecoder
 from examples.models import LlamaConfig, LlamaForCausalLM, bert_small, llama_small
 
 from greedy import assert_greedy

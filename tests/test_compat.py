@@ -19,7 +19,7 @@ import torch.fx.passes.split_module as split_module_mod
 import tidal
 from tidal.ir import compat
 from tidal.passes.round_robin import RoundRobin
-from tidal.runtime.compressors import ALL_GATHER, ALL_REDUCE, Comm, Message
+from tidal.runtime.comm.compressors import ALL_GATHER, ALL_REDUCE, Comm, Message
 
 from rank_parts import part, spawn_parts
 

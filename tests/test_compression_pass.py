@@ -15,8 +15,8 @@ from tidal.ir.pass_api import PassContext
 from tidal.ir.plan import Plan
 from tidal.ir.plans.compression import CompressionPlan
 from tidal.passes.compression import CompressionPass
-from tidal.runtime import ddp_hooks
-from tidal.runtime.compressors import NoCompression, PowerSGD, make_compressor
+from tidal.runtime.comm import ddp_hooks
+from tidal.runtime.comm.compressors import NoCompression, PowerSGD, make_compressor
 from tidal.runtime.programs.compression import compression_executor
 from tidal.runtime.programs.data_parallel import DataParallelProgram
 from tidal.runtime.distributed import spawn
@@ -319,7 +319,7 @@ def test_auto_mode_measures_through_the_context_or_says_what_it_needs():
 
 
 def test_the_runtime_measurer_has_the_context_signature():
-    from tidal.runtime.compressors.modeling import encode_decode_s
+    from tidal.runtime.comm.compressors.modeling import encode_decode_s
 
     assert encode_decode_s("powersgd:2", [(16, 8), (8,)]) > 0
 

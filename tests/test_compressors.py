@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.runtime.compressors import (COMPRESSORS, QSGD, Comm, PowerSGD, RandomK, SignSGD, TopK,
+from tidal.runtime.comm.compressors import (COMPRESSORS, QSGD, Comm, PowerSGD, RandomK, SignSGD, TopK,
                                        make_compressor, pack_bits, seeded_generator, synchronize,
                                        unpack_bits)
 from tidal.runtime.distributed import spawn

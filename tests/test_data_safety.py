@@ -23,8 +23,8 @@ from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.program import ProgramExecutor
 from tidal.runtime.programs.burst import BurstProgram
 from tidal.runtime.programs.layer_groups import cold_start, run_pipelined
-from tidal.runtime.weight_loader import expected_specs, group_tensors, write_groups
-from tidal.runtime.weight_store import WeightStore, WeightStoreError, write_store
+from tidal.runtime.weights.loader import expected_specs, group_tensors, write_groups
+from tidal.runtime.weights.store import WeightStore, WeightStoreError, write_store
 
 from rank_parts import part, spawn_parts
 
@@ -328,7 +328,7 @@ def test_a_burst_checkpoint_loads_only_on_the_rank_that_owns_it(two_rank_job):
 
 
 def test_checksum_sees_every_byte_including_a_partial_last_word():
-    from tidal.runtime.weight_store import checksum
+    from tidal.runtime.weights.store import checksum
 
     data = bytearray(torch.arange(13, dtype=torch.uint8).numpy().tobytes())
     base = checksum(bytes(data))

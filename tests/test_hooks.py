@@ -4,7 +4,7 @@ synchronous ``synchronize`` semantics bit for bit, also where gloo's threads dec
 gradients work; the fp16/bf16 hooks and
 wrappers send half the bytes; the state round-trips through ``torch.save``/``torch.load(
 weights_only=True)`` onto a fresh DDP model bit for bit; a peer that leaves fails the step
-instead of hanging. The :class:`~tidal.runtime.compressors.Lane` that orders the collectives is
+instead of hanging. The :class:`~tidal.runtime.comm.compressors.Lane` that orders the collectives is
 tested on its own."""
 import io
 import threading
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tidal import hooks
 from tidal.ir.collectives import new_group
-from tidal.runtime.compressors import (Comm, Lane, Message, NoCompression, make_compressor,
+from tidal.runtime.comm.compressors import (Comm, Lane, Message, NoCompression, make_compressor,
                                        synchronize, synchronize_async)
 from tidal.runtime.distributed import spawn
 

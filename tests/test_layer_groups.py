@@ -12,8 +12,8 @@ from tidal.ir.plan import Plan
 from tidal.ir.plans.layer_groups import LayerGroupPlan
 from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.programs.layer_groups import LayerGroupsProgram, cold_start, run_pipelined
-from tidal.runtime.weight_loader import group_tensors, write_groups
-from tidal.runtime.weight_store import WeightStoreError, write_store
+from tidal.runtime.weights.loader import group_tensors, write_groups
+from tidal.runtime.weights.store import WeightStoreError, write_store
 
 # a slow device and link so that the optimal grouping has several groups
 CLUSTER = tidal.Cluster(gpus=1, bandwidth_gbps=1.0, latency_us=20.0, peak_tflops=0.005)
@@ -214,7 +214,7 @@ def test_bad_options_are_value_errors():
 def test_compiled_cold_start_streams_weights_from_the_store(tmp_path):
     import tidal
     from examples.models import ZOO
-    from tidal.runtime.weight_loader import write_groups
+    from tidal.runtime.weights.loader import write_groups
 
     model = ZOO["resnet50_small"]().eval()
     x = model.example_inputs(2)

@@ -11,12 +11,12 @@ import torch
 
 import tidal
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime import weight_store
+from tidal.runtime.weights import store as weight_store
 from tidal.runtime.backend import LogicalBackend
 from tidal.runtime.programs import layer_groups
 from tidal.runtime.programs.layer_groups import LOADING_STEP, LayerGroupsProgram, from_plan
-from tidal.runtime.weight_loader import write_groups
-from tidal.runtime.weight_store import WeightStore, WeightStoreError
+from tidal.runtime.weights.loader import write_groups
+from tidal.runtime.weights.store import WeightStore, WeightStoreError
 
 
 def _mlp():

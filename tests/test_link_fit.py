@@ -3,7 +3,7 @@ import pytest
 
 from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.runtime.distributed import spawn
-from tidal.runtime.link_fit import fit_ring_link, measure_ring_link
+from tidal.runtime.comm.link_fit import fit_ring_link, measure_ring_link
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])

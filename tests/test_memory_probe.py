@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from tidal.runtime.memory_probe import MemoryProbe, heap_bytes, state_bytes
+from tidal.runtime.weights.memory_probe import MemoryProbe, heap_bytes, state_bytes
 
 
 def _mlp(width=64, depth=4):

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tidal.runtime.accordion import Accordion
-from tidal.runtime.compressors import ALL_GATHER, ALL_REDUCE, Comm, Message
-from tidal.runtime.ddp_check import ddp_hook_check
+from tidal.runtime.comm.accordion import Accordion
+from tidal.runtime.comm.compressors import ALL_GATHER, ALL_REDUCE, Comm, Message
+from tidal.runtime.comm.ddp_check import ddp_hook_check
 from tidal.runtime.distributed import all_reduce_tensors, collective_device
-from tidal.runtime.link_fit import time_allreduce_us
+from tidal.runtime.comm.link_fit import time_allreduce_us
 
 GPU = torch.device("cuda", 0)
 COLLECTIVES = ("broadcast", "all_reduce", "barrier", "all_gather_into_tensor",

@@ -7,8 +7,8 @@ import pytest
 from tidal.compiler import cli_whatif
 from tidal.ir import perf_model as pm
 from tidal.ir.cluster import Cluster
-from tidal.runtime.compressors import PowerSGD, TopK
-from tidal.runtime.compressors.modeling import compressor_cost, measure_encode_decode_s
+from tidal.runtime.comm.compressors import PowerSGD, TopK
+from tidal.runtime.comm.compressors.modeling import compressor_cost, measure_encode_decode_s
 
 GB = 1e9 / 8          # bytes per second in one Gb/s
 

@@ -11,7 +11,7 @@ import torch
 import tidal
 from tidal.passes.round_robin import RoundRobin
 from tidal.runtime.distributed import spawn
-from tidal.runtime.weight_residency import PartitionResidency, ResidencyError
+from tidal.runtime.weights.residency import PartitionResidency, ResidencyError
 
 
 # -- the store, in one process --------------------------------------------------------------

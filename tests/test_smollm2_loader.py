@@ -1,4 +1,4 @@
-"""The SmolLM2 loader's conversion (runtime/smollm2.py) on a tiny model: transformers 5 marks a
+"""The SmolLM2 loader's conversion (runtime/chai/smollm2.py) on a tiny model: transformers 5 marks a
 model loaded from GGUF as quantized and refuses to save it; the loader saves the dequantised
 weights all the same (`make bench-chai` failed on transformers 5 without this)."""
 import pytest
@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 def test_a_gguf_marked_model_saves_its_weights(tmp_path):
     from transformers.utils.quantization_config import GgufConfig
 
-    from tidal.runtime.smollm2 import _unquantized
+    from tidal.runtime.chai.smollm2 import _unquantized
 
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                    num_hidden_layers=1, num_attention_heads=2,

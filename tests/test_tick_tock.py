@@ -323,7 +323,7 @@ def test_bad_input_is_named():
     copy.deepcopy(c.plan)
 
 
-# --- the compression pass wraps the waves' gradient sync (runtime/grad_sync.py) -------------
+# --- the compression pass wraps the waves' gradient sync (runtime/comm/grad_sync.py) -------------
 
 def _run_composed(rank, world):
     """tick_tock alone, and tick_tock + compression off / Top-K 100 % / PowerSGD rank 1."""

@@ -14,7 +14,7 @@ import torch
 import tidal
 from benchmarks.gpu_check.common import fail, mlp, sync
 from tidal.passes.compression import CompressionPass
-from tidal.runtime.memory_probe import MemoryProbe
+from tidal.runtime.weights.memory_probe import MemoryProbe
 
 SUMMARY = ("eager.peak_mib", "captured.peak_mib", "captured.vs_eager", "eager.reserved_mib",
            "captured.reserved_mib", "measure")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.gpu_check.common import fail, max_param_diff, mlp, ms_per_call, sync
-from tidal.runtime.ddp_hooks import allreduce, allreduce_state, topk, topk_state
+from tidal.runtime.comm.ddp_hooks import allreduce, allreduce_state, topk, topk_state
 
 SUMMARY = ("backend", "plain.ms", "allreduce.ms", "topk_1.0.ms", "allreduce.max_dparam",
            "topk_1.0.max_dparam")

@@ -19,8 +19,8 @@ import tidal
 from benchmarks.cold_start import STRATEGIES, _calibrate
 from benchmarks.gpu_check.common import fail, mlp, on_device, sync
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.weight_loader import write_groups
-from tidal.runtime.weight_store import drop_page_cache
+from tidal.runtime.weights.loader import write_groups
+from tidal.runtime.weights.store import drop_page_cache
 
 SUMMARY = ("single.first_output_ms", "per_layer.first_output_ms", "optimal.first_output_ms",
            "optimal.vs_single", "optimal.groups", "store_mib")

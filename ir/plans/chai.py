@@ -1,7 +1,7 @@
 """The plan of the ``clustered_attention`` pass (CHAI): per attention layer, the cluster count
 chosen by the offline calibration (``tidal.passes.chai_calibrate``), the elbow, the error curve
 and CHAI-static's membership, with an exact JSON round trip. The decode runtime
-(``tidal.runtime.chai_decode``) reads it.
+(``tidal.runtime.chai.decode``) reads it.
 
 Example:
     >>> from tidal.ir.plan import Plan

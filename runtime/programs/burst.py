@@ -95,7 +95,7 @@ from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
 from tidal.ir.node_runner import fetch_attr, flat_tensors
 from tidal.ir.table import format_table
 from tidal.runtime.distributed import all_reduce_tensors, is_distributed
-from tidal.runtime.grad_sync import GradSync, GradSyncFactory
+from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.program import COMM, COMPUTE, TRANSFER, Piece, Program
 
 PLAN_KIND = "BurstPlan"

@@ -6,7 +6,7 @@ whose ``sync <b>`` comm pieces run the plan's compressor on each bucket (encode,
 decode with error feedback; a plain averaging all-reduce when compression is off), overlapping
 the rest of backward, with Accordion's window decision after the optimizer when the plan asks
 for it. After a parallelism pass, the plan changes that pass's executor instead
-(:func:`compression_executor`): a factory of :class:`~tidal.runtime.grad_sync.GradSync` built
+(:func:`compression_executor`): a factory of :class:`~tidal.runtime.comm.grad_sync.GradSync` built
 from the plan goes to its ``use_grad_sync`` (``tick_tock`` keeps one compressor state per wave,
 ``burst_parallel`` one per set of ranks that syncs a layer, ``round_robin`` one per partition).
 
@@ -38,9 +38,9 @@ import torch.fx as fx
 
 from tidal.ir.errors import PassError
 from tidal.ir.pass_api import Executor
-from tidal.runtime.accordion import Accordion, LrLookahead
-from tidal.runtime.compressors import make_compressor
-from tidal.runtime.grad_sync import GradSync, GradSyncFactory
+from tidal.runtime.comm.accordion import Accordion, LrLookahead
+from tidal.runtime.comm.compressors import make_compressor
+from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.program import ProgramExecutor
 from tidal.runtime.programs.data_parallel import DataParallelProgram
 

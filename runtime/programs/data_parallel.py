@@ -15,7 +15,7 @@ first step, parameters) on the ``comm`` stream, then
 * else (data-dependent control flow, an op that cannot run captured): eager ``forward`` and
   ``backward`` pieces (autograd), and ``fallback_reason`` says why, naming the node at fault;
 
-then one ``sync <b>`` comm piece per bucket (:meth:`tidal.runtime.grad_sync.GradSync.bucket`:
+then one ``sync <b>`` comm piece per bucket (:meth:`tidal.runtime.comm.grad_sync.GradSync.bucket`:
 the compressor's encode, the collective, decode with error feedback; a plain averaging
 all-reduce when compression is off), the ``optimizer`` piece on the synchronized gradients and,
 with Accordion, the ``accordion`` piece that ends a window every ``accordion_interval`` steps
@@ -28,7 +28,7 @@ cannot run falls back before any piece is launched; every rank agrees on the out
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import make_compressor
+    >>> from tidal.runtime.comm.compressors import make_compressor
     >>> from tidal.runtime.program import ProgramExecutor
     >>> from tidal.runtime.programs.data_parallel import DataParallelProgram
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
@@ -60,11 +60,11 @@ from tidal.ir.cost import example_batch
 from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.rng import fork_rng_of
-from tidal.runtime.accordion import Accordion, LrLookahead
+from tidal.runtime.comm.accordion import Accordion, LrLookahead
 from tidal.runtime.backend import backend_for, used_here
-from tidal.runtime.compressors import Comm, Compressor, NoCompression
+from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression
 from tidal.runtime.distributed import collective_device
-from tidal.runtime.grad_sync import GradSync
+from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program, _grad_nodes,
                                    data_parallel, state_inputs)
 
@@ -117,8 +117,8 @@ class DataParallelProgram:
     buckets of parameter names for the eager program (a plan's; default: DDP's, reverse order,
     ``bucket_bytes`` each); the captured program cuts DDP's buckets of the captured gradients
     under the same cap (the plan's, for float32 parameters: the grouping never changes a
-    compressor's result, see :meth:`~tidal.runtime.grad_sync.GradSync.bucket`).
-    ``accordion``: an :class:`~tidal.runtime.accordion.Accordion` deciding the levels every
+    compressor's result, see :meth:`~tidal.runtime.comm.grad_sync.GradSync.bucket`).
+    ``accordion``: an :class:`~tidal.runtime.comm.accordion.Accordion` deciding the levels every
     ``accordion_interval`` steps. ``capture=False`` runs the eager program. ``overlap``: a
     bucket's sync starts when its gradients are ready, beside the rest of backward (default:
     only without compression; compressed syncs wait for the end of backward as the

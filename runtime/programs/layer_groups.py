@@ -2,7 +2,7 @@
 ``k`` computes.
 
 A graph grouped by the ``layer_groups`` pass has a ``tidal::group_boundary(k)`` marker before
-the first node of each group (``tidal.runtime.weight_loader.group_tensors`` says which
+the first node of each group (``tidal.runtime.weights.loader.group_tensors`` says which
 parameters and buffers each group loads, ``write_groups`` writes them as a store).
 :func:`pipelined` is the program: per group ``k`` a ``load group k`` piece on the ``load``
 stream and a ``group k`` piece on the ``compute`` stream, the group's segment of the graph (cut
@@ -17,7 +17,7 @@ parameters and buffers at views of the copy; on a GPU the group's compute waits 
 event and the copy is marked used on the compute stream (``record_stream``). The bytes are
 checked against the store's checksums as they are read from the file (a corrupt tensor raises
 ``WeightStoreError`` naming it and its group): on the CPU into the copy itself, on any other
-device into the program's host copy (``tidal.runtime.weight_store.HostCopy``: one buffer,
+device into the program's host copy (``tidal.runtime.weights.store.HostCopy``: one buffer,
 pinned on a GPU, allocated once and reused, each group read and verified once), from which a
 GPU copies by DMA. The store is validated before anything runs. A run's
 :class:`LoadTimeline` is read from its launches: device-side times on the backend's one clock
@@ -44,7 +44,7 @@ any device (run node by node, not captured: see :meth:`~LayerGroupsProgram.run`)
 Example:
     >>> import os, tempfile, torch, tidal
     >>> from tidal.passes.layer_groups import LayerGroups
-    >>> from tidal.runtime.weight_loader import write_groups
+    >>> from tidal.runtime.weights.loader import write_groups
     >>> from tidal.runtime.programs.layer_groups import run_pipelined
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     >>> x = torch.randn(3, 4)
@@ -85,8 +85,8 @@ from tidal.runtime.program import (COMPUTE, CapturedProgram, CapturedRun, Piece,
                                    Program, ProgramRunner, _grad_nodes, device_of,
                                    runner_backend, state_inputs)
 from tidal.runtime.programs.data_parallel import _failing_node, _flat
-from tidal.runtime.weight_loader import GroupedTensors, expected_specs, group_tensors
-from tidal.runtime.weight_store import HostCopy, PathLike, WeightStore, view_tensor
+from tidal.runtime.weights.loader import GroupedTensors, expected_specs, group_tensors
+from tidal.runtime.weights.store import HostCopy, PathLike, WeightStore, view_tensor
 
 PLAN_KIND = "LayerGroupPlan"
 LOAD = "load"

@@ -7,7 +7,7 @@ into a :class:`~tidal.runtime.program.Program` that
 
 - ``S p`` (stream ``load``) switches the rank to partition p: with a process group it loads
   p's weights, accumulated gradients and optimizer state and evicts every partition the rank
-  no longer needs (``tidal.runtime.weight_residency``: the bytes go to a per-rank store, the
+  no longer needs (``tidal.runtime.weights.residency``: the bytes go to a per-rank store, the
   tensors keep their identity and hold no bytes), so that a rank holds at most two partitions:
   the one it computes and the one it prefetches. A switch keeps the partition of the latest
   compute piece and the one waiting for its update, and waits only for the pieces that used a
@@ -88,10 +88,10 @@ from tidal.ir.node_runner import fetch_attr
 from tidal.ir.schedule import split_batch
 from tidal.runtime.backend import backend_for
 from tidal.runtime.distributed import all_reduce_tensors, collective_device, rank_and_size
-from tidal.runtime.grad_sync import GradSync, GradSyncFactory
+from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, CapturedRun, Piece,
                                    Program)
-from tidal.runtime.weight_residency import PartitionResidency
+from tidal.runtime.weights.residency import PartitionResidency
 
 PLAN_KIND = "RoundRobinPlan"
 LOAD = "load"
@@ -504,7 +504,7 @@ class RoundRobinProgram:
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:
         """Sync each partition's gradients through its own ``factory(None)`` (a
-        :class:`~tidal.runtime.grad_sync.GradSync`, e.g. the ``compression`` pass's
+        :class:`~tidal.runtime.comm.grad_sync.GradSync`, e.g. the ``compression`` pass's
         compressor, with its own error-feedback state) instead of a plain all-reduce."""
         if self.syncs:
             raise RuntimeError("round_robin: the gradient sync is fixed after the first step")
@@ -538,7 +538,7 @@ class RoundRobinProgram:
 
     def resident_partitions(self) -> list[int]:
         """The partitions whose parameters hold bytes on this rank now, read from the
-        tensors (see ``tidal.runtime.weight_residency``); all of them between steps."""
+        tensors (see ``tidal.runtime.weights.residency``); all of them between steps."""
         res = self._residency or PartitionResidency(self._named, rank=self._rank)
         return res.resident_partitions()
 

@@ -20,7 +20,7 @@ first step, with a clone of the optimizer: :func:`clone_optimizer`). The program
 - ``A`` on the ``comm`` stream: the cross-wave average of Eq. 1, ``(g_m + g_{m-1}) / 2`` with
   the other wave's latest raw gradient (the tock's ``A`` waits for the tick's ``B``; the tick's
   uses the tock gradient of the previous step), then the wave's own gradient sync (a process
-  group per wave with the world's timeout, and a :class:`~tidal.runtime.grad_sync.GradSync` per
+  group per wave with the world's timeout, and a :class:`~tidal.runtime.comm.grad_sync.GradSync` per
   wave: a plain averaging all-reduce, or a compressor when the ``compression`` pass wraps it,
   :meth:`TickTockProgram.use_grad_sync`), then the average of the wave's floating-point buffers
   (BatchNorm's running statistics) over its ranks. The two waves' syncs share the one ``comm``
@@ -65,7 +65,7 @@ from tidal.ir.rng import fork_rng_of
 from tidal.ir.schedule import Action, Schedule, split_batch
 from tidal.runtime.backend import backend_for
 from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
-from tidal.runtime.grad_sync import GradSync, GradSyncFactory, plain_sync
+from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory, plain_sync
 from tidal.runtime.program import (COMM, CapturedProgram, CapturedRun, Piece, Program,
                                    state_inputs)
 from tidal.runtime.programs.data_parallel import _failing_node, _flat

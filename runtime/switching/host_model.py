@@ -3,7 +3,7 @@
 transmission and where a preempted job's state goes.
 
 :class:`HostModel` holds one contiguous ``uint8`` buffer per layer group of a graph grouped by
-the ``layer_groups`` pass (the groups of :func:`tidal.runtime.weight_loader.group_tensors`), each
+the ``layer_groups`` pass (the groups of :func:`tidal.runtime.weights.loader.group_tensors`), each
 tensor at a 64-byte aligned offset. The buffers are shared-memory tensors, so every worker
 process sees the same bytes: :meth:`~HostModel.transmit` copies group ``k`` into a destination
 (a slice of the arena) and points the group's tensors of a worker's graph at views of it;
@@ -42,8 +42,8 @@ import torch.fx as fx
 
 from tidal.runtime.switching.arena import round_up
 from tidal.runtime.switching.stack import TENSOR_ALIGN
-from tidal.runtime.weight_loader import group_tensors
-from tidal.runtime.weight_store import TensorSpec, view_tensor
+from tidal.runtime.weights.loader import group_tensors
+from tidal.runtime.weights.store import TensorSpec, view_tensor
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 import tidal
 from tidal.passes.clustered_attention import ClusteredAttention
-from tidal.runtime.chai_decode import ChaiDecoder
+from tidal.runtime.chai.decode import ChaiDecoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,7 +286,7 @@ def test_kmeans_and_static_plans_generate_as_the_graph(how):
 
 def test_a_layout_that_saves_nothing_scores_every_head_and_keeps_k_whole():
     from tidal.ir.head_clusters import Membership
-    from tidal.runtime.chai_cache import layout
+    from tidal.runtime.chai.cache import layout
 
     kv = (0, 0, 1, 1, 2, 2, 3, 3)
     # 6 clusters over 4 KV heads, two representatives on KV heads 0 and 1: 4 slots x 2 rows = 8
@@ -359,7 +359,7 @@ def test_the_family_check_ignores_the_models_dropout():
 def test_the_cache_grows_in_place_past_its_buffer(monkeypatch):
     # each step writes its token into the layer's buffer; with room for 2 more tokens the
     # buffers are replaced (held K/V copied) every few steps, K also when it is cut
-    from tidal.runtime import chai_cache
+    from tidal.runtime.chai import cache as chai_cache
 
     monkeypatch.setattr(chai_cache, "GROWTH", 2)
     model = _decoder("llama")

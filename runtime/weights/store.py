@@ -34,7 +34,7 @@ pinned host memory).
 
 Example:
     >>> import tempfile, os, torch
-    >>> from tidal.runtime.weight_store import WeightStore, write_store, TensorSpec
+    >>> from tidal.runtime.weights.store import WeightStore, write_store, TensorSpec
     >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
     >>> groups = [[("a", torch.ones(3))], [("b", torch.zeros(2, 2))]]
     >>> write_store(path, groups)
@@ -398,7 +398,7 @@ def _tidal_metadata(path: Path, header: dict) -> tuple[list[tuple[int, int]], di
     if fmt in OLD_FORMATS:
         raise WeightStoreError(f"weight store {path} was written by an older tidal (format "
                                f"{fmt!r}, without checksums); rewrite it with "
-                               "tidal.runtime.weight_loader.write_groups")
+                               "tidal.runtime.weights.loader.write_groups")
     if fmt != FORMAT:
         raise WeightStoreError(f"weight store {path} has format {fmt!r}, this tidal reads "
                                f"{FORMAT!r} (written by a newer tidal?)")

@@ -14,7 +14,7 @@ averaged. Levels go on the wire as int8 (s <= 127) or int16 (s <= 32767).
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import SignSGD, synchronize
+    >>> from tidal.runtime.comm.compressors import SignSGD, synchronize
     >>> synchronize(SignSGD(), {"g": torch.tensor([0.5, -2.0, 0.0])})["g"].tolist()
     [1.0, -1.0, 1.0]
     >>> SignSGD().payload_bytes((1000,))          # 1000 bits
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from tidal.ir.compression_model import qsgd_value_bytes
-from tidal.runtime.compressors.base import ALL_GATHER, Compressor, Message, World, seeded_generator
+from tidal.runtime.comm.compressors.base import ALL_GATHER, Compressor, Message, World, seeded_generator
 
 _BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
 

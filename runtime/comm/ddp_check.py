@@ -2,11 +2,11 @@
 
 :func:`ddp_hook_check` trains a small MLP with ``torch.nn.parallel.DistributedDataParallel``
 twice from the same weights and batches: once with DDP's own all-reduce, once with one of
-:mod:`tidal.runtime.ddp_hooks`' hooks registered, its compression effectively off (plain
+:mod:`tidal.runtime.comm.ddp_hooks`' hooks registered, its compression effectively off (plain
 averaging; Top-K and random-K keeping every coordinate; PowerSGD at full rank). It runs in this
 process on a default group of one rank that it starts and ends itself
 (:func:`~tidal.runtime.distributed.single_rank_group`: NCCL on CUDA, gloo on the CPU). The
-hooks' :class:`~tidal.runtime.compressors.Comm` issues its collectives even in a group of one
+hooks' :class:`~tidal.runtime.comm.compressors.Comm` issues its collectives even in a group of one
 (``issue_alone``), so on a machine with one GPU the check runs the hooks' real path: buckets
 on the GPU, NCCL all-reduces and all-gathers issued asynchronously, decoding in callbacks
 chained on their CUDA futures. It also sends every compressor's messages (Top-K's all-gather of
@@ -17,7 +17,7 @@ plain DDP and whether it is within the hook's tolerance (:data:`EXACT_TOL` for t
 per compressor whether the two runs are equal. The result is JSON-ready.
 
 Example:
-    >>> from tidal.runtime.ddp_check import ddp_hook_check
+    >>> from tidal.runtime.comm.ddp_check import ddp_hook_check
     >>> result = ddp_hook_check("cpu", steps=2, hooks=("allreduce",), compressors=("qsgd:200",))
     >>> result["backend"], result["ok"], result["hooks"]["allreduce"]["max_param_diff"]
     ('gloo', True, 0.0)
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from tidal.runtime import ddp_hooks
-from tidal.runtime.compressors import Comm, LocalComm, make_compressor, synchronize
+from tidal.runtime.comm import ddp_hooks
+from tidal.runtime.comm.compressors import Comm, LocalComm, make_compressor, synchronize
 from tidal.runtime.distributed import single_rank_group
 
 WIDTH, CLASSES, BATCH = (16, 32), 4, 8

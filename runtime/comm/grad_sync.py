@@ -3,9 +3,9 @@
 A program that trains data-parallel (``tidal.runtime.programs.data_parallel``'s, ``tick_tock``'s
 waves) hands its gradients to a :class:`GradSync` for a process group. The gradients are
 bucketed like DDP (in backward order, i.e. the reverse of the order given, 25 MiB buckets) and
-each bucket goes through :func:`tidal.runtime.compressors.synchronize`: encode, one collective
+each bucket goes through :func:`tidal.runtime.comm.compressors.synchronize`: encode, one collective
 per round for the whole bucket, decode (with error feedback when the compressor keeps it). With
-no compressor (:class:`~tidal.runtime.compressors.NoCompression`) this is the plain averaging
+no compressor (:class:`~tidal.runtime.comm.compressors.NoCompression`) this is the plain averaging
 all-reduce, so an executor has one code path whether compression is on or off.
 
 The ``compression`` pass composes with a parallelism pass at the plan level: its
@@ -16,7 +16,7 @@ which builds one :class:`GradSync` per process group it syncs on.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.grad_sync import GradSync
+    >>> from tidal.runtime.comm.grad_sync import GradSync
     >>> sync = GradSync()                       # one process: plain averaging is the identity
     >>> out = sync({"w": torch.ones(2, 2), "b": torch.zeros(2)})
     >>> list(out), out["w"].tolist(), sync.buckets(out)
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.runtime.compressors import Comm, Compressor, NoCompression, synchronize
+from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression, synchronize
 
 
 class GradSync:
@@ -76,7 +76,7 @@ class GradSync:
 
     def bucket(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One bucket synchronized: encode, the collective(s), decode
-        (:func:`~tidal.runtime.compressors.synchronize`); same names, shapes and dtypes. A
+        (:func:`~tidal.runtime.comm.compressors.synchronize`); same names, shapes and dtypes. A
         program runs each bucket as a comm piece (``tidal.runtime.programs.data_parallel``).
         Every compressor works per tensor (its state and seeds are keyed by name), so how the
         names are grouped into buckets changes how messages are packed, never the result.

@@ -11,7 +11,7 @@ the bucket's flat buffer holding the synchronized (averaged, or majority-voted) 
 DDP overlaps the sync with the rest of the backward. Gradients may be float32, bfloat16 or
 float16: the compressors compute in float32 (PowerSGD orthogonalises in float32) and write the
 result back in the bucket's dtype. A state's calls are issued in bucket order, the same on
-every rank (:class:`tidal.runtime.compressors.Lane`), which PyTorch's ``powerSGD_hook`` does not
+every rank (:class:`tidal.runtime.comm.compressors.Lane`), which PyTorch's ``powerSGD_hook`` does not
 do on gloo.
 
 ``fp16``/``bf16`` average the bucket with its payload in half precision (PyTorch's
@@ -27,7 +27,7 @@ fresh DDP model with :meth:`HookState.from_state_dict` or ``load_state_dict``.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.ddp_hooks import HookState, bf16_wrapper, powersgd, topk_state
+    >>> from tidal.runtime.comm.ddp_hooks import HookState, bf16_wrapper, powersgd, topk_state
     >>> state = topk_state(torch.nn.Linear(4, 2), 0.5)
     >>> state.compressor.spec(), sorted(state.names.values())
     ('topk:0.5', ['bias', 'weight'])
@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from tidal.runtime.compressors import (Comm, Compressor, NoCompression, PowerSGD, QSGD, RandomK,
+from tidal.runtime.comm.compressors import (Comm, Compressor, NoCompression, PowerSGD, QSGD, RandomK,
                                        SignSGD, TopK, check_wire_dtype, make_compressor,
                                        synchronize_async)
 
@@ -54,7 +54,7 @@ Hook = Callable[[Any, dist.GradBucket], HookFuture]
 
 class HookState:
     """What a compression hook needs: the compressor (with its residuals and warm-start state),
-    the process group (through a :class:`~tidal.runtime.compressors.Comm`, which orders the
+    the process group (through a :class:`~tidal.runtime.comm.compressors.Comm`, which orders the
     state's collectives), and parameter names by identity."""
 
     def __init__(self, compressor: Compressor, module: Optional[torch.nn.Module] = None, *,

@@ -14,7 +14,7 @@ spec, options included, so ``make_compressor(c.spec())`` rebuilds ``c`` (without
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import make_compressor, synchronize
+    >>> from tidal.runtime.comm.compressors import make_compressor, synchronize
     >>> c = make_compressor("randomk:0.5")
     >>> c.all_reduce_compatible, c.payload_bytes((10,))
     (True, 20)
@@ -28,13 +28,13 @@ from types import MappingProxyType
 from typing import Any, Union
 
 from tidal.ir.compression_model import CompressorSpec, parse_spec
-from tidal.runtime.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message,
+from tidal.runtime.comm.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message,
                                            NoCompression, World, seeded_generator, stable_seed)
-from tidal.runtime.compressors.comm import (WIRE_DTYPES, Comm, Lane, LocalComm, check_wire_dtype,
+from tidal.runtime.comm.compressors.comm import (WIRE_DTYPES, Comm, Lane, LocalComm, check_wire_dtype,
                                            synchronize, synchronize_async)
-from tidal.runtime.compressors.powersgd import PowerSGD, orthogonalize
-from tidal.runtime.compressors.quantize import QSGD, SignSGD, pack_bits, unpack_bits
-from tidal.runtime.compressors.sparsify import RandomK, TopK
+from tidal.runtime.comm.compressors.powersgd import PowerSGD, orthogonalize
+from tidal.runtime.comm.compressors.quantize import QSGD, SignSGD, pack_bits, unpack_bits
+from tidal.runtime.comm.compressors.sparsify import RandomK, TopK
 
 COMPRESSORS = MappingProxyType({c.name: c for c in (PowerSGD, TopK, RandomK, SignSGD, QSGD,
                                                    NoCompression)})

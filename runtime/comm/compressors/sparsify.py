@@ -9,7 +9,7 @@ average over ranks of the sparse vectors; the rest stays in the residual.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import TopK, synchronize
+    >>> from tidal.runtime.comm.compressors import TopK, synchronize
     >>> c = TopK(0.25)
     >>> synchronize(c, {"g": torch.tensor([0.1, -2.0, 0.3, 1.0])})["g"].tolist()
     [0.0, -2.0, 0.0, 0.0]
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 
 from tidal.ir.compression_model import sparse_k
-from tidal.runtime.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message, World,
+from tidal.runtime.comm.compressors.base import (ALL_GATHER, ALL_REDUCE, Compressor, Message, World,
                                            seeded_generator)
 
 

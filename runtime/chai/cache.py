@@ -4,8 +4,8 @@ representative heads read (dissertation ch. 6, §6.2.4), V whole.
 ``ClusteredKCache(plan)`` is a ``transformers.DynamicCache`` (so ``generate`` keeps it and reads
 its length as it does a ``DynamicCache``'s; the K/V it holds are where that version keeps them,
 ``layers[i].keys``/``.values`` in transformers 5, ``key_cache``/``value_cache`` in 4.47, through
-``tidal.runtime.hf_compat``) that also does each layer's attention: the clustered attention
-modules of ``tidal.runtime.chai_generate`` call ``cache.attend(layer, q, k, v, attention_mask,
+``tidal.runtime.chai.hf_compat``) that also does each layer's attention: the clustered attention
+modules of ``tidal.runtime.chai.generate`` call ``cache.attend(layer, q, k, v, attention_mask,
 scale)`` instead of ``update`` followed by attention. Per sequence of the batch, per clustered
 layer:
 
@@ -29,7 +29,7 @@ assisted decoding (which reorder, split or crop the cache) are refused.
 Example:
     >>> import torch
     >>> from tidal.ir.plans.chai import ChaiPlan, LayerChoice
-    >>> from tidal.runtime.chai_cache import ClusteredKCache
+    >>> from tidal.runtime.chai.cache import ClusteredKCache
     >>> plan = ChaiPlan((LayerChoice(0, "attn", num_heads=4, num_kv_heads=4, head_dim=8,
     ...                              chosen_k=2, elbow_k=2),))
     >>> cache = ClusteredKCache(plan)
@@ -54,7 +54,7 @@ from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clu
 from tidal.ir.clustered_attention_op import apply_mask
 from tidal.ir.head_clusters import Membership, online_memberships
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
-from tidal.runtime import hf_compat
+from tidal.runtime.chai import hf_compat
 
 
 @dataclass
@@ -189,7 +189,7 @@ class ClusteredKCache(DynamicCache):
         raise TypeError(
             f"ClusteredKCache: layer {layer_idx} called update(): it is running the model's own "
             f"attention, which would attend with K heads the cache no longer holds. Generate "
-            f"with compiled.generate(...) or tidal.runtime.chai_generate.generation_model(...), "
+            f"with compiled.generate(...) or tidal.runtime.chai.generate.generation_model(...), "
             f"whose attention calls ClusteredKCache.attend")
 
     def __getitem__(self, layer_idx: int) -> "LayerView":

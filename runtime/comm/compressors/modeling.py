@@ -9,10 +9,10 @@ The payload side of the model, :func:`~tidal.ir.compression_model.compressor_cos
 ``ir`` (re-exported here).
 
 Example:
-    >>> from tidal.runtime.compressors.modeling import compressor_cost, encode_decode_s
+    >>> from tidal.runtime.comm.compressors.modeling import compressor_cost, encode_decode_s
     >>> encode_decode_s("powersgd:4", [(256, 512), (512,)]) > 0
     True
-    >>> from tidal.runtime.compressors import PowerSGD
+    >>> from tidal.runtime.comm.compressors import PowerSGD
     >>> compressor_cost(PowerSGD(4), [[(256, 512), (512,)]], 0.01).payload_bytes  # .spec() read
     (7168.0,)
 """
@@ -25,9 +25,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from tidal.ir.compression_model import compressor_cost
-from tidal.runtime.compressors import make_compressor
-from tidal.runtime.compressors.base import Compressor
-from tidal.runtime.compressors.comm import LocalComm, synchronize
+from tidal.runtime.comm.compressors import make_compressor
+from tidal.runtime.comm.compressors.base import Compressor
+from tidal.runtime.comm.compressors.comm import LocalComm, synchronize
 
 Shape = tuple[int, ...]
 

@@ -7,7 +7,7 @@ with ``transformers`` (``from_pretrained(dir, gguf_file=...)``, dequantised to f
 ``$TIDAL_CACHE_DIR`` (default ``~/.cache/tidal``)``/smollm2-135m``; later calls load that.
 
 Example (needs the package; skipped otherwise):
-    >>> from tidal.runtime.smollm2 import gguf_path
+    >>> from tidal.runtime.chai.smollm2 import gguf_path
     >>> p = gguf_path()                                   # doctest: +SKIP
     >>> p.name                                            # doctest: +SKIP
     'SmolLM2-135M-Instruct.Q4_1.gguf'
@@ -42,11 +42,11 @@ def gguf_path() -> Path:
 
 def load_smollm2(attn_implementation: str = "eager") -> tuple[Any, Any]:
     """``(model, tokenizer)``: HF ``LlamaForCausalLM`` (float32, eval) and its tokenizer
-    (transformers 5 or 4.47: the dtype keyword through ``tidal.runtime.hf_compat``)."""
+    (transformers 5 or 4.47: the dtype keyword through ``tidal.runtime.chai.hf_compat``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidal.runtime.hf_compat import dtype_keyword
+    from tidal.runtime.chai.hf_compat import dtype_keyword
 
     fp32 = {dtype_keyword(): "float32"}
     target = cache_dir() / "smollm2-135m"

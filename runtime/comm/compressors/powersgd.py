@@ -10,7 +10,7 @@ seeds the next step. Tensors with one dimension, or whose compression rate
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import PowerSGD, synchronize
+    >>> from tidal.runtime.comm.compressors import PowerSGD, synchronize
     >>> c = PowerSGD(rank=2, min_compression_rate=0)
     >>> g = torch.randn(6, 2) @ torch.randn(2, 5)            # a rank-2 gradient
     >>> torch.allclose(synchronize(c, {"w": g})["w"], g, atol=1e-5)
@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from tidal.ir.compression_model import check_option, matrix_dims, powersgd_rank
-from tidal.runtime.compressors.base import (ALL_REDUCE, Compressor, Message, World, plain_decode,
+from tidal.runtime.comm.compressors.base import (ALL_REDUCE, Compressor, Message, World, plain_decode,
                                             plain_message, seeded_generator)
 
 

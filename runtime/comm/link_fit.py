@@ -7,7 +7,7 @@ gloo ranks; this is the one place that turns timed all-reduces into the ``(α, B
 collective); ``fit_ring_link`` is the pure fit.
 
 Example:
-    >>> from tidal.runtime.link_fit import fit_ring_link
+    >>> from tidal.runtime.comm.link_fit import fit_ring_link
     >>> fit = fit_ring_link(4, (4096, 8_392_704), (160.0, 6450.0))
     >>> round(fit.latency_us, 1), round(fit.bytes_per_us)
     (26.2, 2000)

@@ -21,13 +21,13 @@ GPT-2 / OPT caches             tuples (``_supports_cache_class``    ``Cache`` ob
 =============================  ===================================  ===========================
 
 Each choice is made when the function is called, from what the running ``transformers`` (or
-the object handed in) has, never cached here, so one code path in ``tidal.runtime.chai_cache``,
+the object handed in) has, never cached here, so one code path in ``tidal.runtime.chai.cache``,
 ``chai_generate`` and ``chai_decode`` serves both.
 
 Example:
     >>> import torch
     >>> from transformers import DynamicCache, LlamaConfig
-    >>> from tidal.runtime import hf_compat
+    >>> from tidal.runtime.chai import hf_compat
     >>> cache = DynamicCache()
     >>> hf_compat.set_layer_kv(cache, 1, torch.zeros(1, 2, 3, 4), torch.ones(1, 2, 3, 4))
     >>> [tuple(k.shape) for k, v in hf_compat.layers_kv(cache)]      # layer 0: a placeholder

@@ -5,15 +5,15 @@ A graph grouped by the ``layer_groups`` pass has a ``tidal::group_boundary(k)`` 
 the first node of each group. :func:`group_tensors` reads the groups back from the markers (a
 parameter or buffer belongs to the group of its first use), :func:`expected_specs` says what a
 store for them must hold, and :func:`write_groups` writes the current weights as a grouped store
-(:mod:`tidal.runtime.weight_store`: one contiguous, checksummed buffer per group). The program
+(:mod:`tidal.runtime.weights.store`: one contiguous, checksummed buffer per group). The program
 that streams a store back in, group ``k+1`` loading while group ``k`` computes, is
 :mod:`tidal.runtime.programs.layer_groups`.
 
 Example:
     >>> import os, tempfile, torch, tidal
     >>> from tidal.passes.layer_groups import LayerGroups
-    >>> from tidal.runtime.weight_loader import expected_specs, group_tensors, write_groups
-    >>> from tidal.runtime.weight_store import WeightStore
+    >>> from tidal.runtime.weights.loader import expected_specs, group_tensors, write_groups
+    >>> from tidal.runtime.weights.store import WeightStore
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     >>> c = tidal.compile(model, (torch.randn(3, 4),), passes=[LayerGroups(grouping="per_layer")])
     >>> groups = group_tensors(c.graph_module)
@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from tidal.ir import ops
 from tidal.ir.node_runner import fetch_attr
-from tidal.runtime.weight_store import PathLike, TensorSpec, write_store
+from tidal.runtime.weights.store import PathLike, TensorSpec, write_store
 
 GroupedTensors = list[list[tuple[str, torch.Tensor]]]
 

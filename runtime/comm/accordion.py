@@ -16,7 +16,7 @@ it from a function ``step -> lr``, peeks a torch scheduler without advancing it,
 decays a ``CompressionPlan`` recorded from the schedule given to the ``compression`` pass.
 
 Example:
-    >>> from tidal.runtime.accordion import Accordion
+    >>> from tidal.runtime.comm.accordion import Accordion
     >>> acc = Accordion(low=4, high=1)
     >>> [acc.decide_from_norms({"w": n})["w"] for n in (10.0, 4.0, 3.5, 3.4)]
     [4, 4, 1, 1]

@@ -25,7 +25,7 @@ gradient views), so nothing is copied again.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import make_compressor, synchronize, synchronize_async
+    >>> from tidal.runtime.comm.compressors import make_compressor, synchronize, synchronize_async
     >>> out = synchronize(make_compressor("powersgd:1", min_compression_rate=0),
     ...                   {"w": torch.ones(4, 3)})
     >>> torch.allclose(out["w"], torch.ones(4, 3))   # a rank-1 matrix survives rank 1
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.ir.compat import all_gather_into_tensor
-from tidal.runtime.compressors.base import ALL_REDUCE, Compressor, Message, World
+from tidal.runtime.comm.compressors.base import ALL_REDUCE, Compressor, Message, World
 from tidal.runtime.distributed import collective_device
 
 WIRE_DTYPES = (torch.float16, torch.bfloat16)

@@ -30,7 +30,7 @@ the optimizer's state tensors, each storage once.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.memory_probe import MemoryProbe, state_bytes
+    >>> from tidal.runtime.weights.memory_probe import MemoryProbe, state_bytes
     >>> m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     >>> x, y = torch.randn(32, 64), torch.zeros(32, dtype=torch.long)
     >>> with MemoryProbe(m) as probe:

@@ -2,7 +2,7 @@
 
 A compressor turns one local gradient tensor into a :class:`Message` (the tensors to put on the
 wire and which collective they need: ``"all_reduce"`` (sum) or ``"all_gather"``). The driver
-(:func:`tidal.runtime.compressors.comm.synchronize`) runs the collective and hands the result to
+(:func:`tidal.runtime.comm.compressors.comm.synchronize`) runs the collective and hands the result to
 ``decode``, which returns either the synchronized tensor (the average over ranks, or the majority
 vote for signSGD) or another :class:`Message` for a further round (PowerSGD's P then Q).
 
@@ -16,7 +16,7 @@ state to checkpoint is the per-key step counter.
 
 Example:
     >>> import torch
-    >>> from tidal.runtime.compressors import make_compressor, synchronize
+    >>> from tidal.runtime.comm.compressors import make_compressor, synchronize
     >>> c = make_compressor("topk:0.5")
     >>> out = synchronize(c, {"w": torch.tensor([1.0, -4.0, 0.5, 3.0])})
     >>> out["w"].tolist(), c.residual("w").tolist()
@@ -229,7 +229,7 @@ def plain_message(tensor: torch.Tensor, dtype: Optional[torch.dtype] = torch.flo
                   ) -> Message:
     """A tensor sent uncompressed: all-reduce of its values as ``dtype`` (float32, the wire
     format of the compressors; ``None`` keeps the tensor's own dtype). The message may view
-    ``tensor``: :class:`~tidal.runtime.compressors.comm.Comm` packs it into a buffer of its
+    ``tensor``: :class:`~tidal.runtime.comm.compressors.comm.Comm` packs it into a buffer of its
     own when it issues the collective."""
     values = tensor.detach() if dtype is None else tensor.detach().to(dtype)
     return Message((values.reshape(-1),), ALL_REDUCE, ctx=("plain", tuple(tensor.shape)))

@@ -4,7 +4,7 @@
 Face's ``LlamaForCausalLM`` (same parameter names) and runs greedy generation with a static,
 preallocated KV cache: fused QKV and gate/up projections, no per-step allocation of the cache.
 The rotary base comes from the config (transformers 5's ``rope_parameters``, 4.47's
-``rope_theta``, through ``tidal.runtime.hf_compat.rope``); scaled or partial rotary
+``rope_theta``, through ``tidal.runtime.chai.hf_compat.rope``); scaled or partial rotary
 embeddings are refused by name.
 
 Layers with a cluster count k (from a ``ChaiPlan`` or ``counts``) follow the
@@ -26,7 +26,7 @@ another device are refused by name, and so is a model whose weights sit on sever
 Example:
     >>> import torch
     >>> from examples.models import llama_small
-    >>> from tidal.runtime.chai_decode import ChaiDecoder
+    >>> from tidal.runtime.chai.decode import ChaiDecoder
     >>> model = llama_small().eval()
     >>> ids = torch.randint(0, 256, (1, 12))
     >>> full = ChaiDecoder(model)
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from tidal.ir.head_clusters import FIRST_TOKENS, Membership, check_count, online_memberships
 from tidal.ir.plans.chai import ChaiPlan
-from tidal.runtime import hf_compat
+from tidal.runtime.chai import hf_compat
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """CHAI in Hugging Face ``generate``: the model's own attention modules, clustered, over a
-:class:`~tidal.runtime.chai_cache.ClusteredKCache`.
+:class:`~tidal.runtime.chai.cache.ClusteredKCache`.
 
 ``generation_model(model, plan)`` returns a copy of the Hugging Face causal LM ``model`` (new
 module objects sharing its parameters; ``model`` is left as it was) whose attention module of
@@ -27,13 +27,13 @@ model does; StableLM's partial rotary and GPT-BigCode's multi-query cache are re
 
 The same forwards serve transformers 5.x and 4.47: what differs (the keyword the cache comes
 under, what an attention module returns, ``generate``'s cache keyword, 4.47's tuple caches) is
-read through ``tidal.runtime.hf_compat``. ``generate`` on the copy takes the cache as
+read through ``tidal.runtime.chai.hf_compat``. ``generate`` on the copy takes the cache as
 ``cache=`` or ``past_key_values=`` under either version.
 
 Example:
     >>> import torch, transformers
     >>> from tidal.ir.plans.chai import ChaiPlan, LayerChoice
-    >>> from tidal.runtime.chai_generate import generation_model
+    >>> from tidal.runtime.chai.generate import generation_model
     >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
     ...                                num_hidden_layers=1, num_attention_heads=4,
     ...                                num_key_value_heads=4)
@@ -62,8 +62,8 @@ import torch
 
 from tidal.ir.module_copy import structural_copy
 from tidal.ir.plans.chai import ChaiPlan
-from tidal.runtime import hf_compat
-from tidal.runtime.chai_cache import ClusteredKCache, LayerView
+from tidal.runtime.chai import hf_compat
+from tidal.runtime.chai.cache import ClusteredKCache, LayerView
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ def generation_model(model: torch.nn.Module, plan: ChaiPlan, check: bool = True
     if not callable(getattr(model, "generate", None)):
         raise TypeError(f"clustered generation needs a Hugging Face causal LM with generate(); "
                         f"{type(model).__name__} has none (for tidal's own decoder of "
-                        f"Llama-architecture models see tidal.runtime.chai_decode.ChaiDecoder)")
+                        f"Llama-architecture models see tidal.runtime.chai.decode.ChaiDecoder)")
     if check:
         check_family(model, plan)
     return _clustered_copy(model, plan)
