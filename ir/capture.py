@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import _pytree as fx_pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tidal.ir import meta
@@ -339,12 +340,12 @@ class TrainStep:
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         loss, grads = self.gm({k: params[k] for k in self.param_names},
-                              {k: buffers[k] for k in self.buffer_names}, _as_inputs(inputs),
+                              {k: buffers[k] for k in self.buffer_names}, as_inputs(inputs),
                               targets)
         return loss, dict(zip(self.param_names, grads))
 
 
-def _as_inputs(inputs: Union[Sequence[Any], Mapping[str, Any]]) -> Union[tuple, dict]:
+def as_inputs(inputs: Union[Sequence[Any], Mapping[str, Any]]) -> Union[tuple, dict]:
     """Positional inputs as a tuple, keyword inputs (a dict) as a dict."""
     return dict(inputs) if isinstance(inputs, Mapping) else tuple(inputs)
 
@@ -374,7 +375,7 @@ def capture_train_step(model: torch.nn.Module,
         return loss, grads
 
     try:
-        gm = make_fx(step, tracing_mode="fake")(params, buffers, _as_inputs(example_inputs),
+        gm = make_fx(step, tracing_mode="fake")(params, buffers, as_inputs(example_inputs),
                                                  example_targets)
     except Exception as e:
         frame = _user_frame(e)
@@ -385,3 +386,34 @@ def capture_train_step(model: torch.nn.Module,
             module_type=type(model).__name__,
             location=f"{frame.filename}:{frame.lineno}" if frame else "") from e
     return TrainStep(gm=gm, param_names=names, buffer_names=tuple(buffers))
+
+
+def grad_nodes(step: TrainStep) -> tuple[fx.Node, list[fx.Node]]:
+    """The loss node and each parameter's gradient node in the joint graph's output."""
+    out = next(n for n in step.gm.graph.nodes if n.op == "output")
+    flat = list(out.args[0])
+    return flat[0], flat[1:1 + len(step.param_names)]
+
+
+def step_inputs(step: TrainStep, module: torch.nn.Module, inputs: Any, targets: Any) -> list[Any]:
+    """The captured step's flat inputs: ``module``'s parameters and buffers, the inputs, the
+    targets."""
+    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+    return fx_pytree.tree_flatten_spec(
+        ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
+         as_inputs(inputs), targets), step.gm.graph._codegen.pytree_info.in_spec)
+
+
+def failing_node(step: TrainStep, flat: Sequence[Any]) -> str:
+    """Which node of the captured step fails on copies of ``flat``, and how ('' if none)."""
+    interp = fx.Interpreter(step.gm, garbage_collect_values=False)
+    interp.args_iter = iter([v.detach().clone() if isinstance(v, torch.Tensor) else v
+                             for v in flat])
+    with torch.no_grad():
+        for node in step.gm.graph.nodes:
+            try:
+                interp.env[node] = interp.run_node(node)
+            except Exception as e:  # noqa: BLE001 - what is wrong is the answer
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                return f"node {node.name!r} ({node.target}): {type(e).__name__}: {first}"
+    return ""

@@ -12,7 +12,10 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Hashable, Sequence, TypeVar
+
+T = TypeVar("T")
+_NO_KEY = object()  # the key before the first item: every item's key differs from it
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 """PyTorch DDP's default gradient bucket size."""
@@ -81,3 +84,32 @@ def bucket_partition(sizes: Sequence[float], cap_bytes: float = DDP_BUCKET_BYTES
         buckets[-1].append(i)
         filled += size
     return tuple(tuple(b) for b in buckets)
+
+
+def gradient_buckets(items: Sequence[tuple[Hashable, T, float]],
+                     cap_bytes: float = DDP_BUCKET_BYTES) -> list[tuple[Hashable, list[T]]]:
+    """The one gradient-bucket rule (the planner, the runtime's builders and the simulator all
+    call it): ``items`` are ``(key, value, bytes)`` in the order the gradients are issued
+    (backward order); ``key`` says who syncs them (the set of ranks, and whatever else must not
+    share a bucket). Consecutive items with equal keys form a run; an item of 0 bytes is not
+    synced (no gradient, or a single rank) but its key still ends the run before it when it
+    differs; each run is cut greedily into buckets of at most ``cap_bytes``
+    (:func:`bucket_partition`). Returns ``(key, values)`` per bucket, in issue order.
+
+    Example:
+        >>> gradient_buckets([("ab", "w2", 8), ("ab", "b2", 0), ("a", "w1", 8), ("ab", "w0", 8)],
+        ...                  cap_bytes=100)
+        [('ab', ['w2']), ('a', ['w1']), ('ab', ['w0'])]
+        >>> gradient_buckets([("ab", "w2", 8), ("ab", "w1", 8), ("ab", "w0", 8)], cap_bytes=16)
+        [('ab', ['w2', 'w1']), ('ab', ['w0'])]
+    """
+    runs: list[tuple[Hashable, list[tuple[T, float]]]] = []
+    current: object = _NO_KEY
+    for key, value, nbytes in items:
+        if key != current:
+            runs.append((key, []))
+            current = key
+        if nbytes > 0:
+            runs[-1][1].append((value, nbytes))
+    return [(key, [run[k][0] for k in part]) for key, run in runs if run
+            for part in bucket_partition([b for _, b in run], cap_bytes)]

@@ -47,50 +47,15 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.fx import _pytree as fx_pytree
 from torch.utils._pytree import tree_leaves
 
-from tidal.ir.capture import TrainStep, _as_inputs
+from tidal.ir.capture import TrainStep, grad_nodes, step_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.runtime.backend import HIGH, LOW, Backend, Launch, backend_for, used_here
+from tidal.ir.program import COMM, COMPUTE, TRANSFER, Piece, Program
+from tidal.runtime.backend import HIGH, LOW, Backend, backend_for, used_here
 from tidal.runtime.lower import lower
 from tidal.runtime.scheduler import FunctionJob, Runtime
 from tidal.runtime.scheduler import Piece as SchedulerPiece
-
-COMPUTE, COMM, TRANSFER = "compute", "comm", "transfer"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One unit of a program: ``name``, its ``stream``, the indices of the pieces it waits for
-    (``deps``), the joint-graph nodes of a segment (``nodes``) and the gradient indices an
-    all-reduce averages (``grads``, positions in ``TrainStep.param_names``)."""
-
-    name: str
-    stream: str
-    deps: tuple[int, ...] = ()
-    nodes: tuple[str, ...] = ()
-    grads: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Program:
-    """A rank's pieces for one step on ``world`` ranks."""
-
-    pieces: tuple[Piece, ...]
-    world: int
-
-    def table(self) -> str:
-        """One line per piece: stream, name, what it waits for and its size."""
-        rows = []
-        width = max((len(p.name) for p in self.pieces), default=0)
-        for i, p in enumerate(self.pieces):
-            what = f"{len(p.nodes)} nodes" if p.nodes else f"{len(p.grads)} gradients" \
-                if p.grads else ""
-            deps = ", ".join(self.pieces[d].name for d in p.deps)
-            rows.append(f"{i:3d} {p.stream:7s} {p.name:{width}s} {what:14s} after: {deps or '-'}")
-        return "\n".join(rows)
-
 
 def state_inputs(step: TrainStep) -> int:
     """How many of the captured step's flat inputs are parameters and buffers (they come
@@ -115,19 +80,12 @@ def device_of(*values: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _grad_nodes(step: TrainStep) -> tuple[fx.Node, list[fx.Node]]:
-    """The loss node and each parameter's gradient node in the joint graph's output."""
-    out = next(n for n in step.gm.graph.nodes if n.op == "output")
-    flat = list(out.args[0])
-    return flat[0], flat[1:1 + len(step.param_names)]
-
-
 def data_parallel(step: TrainStep, world: int, bucket_bytes: float = DDP_BUCKET_BYTES,
                   overlap: bool = True) -> Program:
     """The data-parallel program of a captured step (see the module docstring)."""
     nodes = [n for n in step.gm.graph.nodes if n.op != "output"]
     pos = {n: i for i, n in enumerate(nodes)}
-    _, grads = _grad_nodes(step)
+    _, grads = grad_nodes(step)
     order = list(reversed(range(len(grads))))  # DDP: reverse registration order
     sizes = [_nbytes(grads[i]) for i in order]
     buckets = [tuple(order[j] for j in part) for part in bucket_partition(sizes, bucket_bytes)]
@@ -300,19 +258,15 @@ class ProgramRunner:
     def __call__(self, program: Program, step: TrainStep, model: torch.nn.Module,
                  inputs: Any, targets: Any, optimizer: Optional[torch.optim.Optimizer] = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[PieceTrace]]:
-        params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-        buffers = dict(model.named_buffers())
-        spec = step.gm.graph._codegen.pytree_info.in_spec
-        flat = fx_pytree.tree_flatten_spec(
-            ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
-             _as_inputs(inputs), targets), spec)
+        params = dict(model.named_parameters())
+        flat = step_inputs(step, model, inputs, targets)
         run = self._captured(program, step, flat).run(flat)
-        loss_node, grad_nodes = _grad_nodes(step)
+        loss_node, grad_list = grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
         world = dist.get_world_size(self.group) if _distributed() else 1
 
         def all_reduce(indices: Sequence[int]) -> None:
-            grads = [run.value(grad_nodes[i]) for i in indices]
+            grads = [run.value(grad_list[i]) for i in indices]
             if world == 1:  # nothing to average: the gradients are the step's own outputs
                 averaged.update(zip(indices, grads))
                 return

@@ -52,9 +52,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.fx import _pytree as fx_pytree
 
-from tidal.ir.capture import TrainStep, _as_inputs, capture_train_step
+from tidal.ir.capture import (TrainStep, capture_train_step, failing_node, grad_nodes,
+                               step_inputs)
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.cost import example_batch
 from tidal.ir.errors import TraceError
@@ -65,7 +65,7 @@ from tidal.runtime.backend import backend_for, used_here
 from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression
 from tidal.runtime.distributed import collective_device
 from tidal.runtime.comm.grad_sync import GradSync
-from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program, _grad_nodes,
+from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program,
                                    data_parallel, state_inputs)
 
 BROADCAST, OPTIMIZER, ACCORDION = "broadcast", "optimizer", "accordion"
@@ -214,7 +214,7 @@ class DataParallelProgram:
                           else p for p in data_parallel(step, world, self.bucket_bytes,
                                                        overlap=self.overlap).pieces]
                 program = self._program(pieces, world)
-                flat = _flat(step, gm, inputs, targets)
+                flat = step_inputs(step, gm, inputs, targets)
                 with fork_rng_of(flat):  # capturing consumes no randomness (CPU nor CUDA)
                     try:
                         captured = _Captured(step, CapturedProgram.build(
@@ -222,7 +222,7 @@ class DataParallelProgram:
                             state=state_inputs(step)))
                     except Exception as e:  # noqa: BLE001 - the eager program runs, named
                         reason = "the captured step failed to run: " + (
-                            _failing_node(step, flat) or f"{type(e).__name__}: {e}")
+                            failing_node(step, flat) or f"{type(e).__name__}: {e}")
         reason = self._agreed(reason)
         if not reason:
             return captured, program
@@ -283,30 +283,6 @@ class DataParallelProgram:
         self.compressor.load_state_dict(state["compressor"])
         if self.accordion is not None and state["accordion"] is not None:
             self.accordion.load_state_dict(state["accordion"])
-
-
-def _flat(step: TrainStep, module: torch.nn.Module, inputs: Any, targets: Any) -> list[Any]:
-    """The captured step's flat inputs: ``module``'s parameters and buffers, the inputs, the
-    targets."""
-    params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
-    return fx_pytree.tree_flatten_spec(
-        ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
-         _as_inputs(inputs), targets), step.gm.graph._codegen.pytree_info.in_spec)
-
-
-def _failing_node(step: TrainStep, flat: Sequence[Any]) -> str:
-    """Which node of the captured step fails on copies of ``flat``, and how ('' if none)."""
-    interp = fx.Interpreter(step.gm, garbage_collect_values=False)
-    interp.args_iter = iter([v.detach().clone() if isinstance(v, torch.Tensor) else v
-                             for v in flat])
-    with torch.no_grad():
-        for node in step.gm.graph.nodes:
-            try:
-                interp.env[node] = interp.run_node(node)
-            except Exception as e:  # noqa: BLE001 - what is wrong is the answer
-                first = (str(e).strip().splitlines() or [""])[0][:300]
-                return f"node {node.name!r} ({node.target}): {type(e).__name__}: {first}"
-    return ""
 
 
 @dataclass(frozen=True)
@@ -383,14 +359,14 @@ class _CapturedStep(_Step):
                  optimizer: torch.optim.Optimizer, gm: torch.nn.Module, captured: _Captured,
                  inputs: Any, targets: Any):
         super().__init__(owner, program, model, optimizer, gm, captured.step.param_names)
-        self._run = captured.program.run(_flat(captured.step, gm, inputs, targets))
-        self._loss_node, self._grad_nodes = _grad_nodes(captured.step)
+        self._run = captured.program.run(step_inputs(captured.step, gm, inputs, targets))
+        self._loss_node, self.grad_nodes = grad_nodes(captured.step)
 
     def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
         return self._run.segment(index)
 
     def grad(self, index: int) -> torch.Tensor:
-        return self._run.value(self._grad_nodes[index])
+        return self._run.value(self.grad_nodes[index])
 
     def local_loss(self) -> torch.Tensor:
         return self._run.value(self._loss_node)

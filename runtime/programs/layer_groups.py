@@ -75,16 +75,15 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from tidal.ir import ops
-from tidal.ir.capture import TrainStep, capture_train_step
+from tidal.ir.capture import TrainStep, capture_train_step, failing_node, grad_nodes, step_inputs
 from tidal.ir.errors import TraceError
 from tidal.ir.inputs import as_kwargs, bind_inputs
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.rng import fork_rng_of
 from tidal.runtime.backend import Backend, backend_for, used_here
 from tidal.runtime.program import (COMPUTE, CapturedProgram, CapturedRun, Piece, PieceTrace,
-                                   Program, ProgramRunner, _grad_nodes, device_of,
+                                   Program, ProgramRunner, device_of,
                                    runner_backend, state_inputs)
-from tidal.runtime.programs.data_parallel import _failing_node, _flat
 from tidal.runtime.weights.loader import GroupedTensors, expected_specs, group_tensors
 from tidal.runtime.weights.store import HostCopy, PathLike, WeightStore, view_tensor
 
@@ -377,7 +376,7 @@ def _joint_segments(train: TrainStep, groups: GroupedTensors
     complete earlier, or that has none, has no segment). Raises ``ValueError`` when the capture
     did not keep one marker per group."""
     nodes = [n for n in train.gm.graph.nodes if n.op != "output"]
-    loss, grads = _grad_nodes(train)
+    loss, grads = grad_nodes(train)
     end = nodes.index(loss) + 1
     forward = cut_at_markers(nodes[:end])
     if len(forward) != len(groups):
@@ -517,13 +516,13 @@ class LayerGroupsProgram:
             return self._eager_step(gm, str(e))
         tail.append(("optimizer", ()))
         run = pipelined(forward, tail, loads=False)
-        flat = _flat(train, gm, inputs, targets)  # the resident weights, read in place
+        flat = step_inputs(train, gm, inputs, targets)  # the resident weights, read in place
         try:
             with fork_rng_of(flat):  # capturing consumes no randomness, on any device
                 captured = CapturedProgram.build(run.program, train.gm, flat,
                                                  self._backend(flat), state=state_inputs(train))
         except Exception as e:  # noqa: BLE001 - the eager step runs, the node named
-            failing = _failing_node(train, flat)
+            failing = failing_node(train, flat)
             named = re.match(r"node '([^']+)'", failing)
             return self._eager_step(gm, "the captured step failed to run: " + (
                 failing or f"{type(e).__name__}: {e}"), named.group(1) if named else "-")
@@ -558,8 +557,8 @@ def _bind_captured(step: _Step, gm: fx.GraphModule, inputs: tuple, targets: Any,
     out of a CUDA graph's static outputs, which the next step's replay overwrites."""
     train = step.train
     params = {k: p for k, p in gm.named_parameters() if p.requires_grad}
-    replay = step.captured.run(_flat(train, gm, inputs, targets))
-    loss, grads = _grad_nodes(train)
+    replay = step.captured.run(step_inputs(train, gm, inputs, targets))
+    loss, grads = grad_nodes(train)
 
     def apply() -> None:
         optimizer.zero_grad(set_to_none=True)

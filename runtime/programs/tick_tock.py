@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from tidal.ir.capture import TrainStep, capture_train_step
+from tidal.ir.capture import TrainStep, capture_train_step, failing_node, step_inputs
 from tidal.ir.collectives import new_group
 from tidal.ir.errors import TidalError, TraceError
 from tidal.ir.node_runner import flat_tensors
@@ -68,7 +68,6 @@ from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory, plain_sync
 from tidal.runtime.program import (COMM, CapturedProgram, CapturedRun, Piece, Program,
                                    state_inputs)
-from tidal.runtime.programs.data_parallel import _failing_node, _flat
 
 PLAN_KIND = "TickTockPlan"
 
@@ -288,7 +287,7 @@ class TickTockProgram:
         forward, backward, loss, grad_nodes = _split(step)
         program = tick_tock(self.plan.schedule, world, [n.name for n in forward],
                             [n.name for n in backward], len(grad_nodes))
-        flats = {w.name: _flat(step, w.gm, w.inputs, w.targets) for w in waves.values()}
+        flats = {w.name: step_inputs(step, w.gm, w.inputs, w.targets) for w in waves.values()}
         device = flat_tensors(flats[tick.name])[0].device
         with fork_rng_of(flats):  # capturing consumes no randomness (CPU nor CUDA)
             try:  # a graph memory pool per wave (CapturedProgram.build): they replay at once
@@ -296,7 +295,7 @@ class TickTockProgram:
                                                     state=state_inputs(step))
                            for w, flat in flats.items()}
             except Exception as e:  # noqa: BLE001 - the waves run eagerly, the node named
-                why = _failing_node(step, flats[tick.name])
+                why = failing_node(step, flats[tick.name])
                 node = re.match(r"node '([^']+)'", why)
                 self._fallback_node = node.group(1) if node else ""
                 self.fallback_reason = "the captured step failed to run: " + (
@@ -367,7 +366,7 @@ class _TickTockStep:
         if w.name not in self.runs:
             step = self.captured.step
             self.runs[w.name] = self.captured.waves[w.name].run(
-                _flat(step, w.gm, w.inputs, w.targets))
+                step_inputs(step, w.gm, w.inputs, w.targets))
         self.runs[w.name].segment(index)()
 
     def _forward(self, w: _Wave, segment: Optional[Callable[[], None]] = None) -> None:
