@@ -29,7 +29,7 @@ import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from examples.models.resnet import Bottleneck  # noqa: E402
 from tidal.ir.device_profile import DEEPPOOL_A100_LINK  # noqa: E402
-from tidal.sim.scenarios import fig9_scenarios  # noqa: E402
+from tidal.compiler.sim_scenarios import fig9_scenarios  # noqa: E402
 
 PROFILES = ROOT.parent / "shared" / "data" / "deeppool-a100-profiles"
 WORKLOADS = (  # model, global batch, profile, leaf modules (as DeepPool profiles them)

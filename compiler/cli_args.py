@@ -10,14 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tidal.ir.errors import TidalError
+from tidal.compiler.cli_errors import UsageError
 
 LOSSES = ("default", "cross_entropy", "mse")
 OPTIMIZERS = ("sgd", "adam")
-
-
-class UsageError(TidalError, ValueError):
-    """A command-line argument that cannot be used; the message names the argument."""
 
 
 def _int_at_least(text: str, low: int) -> int:

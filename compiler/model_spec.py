@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from tidal.compiler.cli_args import UsageError
+from tidal.compiler.cli_errors import UsageError
 
 
 class ModelSpecError(UsageError):

@@ -26,11 +26,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from tidal.ir import meta
+from tidal.ir.device_profile import layer_signature, node_signature, node_signatures
+from tidal.ir.meta import BATCH
 from tidal.ir.node_runner import COMPUTE_OPS, flat_tensors, map_tensors, op_name, run_isolated
-
-BATCH = sympy.Symbol("B", positive=True, integer=True)
-"""The batch-size symbol every cost expression is written in."""
-
 
 
 def _tensor_bytes(tensors) -> int:
@@ -248,15 +246,13 @@ def node_time_us(gm: fx.GraphModule, n: fx.Node, batch: int, cluster) -> tuple[f
     """Forward and backward time of node ``n`` at per-GPU ``batch`` on ``cluster``'s device.
 
     From ``cluster.profile`` when it has the node (a measured profile keyed by
-    ``tidal.ir.profiler.node_signature``, or a DeepPool profile keyed by
+    ``tidal.ir.device_profile.node_signature``, or a DeepPool profile keyed by
     ``tidal.ir.device_profile.layer_signature`` for module calls), else the annotated FLOPs at
     ``cluster.peak_tflops``. Nodes with no cost annotation take no time. For every node of a
     graph at once, use :func:`node_times_us`.
     """
     signature = None
     if cluster.profile is not None and n.op in COMPUTE_OPS:
-        from tidal.ir.profiler import node_signature
-
         signature = node_signature(gm, n, batch)
     return _time_us(gm, n, batch, cluster, signature)
 
@@ -265,8 +261,6 @@ def node_times_us(gm: fx.GraphModule, batch: int, cluster) -> dict[str, tuple[fl
     """:func:`node_time_us` of every node, by node name, analysing the graph once."""
     signatures: dict[str, str] = {}
     if cluster.profile is not None:
-        from tidal.ir.profiler import node_signatures
-
         signatures = node_signatures(gm, batch)
     return {n.name: _time_us(gm, n, batch, cluster, signatures.get(n.name))
             for n in gm.graph.nodes}
@@ -276,8 +270,6 @@ def _time_us(gm: fx.GraphModule, n: fx.Node, batch: int, cluster,
              signature: str | None) -> tuple[float, float]:
     profile = cluster.profile
     if profile is not None and signature is not None:
-        from tidal.ir.device_profile import layer_signature
-
         hit = profile.lookup(signature)
         if hit is None and n.op == "call_module" and n.all_input_nodes:
             shapes = meta.get_tensors(n.all_input_nodes[0])

@@ -15,7 +15,9 @@ signature exist:
   and a JSON list otherwise (``[64][3,224,224]``).
 * Generic keys from :func:`generic_signature` (module repr or function name, constant
   arguments, batch, input dtypes and shapes), used for profiles measured by
-  :mod:`tidal.ir.profiler` for any node.
+  :mod:`tidal.ir.profiler` for any node: :func:`node_signature` is the generic key of a node
+  of a cost-annotated graph at a batch size (what the profiler measures and the cost model
+  looks up).
 
 Example:
     >>> import torch
@@ -40,7 +42,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch.fx.node import map_aggregate
+
+from tidal.ir import meta
+from tidal.ir.node_runner import COMPUTE_OPS
 
 _JSON_FORMAT = "tidal.device_profile"
 _JSON_VERSION = 1
@@ -421,11 +428,9 @@ def _op_name(op: Any) -> str:
 
 
 def _describe_input(item: Any) -> str:
-    from tidal.ir.meta import TensorInfo
-
     if item is None:
         return "-"
-    if isinstance(item, TensorInfo):
+    if isinstance(item, meta.TensorInfo):
         shape, dtype = item.shape, item.dtype
     elif isinstance(item, torch.Tensor):
         shape, dtype = tuple(item.shape), item.dtype
@@ -459,6 +464,108 @@ def generic_signature(
     inputs = ",".join(_describe_input(item) for item in input_shapes)
     return " | ".join([_op_name(op), "-" if args is None else _ADDRESS.sub("", args),
                        f"B={batch}", inputs])
+
+
+# ------------------------------------------------------------------ signatures of graph nodes
+
+
+def _example_batch(gm: fx.GraphModule) -> int:
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            for t in meta.get_tensors(n):
+                if len(t.shape) > 0:
+                    return int(t.shape[0])
+    raise ValueError(
+        "node_signature: the graph's placeholders carry no annotated tensor shapes; run "
+        "tidal.ir.cost.annotate(gm, example_inputs) first"
+    )
+
+
+def _batched_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value is computed from a placeholder (and so scales with the batch)."""
+    batched: set[fx.Node] = set()
+    for n in gm.graph.nodes:  # fx graphs are topologically ordered
+        if n.op == "placeholder" or any(a in batched for a in n.all_input_nodes):
+            batched.add(n)
+    return batched
+
+
+def _format_arg(value: Any) -> str:
+    if isinstance(value, fx.Node):
+        return "T" if meta.get_tensors(value) else "?"
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_format_arg(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}={_format_arg(value[k])}" for k in sorted(value, key=str)) + "}"
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def node_signature(gm: fx.GraphModule, node: fx.Node, batch: int) -> str:
+    """The :func:`generic_signature` of compute node ``node`` at ``batch``.
+
+    Built from the annotated output tensors of the node's inputs (``tidal.ir.cost.annotate``
+    records them at the example batch): dimension 0 of every input computed from a graph input
+    is set to ``batch`` when it equals the example batch. Constant arguments are part of the
+    key (``T`` marks a tensor input, ``?`` another node's non-tensor value).
+
+    >>> import torch, torch.fx as fx
+    >>> from tidal.ir import cost
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 4)))
+    >>> cost.annotate(gm, (torch.randn(2, 8),))
+    >>> lin = next(n for n in gm.graph.nodes if n.op == "call_module")
+    >>> node_signature(gm, lin, 16)
+    'Linear(in_features=8, out_features=4, bias=True) | (T) | B=16 | float32[16,8]'
+    """
+    if node.op not in COMPUTE_OPS:
+        raise ValueError(
+            f"node_signature(node={node.name!r}): op {node.op!r} is not a compute op {COMPUTE_OPS}"
+        )
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"node_signature(batch={batch!r}): must be a positive int")
+    return _signature(gm, node, batch, _example_batch(gm), _batched_nodes(gm))
+
+
+def node_signatures(gm: fx.GraphModule, batch: int) -> dict[str, str]:
+    """:func:`node_signature` of every compute node at ``batch``, by node name, analysing the
+    graph once (rather than once per node)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"node_signatures(batch={batch!r}): must be a positive int")
+    b0, batched = _example_batch(gm), _batched_nodes(gm)
+    return {n.name: _signature(gm, n, batch, b0, batched)
+            for n in gm.graph.nodes if n.op in COMPUTE_OPS}
+
+
+def _signature(gm: fx.GraphModule, node: fx.Node, batch: int, b0: int,
+               batched: set[fx.Node]) -> str:
+    if node.op == "call_module":
+        op: Any = gm.get_submodule(node.target)
+    elif node.op == "call_method":
+        op = f"Tensor.{node.target}"
+    else:
+        op = node.target
+    inputs: list[Any] = []
+
+    def visit(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            tensors = meta.get_tensors(value)
+            if not tensors:
+                inputs.append(None)
+            for t in tensors:
+                shape = tuple(t.shape)
+                if value in batched and shape and shape[0] == b0:
+                    shape = (batch,) + shape[1:]
+                inputs.append(meta.TensorInfo(shape, t.dtype))
+        return value
+
+    map_aggregate((node.args, node.kwargs), visit)
+    args = _format_arg(node.args)
+    if node.kwargs:
+        args += _format_arg(dict(node.kwargs))
+    return generic_signature(op, inputs, batch, args=args)
 
 
 DEEPPOOL_A100_LINK = (2.66e5 * 8 / 1e3, 40.0, 312.0)

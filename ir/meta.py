@@ -16,14 +16,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional
 
 import sympy
 import torch
 import torch.fx as fx
 
-if TYPE_CHECKING:
-    from tidal.ir.batch_dim import BatchDim
+BATCH = sympy.Symbol("B", positive=True, integer=True)
+"""The batch-size symbol every cost expression (:class:`NodeCost`) is written in; also
+``tidal.ir.cost.BATCH``."""
 
 _LAYER = "tidal.layer"
 _COST = "tidal.cost"
@@ -84,8 +85,6 @@ class NodeCost:
 
     def at(self, batch: int) -> dict[str, float]:
         """The costs evaluated at a concrete batch size, as plain numbers."""
-        from tidal.ir.cost import BATCH
-
         return {
             "fwd_flops": float(self.fwd_flops.subs(BATCH, batch)),
             "bwd_flops": float(self.bwd_flops.subs(BATCH, batch)),
@@ -170,13 +169,14 @@ def set_derived(gm: fx.GraphModule, purpose: str, key: Any, value: Any) -> None:
     gm.meta.setdefault(_DERIVED, {})[purpose] = (key, value)
 
 
-def get_batch_dim(node: fx.Node) -> Optional[Union["BatchDim", tuple]]:
-    """Where the node's output holds the samples (``tidal.ir.batch_dim.BatchDim``; a tuple of
-    them, nested like the output, for tuple outputs), or None before the analysis ran."""
+def get_batch_dim(node: fx.Node) -> Optional[Any]:
+    """Where the node's output holds the samples (a ``tidal.ir.batch_dim.BatchDim``; a tuple of
+    them, nested like the output, for tuple outputs: a ``tidal.ir.batch_dim.Fact``), or None
+    before the analysis ran."""
     return node.meta.get(_BATCH_DIM)
 
 
-def set_batch_dim(node: fx.Node, fact: Union["BatchDim", tuple]) -> None:
+def set_batch_dim(node: fx.Node, fact: Any) -> None:
     """Record the batch-dimension fact of the node's output (``tidal.ir.batch_dim.analyze``)."""
     node.meta[_BATCH_DIM] = fact
 

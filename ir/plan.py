@@ -2,14 +2,15 @@
 
 A plan saved with ``to_json()`` is replayed with ``Plan.from_json()`` (no search). The JSON
 names the plan's *kind*, a registered name (the class name, or the class's own ``plan_kind``
-attribute), never a module path: ``Plan.from_json`` looks the kind up among the defined
-subclasses of :class:`Plan` and imports nothing a plan names, so a crafted plan cannot run an
-import. So that every plan class is defined, the registry first imports every module of the
-fixed package ``tidal.ir.plans`` (module names listed from the package, never read from a
-plan). JSON
-written by older versions (``"module:QualName"``) is read by its ``QualName`` when that names
-a defined plan class; the module part is only compared, never imported. Fields are decoded by
-their type annotations, so tuples come back as tuples and nested dataclasses as dataclasses.
+attribute), never a module path: ``Plan.from_json`` looks the kind up in :data:`PLANS`, the
+registry of plan kinds (``tidal.ir.registry.Registry``), and imports nothing a plan names, so a
+crafted plan cannot run an import. Its rows are the plan kinds the passes emit, each in a fixed
+module of ``tidal.ir.plans`` (imported, all of them, the first time a kind is looked up); a plan
+class defined anywhere else (a user's pass, a test) is registered by being defined: the registry
+also holds every subclass of :class:`Plan`. JSON written by older versions
+(``"module:QualName"``) is read by its ``QualName`` when that names a registered plan class; the
+module part is only compared, never imported. Fields are decoded by their type annotations, so
+tuples come back as tuples and nested dataclasses as dataclasses.
 
 Example:
     >>> from dataclasses import dataclass
@@ -33,6 +34,7 @@ import typing
 from typing import Any, ClassVar, Iterator
 
 from tidal.ir.errors import PlanError
+from tidal.ir.registry import Entry, Registry
 
 
 def plan_kind(cls: type) -> str:
@@ -41,29 +43,34 @@ def plan_kind(cls: type) -> str:
     return cls.__dict__.get("plan_kind") or cls.__name__
 
 
-def _define_plans() -> None:
-    """Import every module of ``tidal.ir.plans`` (the plan classes passes emit). Cheap after
-    the first call."""
-    import importlib
-    import pkgutil
-
-    from tidal.ir import plans
-
-    for info in pkgutil.iter_modules(plans.__path__):
-        importlib.import_module(f"{plans.__name__}.{info.name}")
-
-
-def plan_classes() -> tuple[type, ...]:
-    """Every defined plan class (``Plan`` and its subclasses, recursively, those of
-    ``tidal.ir.plans`` included), oldest first. This is the registry of plan kinds: it is
-    derived from the class hierarchy, never filled in."""
-    _define_plans()
-
+def _defined_plans() -> Iterator[tuple[str, type]]:
+    """(kind, class) of ``Plan`` and its subclasses, recursively, oldest first: the plan
+    classes registered by being defined (their kind read now)."""
     def walk(cls: type) -> Iterator[type]:
         yield cls
         for sub in cls.__subclasses__():
             yield from walk(sub)
-    return tuple(dict.fromkeys(walk(Plan)))
+    return ((plan_kind(c), c) for c in dict.fromkeys(walk(Plan)))
+
+
+PLANS: Registry[type] = Registry("plan kind", (
+    Entry("BurstPlan", "tidal.ir.plans.burst:BurstPlan"),
+    Entry("TickTockPlan", "tidal.ir.plans.tick_tock:TickTockPlan"),
+    Entry("RoundRobinPlan", "tidal.ir.plans.round_robin:RoundRobinPlan"),
+    Entry("CompressionPlan", "tidal.ir.plans.compression:CompressionPlan"),
+    Entry("LayerGroupPlan", "tidal.ir.plans.layer_groups:LayerGroupPlan"),
+    Entry("ChaiPlan", "tidal.ir.plans.chai:ChaiPlan"),
+    Entry("EmbeddingCachePlan", "tidal.ir.plans.embedding_cache:EmbeddingCachePlan"),
+), defined=_defined_plans)
+"""The registry of plan kinds: the kinds the passes emit (the plans they hold, such as
+``Schedule``, ``MemoryFit``, are defined by their modules' imports), then every other defined
+subclass of :class:`Plan`."""
+
+
+def plan_classes() -> tuple[type, ...]:
+    """Every registered plan class (the rows of :data:`PLANS`, imported, then every other
+    defined subclass of ``Plan``, oldest first)."""
+    return tuple(dict.fromkeys(cls for _, cls in PLANS.items()))
 
 
 def _identity(cls: type) -> tuple[str, str]:

@@ -43,115 +43,23 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
 from tidal.ir import meta
-from tidal.ir.device_profile import DeviceProfile, LayerTime, generic_signature
+from tidal.ir.cost import annotate
+from tidal.ir.device_profile import DeviceProfile, LayerTime, node_signature, node_signatures
 from tidal.ir.node_runner import COMPUTE_OPS, run_isolated
 
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+__all__ = ["default_cache_dir", "device_name", "node_signature", "node_signatures",
+           "profile_layers", "StepTime", "time_training_step", "training_step_samples",
+           "calibrate_profile"]
 
 
 def default_cache_dir() -> Path:
     """``$TIDAL_CACHE_DIR`` if set, else ``~/.cache/tidal/profiles``."""
     env = os.environ.get("TIDAL_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tidal" / "profiles"
-
-
-# --------------------------------------------------------------------------- signatures
-
-
-def _example_batch(gm: fx.GraphModule) -> int:
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            for t in meta.get_tensors(n):
-                if len(t.shape) > 0:
-                    return int(t.shape[0])
-    raise ValueError(
-        "node_signature: the graph's placeholders carry no annotated tensor shapes; run "
-        "tidal.ir.cost.annotate(gm, example_inputs) first"
-    )
-
-
-def _batched_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes whose value is computed from a placeholder (and so scales with the batch)."""
-    batched: set[fx.Node] = set()
-    for n in gm.graph.nodes:  # fx graphs are topologically ordered
-        if n.op == "placeholder" or any(a in batched for a in n.all_input_nodes):
-            batched.add(n)
-    return batched
-
-
-def _format_arg(value: Any) -> str:
-    if isinstance(value, fx.Node):
-        return "T" if meta.get_tensors(value) else "?"
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_format_arg(v) for v in value) + ")"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}={_format_arg(value[k])}" for k in sorted(value, key=str)) + "}"
-    if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    return _ADDRESS.sub("", repr(value))
-
-
-def node_signature(gm: fx.GraphModule, node: fx.Node, batch: int) -> str:
-    """The :func:`generic_signature` of compute node ``node`` at ``batch``.
-
-    Built from the annotated output tensors of the node's inputs (``tidal.ir.cost.annotate``
-    records them at the example batch): dimension 0 of every input computed from a graph input
-    is set to ``batch`` when it equals the example batch. Constant arguments are part of the
-    key (``T`` marks a tensor input, ``?`` another node's non-tensor value).
-    """
-    if node.op not in COMPUTE_OPS:
-        raise ValueError(
-            f"node_signature(node={node.name!r}): op {node.op!r} is not a compute op {COMPUTE_OPS}"
-        )
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"node_signature(batch={batch!r}): must be a positive int")
-    return _signature(gm, node, batch, _example_batch(gm), _batched_nodes(gm))
-
-
-def node_signatures(gm: fx.GraphModule, batch: int) -> dict[str, str]:
-    """:func:`node_signature` of every compute node at ``batch``, by node name, analysing the
-    graph once (rather than once per node)."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"node_signatures(batch={batch!r}): must be a positive int")
-    b0, batched = _example_batch(gm), _batched_nodes(gm)
-    return {n.name: _signature(gm, n, batch, b0, batched)
-            for n in gm.graph.nodes if n.op in COMPUTE_OPS}
-
-
-def _signature(gm: fx.GraphModule, node: fx.Node, batch: int, b0: int,
-               batched: set[fx.Node]) -> str:
-    if node.op == "call_module":
-        op: Any = gm.get_submodule(node.target)
-    elif node.op == "call_method":
-        op = f"Tensor.{node.target}"
-    else:
-        op = node.target
-    inputs: list[Any] = []
-
-    def visit(value: Any) -> Any:
-        if isinstance(value, fx.Node):
-            tensors = meta.get_tensors(value)
-            if not tensors:
-                inputs.append(None)
-            for t in tensors:
-                shape = tuple(t.shape)
-                if value in batched and shape and shape[0] == b0:
-                    shape = (batch,) + shape[1:]
-                inputs.append(meta.TensorInfo(shape, t.dtype))
-        return value
-
-    map_aggregate((node.args, node.kwargs), visit)
-    args = _format_arg(node.args)
-    if node.kwargs:
-        args += _format_arg(dict(node.kwargs))
-    return generic_signature(op, inputs, batch, args=args)
 
 
 # --------------------------------------------------------------------------- measuring
@@ -277,8 +185,6 @@ def profile_layers(
     ``progress=False``. The result is cached on disk (see the module docstring) and loaded
     from there, without measuring, when every signature is already present.
     """
-    from tidal.ir.cost import annotate
-
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"profile_layers(gm={type(gm).__name__}): must be a torch.fx.GraphModule")
     batches = list(batch_sizes)
@@ -293,8 +199,7 @@ def profile_layers(
     if not any(meta.get_tensors(n) for n in placeholders):
         annotate(gm, example_inputs)
     nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
-    b0, batched = _example_batch(gm), _batched_nodes(gm)
-    signatures = {b: {n.name: _signature(gm, n, b, b0, batched) for n in nodes} for b in batches}
+    signatures = {b: node_signatures(gm, b) for b in batches}
     wanted = {s for per_batch in signatures.values() for s in per_batch.values()}
     name = device_name(device)
     path = _cache_path(Path(cache_dir) if cache_dir is not None else default_cache_dir(), wanted, name)

@@ -60,6 +60,7 @@ import torch.fx as fx
 from tidal.ir import batch_dim, meta
 from tidal.ir.layer_graph import NotSeriesParallel
 from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr
+from tidal.passes.burst_problem import check_structure
 
 CUT, REPLICATED, SIZE, INPUT, OTHER = "cut", "replicated", "size", "input-derived", "other"
 
@@ -328,8 +329,6 @@ def _merge_cycles_and_dead(g: nx.DiGraph, uf: _Groups, out_node: fx.Node,
 def _non_series_parallel(topo: list[str], preds: list[tuple[int, ...]], g: nx.DiGraph
                          ) -> Optional[tuple[set, str]]:
     """None when the planner can search the unit graph, else the units to collapse and why."""
-    from tidal.passes.burst_planner import check_structure
-
     try:
         check_structure(topo, preds)
     except NotSeriesParallel as e:  # its fork and join are indices into topo

@@ -1,9 +1,9 @@
 """Executors from plans: passes emit ``(graph, Plan)``; the runtime decides how a plan runs.
 
-Every plan kind with a program builder (``tidal.runtime.programs.builders``: a module that
-declares the plan's registered kind name, ``tidal.ir.plan.plan_kind``) runs as that builder's
-rank program in the one :class:`~tidal.runtime.program.ProgramExecutor`. :func:`build` walks
-the plans of a compile in pass order: a parallelism plan gives the executor, and a
+Every plan kind with a program builder (a row of ``tidal.runtime.programs.BUILDERS``, the
+registry of builders by the plan's registered kind name, ``tidal.ir.plan.plan_kind``) runs as
+that builder's rank program in the one :class:`~tidal.runtime.program.ProgramExecutor`.
+:func:`build` walks the plans of a compile in pass order: a parallelism plan gives the executor, and a
 ``CompressionPlan`` that wraps one changes its gradient sync
 (``tidal.runtime.programs.compression.compression_executor``); alone, a ``CompressionPlan`` is
 data parallelism, compressed or not (``tidal.runtime.programs.data_parallel``). Plans with no
@@ -30,7 +30,7 @@ import torch.fx as fx
 from tidal.ir.pass_api import Executor
 from tidal.ir.plan import Plan, plan_kind
 from tidal.runtime.program import ProgramExecutor
-from tidal.runtime.programs import builders
+from tidal.runtime.programs import BUILDERS
 from tidal.runtime.programs.compression import PLAN_KIND as COMPRESSION
 from tidal.runtime.programs.compression import compression_executor
 
@@ -38,14 +38,14 @@ from tidal.runtime.programs.compression import compression_executor
 def build(gm: fx.GraphModule, plans: Sequence[Plan]) -> Optional[Executor]:
     """The executor for ``plans`` (in pass order) on the final graph ``gm``, or None when the
     graph runs as it is: each plan with a builder gives its rank program in a
-    ``ProgramExecutor`` (a builder may return None: nothing to run differently)."""
-    found = builders()
+    ``ProgramExecutor`` (a builder may return None: nothing to run differently). Only the
+    builders of the kinds in ``plans`` are imported."""
     executor: Optional[Executor] = None
     for plan in plans:
         kind = plan_kind(type(plan))
         if kind == COMPRESSION and plan.wraps is not None:  # the sync of the pass it names
             executor = compression_executor(plan, executor)
-        elif kind in found:
-            rank_program = found[kind](gm, plan)
+        elif kind in BUILDERS:
+            rank_program = BUILDERS.get(kind)(gm, plan)
             executor = executor if rank_program is None else ProgramExecutor(rank_program)
     return executor

@@ -219,3 +219,34 @@ def test_auto_analyses_the_graph_once(monkeypatch):
     c = tidal.compile(model, (x,), passes="auto", cluster=_fast_cluster(2),
                       loss_fn=lambda out, y: out.sum(), optimizer=lambda p: torch.optim.SGD(p, 0.1))
     assert c.plan.get("burst_parallel") is not None and len(calls) == 1
+
+
+def test_every_rank_builds_its_program_from_the_graph_and_plan_alone():
+    # the builder (graph, plan, rank) -> Program, in one process for each of 4 ranks: what the
+    # executor would run there; every bucket's all-reduce on its ranks only, in the same order
+    # on each of them (so the collectives match), each synced gradient in exactly one bucket
+    from tidal.ir.burst_sync import sync_buckets
+    from tidal.runtime.programs.burst import build_program
+
+    model, x = Centred(), torch.randn(8, 6)
+    c = tidal.compile(model, (x,), passes=[BurstParallel()], cluster=_fast_cluster(4),
+                      loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    gm, plan, burst = c.graph_module, c.plan.get("burst_parallel"), c.executor.rank_program
+    assert sorted({l.gpus for l in plan.layers}) == [1, 4], plan.table()
+    buckets = sync_buckets(gm, burst.param_ranks, 4)
+    synced = sorted(n for n, p in gm.named_parameters()
+                    if p.requires_grad and len(burst.param_ranks[n]) > 1)
+    assert synced
+    assert sorted(n for b in buckets for n in b.names) == synced
+    programs = [build_program(gm, plan, rank) for rank in range(4)]
+    for rank, program in enumerate(programs):
+        assert program == burst.layout(gm, rank, 4).program
+        assert program.pieces[-1].kind == "optimizer"
+        syncs = [p for p in program.pieces if p.name.startswith("all_reduce")]
+        assert [p.name for p in syncs] == [b.piece for b in buckets if rank in b.ranks]
+        assert all(p.kind == "collective" and rank in p.ranks for p in syncs)
+    for a in range(4):
+        for b in range(a + 1, 4):
+            shared = [[p.name for p in programs[r].pieces if p.kind == "collective" and
+                       {a, b} <= set(p.ranks)] for r in (a, b)]
+            assert shared[0] == shared[1], (a, b)

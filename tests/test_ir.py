@@ -154,6 +154,58 @@ def test_plan_json_errors_name_the_field():
         ToyPlan.from_json(CompiledPlan(()).to_json())
 
 
+# ---------------------------------------------------------------- registries
+def test_a_registry_lists_without_importing_and_names_what_it_knows(tmp_path, monkeypatch):
+    import sys
+    import uuid
+
+    from tidal.ir.registry import Entry, Registry, RegistryError
+
+    name = f"tidal_registry_probe_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("widget", (Entry("b", f"{name}:Thing", "The thing."),
+                              Entry("a", "builtins:len", "Length.")))
+    assert reg.names() == ("b", "a") and "b" in reg and "c" not in reg
+    assert dict(reg.descriptions()) == {"b": "The thing.", "a": "Length."}
+    assert name not in sys.modules  # listing and describing import nothing
+    with pytest.raises(RegistryError, match=r"unknown widget 'c' \(registered: b, a\)"):
+        reg.get("c")
+    assert name not in sys.modules
+    assert reg.get("b").__name__ == "Thing" and name in sys.modules
+    assert [n for n, _ in reg.items()] == ["b", "a"] and reg.items()[1][1] is len
+    with pytest.raises(RegistryError, match="'a' is registered twice"):
+        Registry("widget", (Entry("a", "builtins:len"), Entry("a", "builtins:min")))
+    with pytest.raises(RegistryError, match="not 'module:attribute'"):
+        Entry("a", "builtins.len")
+    defined = Registry("widget", (Entry("a", "builtins:len"),),
+                       defined=lambda: [("a", len), ("z", min)])
+    assert defined.names() == ("a", "z") and defined.get("z") is min
+    assert defined.items() == (("a", len), ("z", min))
+
+
+def test_every_plan_kind_row_names_its_class():
+    from tidal.ir.plan import PLANS, plan_classes, plan_kind
+
+    for entry in PLANS.entries:
+        cls = PLANS.get(entry.name)
+        assert issubclass(cls, Plan) and plan_kind(cls) == entry.name
+        assert entry.module.startswith("tidal.ir.plans.")
+    assert ToyPlan in plan_classes() and PLANS.get("ToyPlan") is ToyPlan  # by being defined
+
+
+def test_every_program_builder_row_is_its_modules_plan_kind():
+    import importlib
+
+    from tidal.ir.plan import PLANS
+    from tidal.runtime.programs import BUILDERS, builders
+
+    assert set(builders()) == set(BUILDERS.names())
+    for entry in BUILDERS.entries:
+        assert importlib.import_module(entry.module).PLAN_KIND == entry.name
+        assert entry.name in PLANS.names()
+
+
 # ---------------------------------------------------------------- layer graph
 def _layer_graph(name, batch=2):
     model = ZOO[name]()

@@ -1,0 +1,123 @@
+"""A burst-parallel rank's owner-only training state, wired into the user's optimizer and
+checkpoints: which of it the rank holds is ``tidal.ir.burst_ownership``; this is what is done
+with it.
+
+On its distributed steps the rank removes every parameter it does not own (and its state) from
+the optimizer's param groups (:func:`remove_params`: the same optimizer object, so a
+learning-rate scheduler on it keeps working; a group left empty stays, so group indices do not
+change). A rank's checkpoint (:func:`rank_state_dict`) holds its share: its tensors by name, the
+optimizer, the compressors' state; :func:`load_rank_state` restores it on the same rank of a job
+of the same world, naming what does not fit.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> remove_params(opt, model, ["0.weight", "0.bias"])
+    >>> [len(g["params"]) for g in opt.param_groups]
+    [2]
+    >>> state = rank_state_dict(1, 2, dict(model[1].named_parameters()), opt, {})
+    >>> sorted(state["model"]), state["rank"], state["world"]
+    (['bias', 'weight'], 1, 2)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from tidal.ir.burst_sync import ranks_label
+from tidal.runtime.comm.grad_sync import GradSync
+
+Ranks = tuple[int, ...]
+
+
+def remove_params(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                  names: Sequence[str]) -> None:
+    """Take ``module``'s parameters ``names`` out of ``optimizer``'s param groups (the lists
+    themselves, in place) and state (the module example)."""
+    params = dict(module.named_parameters())
+    drop = {id(params[n]) for n in names}
+    for group in optimizer.param_groups:
+        removed = [p for p in group["params"] if id(p) in drop]
+        if removed:
+            group["params"][:] = [p for p in group["params"] if id(p) not in drop]
+            for p in removed:
+                optimizer.state.pop(p, None)
+
+
+def saved_tensors(gm: fx.GraphModule, owned: Mapping[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of ``gm``: the entries of its ``state_dict`` (every name of a
+    shared tensor; no non-persistent buffer) whose tensor is one of ``owned``.
+
+    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> list(saved_tensors(gm, {"bias": gm.bias}))
+    ['bias']
+    """
+    mine = {id(t) for t in owned.values()}
+    return {n: t for n, t in gm.state_dict(keep_vars=True).items() if id(t) in mine}
+
+
+def rank_state_dict(rank: int, world: int, saved: Mapping[str, torch.Tensor],
+                    optimizer: Optional[torch.optim.Optimizer],
+                    syncs: Mapping[Ranks, GradSync]) -> dict[str, Any]:
+    """A rank's checkpoint: its ``rank`` and ``world``, copies of the tensors it saves
+    (``model``: :func:`saved_tensors`), ``optimizer``'s state and each gradient sync's
+    compressor state by its ranks (``grad_sync``). Saved with ``torch.save``, it loads with
+    ``weights_only=True``; the ranks' ``model`` entries together are the model's
+    ``state_dict`` (the module example)."""
+    return {"rank": rank, "world": world,
+            "model": {n: t.detach().clone() for n, t in saved.items()},
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "grad_sync": {ranks_label(r): s.state_dict() for r, s in sorted(syncs.items())}}
+
+
+def load_rank_state(state: Mapping[str, Any], rank: int, world: int,
+                    saved: Mapping[str, torch.Tensor],
+                    optimizer: Optional[torch.optim.Optimizer],
+                    own_optimizer: Optional[Callable[[torch.optim.Optimizer], Any]],
+                    sync_of: Callable[[Ranks], Optional[GradSync]]) -> None:
+    """Restore what :func:`rank_state_dict` returned on rank ``rank`` of ``world``: the
+    tensors ``saved`` in place, ``optimizer`` (made owner-only first by ``own_optimizer``,
+    when given) and each compressor (``sync_of(ranks)``). Raises ``ValueError`` naming the
+    checkpoint's rank, world or tensor that does not fit.
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> state = rank_state_dict(0, 1, dict(layer.named_parameters()), None, {})
+    >>> load_rank_state(state, 1, 2, dict(layer.named_parameters()), None, None, lambda r: None)
+    Traceback (most recent call last):
+    ...
+    ValueError: burst_parallel: the checkpoint is rank 0 of 1, but this is rank 1 of 2
+    """
+    if (state.get("rank"), state.get("world")) != (rank, world):
+        raise ValueError(f"burst_parallel: the checkpoint is rank {state.get('rank')} of "
+                         f"{state.get('world')}, but this is rank {rank} of {world}")
+    _copy_tensors(state["model"], saved, rank)
+    if optimizer is not None and state.get("optimizer") is not None:
+        if own_optimizer is not None:
+            own_optimizer(optimizer)
+        optimizer.load_state_dict(state["optimizer"])
+    for label, s in state.get("grad_sync", {}).items():
+        sync = sync_of(tuple(int(r) for r in label.split(",")))
+        if sync is None:
+            raise ValueError(f"burst_parallel: the checkpoint holds compressor state for "
+                             f"ranks {label}, but this program syncs without one")
+        sync.load_state_dict(s)
+
+
+def _copy_tensors(given: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor],
+                  rank: int) -> None:
+    """Copy the checkpoint's tensors into the rank's, after checking their names and shapes."""
+    if set(given) != set(mine):
+        odd = sorted(set(given) ^ set(mine))
+        raise ValueError(f"burst_parallel: checkpoint of rank {rank}: tensor {odd[0]!r} is "
+                         f"{'not owned by' if odd[0] in given else 'missing for'} this rank")
+    with torch.no_grad():
+        for n, t in mine.items():
+            if given[n].shape != t.shape:
+                raise ValueError(f"burst_parallel: checkpoint tensor {n!r} has shape "
+                                 f"{tuple(given[n].shape)}, the model {tuple(t.shape)}")
+            t.copy_(given[n])

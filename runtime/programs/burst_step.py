@@ -1,0 +1,239 @@
+"""The binding of a burst-parallel rank's step to tensors (:class:`BurstStep`): what each
+piece of its :class:`~tidal.runtime.programs.burst_layout.StepLayout` does.
+
+The forward pieces run the rank's graph in consecutive ranges of nodes (``_CutRunner``),
+detaching every value that lives across a backward cut; the last computes the loss on the
+gathered output. ``backward k`` runs autograd from segment k's outputs (the loss, or the
+gradients the later stage left on the detached values) back to its inputs. A bucket's
+``all_reduce`` sums its gradients over its ranks (each rank's gradient is already its share of
+the global-batch gradient), through a plain all-reduce on the bucket's process group or the
+``GradSync`` the ``compression`` pass gave; ``buffers all_reduce`` averages running
+statistics; ``optimizer`` steps, after checking that no gradient changed after its sync.
+
+Example:
+    >>> import torch, torch.fx as fx
+    >>> from tidal.runtime.programs.burst import BurstProgram
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    >>> gm = fx.symbolic_trace(model)
+    >>> program = BurstProgram(world=1, batch=4, param_ranks=(("0.weight", (0,)),
+    ...                                                      ("0.bias", (0,))))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    >>> step = program.bind(gm, model, (x,), y, torch.nn.functional.cross_entropy, opt)
+    >>> for i, piece in enumerate(step.program.pieces):   # in order, on one thread
+    ...     step.work(i, piece)()
+    >>> float(step.loss()) > 0
+    True
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from tidal.ir.burst_ownership import StateBytes
+from tidal.ir.burst_sync import Bucket
+from tidal.ir.node_runner import flat_tensors
+from tidal.ir.program import Piece, Program
+from tidal.runtime.comm.grad_sync import GradSync
+from tidal.runtime.distributed import all_reduce_tensors, is_distributed
+from tidal.runtime.programs.burst_layout import StepLayout
+
+Ranks = tuple[int, ...]
+
+
+class StepOwner(Protocol):
+    """What a :class:`BurstStep` needs of the rank program that bound it: the gradient sync
+    and process group of a set of ranks, and where the state it holds after a step goes."""
+
+    last_state: Optional[StateBytes]
+
+    def sync_of(self, ranks: Ranks) -> Optional[GradSync]: ...
+
+    def group_of(self, ranks: Ranks) -> Optional[dist.ProcessGroup]: ...
+
+    def state_bytes(self, gm: fx.GraphModule, optimizer: Optional[torch.optim.Optimizer] = None,
+                    rank: Optional[int] = None) -> StateBytes: ...
+
+
+class _CutRunner(fx.Interpreter):
+    """Runs a graph in consecutive ranges of nodes (:meth:`start`, then :meth:`advance`; the
+    forward pieces), detaching every value that lives across a cut (before a node named in
+    ``cuts``): each tensor that requires grad and is not a leaf becomes a new leaf (cloned, so
+    later in-place ops keep working, unless it shares storage with another such value: then
+    only detached, keeping the aliasing). ``pairs[k]``: (original, leaf) at cut k;
+    ``result``: the graph's output once its output node ran."""
+
+    def __init__(self, module: fx.GraphModule, cuts: tuple[str, ...]):
+        super().__init__(module)
+        self.cuts = set(cuts)
+        order = {n: i for i, n in enumerate(module.graph.nodes)}
+        missing = self.cuts - {n.name for n in order}
+        if missing:
+            raise ValueError(f"burst_parallel: the rank's graph has no node "
+                             f"{sorted(missing)[0]!r} to cut backward before")
+        self.nodes = list(order)
+        self.order = order
+        self.last_use = {n: max((order[u] for u in n.users), default=-1) for n in order}
+        self.pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.result: Any = None
+        self._next = 0
+
+    def start(self, *args: Any) -> None:
+        """Begin a run on ``args`` (the graph's inputs)."""
+        self.env = {}
+        self.args_iter = iter(self.graph.process_inputs(*args))
+        self.pairs, self.result, self._next = [], None, 0
+
+    def advance(self, stop: int) -> None:
+        """Run the nodes from where the run stands up to position ``stop`` (excluded)."""
+        if stop < self._next:
+            raise RuntimeError(f"burst_parallel: forward pieces out of order (at node "
+                               f"{self._next}, asked to run up to {stop})")
+        for node in self.nodes[self._next:stop]:
+            self.env[node] = self.run_node(node)
+            if node.op == "output":
+                self.result = self.graph.process_outputs(self.env[node])
+            if self.garbage_collect_values:
+                for dead in self.user_to_last_uses.get(node, []):
+                    del self.env[dead]
+        self._next = max(self._next, stop)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.name in self.cuts:
+            self._cut(self.order[n])
+        return super().run_node(n)
+
+    def _cut(self, here: int) -> None:
+        live = [m for m in self.env if self.last_use[m] >= here]
+        crossing = {id(t): t for m in live for t in flat_tensors(self.env[m])
+                    if t.requires_grad and not t.is_leaf}
+        storages: dict[int, int] = {}
+        for t in crossing.values():
+            if t.numel():
+                key = t.untyped_storage().data_ptr()
+                storages[key] = storages.get(key, 0) + 1
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        done: dict[int, torch.Tensor] = {}
+
+        def cut(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or not t.requires_grad or t.is_leaf:
+                return t
+            if id(t) not in done:
+                leaf = t.detach().requires_grad_()
+                pairs.append((t, leaf))
+                shared = t.numel() and storages[t.untyped_storage().data_ptr()] > 1
+                done[id(t)] = leaf if shared else leaf.clone()
+            return done[id(t)]
+
+        for m in live:
+            self.env[m] = pytree.tree_map(cut, self.env[m])
+        self.pairs.append(pairs)
+
+
+
+@dataclass
+class BurstStep:
+    """One step of a burst rank program (``owner``, a
+    ``tidal.runtime.programs.burst.BurstProgram``) bound to tensors (a ``StepWork``):
+    ``work(index, piece)`` gives what each piece of ``program`` does, ``loss()`` the global
+    loss after (the module docstring)."""
+
+    owner: StepOwner
+    layout: StepLayout
+    gm: fx.GraphModule
+    run: fx.GraphModule
+    inputs: tuple
+    targets: Any
+    loss_fn: Callable
+    optimizer: torch.optim.Optimizer
+    _loss: Optional[torch.Tensor] = None
+    _runner: Optional[_CutRunner] = None
+    _pairs: list = field(default_factory=list)
+    _synced: dict = field(default_factory=dict)
+
+    @property
+    def program(self) -> Program:
+        return self.layout.program
+
+    def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        what, arg = self.layout.actions[index]
+        method = getattr(self, f"_{what}")
+        return method if arg is None else functools.partial(method, arg)
+
+    def loss(self) -> torch.Tensor:
+        if self._loss is None:
+            raise RuntimeError("burst_parallel: the step's loss is read before its forward ran")
+        return self._loss.detach()
+
+    def _forward(self, part: tuple[int, bool, bool]) -> None:
+        """Run the rank's graph up to node position ``stop`` (a forward piece: the nodes
+        after the previous piece's); the last piece computes the loss on the output."""
+        stop, last, whole = part
+        if whole and not self.layout.stages.cuts:  # one piece, no cut: the module itself
+            self.optimizer.zero_grad(set_to_none=True)
+            self._loss = self.loss_fn(self.run(*self.inputs), self.targets)
+            return
+        if self._runner is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._runner = _CutRunner(self.run, self.layout.stages.cuts)
+            self._runner.start(*self.inputs)
+        self._runner.advance(stop)
+        if last:
+            self._pairs = self._runner.pairs
+            self._loss = self.loss_fn(self._runner.result, self.targets)
+            self._runner = None
+
+    def _backward(self, k: int) -> None:
+        if k == len(self.layout.stages.cuts):
+            self._loss.backward()
+            return
+        pairs = [(o, l.grad) for o, l in self._pairs[k] if l.grad is not None]
+        self._pairs[k] = []
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def _all_reduce(self, bucket: Bucket) -> None:
+        """Sum the bucket's gradients over its ranks (this rank is one of them).
+
+        Each rank's gradient is already its share of the global-batch gradient (the loss is
+        scaled by its rows), so the sync is a sum; through a :class:`GradSync` (which averages)
+        the result is scaled back by the number of ranks."""
+        params = dict(self.gm.named_parameters())
+        named = [(n, params[n]) for n in bucket.names]
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sync = self.owner.sync_of(bucket.ranks)
+        if sync is None:
+            all_reduce_tensors([p.grad for _, p in named], self.owner.group_of(bucket.ranks))
+        else:
+            synced = sync.bucket({n: p.grad for n, p in named})
+            for n, p in named:
+                p.grad.copy_(synced[n] * len(bucket.ranks))
+        for n, p in named:
+            self._synced[n] = (p.grad, p.grad._version)
+
+    def _buffers_all_reduce(self, ranks: Ranks) -> None:
+        """Average the set's floating-point buffers (running statistics) over its ranks."""
+        names = set(self.layout.buffer_sets[ranks])
+        floats = [b for n, b in self.gm.named_buffers() if n in names and b.is_floating_point()]
+        all_reduce_tensors(floats, self.owner.group_of(ranks), average=True)
+
+    def _optimizer(self) -> None:
+        params = dict(self.gm.named_parameters())
+        for n in self.layout.foreign:  # a skipped unit's members that ran on zero rows
+            params[n].grad = None
+        for n, (grad, version) in self._synced.items():
+            if params[n].grad is not grad or grad._version != version:
+                raise RuntimeError(f"burst_parallel: the gradient of {n!r} changed after its "
+                                   f"sync (a backward stage after the one that should "
+                                   f"finalise it reached it)")
+        self.optimizer.step()
+        if is_distributed():
+            self.owner.last_state = self.owner.state_bytes(self.gm, self.optimizer)
