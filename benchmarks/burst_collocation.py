@@ -174,7 +174,7 @@ def _waiting_us(records, job: str) -> float:
 
     total = 0.0
     for r in records:
-        if r.job != job or r.kind == "compute" or r.kind == "loss":
+        if r.job != job or r.kind in ("compute", "host"):  # host: the step's loss
             continue
         device = [(d.start_us, d.end_us) for d in records if d.job == job and
                   d.iteration == r.iteration and d.kind == "compute" and
@@ -190,11 +190,11 @@ def _predicted(results: list[dict]) -> dict[int, tuple[float, float]]:
     step's traces; each background step plus its overhead inside one idle span)."""
     from tidal.sim.collocation import idle_spans, pieces_that_fit
     from tidal.sim.engine import is_compute_lane, simulate
-    from tidal.sim.programs import measured_durations, program_tasks
+    from tidal.sim.programs import join_ranks, measured_durations
 
     programs = {r["rank"]: r["program"] for r in results}
     traces = {r["rank"]: r["trace"] for r in results}
-    intervals = simulate(program_tasks(programs, measured_durations(traces)))
+    intervals = simulate(join_ranks(programs, measured_durations(traces)))
     t0, t1 = min(i.start_us for i in intervals), max(i.end_us for i in intervals)
     out = {}
     for r in results:

@@ -35,7 +35,8 @@ from examples.models import ZOO  # noqa: E402
 from tidal.ir import cost  # noqa: E402
 from tidal.runtime.backend import backend_for  # noqa: E402
 from tidal.runtime.lower import lower  # noqa: E402
-from tidal.runtime.scheduler import FunctionJob, Piece, Runtime  # noqa: E402
+from tidal.ir.program import COMPUTE, HOST, Piece  # noqa: E402
+from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime  # noqa: E402
 from tidal.runtime.trace_export import summary_table, write_chrome_trace  # noqa: E402
 
 
@@ -67,8 +68,8 @@ def build(name: str, fg_batch: int, bg_batch: int, piece_ms: float):
 def fg_job(lowered, inputs, iters: int, wait_s: float) -> FunctionJob:
     def pieces(i):
         run = lowered.pieces(*inputs)
-        return list(run.pieces) + [Piece("wait_peers", lambda: time.sleep(wait_s),
-                                         kind="wait", uses_device=False)]
+        wait = Piece("wait_peers", COMPUTE, kind=HOST)  # host work: the device is idle
+        return list(run.pieces) + [BoundPiece(wait, lambda: time.sleep(wait_s))]
     return FunctionJob("fg", pieces, iters)
 
 

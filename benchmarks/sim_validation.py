@@ -202,8 +202,8 @@ def _round(args, cores: int) -> list[tuple[str, int, str, float, float]]:
             plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
             if plan is None or plan.is_data_parallel:
                 plan = _half_plan(problem, w, args.amp_limit)
-            tasks = burst_execution(plan, preds, times, cluster, output_bytes(gm), update)
-            bp_sim = summarize(tasks, w, gb, cores=cores).iteration_us
+            program = burst_execution(plan, preds, times, cluster, output_bytes(gm), update)
+            bp_sim = summarize(program, w, gb, cores=cores).iteration_us
             measured = spawn(_measure_worker, w, name, gb, args.steps, cluster, plan,
                              args.stat, timeout_s=900)
             dp_meas = statistics.median(m[0] for m in measured)

@@ -144,7 +144,7 @@ def _write_trace(path: str, dp) -> None:
 
 def _simulate_burst(args, model, inputs, cluster) -> None:
     """``--plan burst`` and ``burst+bg``: DeepPool's Figure 9 scenarios."""
-    from tidal.sim.scenarios import fig9_scenarios
+    from tidal.compiler.sim_scenarios import fig9_scenarios
 
     s = fig9_scenarios(model, inputs, cluster, bg_batch=args.bg_batch,
                        interference=args.interference, leaf_modules=args.leaf,

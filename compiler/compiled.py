@@ -14,9 +14,10 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
+from tidal.ir.program import COMPUTE, Piece
 from tidal.runtime import executors
 from tidal.runtime.program import ProgramExecutor, ProgramJob, chrome_trace
-from tidal.runtime.scheduler import Piece as SchedulerPiece
+from tidal.runtime.scheduler import BoundPiece
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
 
@@ -177,8 +178,8 @@ class Compiled:
                           gated=False)
 
     def _step_pieces(self, inputs: tuple, targets: Any
-                     ) -> tuple[list[SchedulerPiece], Callable[[], Any]]:
-        """One eager training step as two pieces on the job's stream (``forward`` with the
+                     ) -> tuple[list[BoundPiece], Callable[[], Any]]:
+        """One eager training step as two pieces on the compute stream (``forward`` with the
         loss; ``backward`` with the optimizer's step), so a scheduler can fit them into shorter
         idle spans, and the function that gives the loss once they ran. The pieces read the
         model's state only when they run, so the next step's pieces may be made before this
@@ -195,7 +196,8 @@ class Compiled:
             held["loss"].backward()
             opt.step()
 
-        pieces = [SchedulerPiece("forward", forward), SchedulerPiece("backward", backward)]
+        pieces = [BoundPiece(Piece("forward", COMPUTE), forward),
+                  BoundPiece(Piece("backward", COMPUTE), backward)]
         return pieces, lambda: held["loss"].detach()
 
     def train(self, batches: Callable[[int], tuple[Any, Any]], iterations: int, *,

@@ -17,7 +17,10 @@ once in one lane, every (partition, batch) is run exactly once forward and once 
 dependencies hold (a partition's forward after the previous partition's forward of the same
 batch, backward after the next partition's backward and after its own forward).
 ``gantt_svg()`` draws it per rank. ``split_batch`` cuts a global batch into the schedule's
-equal batches.
+equal batches. :func:`schedule_program` lowers a schedule to the one Program type
+(``tidal.ir.program``) of the whole cluster, each action a piece placed on its rank (an
+all-reduce or a transfer on all the ranks it joins), as the simulator runs it; the runtime's
+builders lower a plan's schedule to each rank's Program with the graph's segments.
 
 Example:
     >>> from tidal.ir.schedule import Action, Schedule
@@ -41,12 +44,19 @@ import torch
 from tidal.ir.errors import PlanError
 from tidal.ir.plan import Plan
 from tidal.ir.plot import Bar, Key, Row, color, gantt_chart
+from tidal.ir.program import (COLLECTIVE, COMM, COMPUTE, LOAD, OPTIMIZER, POINT_TO_POINT,
+                              SEGMENT, Piece, Program)
 
 _KINDS = ("F", "B", "S", "X", "A", "U", "W", "SEND", "RECV")
 _KIND_NAMES = {"F": "forward", "B": "backward", "S": "weight switch", "X": "transfer",
                "A": "all-reduce", "U": "update", "W": "weight gradient", "SEND": "send",
                "RECV": "receive"}
 _P2P = ("SEND", "RECV")
+LINK_ACTIONS = ("X", "A", "S", *_P2P)
+"""Action kinds that use a rank's link (transfers, all-reduces, weight switches); the rest
+compute."""
+_PIECE_KINDS = {"F": SEGMENT, "B": SEGMENT, "W": SEGMENT, "U": OPTIMIZER, "A": COLLECTIVE,
+                "X": POINT_TO_POINT, "SEND": POINT_TO_POINT, "RECV": POINT_TO_POINT, "S": LOAD}
 _MOVES = ("F", "B")
 _EPS = 1e-6
 
@@ -240,6 +250,74 @@ class Schedule(Plan):
         keys = [Key(f"{k} {_KIND_NAMES[k]}", color(i)) for i, k in enumerate(_KINDS) if k in used]
         return gantt_chart(rows, title=self.summary(), span=self.makespan_us or 1.0,
                            legend=keys, width=width, row_h=row_h)
+
+
+def schedule_program(schedule: Schedule) -> Program:
+    """The schedule as one Program of the whole cluster (``tidal.ir.program``), each action a
+    piece of its predicted duration, so that the simulator (not the schedule's builder) decides
+    when each runs: forward, backward, weight gradient and update on the rank's one ``compute``
+    stream (the waves of a rank contend for it); transfers, weight switches and all-reduces on
+    its ``comm`` stream (its link); an all-reduce (same wave, batch and partition on every
+    rank) as one collective on all ranks; a transfer ``X`` of a partitioned schedule on its
+    rank's link, awaited by the next rank; a ``SEND`` and its matching ``RECV`` as one
+    point-to-point piece on both ranks. A piece waits, on every rank it occupies, for the last
+    action of each of the schedule's lanes there that the builder ended no later than it
+    started (the builder's happens-before); pieces are in start order.
+
+    Example:
+        >>> s = Schedule("toy", ranks=((Action("F", dur_us=1), Action("A", start_us=2, dur_us=1)),
+        ...                           (Action("F", dur_us=2), Action("A", start_us=2, dur_us=1))))
+        >>> [(p.name, p.kind, p.ranks, p.deps) for p in schedule_program(s).pieces]
+        [('F0', 'segment', (0,), ()), ('F0', 'segment', (1,), ()), ('A0', 'collective', (0, 1), (0, 1))]
+    """
+    part = schedule.partitions > 1
+    items = _schedule_items(schedule)
+    order = sorted(items, key=lambda key: (items[key]["start"], items[key]["end"], str(key)))
+    pieces: list[Piece] = []
+    for i, key in enumerate(order):
+        it, a = items[key], items[key]["a"]
+        deps = set()
+        for g in it["gpus"]:
+            last: dict[tuple[int, str], int] = {}
+            for j in range(i):  # the latest finished action of each lane of GPU g
+                other = items[order[j]]
+                if g in other["seen"] and other["end"] <= it["start"] + 1e-9:
+                    for r, lane in other["lanes"]:
+                        last[(r, lane)] = j
+            deps.update(last.values())
+        link = a.kind in LINK_ACTIONS
+        pieces.append(Piece(a.label(part), COMM if link else COMPUTE, tuple(sorted(deps - {i})),
+                            kind=_PIECE_KINDS[a.kind], duration_us=a.dur_us,
+                            ranks=it["gpus"] if link else it["gpus"][:1]))
+    return Program(tuple(pieces), len(schedule.ranks))
+
+
+def _schedule_items(schedule: Schedule) -> dict[tuple, dict]:
+    """The schedule's actions by what they are across ranks (one all-reduce of every rank, one
+    transfer of a SEND/RECV pair): the first action, the GPUs it occupies, the GPUs whose later
+    actions wait for it (``seen``), the (rank, lane) pairs it runs in, its start and end."""
+    part = schedule.partitions > 1
+    n = len(schedule.ranks)
+    items: dict[tuple, dict] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for k, a in enumerate(actions):
+            seen = None  # GPUs whose later actions wait for this one (default: where it runs)
+            if a.kind == "A":
+                key: tuple = ("A", a.wave, a.batch, a.partition)
+                gpus = tuple(range(n))
+            elif a.kind == "X" and part:  # sent on this rank's link, awaited by the next rank
+                key, gpus, seen = ("X", rank, k), (rank,), tuple(sorted({rank, (rank + 1) % n}))
+            elif a.kind in _P2P and a.peer >= 0:  # one transfer on both links
+                pair = (rank, a.peer) if a.kind == "SEND" else (a.peer, rank)
+                key = ("P2P", pair, a.moves, a.wave, a.batch)  # one per pair and micro-batch
+                gpus = tuple(sorted(set(pair)))
+            else:
+                key, gpus = (a.kind, rank, k), (rank,)
+            it = items.setdefault(key, {"a": a, "gpus": gpus, "seen": seen or gpus,
+                                        "lanes": set(), "start": a.start_us, "end": a.end_us})
+            it["lanes"].add((rank, a.lane))
+            it["start"], it["end"] = min(it["start"], a.start_us), max(it["end"], a.end_us)
+    return items
 
 
 def split_batch(values: Any, parts: int, what: str = "batch") -> list[Any]:

@@ -52,7 +52,9 @@ from tidal.ir import meta
 from tidal.ir.cluster import Cluster
 from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr
 from tidal.ir.ops import is_tidal_op
+from tidal.ir.program import COLLECTIVE, COMPUTE, SEGMENT, Piece
 from tidal.runtime.backend import Backend, CaptureError, backend_for
+from tidal.runtime.scheduling.pieces import BoundPiece
 
 _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__",
                                 "__index__"})
@@ -308,7 +310,7 @@ class _Step:
     ins: list[str]
     outs: list[str]
     program: Callable
-    kind_label: str  # the piece kind for the scheduler
+    piece_kind: str  # its kind as a program piece (tidal.ir.program: segment, collective)
 
 
 def _classify(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, str]]:
@@ -392,7 +394,7 @@ def _build_steps(gm: fx.GraphModule, cg: _Codegen, groups, time_us) -> list[_Ste
                 body.append("del " + ", ".join(dead))
         body.append("return (" + "".join(cg.var(n) + ", " for n in outs) + ")")
         program = cg.function(f"step{k}", ins, body)
-        label = "compute" if kind != "boundary" else _target_name(nodes[0].target)
+        label = COLLECTIVE if kind == "boundary" else SEGMENT  # a tidal op between segments
         info = StepInfo(k, kind, tuple(n.name for n in nodes), segment,
                         float(sum(time_us(n) for n in nodes)), reason)
         steps.append(_Step(info, nodes, ins, [cg.var(n) for n in outs], program, label))
@@ -547,24 +549,26 @@ class LoweredModule(torch.nn.Module):
             any(p.requires_grad for p in self.gm.parameters())
 
     def pieces(self, *args: Any, **kwargs: Any) -> "PieceRun":
-        """The steps as scheduler pieces over a fresh environment; after running them in
-        order, ``.result()`` is the forward's output."""
+        """The steps as the scheduler's bound pieces over a fresh environment
+        (``tidal.ir.program.Piece`` objects, each with the function that runs it); after
+        running them in order, ``.result()`` is the forward's output."""
         values = self._bind(args, kwargs)
         calls = self._captured_calls(values)
         return PieceRun(self, values, calls)
 
 
 class PieceRun:
-    """One forward as a list of ``tidal.runtime.scheduler.Piece`` (run them in order)."""
+    """One forward as a list of bound pieces (``tidal.runtime.scheduling.pieces.BoundPiece``:
+    a ``step<k>`` piece on the compute stream, of its predicted duration, and the function that
+    runs it; run them in order)."""
 
     def __init__(self, lowered: LoweredModule, values: list[Any], calls: list[Callable]):
-        from tidal.runtime.scheduler import Piece
-
         self._lowered = lowered
         cg = lowered._cg
         self._env = {cg.var(n): v for n, v in zip(lowered._placeholders, values)}
-        self.pieces = [Piece(f"step{s.info.index}", self._runner(k, s, call), kind=s.kind_label,
-                             predicted_us=s.info.predicted_us)
+        self.pieces = [BoundPiece(Piece(f"step{s.info.index}", COMPUTE, kind=s.piece_kind,
+                                        duration_us=s.info.predicted_us),
+                                  self._runner(k, s, call))
                        for k, (s, call) in enumerate(zip(lowered._steps, calls))]
 
     def _runner(self, k: int, step: _Step, call: Callable) -> Callable[[], None]:

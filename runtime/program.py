@@ -11,7 +11,9 @@ is named). :func:`data_parallel` builds the program of data-parallel training: t
 after the node that finishes each bucket's last gradient (buckets of at most ``bucket_bytes`` in
 reverse registration order, as DDP makes them), so the all-reduce of a bucket runs on the comm
 stream while the compute stream goes on with the rest of backward. ``overlap=False`` puts every
-all-reduce after the last segment (the baseline). :func:`split_pieces` bounds segment durations.
+all-reduce after the last segment (the baseline): the one data-parallel schedule of
+``tidal.ir.program``, which the simulator builds from per-layer costs. ``split_pieces`` (pure,
+``tidal.ir.program``) bounds segment durations.
 
 :class:`ProgramRunner` runs a program as a foreground job of the scheduler
 (``tidal.runtime.scheduler.Runtime``) on a backend (``CpuBackend`` here: a FIFO worker thread
@@ -41,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -50,12 +52,14 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from tidal.ir.capture import TrainStep, grad_nodes, step_inputs
-from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
-from tidal.ir.program import COMM, COMPUTE, TRANSFER, Piece, Program
-from tidal.runtime.backend import HIGH, LOW, Backend, backend_for, used_here
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES
+from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
+# re-exported: the builders and the README name them here
+from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
+from tidal.runtime.backend import Backend, backend_for, used_here
 from tidal.runtime.lower import lower
-from tidal.runtime.scheduler import FunctionJob, Runtime
-from tidal.runtime.scheduler import Piece as SchedulerPiece
+from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime
+from tidal.runtime.scheduling.pieces import STREAMS, stream_kind  # noqa: F401
 
 def state_inputs(step: TrainStep) -> int:
     """How many of the captured step's flat inputs are parameters and buffers (they come
@@ -82,71 +86,17 @@ def device_of(*values: Any) -> torch.device:
 
 def data_parallel(step: TrainStep, world: int, bucket_bytes: float = DDP_BUCKET_BYTES,
                   overlap: bool = True) -> Program:
-    """The data-parallel program of a captured step (see the module docstring)."""
+    """The data-parallel program of a captured step (see the module docstring): the one
+    data-parallel schedule (``tidal.ir.program.data_parallel_program``) over the joint
+    graph's nodes, each gradient (backward issues them in reverse registration order, as DDP)
+    ready at the node that computes it."""
     nodes = [n for n in step.gm.graph.nodes if n.op != "output"]
     pos = {n: i for i, n in enumerate(nodes)}
     _, grads = grad_nodes(step)
-    order = list(reversed(range(len(grads))))  # DDP: reverse registration order
-    sizes = [_nbytes(grads[i]) for i in order]
-    buckets = [tuple(order[j] for j in part) for part in bucket_partition(sizes, bucket_bytes)]
     last = len(nodes) - 1
-    ready = [max(pos.get(grads[i], last) for i in b) if overlap else last for b in buckets]
-    cuts = sorted(set(ready) | {last})
-    pieces: list[Piece] = []
-    start, previous = 0, None
-    comm_pieces: list[int] = []
-    for k, cut in enumerate(cuts):
-        pieces.append(Piece(f"segment {k}", COMPUTE, () if previous is None else (previous,),
-                            tuple(n.name for n in nodes[start:cut + 1])))
-        previous, start = len(pieces) - 1, cut + 1
-        for b, r in enumerate(ready):
-            if r == cut:
-                pieces.append(Piece(f"all_reduce {b}", COMM, (previous,), grads=buckets[b]))
-                comm_pieces.append(len(pieces) - 1)
-    pieces.append(Piece("optimizer", COMPUTE, tuple(sorted(comm_pieces + [previous]))))
-    return Program(tuple(pieces), world)
-
-
-def split_pieces(program: Program, time_us: Callable[[str], float], piece_us: float
-                 ) -> Program:
-    """``program`` with each compute segment split into consecutive pieces whose predicted
-    duration (``time_us(node name)``, summed) stays under ``piece_us`` where a node allows
-    (DeepPool splits background graphs at 0.5 ms), so the scheduler can fit other work between
-    them. A piece that waited for a segment waits for its last part; names get ``.k``.
-
-    Example:
-        >>> p = Program((Piece("segment 0", COMPUTE, (), ("a", "b", "c")),
-        ...              Piece("all_reduce 0", COMM, (0,), grads=(0,))), world=2)
-        >>> [(q.name, q.deps) for q in split_pieces(p, lambda n: 10.0, 25.0).pieces]
-        [('segment 0.0', ()), ('segment 0.1', (0,)), ('all_reduce 0', (1,))]
-    """
-    if not piece_us > 0:
-        raise ValueError(f"split_pieces(piece_us={piece_us!r}): must be > 0")
-    pieces: list[Piece] = []
-    last_part: dict[int, int] = {}
-    for i, piece in enumerate(program.pieces):
-        deps = tuple(last_part[d] for d in piece.deps)
-        parts = _split_nodes(piece.nodes, time_us, piece_us) if piece.nodes else [piece.nodes]
-        for k, nodes in enumerate(parts):
-            name = piece.name if len(parts) == 1 else f"{piece.name}.{k}"
-            pieces.append(replace(piece, name=name, nodes=nodes,
-                                  deps=deps if k == 0 else (len(pieces) - 1,)))
-        last_part[i] = len(pieces) - 1
-    return Program(tuple(pieces), program.world)
-
-
-def _split_nodes(nodes: Sequence[str], time_us: Callable[[str], float], piece_us: float
-                 ) -> list[tuple[str, ...]]:
-    parts: list[list[str]] = [[]]
-    spent = 0.0
-    for name in nodes:
-        t = time_us(name)
-        if parts[-1] and spent + t > piece_us:
-            parts.append([])
-            spent = 0.0
-        parts[-1].append(name)
-        spent += t
-    return [tuple(part) for part in parts]
+    issued = [(i, _nbytes(grads[i]), pos.get(grads[i], last))
+              for i in reversed(range(len(grads)))]
+    return data_parallel_program([n.name for n in nodes], issued, world, bucket_bytes, overlap)
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -164,34 +114,22 @@ class PieceTrace:
     end_us: float
 
 
-STREAMS = {COMPUTE: (HIGH, True), COMM: (LOW, False), "load": (LOW, False),
-           TRANSFER: (HIGH, False)}
-"""Stream name -> (priority, occupies the device). ``transfer``: the foreground's own sample
-transfers between GPU sets (burst parallelism's scatter/gather), which mostly wait for other
-ranks: the device is idle meanwhile (the spans a background job fills). A stream a program
-names that is not here (a wave's own compute stream, ``"tick"``/``"tock"``) is a
-high-priority compute stream."""
-
-
-def stream_kind(name: str) -> tuple[int, bool]:
-    """(priority, occupies the device) of the stream ``name`` (see :data:`STREAMS`)."""
-    return STREAMS.get(name, (HIGH, True))
-
-
 Work = Callable[[int, Piece], Callable[[], Any]]
 """What a program's pieces do in one step: ``work(index, piece)`` returns the function that
 runs piece ``index`` (a builder's per-step binding of the program to tensors)."""
 
 
-def program_pieces(program: Program, work: Work) -> list[SchedulerPiece]:
-    """``program`` as the pieces of one scheduler iteration (``tidal.runtime.scheduler``):
-    same names, streams and dependencies; communication pieces leave the device free."""
-    out = []
-    for i, p in enumerate(program.pieces):
-        uses_device = stream_kind(p.stream)[1]
-        out.append(SchedulerPiece(p.name, work(i, p), kind="compute" if uses_device else p.stream,
-                                  uses_device=uses_device, stream=p.stream, after=p.deps))
-    return out
+def program_pieces(program: Program, work: Work) -> list[BoundPiece]:
+    """``program``'s pieces, each bound to what it does (``work(index, piece)``), as one
+    iteration of a scheduler job (``tidal.runtime.scheduler``): the pieces themselves, so
+    the scheduler sees their names, streams, kinds and dependencies.
+
+    Example:
+        >>> p = Program((Piece("segment 0", COMPUTE), Piece("all_reduce 0", COMM, (0,))))
+        >>> [b.piece is q for b, q in zip(program_pieces(p, lambda i, q: print), p.pieces)]
+        [True, True]
+    """
+    return [BoundPiece(p, work(i, p)) for i, p in enumerate(program.pieces)]
 
 
 def runner_backend(device: Any = "cpu") -> Backend:
@@ -446,7 +384,7 @@ class ProgramExecutor:
         """This rank's training as a job for :class:`~tidal.runtime.scheduler.Runtime` (see
         :class:`ProgramJob`). A rank program whose ``pipelined`` is true lets its steps
         overlap: step ``i + 1`` is bound as soon as step ``i``'s pieces are queued."""
-        def pieces(index: int) -> list[SchedulerPiece]:
+        def pieces(index: int) -> tuple[list[BoundPiece], Callable[[], Any]]:
             inputs, targets = batches(index)
             bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
             return program_pieces(bound.program, bound.work), bound.loss
@@ -499,11 +437,11 @@ class ProgramJob:
     step's loss to ``losses``. Submitted as the foreground or as a background job beside
     another, its pieces are dispatched on its own streams under the scheduler's priorities,
     pacing and slowdown feedback (``ProgramExecutor.job`` or ``Compiled.job`` make one).
-    ``make(i)`` returns the iteration's scheduler pieces and the function that gives its loss
-    once they ran. ``gated=False``: see :meth:`ready`."""
+    ``make(i)`` returns the iteration's bound pieces (``program_pieces``) and the function
+    that gives its loss once they ran. ``gated=False``: see :meth:`ready`."""
 
     name: str
-    make: Callable[[int], tuple[list[SchedulerPiece], Callable[[], Any]]]
+    make: Callable[[int], tuple[list[BoundPiece], Callable[[], Any]]]
     iterations: Optional[int] = None
     memory_bytes: int = 0
     losses: list = field(default_factory=list)
@@ -516,13 +454,13 @@ class ProgramJob:
         ``gated`` (pieces that read the state only when they run, in order on one stream)."""
         return not self.gated or len(self.losses) >= index
 
-    def iteration(self, index: int) -> Optional[list[SchedulerPiece]]:
-        """The pieces of iteration ``index`` (None past the last)."""
+    def iteration(self, index: int) -> Optional[list[BoundPiece]]:
+        """The pieces of iteration ``index`` (None past the last): the step's, then ``loss``,
+        host work on the comm stream after all of them."""
         if self.iterations is not None and index >= self.iterations:
             return None
         pieces, loss = self.make(index)
         pieces = list(pieces)
-        pieces.append(SchedulerPiece("loss", lambda: self.losses.append(loss()),
-                                     kind="loss", uses_device=False, stream=COMM,
-                                     after=tuple(range(len(pieces)))))
+        pieces.append(BoundPiece(Piece("loss", COMM, tuple(range(len(pieces))), kind=HOST),
+                                 lambda: self.losses.append(loss())))
         return pieces

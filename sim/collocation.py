@@ -13,9 +13,10 @@ gets while the foreground computes bracket DeepPool's concurrent priority stream
   two streams' kernels share the SMs perfectly, which DeepPool's non-preemptive device does not.
 
 Example:
+    >>> from tidal.ir.program import COMPUTE, Piece, Program
     >>> from tidal.sim.collocation import BackgroundJob, collocate
-    >>> from tidal.sim.engine import Task
-    >>> fg = [Task("f", "fg", "compute", (0,), 60.0), Task("g", "fg", "compute", (1,), 20.0)]
+    >>> fg = Program((Piece("f", COMPUTE, duration_us=60.0, ranks=(0,)),
+    ...               Piece("g", COMPUTE, duration_us=20.0, ranks=(1,))), world=2)
     >>> r = collocate(fg, gpus=2, global_batch=8, bg=BackgroundJob(iteration_us=10.0, batch=4))
     >>> round(r.bg_samples_per_iteration, 2)  # GPU 1 idles 40 us of the 60 us iteration
     16.0
@@ -30,7 +31,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Sequence
 
-from tidal.sim.engine import Task, is_compute_lane
+from tidal.ir.program import Program
+from tidal.sim.engine import is_compute_lane, lane_of
 from tidal.sim.programs import LayerTimes, SimResult, summarize
 
 PROBE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -114,18 +116,19 @@ def job_utilization(times_at: Callable[[int], LayerTimes], batch: int,
     return min(1.0, max(used / total, 1e-6))
 
 
-def collocate(tasks: Sequence[Task], gpus: int, global_batch: int, bg: BackgroundJob,
+def collocate(program: Program, gpus: int, global_batch: int, bg: BackgroundJob,
               interference: float = 1.0,
               fg_utilization: Optional[Mapping[str, float]] = None) -> CollocationResult:
-    """Simulate foreground ``tasks`` with compute slowed by ``interference`` (>= 1), fill
-    every GPU's idle compute time with background iterations and, with ``fg_utilization``
-    (task name -> share of the GPU the piece uses; missing names count as 1), let the
-    background also use what each foreground piece leaves unused (the SM-sharing bound)."""
+    """Simulate the foreground's placed ``program`` (``tidal.sim.engine``) with compute slowed
+    by ``interference`` (>= 1), fill every GPU's idle compute time with background iterations
+    and, with ``fg_utilization`` (piece name -> share of the GPU the piece uses; missing names
+    count as 1), let the background also use what each foreground piece leaves unused (the
+    SM-sharing bound)."""
     if interference < 1:
         raise ValueError(f"interference={interference}: must be >= 1 (1 = no slowdown)")
-    slowed = [replace(t, duration_us=t.duration_us * interference) if t.kind == "compute" else t
-              for t in tasks]
-    fg = summarize(slowed, gpus, global_batch)
+    slowed = tuple(replace(p, duration_us=p.duration_us * interference)
+                   if is_compute_lane(lane_of(p)) else p for p in program.pieces)
+    fg = summarize(Program(slowed, program.world), gpus, global_batch)
     idle = sum(max(0.0, fg.iteration_us - b) for b in fg.busy_us)
     iterations = idle / bg.iteration_us
     if fg_utilization is not None:
@@ -216,7 +219,7 @@ def job_idle_spans(records: Sequence, job: str) -> list[float]:
 
     >>> from tidal.runtime.scheduler import TraceRecord
     >>> rec = lambda name, kind, it, s, e: TraceRecord("fg", "high", name, kind, it, s, s, s, e)
-    >>> job_idle_spans([rec("f", "compute", 0, 0, 4), rec("x", "transfer", 0, 4, 9),
+    >>> job_idle_spans([rec("f", "compute", 0, 0, 4), rec("x", "point_to_point", 0, 4, 9),
     ...                 rec("g", "compute", 0, 9, 10), rec("f", "compute", 1, 12, 13)], "fg")
     [5.0]
     """

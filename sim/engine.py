@@ -1,80 +1,59 @@
-"""Discrete-event execution of a task list on N GPUs, each with compute lanes and two links.
+"""Discrete-event execution of a Program of the whole cluster on N GPUs, each with compute
+lanes and three links.
 
-Tasks are issued in list order (each lane is a FIFO, like a CUDA stream). A compute task runs
-on one GPU's compute lane; a communication task occupies a link lane of all its GPUs at once
-(a collective starts when every participant's link is free). A task starts when its lanes are
-free and all its dependencies have ended.
+The engine runs the one Program type (``tidal.ir.program``) with every piece *placed*: its
+``ranks`` are the GPUs it occupies, its ``deps`` may be pieces of other ranks
+(``tidal.sim.programs.join_ranks`` makes such a Program from the ranks' own Programs, the
+strategies of ``tidal.sim.programs`` build one directly). Pieces are issued in program order
+(each lane is a FIFO, like a CUDA stream). A piece starts when its lanes are free and all its
+dependencies have ended, and takes its ``duration_us``.
 
-Lanes: a compute task names its lane (``"compute"`` by default; a GPU may have several, e.g.
-the ``"tick"`` and ``"tock"`` streams of two waves, which then run *at the same time* on that
-GPU, as separate compute resources: the engine does not slow down concurrent compute lanes of
-one GPU, except through ``cores`` below). A communication task uses the GPU's network link
-(``"link"``, the default), its host-to-device link (``"h2d"``, weight loads) or its peer link
-(``"peer"``, burst parallelism's sample transfers); the links are separate resources, each a
-FIFO.
+Lanes follow the piece's stream (:func:`lane_of`): the ``comm`` stream is the GPU's network
+link (``"link"``), the ``load`` stream its host-to-device link (``"h2d"``, weight loads), the
+``transfer`` stream its peer link (``"peer"``, burst parallelism's sample transfers); the links
+are separate resources, each a FIFO, and a piece on a link occupies it on all its GPUs at once
+(a collective starts when every participant's link is free). Any other stream is a compute
+lane of the same name, on one GPU: ``compute``, or e.g. the ``tick`` and ``tock`` streams of two
+waves, which then run *at the same time* on that GPU, as separate compute resources (the engine
+does not slow down concurrent compute lanes of one GPU, except through ``cores`` below).
 
 With ``cores`` set, the compute lanes of all GPUs share that many processors: while ``n``
-compute tasks run, each progresses at ``min(1, cores / n)`` of its full speed (processor
+compute pieces run, each progresses at ``min(1, cores / n)`` of its full speed (processor
 sharing), the model of ranks oversubscribing a CPU's cores. Communication keeps its duration.
 
+Several jobs may share the GPUs: ``simulate({job: program, ...})`` issues them in that order,
+each interval naming its job.
+
 Example:
-    >>> from tidal.sim.engine import Task, simulate
-    >>> tasks = [Task("f0", "fg", "compute", (0,), 5.0),
-    ...          Task("f1", "fg", "compute", (1,), 7.0),
-    ...          Task("ar", "fg", "comm", (0, 1), 3.0, deps=(0, 1))]
-    >>> [(i.gpu, i.lane, i.start_us, i.end_us) for i in simulate(tasks) if i.name == "ar"]
+    >>> from tidal.ir.program import COMM, COMPUTE, Piece, Program
+    >>> p = Program((Piece("f0", COMPUTE, duration_us=5.0, ranks=(0,)),
+    ...              Piece("f1", COMPUTE, duration_us=7.0, ranks=(1,)),
+    ...              Piece("ar", COMM, (0, 1), duration_us=3.0, ranks=(0, 1))), world=2)
+    >>> [(i.gpu, i.lane, i.start_us, i.end_us) for i in simulate(p) if i.name == "ar"]
     [(0, 'link', 7.0, 10.0), (1, 'link', 7.0, 10.0)]
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, NamedTuple, Sequence, Union
 
-KINDS = ("compute", "comm")
+from tidal.ir.program import COMM, LOAD, TRANSFER, Piece, Program
+
 COMPUTE_LANE, LINK, H2D, PEER = "compute", "link", "h2d", "peer"
 LINKS = (LINK, H2D, PEER)
-"""The lanes a ``comm`` task may use: the network link (collectives), the host-to-device link
-and the peer link (a job's point-to-point sample transfers, on a stream and process group of
-their own, so they do not queue behind its collectives)."""
+"""The link lanes: the network link (collectives), the host-to-device link and the peer link (a
+job's point-to-point sample transfers, on a stream and process group of their own, so they do
+not queue behind its collectives)."""
+_LINK_OF_STREAM = {COMM: LINK, LOAD: H2D, TRANSFER: PEER}
 
-
-@dataclass(frozen=True)
-class Task:
-    """One piece of work: ``kind`` is ``compute`` (one GPU) or ``comm`` (the links of all
-    ``gpus``); ``deps`` are indices of earlier tasks in the list. ``lane``: which of the GPU's
-    lanes it occupies; left empty it is ``"compute"`` for a compute task and ``"link"`` for a
-    comm task. A compute task may name any other lane (another compute stream of the GPU) but
-    not a link; a comm task uses one of :data:`LINKS`."""
-
-    name: str
-    job: str
-    kind: str
-    gpus: tuple[int, ...]
-    duration_us: float
-    deps: tuple[int, ...] = ()
-    lane: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"task {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
-        if not self.lane:
-            object.__setattr__(self, "lane", COMPUTE_LANE if self.kind == "compute" else LINK)
-        if (self.kind == "comm") != (self.lane in LINKS):
-            raise ValueError(f"task {self.name!r}: a {self.kind} task cannot use lane "
-                             f"{self.lane!r} (comm tasks use one of {LINKS}, compute tasks "
-                             f"any other)")
-        if not self.gpus:
-            raise ValueError(f"task {self.name!r}: runs on no GPU")
-        if self.kind == "compute" and len(self.gpus) != 1:
-            raise ValueError(f"compute task {self.name!r} must run on exactly one GPU")
-        if self.duration_us < 0:
-            raise ValueError(f"task {self.name!r}: negative duration {self.duration_us}")
+Jobs = Union[Program, Mapping[str, Program]]
+"""What :func:`simulate` runs: a placed Program (the job ``"fg"``), or placed Programs by job."""
 
 
 @dataclass(frozen=True)
 class Interval:
-    """When a task occupied one GPU's lane (a compute lane, ``link`` or ``h2d``)."""
+    """When a piece occupied one GPU's lane (a compute lane, ``link``, ``h2d`` or ``peer``)."""
 
     gpu: int
     lane: str
@@ -84,11 +63,14 @@ class Interval:
     end_us: float
 
 
-def _check_deps(tasks: Sequence[Task]) -> None:
-    for i, t in enumerate(tasks):
-        bad = [d for d in t.deps if not 0 <= d < i]
-        if bad:
-            raise ValueError(f"task {i} {t.name!r} depends on task {bad[0]}, which is not earlier")
+def lane_of(piece: Piece) -> str:
+    """The lane ``piece`` occupies on each of its GPUs (see the module docstring).
+
+    Example:
+        >>> lane_of(Piece("w", "load")), lane_of(Piece("f", "tick"))
+        ('h2d', 'tick')
+    """
+    return _LINK_OF_STREAM.get(piece.stream, piece.stream)
 
 
 def is_compute_lane(lane: str) -> bool:
@@ -96,19 +78,64 @@ def is_compute_lane(lane: str) -> bool:
     return lane not in LINKS
 
 
-def simulate(tasks: Sequence[Task], cores: float | None = None) -> list[Interval]:
-    """Run ``tasks`` and return one interval per task and GPU it occupies, in issue order.
-    ``cores``: processors shared by all compute lanes (None: every GPU computes at full speed).
-    Raises ``ValueError`` for a dependency on a later (or the same) task or ``cores`` <= 0."""
-    _check_deps(tasks)
+class _Placed(NamedTuple):
+    """A piece as the engine runs it: its job, lane and dependencies in the issue list."""
+
+    job: str
+    piece: Piece
+    lane: str
+    deps: tuple[int, ...]
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return self.piece.ranks
+
+    @property
+    def name(self) -> str:
+        return self.piece.name
+
+    @property
+    def duration_us(self) -> float:
+        return self.piece.duration_us
+
+
+def _placed(jobs: Jobs) -> list[_Placed]:
+    """The pieces of every job in issue order, checked: placed on GPUs, one for a compute
+    piece, a compute stream not named like a link."""
+    by_job = {"fg": jobs} if isinstance(jobs, Program) else dict(jobs)
+    out: list[_Placed] = []
+    for job, program in by_job.items():
+        offset = len(out)
+        for p in program.pieces:
+            lane = lane_of(p)
+            if lane in LINKS and p.stream not in _LINK_OF_STREAM:
+                raise ValueError(f"piece {p.name!r}: its compute stream cannot use lane "
+                                 f"{lane!r} (the links are {LINKS})")
+            if not p.ranks:
+                raise ValueError(f"piece {p.name!r} of job {job!r} is placed on no GPU "
+                                 f"(empty ranks)")
+            if is_compute_lane(lane) and len(p.ranks) != 1:
+                raise ValueError(f"compute piece {p.name!r} must run on exactly one GPU, "
+                                 f"got ranks {p.ranks}")
+            out.append(_Placed(job, p, lane, tuple(offset + d for d in p.deps)))
+    return out
+
+
+def simulate(jobs: Jobs, cores: float | None = None) -> list[Interval]:
+    """Run ``jobs`` (a placed Program, or placed Programs by job name) and return one interval
+    per piece and GPU it occupies, in issue order. ``cores``: processors shared by all compute
+    lanes (None: every GPU computes at full speed). Raises ``ValueError`` for a piece placed on
+    no GPU, a compute piece on several, a compute stream named like a link, or ``cores`` <= 0
+    (a dependency on a later piece the Program itself refuses)."""
+    placed = _placed(jobs)
     if cores is not None:
         if not cores > 0:
             raise ValueError(f"simulate(cores={cores!r}): must be > 0")
-        return _simulate_shared(tasks, float(cores))
+        return _simulate_shared(placed, float(cores))
     free: dict[tuple[int, str], float] = defaultdict(float)
     ends: list[float] = []
     out: list[Interval] = []
-    for t in tasks:
+    for t in placed:
         lane = t.lane
         ready = max((ends[d] for d in t.deps), default=0.0)
         start = max([ready] + [free[(g, lane)] for g in t.gpus])
@@ -120,26 +147,26 @@ def simulate(tasks: Sequence[Task], cores: float | None = None) -> list[Interval
     return out
 
 
-def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
+def _simulate_shared(placed: Sequence[_Placed], cores: float) -> list[Interval]:
     """Event-driven run with processor sharing of the compute lanes (see ``simulate``)."""
     queues: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for i, t in enumerate(tasks):
+    for i, t in enumerate(placed):
         for g in t.gpus:
             queues[(g, t.lane)].append(i)
     head = {k: 0 for k in queues}
-    start = [0.0] * len(tasks)
-    end: list[float | None] = [None] * len(tasks)
-    left = {}  # running task -> remaining work (us at full speed); comm: fixed end below
+    start = [0.0] * len(placed)
+    end: list[float | None] = [None] * len(placed)
+    left = {}  # running piece -> remaining work (us at full speed); comm: fixed end below
     comm_end = {}
     now, done = 0.0, 0
 
     def at_head(i: int) -> bool:
-        t = tasks[i]
+        t = placed[i]
         return all(queues[(g, t.lane)][head[(g, t.lane)]] == i for g in t.gpus)
 
-    while done < len(tasks):
+    while done < len(placed):
         started = True
-        while started:  # start every task at the head of all its lanes whose deps ended
+        while started:  # start every piece at the head of all its lanes whose deps ended
             started = False
             for k, q in queues.items():
                 if head[k] >= len(q):
@@ -147,16 +174,16 @@ def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
                 i = q[head[k]]
                 if i in left or i in comm_end or not at_head(i):
                     continue
-                if any(end[d] is None for d in tasks[i].deps):
+                if any(end[d] is None for d in placed[i].deps):
                     continue
                 start[i] = now
-                if tasks[i].kind == "compute":
-                    left[i] = tasks[i].duration_us
+                if is_compute_lane(placed[i].lane):
+                    left[i] = placed[i].duration_us
                 else:
-                    comm_end[i] = now + tasks[i].duration_us
+                    comm_end[i] = now + placed[i].duration_us
                 started = True
         if not left and not comm_end:
-            raise AssertionError("simulate: no runnable task (dependency cycle)")
+            raise AssertionError("simulate: no runnable piece (dependency cycle)")
         rate = min(1.0, cores / len(left)) if left else 1.0
         step = min([w / rate for w in left.values()] + [e - now for e in comm_end.values()])
         step = max(step, 0.0)
@@ -164,18 +191,18 @@ def _simulate_shared(tasks: Sequence[Task], cores: float) -> list[Interval]:
         finished = [i for i, e in comm_end.items() if e <= now + 1e-9]
         for i in list(left):
             left[i] -= step * rate
-            if left[i] <= 1e-9 * max(1.0, tasks[i].duration_us):
+            if left[i] <= 1e-9 * max(1.0, placed[i].duration_us):
                 finished.append(i)
         for i in sorted(finished):
             left.pop(i, None)
             comm_end.pop(i, None)
             end[i] = now
             done += 1
-            t = tasks[i]
+            t = placed[i]
             for g in t.gpus:
                 head[(g, t.lane)] += 1
     out = []
-    for i, t in enumerate(tasks):
+    for i, t in enumerate(placed):
         for g in t.gpus:
             out.append(Interval(g, t.lane, t.job, t.name, start[i], end[i]))
     return out

@@ -1,16 +1,20 @@
-"""Task lists for execution strategies, built from per-layer costs, and their summary.
+"""Programs of execution strategies, built from per-layer costs, and their summary.
 
-``LayerTimes`` holds, for one per-GPU batch size, each layer's forward and backward time and
-its parameter bytes; ``layer_times(gm, cluster, batch)`` reads them from an annotated graph
-(measured or DeepPool profile when ``cluster.profile`` has the layer, FLOPs otherwise).
-``data_parallel`` builds one training iteration of data parallelism with ring all-reduces of
-DDP-style gradient buckets that overlap the rest of backward. A burst-parallel plan becomes tasks
-either under the planner's own cost model (``burst_parallel``: per layer, transfer, forward +
-backward, gradient sync) or from per-layer costs (``burst_execution``: all forwards, all backwards,
-then the gradient sync per set of ranks; the runtime's own program now issues each set's sync
-as soon as backward has finished it, and ``program_tasks`` of that program models it exactly). ``schedule_result`` turns a Wavelet schedule
-into timelines. ``program_tasks`` simulates the runtime's own ``Program`` objects (the pieces the
-executor runs; one Program for every rank or one per rank), with durations from a model or a
+Everything here is the one Program type (``tidal.ir.program``) *placed* on the cluster, as the
+engine (``tidal.sim.engine``) runs it: each piece on the GPUs it occupies, with its modelled
+duration. ``LayerTimes`` holds, for one per-GPU batch size, each layer's forward and backward
+time and its parameter bytes; ``layer_times(gm, cluster, batch)`` reads them from an annotated
+graph (measured or DeepPool profile when ``cluster.profile`` has the layer, FLOPs otherwise).
+``data_parallel`` builds one training iteration of data parallelism by the one data-parallel
+schedule (``tidal.ir.program.data_parallel_program``, which the runtime builds from a captured
+step): ring all-reduces of DDP-style gradient buckets that overlap the rest of backward. A
+burst-parallel plan becomes a Program either under the planner's own cost model
+(``burst_parallel``: per layer, transfer, forward + backward, gradient sync) or from per-layer
+costs (``burst_execution``: all forwards, all backwards, the gradient sync per set of ranks in
+buckets of the one bucket rule, ``tidal.ir.comm_cost.gradient_buckets``). ``schedule_result``
+turns a Wavelet schedule into timelines (through its Program, ``tidal.ir.schedule.
+schedule_program``, with ``contention``). ``join_ranks`` places the runtime's own per-rank
+Programs (the pieces the executor runs) on the cluster, with durations from a model or a
 measured trace; ``simulated_order`` compares such a run with the executor's trace
 (``trace_order``) in one call.
 
@@ -30,13 +34,14 @@ import torch.fx as fx
 
 from tidal.ir import cost
 from tidal.ir.cluster import Cluster
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, gradient_buckets, ring_allreduce_us
 from tidal.ir.node_runner import COMPUTE_OPS
-from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition, ring_allreduce_us
-from tidal.runtime.program import TRANSFER, PieceTrace, Program, stream_kind
-from tidal.sim.engine import H2D, LINK, PEER, Interval, Task, is_compute_lane, simulate
-
-LOAD = "load"
-"""The runtime's stream of weight loads (``tidal.runtime.program.STREAMS``)."""
+from tidal.ir.program import (COLLECTIVE, COMM, COMPUTE, OPTIMIZER, POINT_TO_POINT, SEGMENT,
+                              Piece, Program, data_parallel_program, node_pieces)
+from tidal.ir.schedule import LINK_ACTIONS, schedule_program
+from tidal.runtime.program import PieceTrace
+from tidal.sim.engine import (LINK, PEER, Interval, Jobs, is_compute_lane, lane_of,
+                              simulate)
 
 
 @dataclass(frozen=True)
@@ -81,23 +86,17 @@ def output_bytes(gm: fx.GraphModule) -> float:
     return float(sum(t.nbytes for a in out.all_input_nodes for t in meta.get_tensors(a)))
 
 
-def gradient_buckets(lt: LayerTimes, bucket_bytes: float) -> list[list[int]]:
-    """Layers with parameters grouped into DDP-style buckets of ``bucket_bytes`` in backward
-    (reverse) order (``tidal.ir.comm_cost.bucket_partition``)."""
-    order = [i for i in reversed(range(len(lt.names))) if lt.param_bytes[i]]
-    parts = bucket_partition([lt.param_bytes[i] for i in order], bucket_bytes)
-    return [[order[k] for k in part] for part in parts]
-
-
 def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch: int,
-                  cluster: Cluster | None = None, job: str = "fg",
-                  bucket_bytes: float = DDP_BUCKET_BYTES, update_us: float = 0.0
-                  ) -> list[Task]:
+                  cluster: Cluster | None = None, bucket_bytes: float = DDP_BUCKET_BYTES,
+                  update_us: float = 0.0) -> Program:
     """One data-parallel training iteration on ``gpus`` GPUs: every GPU runs all layers
-    forward then backward on ``global_batch / gpus`` samples; gradients are all-reduced (ring)
-    in DDP-style buckets of ``bucket_bytes``, each as soon as every GPU finished the backward of
-    the bucket's last layer, overlapping the rest of backward. ``update_us`` > 0 adds the
-    optimizer step on every GPU after its backward and all all-reduces."""
+    forward (``F:<layer>``) then backward (``B:<layer>``) on ``global_batch / gpus`` samples;
+    gradients are all-reduced (ring) in DDP-style buckets of ``bucket_bytes`` (``AR:<first
+    layer>..<last>``), each as soon as every GPU finished the backward of the bucket's last
+    layer, overlapping the rest of backward: the one data-parallel schedule
+    (``tidal.ir.program.data_parallel_program``) over the layers' forwards and backwards, one
+    piece each. ``update_us`` > 0 adds the optimizer step (``update``) on every GPU after its
+    backward and all all-reduces."""
     if gpus < 1:
         raise ValueError(f"data_parallel(gpus={gpus}): need at least one GPU")
     if global_batch % gpus:
@@ -105,31 +104,27 @@ def data_parallel(times_at: Callable[[int], LayerTimes], gpus: int, global_batch
                          f"{gpus} GPUs")
     cluster = cluster or Cluster(gpus=gpus)
     lt = times_at(global_batch // gpus)
-    tasks: list[Task] = []
-    bwd_index: dict[tuple[int, int], int] = {}
-    last: dict[int, tuple[int, ...]] = {}  # GPU -> its last backward task
-    for g in range(gpus):
-        prev: tuple[int, ...] = ()
-        for i, name in enumerate(lt.names):
-            tasks.append(Task(f"F:{name}", job, "compute", (g,), lt.fwd_us[i], prev))
-            prev = (len(tasks) - 1,)
-        for i in reversed(range(len(lt.names))):
-            tasks.append(Task(f"B:{lt.names[i]}", job, "compute", (g,), lt.bwd_us[i], prev))
-            prev = (len(tasks) - 1,)
-            bwd_index[(g, i)] = len(tasks) - 1
-        last[g] = prev
-    if gpus > 1:
-        for bucket in gradient_buckets(lt, bucket_bytes):
-            nbytes = sum(lt.param_bytes[i] for i in bucket)
-            t = ring_allreduce_us(nbytes, gpus, cluster.bytes_per_us, cluster.latency_us)
-            deps = tuple(bwd_index[(g, bucket[-1])] for g in range(gpus))
-            tasks.append(Task(f"AR:{lt.names[bucket[0]]}..{lt.names[bucket[-1]]}", job, "comm",
-                              tuple(range(gpus)), t, deps))
-    if update_us > 0:
-        syncs = tuple(i for i, t in enumerate(tasks) if t.kind == "comm")
-        for g in range(gpus):
-            tasks.append(Task("update", job, "compute", (g,), update_us, syncs + last[g]))
-    return tasks
+    n = len(lt.names)
+    units = [f"F:{name}" for name in lt.names] + [f"B:{name}" for name in reversed(lt.names)]
+    us = dict(zip(units, lt.fwd_us + tuple(reversed(lt.bwd_us))))
+    issued = [(i, lt.param_bytes[i], 2 * n - 1 - i) for i in reversed(range(n))] \
+        if gpus > 1 else []  # one GPU syncs nothing
+    rank = node_pieces(data_parallel_program(units, issued, gpus, bucket_bytes), us.__getitem__)
+
+    def modelled(p: Piece) -> Piece:
+        if p.kind == OPTIMIZER:
+            return replace(p, name="update", duration_us=update_us)
+        if p.grads:
+            nbytes = sum(lt.param_bytes[i] for i in p.grads)
+            return replace(p, name=f"AR:{lt.names[p.grads[0]]}..{lt.names[p.grads[-1]]}",
+                           duration_us=ring_allreduce_us(nbytes, gpus, cluster.bytes_per_us,
+                                                         cluster.latency_us))
+        return p
+
+    pieces = tuple(modelled(p) for p in rank.pieces)
+    if update_us <= 0:  # no optimizer step modelled: the last piece goes
+        pieces = pieces[:-1]
+    return join_ranks(Program(pieces, gpus))
 
 
 @dataclass(frozen=True)
@@ -174,11 +169,11 @@ class SimResult:
                 f"busy {self.busy_fraction:.0%}")
 
 
-def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
-              cores: float | None = None) -> SimResult:
-    """Simulate ``tasks`` (compute lanes sharing ``cores`` processors when given, see
-    ``tidal.sim.engine.simulate``) and summarise them."""
-    intervals = simulate(tasks, cores)
+def summarize(jobs: Jobs, gpus: int, global_batch: int, cores: float | None = None
+              ) -> SimResult:
+    """Simulate ``jobs`` (a placed Program, or several by job name: ``tidal.sim.engine``;
+    compute lanes sharing ``cores`` processors when given) and summarise them."""
+    intervals = simulate(jobs, cores)
     end = max((i.end_us for i in intervals), default=0.0)
     spans: list[list[tuple[float, float]]] = [[] for _ in range(gpus)]
     for i in intervals:  # several compute lanes of a GPU (tick, tock) may overlap
@@ -187,170 +182,192 @@ def summarize(tasks: Sequence[Task], gpus: int, global_batch: int,
     return SimResult(tuple(intervals), gpus, global_batch, end, tuple(map(_covered, spans)))
 
 
-def burst_parallel(plan, preds: dict[str, Sequence[str]], job: str = "fg",
-                   overlap_sync: bool = False) -> list[Task]:
-    """The tasks of one iteration of a burst-parallel plan (``tidal.ir.plans.burst.BurstPlan``)
-    under the planner's own cost model: per layer, in order, the transfer of
-    samples from its predecessors' GPUs (``comm_us``, on the links of both GPU sets), the
-    layer's forward+backward on each of its ranks (``comp_us``) and the all-reduce of its
-    gradients on its ranks (``sync_us``). Layers on disjoint ranks (parallel branches) overlap.
-    ``preds`` maps each layer to the layers whose output it reads. ``overlap_sync``: the next
-    layers do not wait for a layer's all-reduce, which runs on the link lanes while they
-    compute (as a runtime with an asynchronous communication stream does); by default each
-    all-reduce ends its layer, the planner's assumption (DeepPool §4)."""
-    tasks: list[Task] = []
-    last: dict[str, tuple[int, ...]] = {}  # layer -> tasks that end it
+class _Placing:
+    """A placed Program being built, piece by piece (``add`` returns the piece's index)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[Piece] = []
+
+    def add(self, name: str, ranks: Sequence[int], us: float, deps: Sequence[int] = (),
+            kind: str = SEGMENT) -> int:
+        """A piece of ``kind`` (a segment or the optimizer computes on its one rank; a transfer
+        or collective uses the links of all ``ranks``) after the pieces ``deps``."""
+        stream = COMPUTE if kind in (SEGMENT, OPTIMIZER) else COMM
+        self.pieces.append(Piece(name, stream, tuple(sorted(set(deps))), kind=kind,
+                                 duration_us=us, ranks=tuple(ranks)))
+        return len(self.pieces) - 1
+
+    def program(self, world: int) -> Program:
+        return Program(tuple(self.pieces), world)
+
+
+def burst_parallel(plan, preds: dict[str, Sequence[str]], overlap_sync: bool = False
+                   ) -> Program:
+    """One iteration of a burst-parallel plan (``tidal.ir.plans.burst.BurstPlan``) under the
+    planner's own cost model: per layer, in order, the transfer of samples from its
+    predecessors' GPUs (``X:<layer>``, ``comm_us``, on the links of both GPU sets), the layer's
+    forward+backward on each of its ranks (``FB:<layer>``, ``comp_us``) and the all-reduce of
+    its gradients on its ranks (``AR:<layer>``, ``sync_us``). Layers on disjoint ranks
+    (parallel branches) overlap. ``preds`` maps each layer to the layers whose output it reads.
+    ``overlap_sync``: the next layers do not wait for a layer's all-reduce, which runs on the
+    link lanes while they compute (as a runtime with an asynchronous communication stream
+    does); by default each all-reduce ends its layer, the planner's assumption (DeepPool §4)."""
+    out = _Placing()
+    last: dict[str, tuple[int, ...]] = {}  # layer -> pieces that end it
     ranks_of = {p.layer: p.ranks for p in plan.layers}
     for p in plan.layers:
         deps = tuple(d for q in preds.get(p.layer, ()) for d in last.get(q, ()))
         if p.comm_us > 0:
-            gpus = tuple(sorted(set(p.ranks).union(*(ranks_of[q] for q in preds.get(p.layer, ())
-                                                      if q in ranks_of))))
-            tasks.append(Task(f"X:{p.layer}", job, "comm", gpus, p.comm_us, deps))
-            deps = (len(tasks) - 1,)
-        ends = []
-        for r in p.ranks:
-            tasks.append(Task(f"FB:{p.layer}", job, "compute", (r,), p.comp_us, deps))
-            ends.append(len(tasks) - 1)
+            gpus = sorted(set(p.ranks).union(*(ranks_of[q] for q in preds.get(p.layer, ())
+                                                if q in ranks_of)))
+            deps = (out.add(f"X:{p.layer}", gpus, p.comm_us, deps, POINT_TO_POINT),)
+        ends = [out.add(f"FB:{p.layer}", (r,), p.comp_us, deps) for r in p.ranks]
         if p.sync_us > 0 and len(p.ranks) > 1:
-            tasks.append(Task(f"AR:{p.layer}", job, "comm", tuple(p.ranks), p.sync_us,
-                              tuple(ends)))
+            ar = out.add(f"AR:{p.layer}", p.ranks, p.sync_us, ends, COLLECTIVE)
             if not overlap_sync:
-                ends = [len(tasks) - 1]
+                ends = [ar]
         last[p.layer] = tuple(ends)
-    return tasks
+    return out.program(plan.world)
 
 
 def burst_execution(plan, preds: dict[str, Sequence[str]],
                     times_at: Callable[[int], LayerTimes], cluster: Cluster,
-                    out_bytes: float = 0.0, update_us: float = 0.0,
-                    job: str = "fg", sync: str = "end",
-                    bucket_bytes: float = DDP_BUCKET_BYTES) -> list[Task]:
+                    out_bytes: float = 0.0, update_us: float = 0.0, sync: str = "end",
+                    bucket_bytes: float = DDP_BUCKET_BYTES) -> Program:
     """One training step of a burst-parallel plan from per-layer costs, as the runtime's burst
-    program runs it (``tidal.runtime.programs.burst``; ``program_tasks`` of that program object
-    models it piece by piece): the forward of every layer on its ranks (per-GPU batch
-    ``ceil(B / gpus)``, times from ``times_at``) after the transfer of its input where the GPU
-    set changes (half of the plan's ``comm_us``), the model output (``out_bytes``) gathered to
-    every rank, the backward in reverse order with the mirror transfers, the gradient syncs and
-    ``update_us`` of optimizer step on every rank (after its syncs). ``preds`` maps each layer
-    to the layers it reads. Each rank holds only its layers' weights (nothing is broadcast):
-    in backward order, the gradients of consecutive layers on the same two or more ranks go
-    into buckets of at most ``bucket_bytes`` (a ring all-reduce on those ranks each).
-    ``sync="end"`` issues every bucket after the whole backward (the program's
-    ``overlap=False``); ``sync="overlap"`` issues each as soon as its layers' backward ended on
-    all their ranks, overlapping the rest of backward. On a data-parallel plan ``"overlap"``
-    is ``data_parallel``'s iteration."""
+    program runs it (``tidal.runtime.programs.burst``; ``join_ranks`` of that program object
+    models it piece by piece): the forward of every layer on its ranks (``F:<layer>``, per-GPU
+    batch ``ceil(B / gpus)``, times from ``times_at``) after the transfer of its input where the
+    GPU set changes (``X:<layer>``, half of the plan's ``comm_us``), the model output
+    (``out_bytes``) gathered to every rank, the backward in reverse order (``B:<layer>``) with
+    the mirror transfers (``Xb:<layer>``), the gradient syncs and ``update_us`` of optimizer
+    step on every rank (after its syncs). ``preds`` maps each layer to the layers it reads.
+    Each rank holds only its layers' weights (nothing is broadcast): in backward order, the
+    gradients of consecutive layers on the same two or more ranks go into buckets of at most
+    ``bucket_bytes`` by the one bucket rule (a ring all-reduce on those ranks each,
+    :func:`sync_buckets`). ``sync="end"`` issues every bucket after the whole backward (the
+    program's ``overlap=False``); ``sync="overlap"`` issues each as soon as its layers'
+    backward ended on all their ranks, overlapping the rest of backward. On a data-parallel
+    plan ``"overlap"`` is ``data_parallel``'s iteration."""
     if sync not in ("end", "overlap"):
         raise ValueError(f"burst_execution(sync={sync!r}): expected 'end' or 'overlap'")
-    world = plan.world
-    everyone = tuple(range(world))
-    tables: dict[int, LayerTimes] = {}
-    index: dict[int, dict[str, int]] = {}
+    step = _BurstStep(plan, preds, times_at, cluster)
+    head = step.forward()
+    bwd_all, syncs = step.backward(head, out_bytes, bucket_bytes, overlap=sync == "overlap")
+    for r in range(plan.world):
+        step.out.add("update", (r,), update_us,
+                     [d for d in syncs + bwd_all if r in step.out.pieces[d].ranks], OPTIMIZER)
+    return step.out.program(plan.world)
 
-    def lt(g: int) -> tuple[LayerTimes, dict[str, int]]:
-        b = -(-plan.batch // g)
-        if b not in tables:
-            tables[b] = times_at(b)
-            index[b] = {n: i for i, n in enumerate(tables[b].names)}
-        return tables[b], index[b]
 
-    tasks: list[Task] = []
+class _BurstStep:
+    """The pieces of one burst-parallel training step being placed (``burst_execution``)."""
 
-    def add(name: str, kind: str, gpus: Sequence[int], us: float, deps: Sequence[int]) -> int:
-        tasks.append(Task(name, job, kind, tuple(gpus), us, tuple(sorted(set(deps)))))
-        return len(tasks) - 1
+    def __init__(self, plan, preds: dict[str, Sequence[str]],
+                 times_at: Callable[[int], LayerTimes], cluster: Cluster):
+        self.plan, self.preds, self.times_at, self.cluster = plan, preds, times_at, cluster
+        self.out = _Placing()
+        self.layers = {p.layer: p for p in plan.layers}
+        self.succs: dict[str, list[str]] = {p.layer: [] for p in plan.layers}
+        for name in self.layers:
+            for q in preds.get(name, ()):
+                if q in self.succs:
+                    self.succs[q].append(name)
+        self.tables: dict[int, tuple[LayerTimes, dict[str, int]]] = {}
 
-    layers = {p.layer: p for p in plan.layers}
-    succs: dict[str, list[str]] = {p.layer: [] for p in plan.layers}
-    for name in layers:
-        for q in preds.get(name, ()):
-            if q in succs:
-                succs[q].append(name)
+    def times(self, gpus: int) -> tuple[LayerTimes, dict[str, int]]:
+        """The layer times at the per-GPU batch of a layer on ``gpus`` GPUs, and each layer's
+        index in them."""
+        b = -(-self.plan.batch // gpus)
+        if b not in self.tables:
+            t = self.times_at(b)
+            self.tables[b] = (t, {n: i for i, n in enumerate(t.names)})
+        return self.tables[b]
 
-    def moved(p) -> tuple[int, ...]:
-        return tuple(sorted(set(p.ranks).union(*(layers[q].ranks for q in preds.get(p.layer, ())
-                                                 if q in layers))))
+    def moved(self, p) -> tuple[int, ...]:
+        """The GPUs a transfer into layer ``p`` occupies: its own and its inputs'."""
+        return tuple(sorted(set(p.ranks).union(*(self.layers[q].ranks
+                                                 for q in self.preds.get(p.layer, ())
+                                                 if q in self.layers))))
 
-    fwd_end: dict[str, list[int]] = {}
-    for p in plan.layers:
-        deps = [d for q in preds.get(p.layer, ()) for d in fwd_end.get(q, ())]
-        if p.comm_us > 0:
-            deps = [add(f"X:{p.layer}", "comm", moved(p), p.comm_us / 2, deps)]
-        t, ix = lt(p.gpus)
-        us = t.fwd_us[ix[p.layer]] if p.layer in ix else 0.0
-        fwd_end[p.layer] = [add(f"F:{p.layer}", "compute", (r,), us, deps) for r in p.ranks]
-    sinks = [p for p in plan.layers if not succs[p.layer]]
-    head = [d for p in sinks for d in fwd_end[p.layer]]
-    gather = [p for p in sinks if p.ranks != everyone]
-    if gather:  # the output is gathered to every rank (and its gradient sent back)
-        out_us = cluster.latency_us + out_bytes / cluster.bytes_per_us
-        head = [add("X:output", "comm", everyone, out_us, head)]
-    else:
-        out_us = 0.0
-    bwd_ready: dict[str, list[int]] = {}
-    for p in sinks:
-        bwd_ready[p.layer] = [add("Xb:output", "comm", everyone, out_us, head)] if gather \
-            else head
-    bwd_all: list[int] = []
-    bwd_of: dict[str, list[int]] = {}
-    syncs: list[int] = []
-    buckets = _sync_buckets(plan, lt, bucket_bytes)
-    closes = {} if sync == "end" else {names[-1]: (ranks, names, nbytes)
-                                       for ranks, names, nbytes in buckets}
-    bw, lat = cluster.bytes_per_us, cluster.latency_us
+    def layer_us(self, p, pass_us: str) -> float:
+        t, ix = self.times(p.gpus)
+        return getattr(t, pass_us)[ix[p.layer]] if p.layer in ix else 0.0
+
+    def forward(self) -> list[int]:
+        """Every layer's forward after its input's transfer; the pieces that end forward
+        (the output gathered to every rank where the last layers do not run on all)."""
+        fwd_end: dict[str, list[int]] = {}
+        for p in self.plan.layers:
+            deps = [d for q in self.preds.get(p.layer, ()) for d in fwd_end.get(q, ())]
+            if p.comm_us > 0:
+                deps = [self.out.add(f"X:{p.layer}", self.moved(p), p.comm_us / 2, deps,
+                                     POINT_TO_POINT)]
+            us = self.layer_us(p, "fwd_us")
+            fwd_end[p.layer] = [self.out.add(f"F:{p.layer}", (r,), us, deps) for r in p.ranks]
+        self.sinks = [p for p in self.plan.layers if not self.succs[p.layer]]
+        return [d for p in self.sinks for d in fwd_end[p.layer]]
+
+    def backward(self, head: list[int], out_bytes: float, bucket_bytes: float,
+                 overlap: bool) -> tuple[list[int], list[int]]:
+        """The backward in reverse layer order with the mirror transfers and the gradient
+        syncs (each after its bucket's last backward, or all after the whole backward);
+        returns the pieces that end backward and the syncs."""
+        everyone = tuple(range(self.plan.world))
+        c = self.cluster
+        bwd_ready: dict[str, list[int]] = {}
+        gather = any(p.ranks != everyone for p in self.sinks)
+        out_us = c.latency_us + out_bytes / c.bytes_per_us if gather else 0.0
+        if gather:  # the output is gathered to every rank (and its gradient sent back)
+            head = [self.out.add("X:output", everyone, out_us, head, POINT_TO_POINT)]
+        for p in self.sinks:
+            bwd_ready[p.layer] = [self.out.add("Xb:output", everyone, out_us, head,
+                                               POINT_TO_POINT)] if gather else head
+        bwd_all: list[int] = []
+        bwd_of: dict[str, list[int]] = {}
+        syncs: list[int] = []
+        buckets = sync_buckets(self.plan, self.times, bucket_bytes)
+        closes = {names[-1]: (ranks, names, nbytes) for ranks, names, nbytes in buckets}
+
+        def add_sync(ranks, names, nbytes, deps) -> None:
+            syncs.append(self.out.add(f"AR:{names[0]}..{names[-1]}", ranks, ring_allreduce_us(
+                nbytes, len(ranks), c.bytes_per_us, c.latency_us), deps, COLLECTIVE))
+
+        for p in reversed(self.plan.layers):
+            deps = list(bwd_ready.get(p.layer, ()))
+            for s in self.succs[p.layer]:
+                deps += bwd_ready[f"<in>{s}"]
+            us = self.layer_us(p, "bwd_us")
+            ends = bwd_of[p.layer] = [self.out.add(f"B:{p.layer}", (r,), us, deps)
+                                      for r in p.ranks]
+            if p.comm_us > 0:
+                ends = [self.out.add(f"Xb:{p.layer}", self.moved(p), p.comm_us / 2, ends,
+                                     POINT_TO_POINT)]
+            bwd_ready[f"<in>{p.layer}"] = ends
+            bwd_all += ends
+            if overlap and p.layer in closes:  # issued as soon as its last layer's backward is
+                ranks, names, nbytes = closes[p.layer]
+                add_sync(ranks, names, nbytes, [d for n in names for d in bwd_of[n]])
+        for ranks, names, nbytes in () if overlap else buckets:  # after the backward
+            add_sync(ranks, names, nbytes, bwd_all)
+        return bwd_all, syncs
+
+
+def sync_buckets(plan, times: Callable[[int], tuple[LayerTimes, dict[str, int]]],
+                 bucket_bytes: float) -> list[tuple[tuple[int, ...], list[str], float]]:
+    """A burst-parallel plan's gradient buckets as (ranks, layer names in backward order,
+    bytes), by the one bucket rule (``tidal.ir.comm_cost.gradient_buckets``) as the runtime
+    makes them: in backward order, runs of consecutive layers on the same ranks (a layer on
+    one GPU, or without parameters on another set, ends a run), each cut into buckets of at
+    most ``bucket_bytes``; a layer on one GPU syncs nothing. ``times(gpus)``: the layer times
+    at the per-GPU batch of a layer on ``gpus`` GPUs and each layer's index in them."""
+    items = []
     for p in reversed(plan.layers):
-        deps = list(bwd_ready.get(p.layer, ()))
-        for s in succs[p.layer]:
-            deps += bwd_ready[f"<in>{s}"]
-        t, ix = lt(p.gpus)
-        us = t.bwd_us[ix[p.layer]] if p.layer in ix else 0.0
-        ends = bwd_of[p.layer] = [add(f"B:{p.layer}", "compute", (r,), us, deps)
-                                  for r in p.ranks]
-        if p.comm_us > 0:
-            ends = [add(f"Xb:{p.layer}", "comm", moved(p), p.comm_us / 2, ends)]
-        bwd_ready[f"<in>{p.layer}"] = ends
-        bwd_all += ends
-        if p.layer in closes:  # issued as soon as its last layer's backward is
-            ranks, names, nbytes = closes[p.layer]
-            syncs.append(add(f"AR:{names[0]}..{names[-1]}", "comm", ranks,
-                             ring_allreduce_us(nbytes, len(ranks), bw, lat),
-                             [d for n in names for d in bwd_of[n]]))
-    for ranks, names, nbytes in buckets if sync == "end" else ():  # after the backward
-        syncs.append(add(f"AR:{names[0]}..{names[-1]}", "comm", ranks,
-                         ring_allreduce_us(nbytes, len(ranks), bw, lat), bwd_all))
-    for r in everyone:
-        add("update", "compute", (r,), update_us,
-            [d for d in syncs + bwd_all if r in tasks[d].gpus])
-    return tasks
-
-
-def _sync_buckets(plan, lt, bucket_bytes: float
-                  ) -> list[tuple[tuple[int, ...], list[str], float]]:
-    """``burst_execution``'s gradient buckets as (ranks, layer names in backward order,
-    bytes), as the runtime's ``sync_buckets`` makes them: runs of consecutive layers (backward
-    order) on the same two or more ranks, a run ending wherever the GPU set changes (also
-    across a layer of one GPU between two of the same set), cut by ``bucket_partition``."""
-    runs: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []
-    previous: tuple[int, ...] = ()
-    cut = True  # the GPU set changed since the last layer put in a run
-    for p in reversed(plan.layers):
-        ranks = tuple(p.ranks)
-        cut, previous = cut or ranks != previous, ranks
-        t, ix = lt(p.gpus)
-        nbytes = t.param_bytes[ix[p.layer]] if p.layer in ix else 0
-        if not nbytes or len(ranks) < 2:
-            continue
-        if cut or runs[-1][0] != ranks:
-            runs.append((ranks, []))
-        cut = False
-        runs[-1][1].append((p.layer, nbytes))
-    return [(ranks, [layers[k][0] for k in part], float(sum(layers[k][1] for k in part)))
-            for ranks, layers in runs
-            for part in bucket_partition([b for _, b in layers], bucket_bytes)]
-
-
-_LINK_KINDS = ("X", "A", "S", "SEND", "RECV")
-"""Transfers, all-reduces and weight switches use the link; the rest computes."""
+        t, ix = times(p.gpus)
+        nbytes = t.param_bytes[ix[p.layer]] if p.layer in ix and len(p.ranks) > 1 else 0
+        items.append((tuple(p.ranks), (p.layer, nbytes), nbytes))
+    return [(ranks, [name for name, _ in bucket], float(sum(b for _, b in bucket)))
+            for ranks, bucket in gradient_buckets(items, bucket_bytes)]
 
 
 def _covered(spans: list[tuple[float, float]]) -> float:
@@ -361,59 +378,6 @@ def _covered(spans: list[tuple[float, float]]) -> float:
             total += e - max(s, end)
             end = e
     return total
-
-
-def schedule_tasks(schedule, job: str = "fg") -> list[Task]:
-    """The actions of a Wavelet schedule as engine tasks, so that the engine (not the
-    schedule's builder) decides when each runs: forward, backward and update on the rank's one
-    compute lane (the waves of a rank contend for it), transfers and weight switches on its link,
-    an all-reduce (same wave, batch and partition on every rank) as one collective, a transfer
-    ``X`` of a partitioned schedule on its rank's link, awaited by the next rank, a ``SEND`` and
-    its matching ``RECV`` (GPipe, 1F1B: ``tidal.ir.pipeline_schedules``) as one transfer on both
-    ranks' links, a weight gradient ``W`` on the compute lane. An action depends, on every
-    GPU it occupies, on the last action of each of the schedule's lanes there that the builder
-    ended no later than it started (the builder's happens-before); list order is start order."""
-    part = schedule.partitions > 1
-    n = len(schedule.ranks)
-    items: dict[tuple, dict] = {}
-    for rank, actions in enumerate(schedule.ranks):
-        for k, a in enumerate(actions):
-            seen = None  # GPUs whose later actions wait for this one (default: where it runs)
-            if a.kind == "A":
-                key: tuple = ("A", a.wave, a.batch, a.partition)
-                gpus = tuple(range(n))
-            elif a.kind == "X" and part:  # sent on this rank's link, awaited by the next rank
-                key, gpus, seen = ("X", rank, k), (rank,), tuple(sorted({rank, (rank + 1) % n}))
-            elif a.kind in ("SEND", "RECV") and a.peer >= 0:  # one transfer on both links
-                pair = (rank, a.peer) if a.kind == "SEND" else (a.peer, rank)
-                key = ("P2P", pair, a.moves, a.wave, a.batch)  # one per pair and micro-batch
-                gpus = tuple(sorted(set(pair)))
-            else:
-                key, gpus = (a.kind, rank, k), (rank,)
-            it = items.setdefault(key, {"a": a, "gpus": gpus, "seen": seen or gpus,
-                                        "lanes": set(), "start": a.start_us, "end": a.end_us})
-            it["lanes"].add((rank, a.lane))
-            it["start"], it["end"] = min(it["start"], a.start_us), max(it["end"], a.end_us)
-    order = sorted(items, key=lambda key: (items[key]["start"], items[key]["end"], str(key)))
-    index = {key: i for i, key in enumerate(order)}
-    tasks: list[Task] = []
-    for i, key in enumerate(order):
-        it = items[key]
-        a = it["a"]
-        deps = set()
-        for g in it["gpus"]:
-            last: dict[tuple[int, str], int] = {}
-            for j in range(i):  # the latest finished action of each lane of GPU g
-                other = items[order[j]]
-                if g in other["seen"] and other["end"] <= it["start"] + 1e-9:
-                    for r, lane in other["lanes"]:
-                        last[(r, lane)] = j
-            deps.update(last.values())
-        kind = "comm" if a.kind in _LINK_KINDS else "compute"
-        gpus = it["gpus"] if kind == "comm" else it["gpus"][:1]
-        tasks.append(Task(a.label(part), job, kind, gpus, a.dur_us,
-                          tuple(sorted(d for d in deps if d != index[key]))))
-    return tasks
 
 
 def schedule_steps(schedule) -> int:
@@ -427,15 +391,15 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
                     ) -> SimResult:
     """A Wavelet schedule (``tidal.ir.schedule.Schedule``, from the tick_tock or round_robin
     pass) whose steps each process ``global_batch`` samples (``schedule_steps``), as simulated
-    timelines. By default each action
-    becomes an interval on its rank's compute lane (forward, backward, update) or link lane
-    (transfer, all-reduce, weight switch) at the start and duration the schedule's builder
-    predicted from the cost model; a rank is busy while any of its waves computes. With
-    ``contention``, the engine re-runs the schedule's tasks (``schedule_tasks``): the waves of
-    a rank share its one compute lane, so tick and tock no longer overlap at full speed."""
+    timelines. By default each action becomes an interval on its rank's compute lane (forward,
+    backward, update) or link lane (transfer, all-reduce, weight switch) at the start and
+    duration the schedule's builder predicted from the cost model; a rank is busy while any of
+    its waves computes. With ``contention``, the engine re-runs the schedule's Program
+    (``tidal.ir.schedule.schedule_program``): the waves of a rank share its one compute lane,
+    so tick and tock no longer overlap at full speed."""
     steps = schedule_steps(schedule)
     if contention:
-        r = summarize(schedule_tasks(schedule, job), len(schedule.ranks), global_batch)
+        r = summarize({job: schedule_program(schedule)}, len(schedule.ranks), global_batch)
         return replace(r, steps=steps)
     intervals = []
     busy = []
@@ -443,7 +407,7 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
     for rank, actions in enumerate(schedule.ranks):
         spans = []
         for a in actions:
-            lane = "link" if a.kind in _LINK_KINDS else "compute"
+            lane = LINK if a.kind in LINK_ACTIONS else "compute"
             intervals.append(Interval(rank, lane, f"{job}:{a.wave or '-'}", a.label(part),
                                       a.start_us, a.end_us))
             if lane == "compute":
@@ -453,119 +417,118 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
                      tuple(busy), steps)
 
 
-def _stream_lane(stream: str) -> str:
-    """The engine lane a piece on ``stream`` occupies: the ``load`` stream the host-to-device
-    link, the ``transfer`` stream the peer link, another stream that does not occupy the device
-    (``comm``) the network link, a compute stream (``compute``, ``tick``, ...) its own compute
-    lane of the same name."""
-    if stream == LOAD:
-        return H2D
-    if stream == TRANSFER:
-        return PEER
-    return stream if stream_kind(stream)[1] else LINK
-
-
 def _by_rank(programs: "Program | Mapping[int, Program]") -> dict[int, Program]:
     if isinstance(programs, Program):
         return {r: programs for r in range(programs.world)}
     if not programs:
-        raise ValueError("program_tasks: no program given (an empty mapping of ranks)")
+        raise ValueError("join_ranks: no program given (an empty mapping of ranks)")
     return {r: programs[r] for r in sorted(programs)}
 
 
-def program_tasks(programs: "Program | Mapping[int, Program]",
-                  durations_us: Callable[[int, str], float], job: str = "fg") -> list[Task]:
-    """The tasks of one step of the runtime's programs (``tidal.runtime.program.Program``, the
-    same objects the executor runs). ``programs`` is one Program that every one of its
-    ``world`` ranks runs, or ``{rank: Program}`` (each rank its own). ``durations_us(rank,
-    piece name)`` gives each piece's modelled (or measured) duration on that rank.
+def _is_shared(piece: Piece) -> bool:
+    """Whether ``piece`` may join the pieces of its name on other ranks: communication on the
+    network or peer link (a collective, a transfer)."""
+    return lane_of(piece) in (LINK, PEER)
 
-    Per rank, each piece on a compute stream is a compute task on that rank's lane of the same
-    name: ``compute``, or a wave's ``tick``/``tock``, which are separate compute resources of
-    the rank and so may overlap each other (``tidal.sim.engine``). A ``load`` piece uses the
-    rank's host-to-device link (``h2d``), a ``transfer`` piece (burst parallelism's sample
-    transfers) its peer link (``peer``). The ``comm`` (or ``transfer``) pieces with the same
-    name on several
-    ranks (the k-th one of that name on each rank, when a name repeats) are *one* collective
-    across exactly those ranks, occupying all their network links at once, after the pieces it
-    depends on on every one of them; its duration is the least of the ranks' durations (a
-    measured rank that reached the collective early also timed its wait for the others). A
-    comm piece on one rank only is a transfer or collective on that rank's link. Each rank's
-    pieces of one stream are issued in program order (a stream is a FIFO).
 
-    Raises ``ValueError`` for a dependency on a later piece, a task the engine rejects (e.g. a
-    compute stream named ``link``), or programs whose collectives cannot be matched (ranks
-    that order them differently would hang), naming where each rank is stuck.
+def join_ranks(programs: "Program | Mapping[int, Program]",
+               durations_us: Callable[[int, str], float] | None = None) -> Program:
+    """One step of the runtime's programs (``tidal.ir.program.Program``, the same objects the
+    executor runs) placed on the cluster, as the engine runs it. ``programs`` is one Program
+    that every one of its ``world`` ranks runs, or ``{rank: Program}`` (each rank its own).
+    ``durations_us(rank, piece name)`` gives each piece's modelled (or measured) duration on
+    that rank (None: the pieces' own ``duration_us``).
+
+    Each rank's piece is placed on that rank (on the lane its stream names,
+    ``tidal.sim.engine.lane_of``: ``compute``, a wave's ``tick``/``tock``, which are separate
+    compute resources of the rank and so may overlap each other; ``load`` the host-to-device
+    link, ``transfer`` the peer link). The ``comm`` (or ``transfer``) pieces with the same
+    name on several ranks (the k-th one of that name on each rank, when a name repeats) are
+    *one* piece across exactly those ranks (its ``ranks``), occupying all their links at once,
+    after the pieces it depends on on every one of them; its duration is the least of the
+    ranks' durations (a measured rank that reached the collective early also timed its wait
+    for the others). A comm piece on one rank only is a transfer or collective on that rank's
+    link. Each rank's pieces of one stream are placed in program order (a stream is a FIFO).
+
+    Raises ``ValueError`` for programs whose collectives cannot be matched (ranks that order
+    them differently would hang), naming where each rank is stuck.
 
     Example: rank 1 receives what rank 0 sends (one piece named ``x`` on both), rank 0 loads
     its weights meanwhile:
-        >>> from tidal.runtime.program import Piece, Program
         >>> p0 = Program((Piece("f", "compute"), Piece("x", "comm", (0,)),
         ...               Piece("w", "load")), world=2)
         >>> p1 = Program((Piece("x", "comm"), Piece("g", "compute", (0,))), world=2)
-        >>> tasks = program_tasks({0: p0, 1: p1}, lambda rank, name: 2.0 if name == "x" else 5.0)
-        >>> [(t.name, t.lane, t.gpus, t.deps) for t in tasks]  # doctest: +NORMALIZE_WHITESPACE
-        [('f', 'compute', (0,), ()), ('x', 'link', (0, 1), (0,)), ('w', 'h2d', (0,), ()),
-         ('g', 'compute', (1,), (1,))]
-        >>> [(i.gpu, i.name, i.start_us) for i in simulate(tasks) if i.name in ("w", "g")]
+        >>> placed = join_ranks({0: p0, 1: p1}, lambda rank, name: 2.0 if name == "x" else 5.0)
+        >>> [(p.name, p.ranks, p.deps) for p in placed.pieces]  # doctest: +NORMALIZE_WHITESPACE
+        [('f', (0,), ()), ('x', (0, 1), (0,)), ('w', (0,), ()), ('g', (1,), (1,))]
+        >>> [(i.gpu, i.name, i.start_us) for i in simulate(placed) if i.name in ("w", "g")]
         [(0, 'w', 0.0), (1, 'g', 7.0)]
     """
     by_rank = _by_rank(programs)
-    members: dict[tuple[str, int], list[tuple[int, int]]] = {}  # collective -> (rank, piece)
+    group, ready = _rank_groups(by_rank)
+    placed: dict[tuple[int, int], int] = {}
+    pieces: list[Piece] = []
+
+    def duration(q: int, j: int) -> float:
+        piece = by_rank[q].pieces[j]
+        return piece.duration_us if durations_us is None else durations_us(q, piece.name)
+
+    total = sum(len(p.pieces) for p in by_rank.values())
+    while len(placed) < total:
+        issued = len(placed)
+        for r, program in by_rank.items():
+            for i, piece in enumerate(program.pieces):
+                members = group(r, i)
+                if (r, i) in placed or not all(ready(q, j, placed) for q, j in members):
+                    continue
+                deps = tuple(sorted({placed[(q, d)] for q, j in members
+                                     for d in by_rank[q].pieces[j].deps}))
+                pieces.append(replace(piece, deps=deps, ranks=tuple(q for q, _ in members),
+                                      duration_us=min(duration(q, j) for q, j in members)))
+                for m in members:
+                    placed[m] = len(pieces) - 1
+        if len(placed) == issued:
+            raise ValueError("join_ranks: the ranks' collectives do not match (each rank "
+                             "would wait forever): " + _stuck(by_rank, placed, group))
+    world = max([max(by_rank) + 1] + [p.world for p in by_rank.values()])
+    return Program(tuple(pieces), world)
+
+
+def _rank_groups(by_rank: Mapping[int, Program]) -> tuple[Callable, Callable]:
+    """For :func:`join_ranks`: ``group(r, i)``, the (rank, piece) pairs that piece ``i`` of
+    rank ``r`` is one piece with (the k-th shared piece of its name on every rank that has
+    one; else itself alone), and ``ready(r, i, placed)``, whether what it waits for on its
+    rank (its dependencies, the piece before it on its stream) is placed."""
+    members: dict[tuple[str, int], list[tuple[int, int]]] = {}  # shared piece -> (rank, i)
     key_of: dict[tuple[int, int], tuple[str, int]] = {}
     before: dict[tuple[int, int], int | None] = {}  # the rank's previous piece on the stream
     for r, program in by_rank.items():
         seen: dict[str, int] = {}
         last: dict[str, int] = {}
         for i, piece in enumerate(program.pieces):
-            bad = [d for d in piece.deps if not 0 <= d < i]
-            if bad:
-                raise ValueError(f"program_tasks: rank {r}, piece {i} {piece.name!r} depends on "
-                                 f"piece {bad[0]}, which is not earlier in its program")
             before[(r, i)], last[piece.stream] = last.get(piece.stream), i
-            if _stream_lane(piece.stream) in (LINK, PEER):
+            if _is_shared(piece):
                 key = key_of[(r, i)] = (piece.name, seen.get(piece.name, 0))
                 seen[piece.name] = key[1] + 1
                 members.setdefault(key, []).append((r, i))
-    task_of: dict[tuple[int, int], int] = {}
-    tasks: list[Task] = []
-
-    def ready(r: int, i: int) -> bool:
-        prev = before[(r, i)]
-        return all((r, d) in task_of for d in by_rank[r].pieces[i].deps) and \
-            (prev is None or (r, prev) in task_of)
 
     def group(r: int, i: int) -> list[tuple[int, int]]:
         return members[key_of[(r, i)]] if (r, i) in key_of else [(r, i)]
 
-    total = sum(len(p.pieces) for p in by_rank.values())
-    while len(task_of) < total:
-        issued = len(task_of)
-        for r, program in by_rank.items():
-            for i, piece in enumerate(program.pieces):
-                if (r, i) in task_of or not all(ready(q, j) for q, j in group(r, i)):
-                    continue
-                lane = _stream_lane(piece.stream)
-                ranks = tuple(q for q, _ in group(r, i))
-                deps = tuple(sorted({task_of[(q, d)] for q, j in group(r, i)
-                                     for d in by_rank[q].pieces[j].deps}))
-                us = min(durations_us(q, piece.name) for q in ranks)
-                kind = "compute" if is_compute_lane(lane) else "comm"
-                tasks.append(Task(piece.name, job, kind, ranks, us, deps, lane))
-                for m in group(r, i):
-                    task_of[m] = len(tasks) - 1
-        if len(task_of) == issued:
-            raise ValueError("program_tasks: the ranks' collectives do not match (each rank "
-                             "would wait forever): " + _stuck(by_rank, task_of, group))
-    return tasks
+    def ready(r: int, i: int, placed: Mapping[tuple[int, int], int]) -> bool:
+        prev = before[(r, i)]
+        return all((r, d) in placed for d in by_rank[r].pieces[i].deps) and \
+            (prev is None or (r, prev) in placed)
+
+    return group, ready
 
 
-def _stuck(by_rank: Mapping[int, Program], task_of: Mapping[tuple[int, int], int],
+def _stuck(by_rank: Mapping[int, Program], placed: Mapping[tuple[int, int], int],
            group: Callable[[int, int], list[tuple[int, int]]]) -> str:
     """Where each unfinished rank waits: its first piece not issued, and who shares it."""
     out = []
     for r, program in by_rank.items():
-        i = next((i for i in range(len(program.pieces)) if (r, i) not in task_of), None)
+        i = next((i for i in range(len(program.pieces)) if (r, i) not in placed), None)
         if i is not None:
             ranks = [q for q, _ in group(r, i)]
             out.append(f"rank {r} waits at piece {i} {program.pieces[i].name!r} "
@@ -575,7 +538,7 @@ def _stuck(by_rank: Mapping[int, Program], task_of: Mapping[tuple[int, int], int
 
 def measured_durations(traces: Mapping[int, Sequence[PieceTrace]]
                        ) -> Callable[[int, str], float]:
-    """``durations_us(rank, piece name)`` for :func:`program_tasks` from measured traces
+    """``durations_us(rank, piece name)`` for :func:`join_ranks` from measured traces
     (``{rank: [tidal.runtime.program.PieceTrace]}``, e.g. ``ProgramExecutor.last_trace`` of
     each rank): the mean of the piece's measured durations on that rank. The function raises
     ``KeyError`` naming the rank and piece when the trace has no such piece."""
@@ -608,14 +571,14 @@ def trace_order(traces: Mapping[int, Sequence[PieceTrace]]) -> dict[int, dict[st
 def simulated_order(programs: "Program | Mapping[int, Program]",
                     traces: Mapping[int, Sequence[PieceTrace]], job: str = "fg",
                     cores: float | None = None) -> dict[int, dict[str, list[str]]]:
-    """Simulate ``programs`` (as :func:`program_tasks` takes them) with the durations measured
+    """Simulate ``programs`` (as :func:`join_ranks` takes them) with the durations measured
     in ``traces`` (:func:`measured_durations`; ``cores`` as ``simulate`` takes it) and return,
     in :func:`trace_order`'s shape, ``{rank: {stream: piece names in simulated start order}}``,
     so that a test compares the simulator's run of the executor's own Program objects with the
     executor's trace in one call.
 
     Example: two ranks of one data-parallel step, the all-reduce overlapping backward:
-        >>> from tidal.runtime.program import Piece, PieceTrace, Program
+        >>> from tidal.runtime.program import PieceTrace
         >>> p = Program((Piece("backward 0", "compute"), Piece("all_reduce", "comm", (0,)),
         ...              Piece("backward 1", "compute", (0,)),
         ...              Piece("optimizer", "compute", (1, 2))), world=2)
@@ -634,9 +597,9 @@ def simulated_order(programs: "Program | Mapping[int, Program]",
     missing = sorted(set(by_rank) - set(traces))
     if missing:
         raise ValueError(f"simulated_order: no trace for rank(s) {missing} of the programs")
-    stream_of = {(r, _stream_lane(p.stream)): p.stream
-                 for r, program in by_rank.items() for p in program.pieces}
-    intervals = simulate(program_tasks(by_rank, measured_durations(traces), job), cores)
+    stream_of = {(r, lane_of(p)): p.stream for r, program in by_rank.items()
+                 for p in program.pieces}
+    intervals = simulate({job: join_ranks(by_rank, measured_durations(traces))}, cores)
     out: dict[int, dict[str, list[str]]] = {r: {} for r in by_rank}
     for iv in sorted(intervals, key=lambda iv: iv.start_us):  # stable: a lane's FIFO order
         out[iv.gpu].setdefault(stream_of[(iv.gpu, iv.lane)], []).append(iv.name)

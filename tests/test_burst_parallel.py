@@ -309,7 +309,7 @@ def test_the_program_runs_on_two_ranks_and_in_the_simulator(skip_results):
     # after the pieces it depends on, in both
     from tidal.runtime.program import stream_kind
     from tidal.sim.engine import simulate
-    from tidal.sim.programs import program_tasks
+    from tidal.sim.programs import join_ranks
 
     lanes = {"compute": "compute", "comm": "link", "transfer": "peer"}
     for k, case in enumerate(SKIP_CASES):
@@ -328,7 +328,7 @@ def test_the_program_runs_on_two_ranks_and_in_the_simulator(skip_results):
         assert moves[0] and moves[0] == moves[1], (case, moves)
         assert any(m.endswith(" backward") for m in moves[0]), (case, moves)
         assert all(not stream_kind("transfer")[1] for _ in moves[0])
-        sim = simulate(program_tasks(programs, lambda rank, name: measured[rank][name]))
+        sim = simulate(join_ranks(programs, lambda rank, name: measured[rank][name]))
         for rank, (_, _, program, trace) in runs.items():
             mine = [i for i in sim if i.gpu == rank]
             for stream, lane in lanes.items():

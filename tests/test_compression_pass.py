@@ -166,7 +166,7 @@ def _check_program_runs_as_simulated(rank, size):
 
     from tidal.runtime.program import COMM
     from tidal.sim.engine import simulate
-    from tidal.sim.programs import (measured_durations, program_tasks, simulated_order,
+    from tidal.sim.programs import (join_ranks, measured_durations, simulated_order,
                                     trace_order)
 
     compiled = _compiled(_model(), "topk:1.0", bucket_mb=600 * 4 / 2**20)
@@ -181,7 +181,7 @@ def _check_program_runs_as_simulated(rank, size):
     dist.all_gather_object(traces, trace)
     traces = dict(enumerate(traces))
     assert simulated_order(program, traces) == trace_order(traces)
-    sim = [i for i in simulate(program_tasks(program, measured_durations(traces)))
+    sim = [i for i in simulate(join_ranks(program, measured_durations(traces)))
            if i.gpu == rank]
     modelled = {i.name: i for i in sim}
     for piece, t in zip(program.pieces, trace):

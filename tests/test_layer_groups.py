@@ -296,7 +296,7 @@ def _check_dependencies(program, spans, what):
 def test_training_program_on_two_ranks_equals_eager_and_simulates_in_order(tmp_path):
     from tidal.runtime.distributed import spawn
     from tidal.sim.engine import simulate
-    from tidal.sim.programs import program_tasks
+    from tidal.sim.programs import join_ranks
 
     stores, expected = {}, {}
     for name, model, x, y, options in _train_cases():
@@ -327,7 +327,7 @@ def test_training_program_on_two_ranks_equals_eager_and_simulates_in_order(tmp_p
                 real = [(t.name, t.start_us, t.end_us) for t in trace]
                 took = {t.name: t.end_us - t.start_us for t in trace}
                 sim = [(i.name, i.start_us, i.end_us) for i in simulate(
-                    program_tasks({rank: program}, lambda r, piece: took[piece]))]
+                    join_ranks({rank: program}, lambda r, piece: took[piece]))]
                 stream_of = {p.name: p.stream for p in program.pieces}
                 what = f"rank {rank} {name} step {step}"
                 assert _per_stream_order(sim, stream_of) == _per_stream_order(real, stream_of), what

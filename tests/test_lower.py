@@ -96,7 +96,7 @@ def test_tidal_op_is_its_own_boundary_and_in_place_input_update_is_eager():
     torch.testing.assert_close(lowered(a), _Mutating()(b), rtol=0, atol=0)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     run = lowered.pieces(x.clone())
-    assert [p.kind for p in run.pieces][1] == "group_boundary"
+    assert [b.piece.kind for b in run.pieces][1] == "collective"  # a tidal op between segments
 
 
 def test_new_input_shape_recaptures_and_grads_match_eager():

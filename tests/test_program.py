@@ -107,7 +107,7 @@ def test_the_simulator_runs_the_same_program_in_the_same_order():
     # measured durations: the same piece order on each stream, and the simulated all-reduce of
     # the first bucket overlaps backward too
     from tidal.sim.engine import simulate
-    from tidal.sim.programs import program_tasks
+    from tidal.sim.programs import join_ranks
 
     model, (x, y) = _model(), _data()
     step = capture_train_step(model, (x[:BATCH // 2],), y[:BATCH // 2], F.cross_entropy)
@@ -116,7 +116,7 @@ def test_the_simulator_runs_the_same_program_in_the_same_order():
         run(p, step, model, (x[:BATCH // 2],), y[:BATCH // 2])
         _, _, trace = run(p, step, model, (x[:BATCH // 2],), y[:BATCH // 2])
     measured = {t.name: t.end_us - t.start_us for t in trace}
-    sim = simulate(program_tasks(p, lambda rank, name: measured[name]))
+    sim = simulate(join_ranks(p, lambda rank, name: measured[name]))
     for stream, lane in ((COMPUTE, "compute"), (COMM, "link")):
         real = [t.name for t in sorted(trace, key=lambda t: t.start_us) if t.stream == stream]
         modelled = [i.name for i in sorted(sim, key=lambda i: i.start_us)

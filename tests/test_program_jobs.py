@@ -51,14 +51,15 @@ def test_a_program_job_builds_a_step_once_the_previous_one_ended():
     for it only after step i-1's last piece, though it refills queues early otherwise."""
     import time
 
-    from tidal.runtime.program import ProgramJob
-    from tidal.runtime.scheduler import Piece
+    from tidal.runtime.program import COMPUTE, Piece, ProgramJob
+    from tidal.runtime.scheduler import BoundPiece
 
     seen = []
 
     def make(i):
         seen.append(len(job.losses))
-        return [Piece("work", lambda: time.sleep(0.01))], lambda: torch.tensor(float(i))
+        return ([BoundPiece(Piece("work", COMPUTE), lambda: time.sleep(0.01))],
+                lambda: torch.tensor(float(i)))
 
     job = ProgramJob("train", make, iterations=3)
     with Runtime(backend=CpuBackend(slots=None)) as rt:

@@ -65,3 +65,25 @@ def test_split_batch():
         split_batch(x, 4)
     with pytest.raises(ValueError, match="disagree"):
         split_batch((x, torch.arange(5)), 1)
+
+
+def test_a_schedule_lowers_to_one_placed_program():
+    # tick-tock on 2 ranks: every action a piece of its kind, each all-reduce one collective
+    # piece on both ranks, on the comm stream, after what each rank finished before it
+    from tidal.ir.schedule import schedule_program
+    from tidal.passes.tick_tock import tick_tock_schedule
+
+    s = tick_tock_schedule(2, 10.0, 20.0, 5.0, steps=2)
+    p = schedule_program(s)
+    actions = [a for acts in s.ranks for a in acts]
+    reduces = sum(a.kind == "A" for a in actions)
+    assert len(p.pieces) == len(actions) - reduces // 2
+    collectives = [q for q in p.pieces if q.kind == "collective"]
+    assert len(collectives) == reduces // 2
+    assert all(q.ranks == (0, 1) and q.stream == "comm" for q in collectives)
+    assert all(len(q.ranks) == 1 and q.stream == "compute" for q in p.pieces
+               if q.kind in ("segment", "optimizer"))
+    for q in collectives:  # its wave's backward of that batch ended on both ranks first
+        waited = [p.pieces[d] for d in q.deps]
+        assert {w.ranks[0] for w in waited if w.name == q.name.replace("A", "B")} == {0, 1}
+    assert p.world == 2

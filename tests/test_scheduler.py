@@ -12,7 +12,8 @@ import tidal
 from examples.models import ZOO
 from tidal.runtime.backend import CpuBackend, LogicalBackend
 from tidal.runtime.lower import lower
-from tidal.runtime.scheduler import FunctionJob, Piece, Runtime, lowered_job, step_job
+from tidal.ir.program import COLLECTIVE, COMM, COMPUTE, HOST, POINT_TO_POINT, Piece
+from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime, lowered_job, step_job
 from tidal.runtime.trace_export import chrome_trace, summary_table, write_chrome_trace
 
 _TIMES = {"fg/c0": 100.0, "fg/ar": 50.0, "fg/c1": 100.0, "bg/b": 37.0}
@@ -23,11 +24,17 @@ def _scripted(label, collocated):
     return _TIMES[label] * (3 if collocated and label == "fg/ar" else 1)
 
 
+def _bound(name, stream=COMPUTE, deps=(), fn=lambda: None, **kind):
+    """A piece of ``name`` on ``stream`` running ``fn``."""
+    return BoundPiece(Piece(name, stream, deps, **kind), fn)
+
+
 def _jobs(rt, iterations=8):
-    rt.submit(FunctionJob("fg", lambda i: [Piece(n, lambda: None, kind="all_reduce" if n == "ar"
-                                                 else "compute") for n in ("c0", "ar", "c1")],
+    # the all-reduce runs on the compute stream (as NCCL's on a GPU): it occupies the device
+    rt.submit(FunctionJob("fg", lambda i: [_bound(n, kind=COLLECTIVE if n == "ar" else "segment")
+                                           for n in ("c0", "ar", "c1")],
                           iterations), priority="high")
-    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)]), priority="low")
+    rt.submit(FunctionJob("bg", lambda i: [_bound("b")]), priority="low")
 
 
 def _max_outstanding(trace, job):
@@ -82,7 +89,7 @@ def test_feedback_pauses_background_around_a_slowed_operator():
 
 
 def test_declared_sensitive_kinds_pause_from_the_start():
-    rt = Runtime(backend=LogicalBackend(_scripted), sensitive_kinds=("all_reduce",))
+    rt = Runtime(backend=LogicalBackend(_scripted), sensitive_kinds=("collective",))
     _jobs(rt)
     rt.run()
     assert not any(r.collocated for r in rt.trace if r.piece == "ar")
@@ -107,10 +114,10 @@ def test_a_failing_background_job_does_not_stop_the_others():
 
     def fg_pieces(i):
         run = lowered.pieces(x)
-        pieces = list(run.pieces) + [Piece("collect", lambda: results.append(run.result()))]
+        pieces = list(run.pieces) + [_bound("collect", fn=lambda: results.append(run.result()))]
         if i == 5:  # host-side wait (leaves the device free) until both happened
-            pieces.append(Piece("wait", lambda: failed.wait(60) and after.wait(60),
-                                uses_device=False))
+            pieces.append(_bound("wait", fn=lambda: failed.wait(60) and after.wait(60),
+                                 kind=HOST))
         return pieces
 
     with Runtime(backend=CpuBackend(slots=1)) as rt:
@@ -155,8 +162,7 @@ def test_memory_cap_holds_a_job_between_iterations_until_raised():
 
 def test_compute_share_limits_background_device_time():
     rt = Runtime(backend=LogicalBackend(lambda label, c: 20.0), feedback=False, poll_us=5)
-    rt.submit(FunctionJob("fg", lambda i: [Piece("wait", lambda: None, uses_device=False)], 50),
-              priority="high")
+    rt.submit(FunctionJob("fg", lambda i: [_bound("wait", kind=HOST)], 50), priority="high")
     bg = rt.submit(step_job("bg", lambda: None), priority="low", compute_share=0.25)
     rt.run()
     span = bg.stats.last_us - bg.stats.first_us
@@ -175,7 +181,7 @@ def test_lowered_job_on_the_threaded_backend_equals_eager_and_exports_a_trace(tm
         rt.submit(job, priority="high")
         run = lowered.pieces(*x)
         rt.submit(FunctionJob("bg", lambda i: run.pieces if i == 0 else [
-            Piece("keep", lambda: out.setdefault("bg", run.result()))], 2), priority="low")
+            _bound("keep", fn=lambda: out.setdefault("bg", run.result()))], 2), priority="low")
         rt.run(until="all")
     with torch.no_grad():
         torch.testing.assert_close(out["bg"], model(*x), rtol=0, atol=0)
@@ -201,21 +207,15 @@ def test_submit_errors_are_clear():
 
 
 def _three_streams(log):
-    from tidal.runtime.scheduler import Piece
-
-    return [Piece("a", lambda: log.append("a")),
-            Piece("sync", lambda: log.append("sync"), kind="comm", uses_device=False,
-                  stream="comm", after=(0,)),
-            Piece("b", lambda: log.append("b"), after=(0,)),
-            Piece("update", lambda: log.append("update"), after=(1, 2))]
+    return [_bound("a", fn=lambda: log.append("a")),
+            _bound("sync", COMM, (0,), fn=lambda: log.append("sync")),
+            _bound("b", deps=(0,), fn=lambda: log.append("b")),
+            _bound("update", deps=(1, 2), fn=lambda: log.append("update"))]
 
 
 def test_a_job_with_several_streams_overlaps_what_its_dependencies_allow():
     """A program's pieces on compute and comm streams: the sync starts when ``a`` ends, runs
     beside ``b``, and ``update`` waits for both (a logical clock: exact times)."""
-    from tidal.runtime.backend import LogicalBackend
-    from tidal.runtime.scheduler import FunctionJob, Runtime
-
     durations = {"a": 10.0, "sync": 30.0, "b": 10.0, "update": 5.0}
     rt = Runtime(backend=LogicalBackend(lambda label, _: durations[label.split("/")[1]]))
     log: list = []
@@ -227,9 +227,6 @@ def test_a_job_with_several_streams_overlaps_what_its_dependencies_allow():
 
 
 def test_cross_stream_dependencies_are_events_on_the_cpu_backend():
-    from tidal.runtime.backend import CpuBackend
-    from tidal.runtime.scheduler import FunctionJob, Runtime
-
     log: list = []
     with Runtime(backend=CpuBackend(slots=None)) as rt:
         h = rt.submit(FunctionJob("train", lambda i: _three_streams(log), iterations=2), "high")
@@ -241,12 +238,9 @@ def test_cross_stream_dependencies_are_events_on_the_cpu_backend():
 
 
 def test_a_piece_that_waits_for_a_later_piece_fails_its_job_by_name():
-    from tidal.runtime.backend import LogicalBackend
-    from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
-
     rt = Runtime(backend=LogicalBackend(lambda label, _: 1.0))
-    h = rt.submit(FunctionJob("bad", lambda i: [Piece("x", lambda: None, after=(1,)),
-                                                Piece("y", lambda: None)], iterations=1), "high")
+    h = rt.submit(FunctionJob("bad", lambda i: [_bound("x", deps=(1,)), _bound("y")],
+                              iterations=1), "high")
     rt.run()
     assert "'x' waits for (1,)" in h.stats.error
 
@@ -254,12 +248,9 @@ def test_a_piece_that_waits_for_a_later_piece_fails_its_job_by_name():
 def _compute_wait_compute(iterations: int):
     """A foreground job "fg": compute ``a``, a transfer ``wait`` that leaves the device idle,
     compute ``b`` after it."""
-    from tidal.runtime.scheduler import FunctionJob, Piece
-
-    return FunctionJob("fg", lambda i: [Piece("a", lambda: None),
-                                        Piece("wait", lambda: None, kind="recv",
-                                              uses_device=False, stream="comm", after=(0,)),
-                                        Piece("b", lambda: None, after=(1,))],
+    return FunctionJob("fg", lambda i: [_bound("a"),
+                                        _bound("wait", COMM, (0,), kind=POINT_TO_POINT),
+                                        _bound("b", deps=(1,))],
                        iterations=iterations)
 
 
@@ -268,14 +259,11 @@ def test_idle_only_background_fills_the_foregrounds_waits_and_nothing_else():
     device is idle), computes again. Background pieces of 50 µs go only into the waits and end
     before the foreground needs the device: the foreground is never delayed, and the background
     turns every idle µs into work."""
-    from tidal.runtime.backend import LogicalBackend
-    from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
-
     durations = {"a": 100.0, "wait": 300.0, "b": 100.0, "bg": 50.0}
     rt = Runtime(backend=LogicalBackend(lambda label, _: durations[label.split("/")[1]],
                                         slots=1), idle_only=True, fg_depth=None)
     rt.submit(_compute_wait_compute(4), "high")
-    rt.submit(FunctionJob("bg", lambda i: [Piece("bg", lambda: None)]), "low")
+    rt.submit(FunctionJob("bg", lambda i: [_bound("bg")]), "low")
     stats = rt.run()
     waits = [(r.start_us, r.end_us) for r in rt.trace if r.piece == "wait"]
     bg = [(r.start_us, r.end_us) for r in rt.trace if r.job == "bg"]
@@ -296,9 +284,6 @@ def test_idle_only_queued_background_pieces_still_end_before_the_foreground_need
     never waits for the background."""
     import itertools
 
-    from tidal.runtime.backend import LogicalBackend
-    from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
-
     waits = itertools.cycle([300.0, 200.0])
     fixed = {"a": 100.0, "b": 100.0, "bg": 70.0}
 
@@ -309,7 +294,7 @@ def test_idle_only_queued_background_pieces_still_end_before_the_foreground_need
     rt = Runtime(backend=LogicalBackend(duration, slots=1), idle_only=True, fg_depth=None,
                  be_depth=2)
     rt.submit(_compute_wait_compute(8), "high")
-    rt.submit(FunctionJob("bg", lambda i: [Piece("bg", lambda: None)]), "low")
+    rt.submit(FunctionJob("bg", lambda i: [_bound("bg")]), "low")
     stats = rt.run()
     assert stats["fg"].iterations == 8
     spans = [(r.start_us, r.end_us) for r in rt.trace if r.piece == "wait"]
@@ -324,8 +309,8 @@ def test_idle_only_queued_background_pieces_still_end_before_the_foreground_need
 
 def test_an_upgradable_background_job_becomes_the_foreground_when_it_finishes():
     rt = Runtime(backend=LogicalBackend(_scripted))
-    rt.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 3), priority="high")
-    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)], 40), priority="low",
+    rt.submit(FunctionJob("fg", lambda i: [_bound("c0")], 3), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [_bound("b")], 40), priority="low",
               compute_share=0.2, upgrade=True)
     stats = rt.run()                      # until the foreground, which the upgrade hands on
     fg_end = max(r.end_us for r in rt.trace if r.job == "fg")
@@ -340,22 +325,22 @@ def test_an_upgradable_background_job_becomes_the_foreground_when_it_finishes():
 
 def test_without_upgrade_the_run_stops_with_the_foreground():
     rt = Runtime(backend=LogicalBackend(_scripted))
-    rt.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 3), priority="high")
-    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)], 40), priority="low")
+    rt.submit(FunctionJob("fg", lambda i: [_bound("c0")], 3), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [_bound("b")], 40), priority="low")
     stats = rt.run()
     assert stats["bg"].iterations < 40 and stats["bg"].upgraded_us is None
 
 
 def test_busy_fraction_profiles_each_job_and_the_idle_share():
     rt = Runtime(backend=LogicalBackend(_scripted))
-    rt.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 4), priority="high")
-    rt.submit(FunctionJob("bg", lambda i: [Piece("b", lambda: None)]), priority="low",
+    rt.submit(FunctionJob("fg", lambda i: [_bound("c0")], 4), priority="high")
+    rt.submit(FunctionJob("bg", lambda i: [_bound("b")]), priority="low",
               compute_share=0.25)
     rt.run()
     share = rt.busy_fraction()
     assert set(share) == {"fg", "bg", "idle"}
     assert 0 < share["bg"] < share["fg"] and 0 <= share["idle"] < 1
     alone = Runtime(backend=LogicalBackend(_scripted))
-    alone.submit(FunctionJob("fg", lambda i: [Piece("c0", lambda: None)], 4), priority="high")
+    alone.submit(FunctionJob("fg", lambda i: [_bound("c0")], 4), priority="high")
     alone.run()
     assert alone.busy_fraction()["idle"] == pytest.approx(0.0, abs=1e-9)

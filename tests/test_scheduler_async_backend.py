@@ -9,8 +9,14 @@ import time
 import pytest
 
 from tidal.runtime.backend import LOW, Backend, CudaBackend, Launch, LogicalBackend
+from tidal.ir.program import COMPUTE, HOST, Piece
 from tidal.runtime.program import COMM, ProgramJob
-from tidal.runtime.scheduler import FunctionJob, Piece, Runtime
+from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime
+
+
+def _bound(name, fn=lambda: None, **kind):
+    """A piece of ``name`` on the compute stream running ``fn``."""
+    return BoundPiece(Piece(name, COMPUTE, **kind), fn)
 
 
 class _Event:
@@ -96,15 +102,13 @@ _WAIT_S = 1.5e-3
 def _foreground(iterations):
     """Compute, then a host-side wait as long as a few background pieces (the idle span)."""
     return FunctionJob("fg", lambda i: [
-        Piece("compute", lambda: None),
-        Piece("wait", lambda: time.sleep(_WAIT_S), kind="wait", uses_device=False)], iterations)
+        _bound("compute"), _bound("wait", lambda: time.sleep(_WAIT_S), kind=HOST)], iterations)
 
 
 def _training():
     """A background training job as ``Compiled.job`` makes one: forward and backward on the
     job's stream, the loss as a host piece on the comm stream after both."""
-    return ProgramJob("bg", lambda i: ([Piece("forward", lambda: None),
-                                        Piece("backward", lambda: None)], lambda: 0.0),
+    return ProgramJob("bg", lambda i: ([_bound("forward"), _bound("backward")], lambda: 0.0),
                       gated=False)
 
 
@@ -132,9 +136,9 @@ def test_feedback_holds_background_device_pieces_but_not_its_host_pieces():
     iteration still ends (its loss is a host piece)."""
     be = LogicalBackend(lambda label, collocated: {"fg/c": 100.0}.get(label, 40.0))
     rt = Runtime(backend=be, sensitive_kinds=("compute",))
-    rt.submit(FunctionJob("fg", lambda i: [Piece("c", lambda: None)], 20), priority="high")
-    bg = rt.submit(ProgramJob("bg", lambda i: ([Piece("step", lambda: None)], lambda: 0.0),
-                              gated=False), priority="low")
+    rt.submit(FunctionJob("fg", lambda i: [_bound("c")], 20), priority="high")
+    bg = rt.submit(ProgramJob("bg", lambda i: ([_bound("step")], lambda: 0.0), gated=False),
+                   priority="low")
     stats = rt.run()
     assert stats["bg"].iterations == 1 and len(bg.job.losses) == 1, rt.summary()
     assert [r.piece for r in rt.trace if r.job == "bg"] == ["step", "loss"]

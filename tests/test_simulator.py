@@ -10,7 +10,8 @@ import torch
 
 import tidal
 from tidal.ir.comm_cost import all_to_all_us, ring_allreduce_us, tree_broadcast_us
-from tidal.sim.engine import Task, simulate
+from tidal.ir.program import COMM, COMPUTE, Piece, Program
+from tidal.sim.engine import lane_of, simulate
 from tidal.sim.programs import LayerTimes, data_parallel, layer_times, summarize
 
 A100 = Path(tidal.__file__).resolve().parent.parent / "shared" / "data" / "deeppool-a100-profiles"
@@ -70,16 +71,17 @@ def test_allreduce_overlaps_backward_and_waits_for_all_gpus():
     assert iv[("AR:a..a", 0)].start_us == iv[("AR:b..b", 0)].end_us
     assert iv[("AR:b..b", 0)].end_us - 30.0 == pytest.approx(ring_allreduce_us(1e6, 2, 1000.0, 0))
     # DDP's default 25 MiB bucket holds both layers: one all-reduce after the last backward
-    (ar,) = [t for t in data_parallel(lambda b: lt, 2, 4, cluster) if t.kind == "comm"]
+    (ar,) = [p for p in data_parallel(lambda b: lt, 2, 4, cluster).pieces
+             if p.kind == "collective"]
     assert ar.name == "AR:b..a" and ar.duration_us == pytest.approx(
         ring_allreduce_us(2e6, 2, 1000.0, 0))
 
 
 def test_engine_rejects_forward_dependencies_and_bad_tasks():
-    with pytest.raises(ValueError, match="not earlier"):
-        simulate([Task("x", "j", "compute", (0,), 1.0, deps=(0,))])
+    with pytest.raises(ValueError, match="not an earlier"):
+        simulate(Program((Piece("x", COMPUTE, (0,), duration_us=1.0, ranks=(0,)),)))
     with pytest.raises(ValueError, match="exactly one GPU"):
-        Task("x", "j", "compute", (0, 1), 1.0)
+        simulate(Program((Piece("x", COMPUTE, duration_us=1.0, ranks=(0, 1)),), 2))
     with pytest.raises(ValueError, match="divisible"):
         data_parallel(lambda b: _random_layers(random.Random(0), 2), 3, 8)
 
@@ -127,7 +129,8 @@ def test_collocation_fills_idle_time_and_slows_foreground():
     assert r.foreground.iteration_us == pytest.approx(1.1 * alone.iteration_us)
     assert r.bg_samples_per_iteration == 0.0  # one busy GPU leaves nothing to pack
     # two GPUs with uneven work: the idle one runs background iterations
-    uneven = [Task("x", "fg", "compute", (0,), 100.0), Task("y", "fg", "compute", (1,), 40.0)]
+    uneven = Program((Piece("x", COMPUTE, duration_us=100.0, ranks=(0,)),
+                      Piece("y", COMPUTE, duration_us=40.0, ranks=(1,))), 2)
     r = collocate(uneven, 2, 8, BackgroundJob(iteration_us=20.0, batch=3))
     assert r.bg_samples_per_iteration == pytest.approx(60.0 / 20.0 * 3)
     assert r.cluster_throughput == pytest.approx(8 / 100e-6 + 9 / 100e-6)
@@ -247,10 +250,10 @@ def test_simulate_cli_scaling_chart(tmp_path, cli):
 
 def test_processor_sharing_slows_compute_beyond_the_cores():
     # three GPUs computing on two cores run at 2/3 speed; alone, a GPU runs at full speed
-    tasks = [Task(f"c{g}", "fg", "compute", (g,), 10.0) for g in range(3)]
-    tasks.append(Task("solo", "fg", "compute", (0,), 10.0, deps=(0, 1, 2)))
-    tasks.append(Task("ar", "fg", "comm", (0, 1), 4.0, deps=(0, 1)))
-    iv = {(i.name, i.gpu): i for i in simulate(tasks, cores=2)}
+    pieces = [Piece(f"c{g}", COMPUTE, duration_us=10.0, ranks=(g,)) for g in range(3)]
+    pieces.append(Piece("solo", COMPUTE, (0, 1, 2), duration_us=10.0, ranks=(0,)))
+    pieces.append(Piece("ar", COMM, (0, 1), duration_us=4.0, ranks=(0, 1)))
+    iv = {(i.name, i.gpu): i for i in simulate(Program(tuple(pieces), 3), cores=2)}
     assert iv[("c0", 0)].end_us == pytest.approx(15.0)
     assert iv[("solo", 0)].end_us == pytest.approx(25.0)
     assert iv[("ar", 1)].end_us - iv[("ar", 1)].start_us == pytest.approx(4.0)  # links unshared
@@ -510,17 +513,16 @@ def _rank_programs():
     return {0: p0, 1: p1}
 
 
-def test_program_tasks_of_per_rank_programs():
-    from tidal.runtime.program import Piece, Program
-    from tidal.sim.programs import program_tasks
+def test_join_ranks_of_per_rank_programs():
+    from tidal.sim.programs import join_ranks
 
     us = {"f": 5.0, "x": 2.0, "w": 3.0, "tick": 4.0, "tock": 4.0, "solo": 1.0, "opt": 1.0,
           "g": 6.0}
-    tasks = program_tasks(_rank_programs(), lambda rank, name: us[name])
-    by = {(t.name, t.gpus): t for t in tasks}
-    assert by[("x", (0, 1))].lane == "link" and by[("solo", (0,))].lane == "link"
-    assert by[("w", (0,))].lane == "h2d" and by[("tick", (0,))].lane == "tick"
-    r = summarize(tasks, 2, 2)
+    placed = join_ranks(_rank_programs(), lambda rank, name: us[name])
+    by = {(p.name, p.ranks): p for p in placed.pieces}
+    assert lane_of(by[("x", (0, 1))]) == "link" and lane_of(by[("solo", (0,))]) == "link"
+    assert lane_of(by[("w", (0,))]) == "h2d" and lane_of(by[("tick", (0,))]) == "tick"
+    r = summarize(placed, 2, 2)
     iv = {(i.name, i.gpu): i for i in r.intervals}
     assert iv[("x", 1)].start_us == iv[("x", 0)].start_us == 5.0  # one transfer on both links
     assert iv[("g", 1)].start_us == 7.0
@@ -533,17 +535,17 @@ def test_program_tasks_of_per_rank_programs():
     # rank that waited least
     p = Program((Piece("b", "compute"), Piece("ar", "comm", (0,)),
                  Piece("opt", "compute", (0, 1))), world=3)
-    tasks = program_tasks(p, lambda rank, name: {"b": 1 + rank, "ar": 9 - rank, "opt": 1}[name])
-    assert [(t.name, t.gpus, t.duration_us) for t in tasks if t.kind == "comm"] == \
-        [("ar", (0, 1, 2), 7.0)]
-    assert max(i.end_us for i in simulate(tasks)) == 3.0 + 7.0 + 1.0
+    placed = join_ranks(p, lambda rank, name: {"b": 1 + rank, "ar": 9 - rank, "opt": 1}[name])
+    assert [(q.name, q.ranks, q.duration_us) for q in placed.pieces
+            if q.kind == "collective"] == [("ar", (0, 1, 2), 7.0)]
+    assert max(i.end_us for i in simulate(placed)) == 3.0 + 7.0 + 1.0
     # collectives the ranks order differently would hang: named, never simulated
     swapped = {0: Program((Piece("a", "comm"), Piece("b", "comm")), 2),
                1: Program((Piece("b", "comm"), Piece("a", "comm")), 2)}
     with pytest.raises(ValueError, match="rank 0 waits at piece 0 'a'.*rank 1 .* 0 'b'"):
-        program_tasks(swapped, lambda rank, name: 1.0)
+        join_ranks(swapped, lambda rank, name: 1.0)
     with pytest.raises(ValueError, match="cannot use lane 'link'"):
-        Task("x", "j", "compute", (0,), 1.0, lane="link")
+        simulate(Program((Piece("x", "link", duration_us=1.0, ranks=(0,)),)))
 
 
 def test_simulated_order_of_per_rank_programs_matches_the_runtime_trace():
@@ -568,13 +570,33 @@ def test_pipeline_schedules_simulate_to_the_textbook_makespan(n, m):
     # the engine runs GPipe's and 1F1B's own schedule objects (SEND/RECV pairs as one transfer
     # on both ranks' links, zero-length here): (M + N - 1) x (F + B) either way
     from tidal.ir.pipeline_schedules import gpipe, one_f_one_b
-    from tidal.sim.programs import schedule_result, schedule_tasks
+    from tidal.ir.schedule import schedule_program
+    from tidal.sim.programs import schedule_result
 
     for build in (gpipe, one_f_one_b):
         schedule = build(n, m, fwd_us=10.0, bwd_us=20.0)
-        tasks = schedule_tasks(schedule)
+        program = schedule_program(schedule)
         sends = sum(a.kind == "SEND" for acts in schedule.ranks for a in acts)
-        assert sum(t.name.startswith("SEND") or t.name.startswith("RECV")
-                   for t in tasks) == sends  # each pair is one task
+        assert sum(p.name.startswith("SEND") or p.name.startswith("RECV")
+                   for p in program.pieces) == sends  # each pair is one piece
         r = schedule_result(schedule, m, contention=True)
         assert r.iteration_us == pytest.approx((m + n - 1) * 30.0), build.__name__
+
+
+def test_data_parallel_buckets_are_the_one_bucket_rule():
+    # the simulator's data-parallel all-reduces are the buckets of
+    # tidal.ir.comm_cost.gradient_buckets over the layers' gradients in backward order (layers
+    # without parameters sync nothing), each after its last layer's backward on every GPU
+    from tidal.ir.comm_cost import gradient_buckets
+
+    lt = _random_layers(random.Random(7), 20)
+    cap = 1.5e6
+    program = data_parallel(lambda b: lt, 4, 16, tidal.Cluster(gpus=4), bucket_bytes=cap)
+    want = gradient_buckets([("all", n, b) for n, b in zip(reversed(lt.names),
+                                                           reversed(lt.param_bytes))], cap)
+    syncs = [p for p in program.pieces if p.kind == "collective"]
+    assert [p.name for p in syncs] == [f"AR:{names[0]}..{names[-1]}" for _, names in want]
+    for p, (_, names) in zip(syncs, want):
+        assert p.ranks == (0, 1, 2, 3)
+        assert sorted(program.pieces[d].ranks[0] for d in p.deps) == [0, 1, 2, 3]
+        assert {program.pieces[d].name for d in p.deps} == {f"B:{names[-1]}"}

@@ -236,7 +236,7 @@ def test_the_simulator_runs_the_ranks_programs_in_the_order_they_ran(two_ranks):
     # simulator, timing each piece as measured, starts the pieces of every stream of every rank
     # in the order they ran, and both respect what the dependencies force across streams
     from tidal.sim.engine import simulate
-    from tidal.sim.programs import (measured_durations, program_tasks, simulated_order,
+    from tidal.sim.programs import (join_ranks, measured_durations, simulated_order,
                                     trace_order)
 
     programs = {r: out[1] for r, out in enumerate(two_ranks)}
@@ -246,7 +246,7 @@ def test_the_simulator_runs_the_ranks_programs_in_the_order_they_ran(two_ranks):
         assert {p.stream for p in program.pieces} == {"tick", "tock", "comm"}
         assert all(p.nodes for p in program.pieces if p.name[-1] in "FB")  # captured segments
     assert simulated_order(programs, traces) == trace_order(traces)
-    sim = simulate(program_tasks(programs, measured_durations(traces)))
+    sim = simulate(join_ranks(programs, measured_durations(traces)))
     forced = (("tick F", "tock F"), ("tick B", "tock A"), ("tock B", "tock A"),
               ("tick A", "tick U"), ("tock A", "tock U"), ("tock F", "loss"))
     for r in programs:

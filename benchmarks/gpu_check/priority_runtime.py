@@ -18,7 +18,7 @@ import tidal
 from benchmarks.collocation import fg_job
 from benchmarks.gpu_check.common import fail, mlp, percentile
 from tidal.runtime.backend import backend_for
-from tidal.runtime.scheduler import FunctionJob, Runtime
+from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime
 
 SUMMARY = ("alone.p50_ms", "alone.p99_ms", "beside.p50_ms", "beside.p99_ms",
            "no_priorities.p50_ms", "no_priorities.p99_ms", "bg_alone.it_per_s",
@@ -34,7 +34,7 @@ def _without_grad(job: FunctionJob) -> FunctionJob:
     CUDA graphs only without autograd, and the runtime's dispatcher is in grad mode (the
     background job trains)."""
     return dataclasses.replace(job, make_pieces=lambda i: [
-        dataclasses.replace(p, fn=torch.no_grad()(p.fn)) for p in job.make_pieces(i)])
+        BoundPiece(b.piece, torch.no_grad()(b.fn)) for b in job.make_pieces(i)])
 
 
 def _jobs(device: torch.device, quick: bool):
