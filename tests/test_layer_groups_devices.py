@@ -13,7 +13,7 @@ import tidal
 from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.weights import store as weight_store
 from tidal.runtime.backend import LogicalBackend
-from tidal.runtime.programs import layer_groups
+from tidal.runtime.programs import layer_group_loads, layer_groups, step_capture
 from tidal.runtime.programs.layer_groups import LOADING_STEP, LayerGroupsProgram, from_plan
 from tidal.runtime.weights.loader import write_groups
 from tidal.runtime.weights.store import WeightStore, WeightStoreError
@@ -132,17 +132,18 @@ def _eager_step(model, opt, x, y):
 def test_training_captures_fork_the_generators_of_what_they_capture(tmp_path, monkeypatch):
     c, reference, opt, x, y = _train_compiled(tmp_path)
     forked = []
-    real = getattr(layer_groups, "fork_rng_of", None)
+    real = step_capture.fork_rng_of  # the captures of every builder fork there
 
     def recording(*values):
         forked.append(values)
         return real(*values)
 
-    monkeypatch.setattr(layer_groups, "fork_rng_of", recording, raising=False)
+    monkeypatch.setattr(step_capture, "fork_rng_of", recording)
     assert c.step((x,), y).item() == pytest.approx(_eager_step(reference, opt, x, y), rel=1e-6)
     loading = c.executor.uncaptured()
     assert c.step((x,), y).item() == pytest.approx(_eager_step(reference, opt, x, y), rel=1e-6)
-    ((flat,),) = forked  # one capture, after the load: the resident parameters themselves
+    ((flats,),) = forked  # one capture, after the load: the resident parameters themselves
+    (flat,) = flats.values()  # one replica's flat inputs
     assert all(any(v is p for v in flat) for p in c.graph_module.parameters())
     assert loading == [("-", LOADING_STEP)]  # the first step loaded them, uncaptured
     assert c.executor.uncaptured() == [] and c.executor.fallback_reason == ""
@@ -186,7 +187,7 @@ def test_loads_overlap_compute_on_the_backends_streams(tmp_path, monkeypatch):
     with torch.no_grad():
         expected = model(x)
     seen: dict = {}
-    load, ready = layer_groups._Loads.load, layer_groups._Loads.ready
+    load, ready = layer_group_loads.GroupLoads.load, layer_group_loads.GroupLoads.ready
 
     def on(kind, fn):
         def wrapped(self, k):
@@ -195,8 +196,8 @@ def test_loads_overlap_compute_on_the_backends_streams(tmp_path, monkeypatch):
             return fn(self, k)
         return wrapped
 
-    monkeypatch.setattr(layer_groups._Loads, "load", on("load", load))
-    monkeypatch.setattr(layer_groups._Loads, "ready", on("compute", ready))
+    monkeypatch.setattr(layer_group_loads.GroupLoads, "load", on("load", load))
+    monkeypatch.setattr(layer_group_loads.GroupLoads, "ready", on("compute", ready))
     program = LayerGroupsProgram(path, device="cuda")
     for _ in range(2):  # the second from the pinned host copy: copies by DMA only
         seen.clear()

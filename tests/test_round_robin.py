@@ -248,7 +248,7 @@ def _run_token_model(rank, world):
                       loss_fn=torch.nn.functional.cross_entropy,
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
     c.step((x,), y)
-    owners = [[k for k, _ in part] for part in c.executor._owned]
+    owners = [[k for k, _ in part] for part in c.executor.owned]
     crossing = c.plan.get("round_robin").first_layers
     run = (type(c.executor).__name__, c.executor.fallback_reason, c.executor.last_program,
            c.executor.last_trace)
@@ -360,7 +360,7 @@ def test_the_model_parameters_are_checked_and_unused_ones_named():
     c = tidal.compile(model, torch.randn(4, 8, 16), passes=[RoundRobin(partitions=2)],
                       loss_fn=torch.nn.functional.cross_entropy,
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    owned = {id(p) for part in c.executor._owned for _, p in part}
+    owned = {id(p) for part in c.executor.owned for _, p in part}
     assert owned == {id(p) for k, p in model.named_parameters() if not k.startswith("spare")}
     assert any("spare.weight, spare.bias" in n for n in c.records[-1].notes)
 
@@ -391,7 +391,7 @@ def test_compute_pieces_run_captured_and_uncaptured_nodes_are_named():
     want = _accumulated(model, x, y, 2, loss_fn)
     c, got = _step_and_grads(model, x, y, 2, loss_fn)
     assert c.executor.fallback_reason == "" and c.executor.uncaptured() == []
-    for graphs in c.executor._graphs.values():
+    for graphs in c.executor.graphs.values():
         assert all(len({id(g.captured(r)) for r in range(2)}) == 2 for g in graphs)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -8,10 +8,11 @@ first step, parameters) on the ``comm`` stream, then
 
 * when the step captures (``tidal.ir.capture.capture_train_step``): the segments of the joint
   forward+backward graph cut where each bucket's last gradient is ready
-  (``tidal.runtime.program.data_parallel``; lowered and captured as
-  ``tidal.runtime.program.CapturedProgram`` does), so the sync of a bucket runs on the ``comm``
-  stream while the ``compute`` stream goes on with the rest of backward (without compression;
-  a compressor's syncs follow the end of backward, ``overlap``);
+  (``tidal.runtime.program.data_parallel``, the one data-parallel schedule of
+  ``tidal.ir.program``; lowered and captured by ``tidal.runtime.programs.step_capture``), so
+  the sync of a bucket runs on the ``comm`` stream while the ``compute`` stream goes on with
+  the rest of backward (without compression; a compressor's syncs follow the end of
+  backward, ``overlap``);
 * else (data-dependent control flow, an op that cannot run captured): eager ``forward`` and
   ``backward`` pieces (autograd), and ``fallback_reason`` says why, naming the node at fault;
 
@@ -46,29 +47,30 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from tidal.ir.capture import (TrainStep, capture_train_step, failing_node, grad_nodes,
-                               step_inputs)
+from tidal.ir.capture import step_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.cost import example_batch
-from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import flat_tensors
-from tidal.ir.rng import fork_rng_of
+from tidal.ir.param_owners import trainable
+from tidal.ir.program import COMM, COMPUTE, OPTIMIZER, Piece, Program
+from tidal.runtime.backend import backend_for
 from tidal.runtime.comm.accordion import Accordion, LrLookahead
-from tidal.runtime.backend import backend_for, used_here
 from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression
-from tidal.runtime.distributed import collective_device
 from tidal.runtime.comm.grad_sync import GradSync
-from tidal.runtime.program import (COMM, COMPUTE, CapturedProgram, Piece, Program,
-                                   data_parallel, state_inputs)
+from tidal.runtime.program import data_parallel
+from tidal.runtime.programs.optimizer_wiring import set_grads
+from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss
+from tidal.runtime.programs.step_capture import (Fallback, StepCapture, agreed, capture_step,
+                                                 lower_step, shape_key)
 
-BROADCAST, OPTIMIZER, ACCORDION = "broadcast", "optimizer", "accordion"
+BROADCAST, ACCORDION, SYNC = "broadcast", "accordion", "sync"
 
 
 def shard(value: Any, rank: int, size: int, batch: int) -> Any:
@@ -89,26 +91,31 @@ def shard(value: Any, rank: int, size: int, batch: int) -> Any:
     return value
 
 
-def broadcast_state(model: torch.nn.Module, params: bool,
-                    group: Optional[dist.ProcessGroup] = None) -> None:
-    """Give every rank rank 0's buffers (BatchNorm statistics each rank updated from its own
-    shard) and, with ``params``, its parameters (before the first step); a no-op on one rank.
-    Data-parallel programs call it at the start of every step."""
-    if not _distributed() or dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    tensors = list(model.buffers()) + ([p.data for p in model.parameters()] if params else [])
-    for t in tensors:
-        dist.broadcast(t, src=src, group=group)
+def eager_pieces(buckets: Sequence[Sequence[int]]) -> list[Piece]:
+    """The data-parallel pieces of a step that runs with autograd: ``forward``, ``backward``,
+    a ``sync b`` comm piece per bucket of gradient indices after it, the ``optimizer`` last."""
+    pieces = [Piece("forward", COMPUTE), Piece("backward", COMPUTE, (0,))]
+    pieces += [Piece(f"{SYNC} {b}", COMM, (1,), grads=tuple(bucket))
+               for b, bucket in enumerate(buckets)]
+    pieces.append(Piece("optimizer", COMPUTE, tuple(range(1, len(pieces))), kind=OPTIMIZER))
+    return pieces
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def framed(pieces: Sequence[Piece], world: int, accordion: bool) -> Program:
+    """``pieces`` (the first waits for nothing, the last is the optimizer) after the
+    ``broadcast`` of rank 0's state, then the ``accordion`` piece when asked for; the comm
+    pieces that sync gradients are named ``sync <b>``.
 
-
-def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Parameters that get gradients, by name, in registration order."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+    Example:
+        >>> [p.name for p in framed(eager_pieces([(0,)]), 2, True).pieces]
+        ['broadcast', 'forward', 'backward', 'sync 0', 'optimizer', 'accordion']
+    """
+    out = [Piece(BROADCAST, COMM)]
+    out += [replace(p, deps=tuple(d + 1 for d in p.deps) or (0,),
+                    name=f"{SYNC} {p.name.split()[-1]}" if p.grads else p.name) for p in pieces]
+    if accordion:
+        out.append(Piece(ACCORDION, COMPUTE, (len(out) - 1,)))
+    return Program(tuple(out), world)
 
 
 class DataParallelProgram:
@@ -145,15 +152,15 @@ class DataParallelProgram:
         self.steps = 0
         self.fallback_reason = "" if capture else "capture=False: eager pieces were asked for"
         self._window_lr: Optional[float] = None
-        self._programs: dict[tuple, tuple[Optional[_Captured], Program]] = {}
-        self._latest: Optional[_Captured] = None
+        self._programs: dict[tuple, StepCapture] = {}
+        self._latest: Optional[StepCapture] = None
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of what the latest step ran uncaptured: nodes of the lowered joint
         graph, or ``("-", fallback_reason)`` when the step ran as the eager program."""
         if self._latest is None:
             return [("-", self.fallback_reason)] if self.fallback_reason else []
-        return self._latest.program.uncaptured()
+        return list(self._latest.uncaptured)
 
     @property
     def compressor(self) -> Compressor:
@@ -187,72 +194,40 @@ class DataParallelProgram:
                              f"{world.size} ranks")
         local = shard(inputs, world.rank, world.size, batch)
         local_targets = shard(targets, world.rank, world.size, batch)
-        key = tuple((tuple(t.shape), t.dtype) for t in flat_tensors((local, local_targets)))
+        key = shape_key(local, local_targets)
         if key not in self._programs:
             self._programs[key] = self._build(gm, model, local, local_targets, loss_fn)
-        captured, program = self._programs[key]
-        self._latest = captured
-        if captured is None:
-            return _EagerStep(self, program, model, optimizer, gm, local, local_targets, loss_fn)
-        return _CapturedStep(self, program, model, optimizer, gm, captured, local, local_targets)
+        capture = self._latest = self._programs[key]
+        step = _CapturedStep if capture.captured else _EagerStep
+        return step(self, capture, model, optimizer, gm, local, local_targets, loss_fn)
 
     def _build(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any, targets: Any,
-               loss_fn: Callable) -> tuple[Optional[_Captured], Program]:
-        """The captured step and its program, or (None, the eager program) when the step
-        cannot be captured or run on some rank (``fallback_reason`` says why). Lowering the
-        captured step runs it once on copies (``tidal.runtime.program.CapturedProgram``): a
-        step that cannot run falls back here, before any piece is launched."""
+               loss_fn: Callable) -> StepCapture:
+        """The captured step and its program, or the eager program when the step cannot be
+        captured or run on some rank (``fallback_reason`` says why). Lowering the captured
+        step runs it once on copies: a step that cannot run falls back here, before any piece
+        is launched; every rank agrees on the outcome."""
         world = self.comm.world.size
-        reason, captured, program = self.fallback_reason, None, None
+        reason, capture = self.fallback_reason, None
         if not reason:
             try:
-                step = capture_train_step(gm, inputs, targets, loss_fn)
-            except TraceError as e:
-                reason = str(e)
-            else:
-                pieces = [replace(p, name=f"sync {p.name.split()[-1]}") if p.stream == COMM
-                          else p for p in data_parallel(step, world, self.bucket_bytes,
-                                                       overlap=self.overlap).pieces]
-                program = self._program(pieces, world)
+                step = capture_step(gm, inputs, targets, loss_fn)
+                program = framed(data_parallel(step, world, self.bucket_bytes, self.overlap).pieces,
+                                 world, self.accordion is not None)
                 flat = step_inputs(step, gm, inputs, targets)
-                with fork_rng_of(flat):  # capturing consumes no randomness (CPU nor CUDA)
-                    try:
-                        captured = _Captured(step, CapturedProgram.build(
-                            program, step.gm, flat, backend_for(flat_tensors(flat)[0].device),
-                            state=state_inputs(step)))
-                    except Exception as e:  # noqa: BLE001 - the eager program runs, named
-                        reason = "the captured step failed to run: " + (
-                            failing_node(step, flat) or f"{type(e).__name__}: {e}")
-        reason = self._agreed(reason)
+                capture = lower_step(step, program, {0: flat},
+                                     backend_for(flat_tensors(flat)[0].device))
+            except Fallback as e:
+                reason = e.reason
+        reason = agreed(reason, self.comm.group)
         if not reason:
-            return captured, program
+            return capture
         self.fallback_reason = reason
-        names = tuple(_trainable(model))
-        index = {n: i for i, n in enumerate(names)}
-        pieces = [Piece("forward", COMPUTE), Piece("backward", COMPUTE, (0,))]
-        pieces += [Piece(f"sync {b}", COMM, (1,), grads=tuple(index[n] for n in bucket))
-                   for b, bucket in enumerate(self.grad_sync.buckets(_trainable(model)))]
-        pieces.append(Piece(OPTIMIZER, COMPUTE, tuple(range(1, len(pieces)))))
-        return None, self._program(pieces, world)
-
-    def _program(self, pieces: Sequence[Piece], world: int) -> Program:
-        """``pieces`` (the first waits for nothing, the last is the optimizer) after the
-        ``broadcast`` of rank 0's state, then the ``accordion`` piece if any."""
-        framed = [Piece(BROADCAST, COMM)]
-        framed += [replace(p, deps=tuple(d + 1 for d in p.deps) or (0,)) for p in pieces]
-        if self.accordion is not None:
-            framed.append(Piece(ACCORDION, COMPUTE, (len(framed) - 1,)))
-        return Program(tuple(framed), world)
-
-    def _agreed(self, reason: str) -> str:
-        """``reason``, or a reason of its own when another rank cannot run the captured step:
-        every rank runs the same program."""
-        if not _distributed() or self.comm.world.size == 1:
-            return reason
-        flag = torch.tensor([1 if reason else 0], dtype=torch.int32,
-                            device=collective_device(self.comm.group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.comm.group)
-        return reason or ("another rank cannot run the captured step" if flag.item() else "")
+        index = {n: i for i, n in enumerate(trainable(model))}
+        buckets = [tuple(index[n] for n in bucket)
+                   for bucket in self.grad_sync.buckets(trainable(model))]
+        program = framed(eager_pieces(buckets), world, self.accordion is not None)
+        return StepCapture.eager(program, Fallback(reason))
 
     def accordion_step(self, synced: Mapping[str, torch.Tensor],
                        optimizer: torch.optim.Optimizer) -> None:
@@ -285,25 +260,17 @@ class DataParallelProgram:
             self.accordion.load_state_dict(state["accordion"])
 
 
-@dataclass(frozen=True)
-class _Captured:
-    """A captured step and its program's lowered, captured segments."""
-
-    step: TrainStep
-    program: CapturedProgram
-
-
 class _Step:
     """One bound step (``tidal.runtime.program.StepWork``): the broadcast, sync, optimizer and
     Accordion pieces; subclasses run the compute pieces and give the gradients and the loss."""
 
-    def __init__(self, owner: DataParallelProgram, program: Program, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                 names: Sequence[str]):
-        self.program = program
+    def __init__(self, owner: DataParallelProgram, capture: StepCapture,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 module: torch.nn.Module, names: Sequence[str]):
+        self.program = capture.program
         self._owner = owner
         self._model = model
-        self._params = _trainable(module)
+        self._params = trainable(module)
         self._optimizer = optimizer
         self._names = tuple(names)
         self._first = owner.steps == 0
@@ -315,7 +282,7 @@ class _Step:
                                      self._owner.comm.group)
         if piece.stream == COMM:
             return functools.partial(self._sync, piece.grads)
-        if piece.name == OPTIMIZER:
+        if piece.kind == OPTIMIZER:
             return self._apply
         if piece.name == ACCORDION:
             return functools.partial(self._owner.accordion_step, self._synced, self._optimizer)
@@ -335,38 +302,30 @@ class _Step:
             {self._names[i]: self.grad(i) for i in indices}))
 
     def _apply(self) -> None:
-        used_here(*self._synced.values())  # made on the comm stream, read on this one
-        for name, g in self._synced.items():
-            p = self._params[name]
-            p.grad = g.reshape(p.shape)
+        set_grads(self._params, self._synced)
         self._optimizer.step()
         self._owner.steps += 1
 
     def loss(self) -> torch.Tensor:
         """The global batch's loss: the mean of the ranks' shard losses."""
-        out = self.local_loss().detach().clone()
-        comm = self._owner.comm
-        if comm.world.size > 1:
-            dist.all_reduce(out, group=comm.group)
-            out /= comm.world.size
-        return out
+        return reduce_loss(self.local_loss(), self._owner.comm.group)
 
 
 class _CapturedStep(_Step):
     """The captured step's segments (lowered, captured); gradients are its outputs."""
 
-    def __init__(self, owner: DataParallelProgram, program: Program, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, gm: torch.nn.Module, captured: _Captured,
-                 inputs: Any, targets: Any):
-        super().__init__(owner, program, model, optimizer, gm, captured.step.param_names)
-        self._run = captured.program.run(step_inputs(captured.step, gm, inputs, targets))
-        self._loss_node, self.grad_nodes = grad_nodes(captured.step)
+    def __init__(self, owner: DataParallelProgram, capture: StepCapture,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable):
+        super().__init__(owner, capture, model, optimizer, gm, capture.step.param_names)
+        self._run = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
+        self._loss_node, self._grad_nodes = capture.nodes()
 
     def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
         return self._run.segment(index)
 
     def grad(self, index: int) -> torch.Tensor:
-        return self._run.value(self.grad_nodes[index])
+        return self._run.value(self._grad_nodes[index])
 
     def local_loss(self) -> torch.Tensor:
         return self._run.value(self._loss_node)
@@ -375,10 +334,10 @@ class _CapturedStep(_Step):
 class _EagerStep(_Step):
     """Eager ``forward`` and ``backward`` pieces (autograd fills the parameters' ``.grad``)."""
 
-    def __init__(self, owner: DataParallelProgram, program: Program, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, gm: torch.nn.Module, inputs: Any,
-                 targets: Any, loss_fn: Callable):
-        super().__init__(owner, program, model, optimizer, model, tuple(_trainable(model)))
+    def __init__(self, owner: DataParallelProgram, capture: StepCapture,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable):
+        super().__init__(owner, capture, model, optimizer, model, tuple(trainable(model)))
         self._run = functools.partial(_eager_loss, gm, inputs, targets, loss_fn)
         self._loss: Optional[torch.Tensor] = None
 

@@ -3,16 +3,17 @@
 One step of the global batch runs one tick iteration and one tock iteration: the global batch
 is cut into 2N shards (N ranks); rank i's tick wave trains on shard i with the model's own
 parameters, its tock wave on shard N + i with a second replica (made from the model at the
-first step, with a clone of the optimizer: :func:`clone_optimizer`). The program
+first step, with a clone of the optimizer:
+``tidal.runtime.programs.optimizer_wiring.clone_optimizer``). The program
 (:func:`tick_tock`) follows the first iteration of each lane of the plan's schedule:
 
 - ``F`` forward and ``B`` backward (to the wave's raw local gradient ``g_m``) on the wave's own
   compute stream, ``tick`` or ``tock`` (two high-priority streams, so one wave's backward
   overlaps the other's forward); the tock's forward waits for the tick's forward to end (the
   paper's ``F_end`` signal). Each is a segment of the joint forward+backward graph
-  (``tidal.ir.capture.capture_train_step``, captured once per input shape), lowered and
-  captured as ``tidal.runtime.program.CapturedProgram`` does (CUDA graphs on a GPU, the
-  straight-line replay on the CPU), once per wave: the two waves run at the same time and a
+  (``tidal.ir.capture.capture_train_step``, cut at the loss), lowered and captured once per
+  input shape and wave (``tidal.runtime.programs.step_capture``: CUDA graphs on a GPU, the
+  straight-line replay on the CPU): the two waves run at the same time and a
   captured step's buffers are static. Nodes that cannot run captured (an in-place update of a
   buffer, a host sync) run uncaptured in their segment, and :meth:`TickTockProgram.uncaptured`
   names them; a step that cannot be captured or whose captured graph fails to run runs
@@ -29,7 +30,8 @@ first step, with a clone of the optimizer: :func:`clone_optimizer`). The program
 - ``loss`` on ``comm``: the step's loss, the mean of the two waves' over all ranks.
 
 By Lemma 1 the gradient a wave applies is the mean over the 2N shards of iterations m−1 and m.
-Once one piece failed, the later ones are skipped (no collective waits for a peer in vain).
+Once one piece failed, the later ones fail at once, naming it (no collective waits for a peer
+in vain: ``tidal.runtime.programs.step_failures``).
 
 Example:
     >>> import torch, tidal
@@ -46,28 +48,30 @@ Example:
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
-from tidal.ir.capture import TrainStep, capture_train_step, failing_node, step_inputs
+from tidal.ir.capture import step_inputs
 from tidal.ir.collectives import new_group
-from tidal.ir.errors import TidalError, TraceError
+from tidal.ir.joint_segments import forward_backward
 from tidal.ir.node_runner import flat_tensors
-from tidal.ir.rng import fork_rng_of
+from tidal.ir.param_owners import trainable
+from tidal.ir.program import COMM, OPTIMIZER, Piece, Program
 from tidal.ir.schedule import Action, Schedule, split_batch
 from tidal.runtime.backend import backend_for
-from tidal.runtime.distributed import all_reduce_tensors, rank_and_size
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory, plain_sync
-from tidal.runtime.program import (COMM, CapturedProgram, CapturedRun, Piece, Program,
-                                   state_inputs)
+from tidal.runtime.distributed import rank_and_size
+from tidal.runtime.program import CapturedRun
+from tidal.runtime.programs.optimizer_wiring import clone_optimizer, set_grads
+from tidal.runtime.programs.replica_sync import average_buffers, reduce_loss
+from tidal.runtime.programs.step_capture import (Fallback, StepCapture, capture_step,
+                                                 lower_step, shape_key)
+from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
 PLAN_KIND = "TickTockPlan"
 
@@ -76,30 +80,7 @@ WAVES = ("T", "K")
 STREAMS = ("tick", "tock")
 """Each wave's compute stream (and the word its pieces' names start with), in WAVES order."""
 LOSS = "loss"
-
-
-def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
-                    ) -> torch.optim.Optimizer:
-    """A fresh optimizer of ``opt``'s class and hyper-parameters over the tensors ``mapping``
-    gives for its parameters (by ``id``); parameters not in ``mapping`` are left out.
-
-    Example:
-        >>> import torch
-        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-        >>> opt = torch.optim.SGD(a.parameters(), lr=0.5, momentum=0.9)
-        >>> twin = clone_optimizer(opt, {id(p): q for p, q in zip(a.parameters(),
-        ...                                                      b.parameters())})
-        >>> twin.param_groups[0]["lr"], twin.param_groups[0]["params"][0] is b.weight
-        (0.5, True)
-    """
-    groups = []
-    for g in opt.param_groups:
-        params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
-        if params:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
-    if not groups:
-        raise ValueError("tick_tock: the optimizer holds none of the model's parameters")
-    return type(opt)(groups, **opt.defaults)
+WHO = "tick_tock"
 
 
 def _stream(wave: str) -> str:
@@ -145,6 +126,7 @@ def tick_tock(schedule: Schedule, world: int, forward: Sequence[str] = (),
     index: dict[tuple[str, str], int] = {}
     last: dict[str, int] = {}
     cross = {("K", "F"): ("T", "F"), ("K", "A"): ("T", "B")}  # tock F: F_end; tock A: Eq. 1
+    nodes = {"F": tuple(forward), "B": tuple(backward)}
     for a in first_iteration(schedule):
         deps = [last[a.lane]] if a.lane in last else []
         if (a.lane, a.kind) in cross:
@@ -154,42 +136,20 @@ def tick_tock(schedule: Schedule, world: int, forward: Sequence[str] = (),
                                  f"before the {_stream(other[0])} wave's {other[1]}, which it "
                                  f"waits for")
             deps.append(index[other])
-        name = f"{_stream(a.lane)} {a.kind}"
-        nodes = {"F": tuple(forward), "B": tuple(backward)}.get(a.kind, ())
-        pieces.append(Piece(name, COMM if a.kind == "A" else _stream(a.lane),
-                            tuple(sorted(deps)), nodes,
-                            tuple(range(grads)) if a.kind == "A" else ()))
+        pieces.append(Piece(f"{_stream(a.lane)} {a.kind}",
+                            COMM if a.kind == "A" else _stream(a.lane), tuple(sorted(deps)),
+                            nodes.get(a.kind, ()), tuple(range(grads)) if a.kind == "A" else (),
+                            kind=OPTIMIZER if a.kind == "U" else ""))
         index[(a.lane, a.kind)] = last[a.lane] = len(pieces) - 1
     pieces.append(Piece(LOSS, COMM, (index[("T", "F")], index[("K", "F")])))
     return Program(tuple(pieces), world)
 
 
-def _split(step: TrainStep) -> tuple[list[fx.Node], list[fx.Node], fx.Node, list[fx.Node]]:
-    """The joint graph's forward nodes (through the loss), the backward ones, the loss node and
-    each parameter's gradient node."""
-    out = next(n for n in step.gm.graph.nodes if n.op == "output")
-    loss, grads = out.args[0][0], list(out.args[0][1:1 + len(step.param_names)])
-    nodes = [n for n in step.gm.graph.nodes if n.op != "output"]
-    cut = nodes.index(loss) + 1
-    return nodes[:cut], nodes[cut:], loss, grads
-
-
-@dataclass
-class _Captured:
-    """A step captured for one input shape: the graph (None: eager pieces), its program, the
-    loss and gradient nodes and each wave's lowered, captured segments (one
-    :class:`~tidal.runtime.program.CapturedProgram` per wave: both waves' runs are alive at
-    once, and on CUDA a captured step's input and output buffers are static)."""
-
-    program: Program
-    step: Optional[TrainStep] = None
-    waves: dict[str, CapturedProgram] = field(default_factory=dict)
-    loss: Optional[fx.Node] = None
-    grads: list[fx.Node] = field(default_factory=list)
-
-
 @dataclass
 class _Wave:
+    """One wave of a bound step: its replica, optimizer, shard, group and sync, and what its
+    pieces leave (the loss, the raw gradients, the gradients it applied)."""
+
     name: str
     gm: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -197,11 +157,12 @@ class _Wave:
     targets: Any
     group: Any = None
     sync: Optional[GradSync] = None
-    names: tuple[str, ...] = ()
-    params: tuple[torch.nn.Parameter, ...] = ()
     loss: Optional[torch.Tensor] = None
     raw: Optional[list[torch.Tensor]] = None
     applied: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # no zero_grad: the sync sets every gradient it applies
+        self.params = trainable(self.gm)
 
     @property
     def stream(self) -> str:
@@ -225,15 +186,15 @@ class TickTockProgram:
         self.plan = plan
         self.tock: Optional[torch.nn.Module] = None
         self._tock_opt: Optional[torch.optim.Optimizer] = None
-        self._prev_tock: Optional[list[torch.Tensor]] = None
+        self._prev_tock: Optional[list[torch.Tensor]] = None  # what the next tick averages with
         self._groups: tuple[Any, Any] = (None, None)
         self._sync_factory: GradSyncFactory = plain_sync
-        self._captured: dict[tuple, _Captured] = {}
+        self._captured: dict[tuple, StepCapture] = {}
         self.syncs: dict[str, GradSync] = {}
         self.last_applied: dict[str, dict[str, torch.Tensor]] = {}
         self.fallback_reason = ""
-        self._fallback_node = ""
-        self._latest: Optional[_Captured] = None
+        self._fallback: Optional[Fallback] = None
+        self._latest: Optional[StepCapture] = None
 
     def use_grad_sync(self, factory: GradSyncFactory) -> None:
         """Sync each wave's gradients with ``factory(group)`` (e.g. a compressor's) instead of
@@ -260,48 +221,29 @@ class TickTockProgram:
         """(node, reason) of what the latest step ran uncaptured: the nodes of the lowered
         joint graph that run outside a captured segment (both waves run the same graph), or
         ``(node or "-", fallback_reason)`` when the waves ran ``F``/``B`` eagerly."""
-        if self._latest is None or self._latest.step is None:
-            return [(self._fallback_node or "-", self.fallback_reason)] \
-                if self.fallback_reason else []
-        return self._latest.waves[WAVES[0]].uncaptured()
+        return list(self._latest.uncaptured) if self._latest is not None else []
 
-    def _capture(self, waves: dict[str, _Wave], loss_fn: Callable, world: int) -> _Captured:
+    def _capture(self, waves: dict[str, _Wave], loss_fn: Callable, world: int) -> StepCapture:
         """The captured step and program for these shard shapes (once per shape; the waves'
         shards have the same shapes): each wave's segments lowered and captured on its own
-        tensors (on copies, the random state restored), or the eager program."""
+        tensors, or the eager program (``fallback_reason`` says why)."""
         tick = waves[WAVES[0]]
-        key = (world,) + tuple((tuple(t.shape), t.dtype)
-                               for t in flat_tensors((tick.inputs, tick.targets)))
-        if key in self._captured:
-            return self._captured[key]
-        grads = sum(1 for p in tick.gm.parameters() if p.requires_grad)
-        eager = _Captured(tick_tock(self.plan.schedule, world, grads=grads))
-        self._captured[key] = eager
-        if self.fallback_reason:
-            return eager
-        try:
-            step = capture_train_step(tick.gm, tick.inputs, tick.targets, loss_fn)
-        except TraceError as e:
-            self.fallback_reason = str(e)
-            return eager
-        forward, backward, loss, grad_nodes = _split(step)
-        program = tick_tock(self.plan.schedule, world, [n.name for n in forward],
-                            [n.name for n in backward], len(grad_nodes))
-        flats = {w.name: step_inputs(step, w.gm, w.inputs, w.targets) for w in waves.values()}
-        device = flat_tensors(flats[tick.name])[0].device
-        with fork_rng_of(flats):  # capturing consumes no randomness (CPU nor CUDA)
-            try:  # a graph memory pool per wave (CapturedProgram.build): they replay at once
-                lowered = {w: CapturedProgram.build(program, step.gm, flat, backend_for(device),
-                                                    state=state_inputs(step))
-                           for w, flat in flats.items()}
-            except Exception as e:  # noqa: BLE001 - the waves run eagerly, the node named
-                why = failing_node(step, flats[tick.name])
-                node = re.match(r"node '([^']+)'", why)
-                self._fallback_node = node.group(1) if node else ""
-                self.fallback_reason = "the captured step failed to run: " + (
-                    why or f"{type(e).__name__}: {e}")
-                return eager
-        self._captured[key] = _Captured(program, step, lowered, loss, grad_nodes)
+        key = (world,) + shape_key(tick.inputs, tick.targets)
+        if key not in self._captured:
+            try:
+                if self._fallback is not None:  # a step that failed to capture stays eager
+                    raise self._fallback
+                step = capture_step(tick.gm, tick.inputs, tick.targets, loss_fn)
+                program = tick_tock(self.plan.schedule, world, *forward_backward(step),
+                                    len(step.param_names))
+                flats = {w.name: step_inputs(step, w.gm, w.inputs, w.targets)
+                         for w in waves.values()}
+                device = flat_tensors(flats[tick.name])[0].device
+                self._captured[key] = lower_step(step, program, flats, backend_for(device))
+            except Fallback as e:
+                self._fallback, self.fallback_reason = e, e.reason
+                eager = tick_tock(self.plan.schedule, world, grads=len(tick.params))
+                self._captured[key] = StepCapture.eager(eager, e)
         return self._captured[key]
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
@@ -316,9 +258,6 @@ class TickTockProgram:
                             self.syncs["T"]),
                  "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
                             self._groups[1], self.syncs["K"])}
-        for w in waves.values():  # no zero_grad: a wave's sync sets every gradient it applies
-            named = [(k, p) for k, p in w.gm.named_parameters() if p.requires_grad]
-            w.names, w.params = tuple(k for k, _ in named), tuple(p for _, p in named)
         self._latest = captured = self._capture(waves, loss_fn, world)
         return _TickTockStep(self, captured, waves, loss_fn, world)
 
@@ -326,63 +265,54 @@ class TickTockProgram:
 class _TickTockStep:
     """One step of :class:`TickTockProgram` bound to its tensors (a ``StepWork``)."""
 
-    def __init__(self, owner: TickTockProgram, captured: _Captured, waves: dict[str, _Wave],
+    def __init__(self, owner: TickTockProgram, captured: StepCapture, waves: dict[str, _Wave],
                  loss_fn: Callable, world: int):
         self.owner, self.captured, self.waves = owner, captured, waves
         self.program = captured.program
         self.loss_fn, self.world = loss_fn, world
-        self.failed: list[str] = []
+        self.guard = FailFast(WHO)
         self._loss: Optional[torch.Tensor] = None
+        self._nodes = captured.nodes() if captured.captured else None
         # each wave's run of its captured segments, begun by its F: this step may be bound
         # while the previous one still runs (persistent waves), whose runs own the buffers
         self.runs: dict[str, CapturedRun] = {}
 
     def work(self, index: int, piece: Piece) -> Callable[[], None]:
-        """What piece ``index`` does; once a piece failed, the later ones are skipped."""
+        """What piece ``index`` does; once a piece failed, the later ones fail at once."""
         if piece.name == LOSS:
-            action: Callable[[], None] = self._average_loss
+            return self.guard.wrap(piece.name, self._average_loss)
+        stream, kind = piece.name.split()
+        wave = self.waves[WAVES[STREAMS.index(stream)]]
+        if kind == "U":
+            action: Callable[[], Any] = wave.optimizer.step
+        elif kind in "FB" and self.captured.captured:  # a captured segment
+            action = functools.partial(self._segment, wave, index, kind)
         else:
-            stream, kind = piece.name.split()
-            wave = self.waves[WAVES[STREAMS.index(stream)]]
             action = functools.partial({"F": self._forward, "B": self._backward,
-                                        "A": self._sync, "U": self._update}[kind], wave)
-            if kind in "FB" and self.captured.step is not None:  # a captured segment
-                action = functools.partial(action, functools.partial(self._segment, wave,
-                                                                     index))
+                                        "A": self._sync}[kind], wave)
+        return self.guard.wrap(piece.name, action)
 
-        def run() -> None:
-            if self.failed:
-                raise RuntimeError(f"tick_tock: piece {piece.name!r} skipped: piece "
-                                   f"{self.failed[0]!r} failed")
-            try:
-                action()
-            except BaseException:
-                self.failed.append(piece.name)
-                raise
-        return run
-
-    def _segment(self, w: _Wave, index: int) -> None:
-        """Piece ``index``'s lowered steps in wave ``w``'s run (the ``F`` begins the run)."""
+    def _segment(self, w: _Wave, index: int, kind: str) -> None:
+        """Piece ``index``'s lowered steps in wave ``w``'s run (the ``F`` begins the run),
+        then the loss (``F``) or the raw gradients (``B``) it computed."""
         if w.name not in self.runs:
-            step = self.captured.step
-            self.runs[w.name] = self.captured.waves[w.name].run(
-                step_inputs(step, w.gm, w.inputs, w.targets))
-        self.runs[w.name].segment(index)()
+            self.runs[w.name] = self.captured.lowered[w.name].run(
+                step_inputs(self.captured.step, w.gm, w.inputs, w.targets))
+        run = self.runs[w.name]
+        run.segment(index)()  # after B, the activations are freed after their last use
+        loss, grads = self._nodes
+        if kind == "F":
+            w.loss = run.value(loss)
+        else:
+            w.raw = [run.value(g) for g in grads]
 
-    def _forward(self, w: _Wave, segment: Optional[Callable[[], None]] = None) -> None:
-        if segment is None:
-            w.loss = self.loss_fn(w.gm(*w.inputs), w.targets)
-            return
-        segment()
-        w.loss = self.runs[w.name].value(self.captured.loss)
+    def _forward(self, w: _Wave) -> None:
+        w.loss = self.loss_fn(w.gm(*w.inputs), w.targets)
 
-    def _backward(self, w: _Wave, segment: Optional[Callable[[], None]] = None) -> None:
-        if segment is None:
-            grads = torch.autograd.grad(w.loss, w.params, allow_unused=True)
-            w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(w.params, grads)]
-            return
-        segment()  # the activations are freed after their last use
-        w.raw = [self.runs[w.name].value(g) for g in self.captured.grads]
+    def _backward(self, w: _Wave) -> None:
+        params = list(w.params.values())
+        grads = torch.autograd.grad(w.loss, params, allow_unused=True)
+        w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     def _sync(self, w: _Wave) -> None:
         # the tick averages with the previous step's tock gradient: the comm stream runs the
@@ -392,46 +322,26 @@ class _TickTockStep:
             avg = list(w.raw)  # the very first tick iteration has no predecessor
         else:
             avg = [(g + h) / 2 for g, h in zip(w.raw, other)]  # Eq. 1
-        with _collective(f"the {w.stream} wave's gradient sync"):
-            synced = w.sync(dict(zip(w.names, avg)))  # the wave's all-reduce (or compressor)
-            if self.world > 1:  # running statistics (BatchNorm): the same on every wave rank
-                all_reduce_tensors([b for b in w.gm.buffers() if b.is_floating_point()],
-                                   w.group, average=True)
-        for p, k in zip(w.params, w.names):
-            p.grad = synced[k].clone()
-            w.applied[k] = p.grad  # the optimizer reads it, never writes it: no second copy
+        with collective_errors(WHO, f"the {w.stream} wave's gradient sync"):
+            synced = w.sync(dict(zip(w.params, avg)))  # the wave's all-reduce (or compressor)
+            # running statistics (BatchNorm): the same on every rank of the wave
+            average_buffers(w.gm.buffers(), w.group)
+        set_grads(w.params, synced, copy=True)
+        # the optimizer reads a gradient, never writes it: no second copy
+        w.applied = {k: p.grad for k, p in w.params.items()}
         if w.name == "K":  # a captured gradient is a static output buffer (CUDA): the next
             # replay of the tock's segments overwrites it before the next tick average reads it
             self.owner._prev_tock = [g.clone() for g in w.raw] if self.runs else w.raw
 
-    def _update(self, w: _Wave) -> None:
-        w.optimizer.step()
-
     def _average_loss(self) -> None:
         loss = (self.waves["T"].loss.detach() + self.waves["K"].loss.detach()) / 2
-        if self.world > 1:
-            with _collective("the loss all-reduce"):
-                dist.all_reduce(loss)
-            loss = loss / self.world
-        self._loss = loss
+        with collective_errors(WHO, "the loss all-reduce"):
+            self._loss = reduce_loss(loss)
 
     def loss(self) -> torch.Tensor:
         """The step's loss (both waves, all ranks); keeps the gradients the waves applied."""
         self.owner.last_applied = {w.name: w.applied for w in self.waves.values()}
         return self._loss
-
-
-@contextlib.contextmanager
-def _collective(what: str) -> Iterator[None]:
-    """Turn a failed or timed-out collective (its group has the world's timeout) into one
-    clear error instead of a deep gloo/NCCL traceback."""
-    try:
-        yield
-    except (RuntimeError, dist.DistError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise TidalError(f"tick_tock: {what} did not complete within the process group's "
-                         f"timeout: a peer rank stalled or died ({type(e).__name__}: "
-                         f"{first})") from e
 
 
 def from_plan(gm: fx.GraphModule, plan: Any) -> TickTockProgram:

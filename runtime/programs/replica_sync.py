@@ -1,0 +1,59 @@
+"""What keeps the ranks' replicas equal besides the gradient sync: rank 0's state broadcast
+(:func:`broadcast_state`), the floating-point buffers averaged (:func:`average_buffers`:
+BatchNorm's running statistics, each rank updated from its own batch) and the step's loss
+reduced over the ranks (:func:`reduce_loss`). Each is a no-op in one process.
+
+Example:
+    >>> import torch
+    >>> bn = torch.nn.BatchNorm1d(2)
+    >>> broadcast_state(bn, params=True); average_buffers(bn.buffers())   # one process
+    >>> reduce_loss(torch.tensor(2.0, requires_grad=True))
+    tensor(2.)
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from tidal.runtime.distributed import all_reduce_tensors, collective_device
+
+
+def _world(group: Optional[dist.ProcessGroup]) -> int:
+    """The size of ``group`` (the default group when None); 1 without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def broadcast_state(model: torch.nn.Module, params: bool,
+                    group: Optional[dist.ProcessGroup] = None) -> None:
+    """Give every rank of ``group`` rank 0's buffers (BatchNorm statistics each rank updated
+    from its own shard) and, with ``params``, its parameters (before the first step)."""
+    if _world(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    tensors = list(model.buffers()) + ([p.data for p in model.parameters()] if params else [])
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
+def average_buffers(buffers: Iterable[torch.Tensor],
+                    group: Optional[dist.ProcessGroup] = None) -> None:
+    """Average the floating-point ones of ``buffers`` over the ranks of ``group``, in place."""
+    if _world(group) > 1:
+        all_reduce_tensors([b for b in buffers if b.is_floating_point()], group, average=True)
+
+
+def reduce_loss(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                mean: bool = True) -> torch.Tensor:
+    """A detached copy of ``loss`` summed over the ranks of ``group`` (with ``mean``: averaged:
+    each rank's loss is that of its own shard)."""
+    out = loss.detach().clone()
+    world = _world(group)
+    if world == 1:
+        return out
+    reduced = out.to(collective_device(group))
+    dist.all_reduce(reduced, group=group)
+    return (reduced / world if mean else reduced).to(out.device)
