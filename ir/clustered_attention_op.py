@@ -76,7 +76,7 @@ def clustered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         mask = mask.expand(b, mask.shape[1], tq, tk)
     causal = None
     if is_causal and (tq != tk or mask is not None):  # bottom-right, as a mask
-        causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)
+        causal = causal_mask(tq, tk, query.device)
     outs = []
     for i, reps_of in enumerate(rep_of_head.tolist()):
         if any(reps_of[r] != r for r in reps_of):
@@ -98,7 +98,7 @@ def _shared(q, k, v, reps_of, group, scale, causal, mask, square_causal) -> torc
     rows = torch.tensor(reps, device=q.device)
     scores = q[rows] @ k[rows // group].transpose(-1, -2) * scale
     if square_causal:
-        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        causal = causal_mask(*scores.shape[-2:], q.device)
     m = _combined(causal, _heads(mask, rows))
     if m is not None:
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m
@@ -142,10 +142,25 @@ def _combined(causal: Optional[torch.Tensor], mask: Optional[torch.Tensor]
     return mask.masked_fill(~causal, float("-inf"))
 
 
+def causal_mask(tq: int, tk: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The boolean causal mask ``[tq, tk]`` (True keeps) aligned to the bottom right, as
+    ``scaled_dot_product_attention`` aligns it for ``tq < tk``: query row i sees keys up to
+    ``tk - tq + i``.
+
+    >>> causal_mask(2, 3).int().tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
+
+
 def apply_mask(scores: torch.Tensor, mask: Optional[torch.Tensor],
                hides: bool = False) -> torch.Tensor:
     """``scores`` with an attention ``mask`` applied: a boolean mask keeps where True
-    (``hides``: hides where True) and puts -inf elsewhere; any other mask is added."""
+    (``hides``: hides where True) and puts -inf elsewhere; any other mask is added.
+
+    >>> apply_mask(torch.zeros(1, 2), torch.tensor([[True, False]])).tolist()
+    [[0.0, -inf]]
+    """
     if mask is None:
         return scores
     if mask.dtype == torch.bool:

@@ -7,10 +7,12 @@ deterministic (no random restarts, so a sequence always gets the same membership
 ignores the scale of a head's score rows. Each cluster's representative is the member most
 similar on average to the others; under grouped-query attention it is chosen among members
 whose KV head is already needed, when possible, so that whole KV heads drop out of the K cache.
-``online_memberships`` is the one entry point for per-sequence membership from attention
-probabilities: the graph (``tidal.passes.clustered_attention``) and the decode runtime
-(``tidal.runtime.chai.decode``) both call it, on the same features (``head_features``);
-``static_membership`` gives CHAI-static's fixed clusters from an averaged similarity.
+``sequence_memberships`` is the one entry point for a layer's per-sequence membership from
+attention probabilities (online, through ``online_memberships``, or the fixed clusters of
+CHAI-static): the graph's modules (``tidal.passes.chai_modules``), tidal's decoder
+(``tidal.runtime.chai.decode``) and the generation cache (``tidal.runtime.chai.cache``) all
+call it, on the same features (``head_features``); ``static_membership`` gives CHAI-static's
+fixed clusters from an averaged similarity; ``kv_head_map`` the KV head of each query head.
 
 Clustering runs on the host: the features (a few rows per head) are copied to the CPU once, as
 float64, rather than deciding each merge with a device round trip (``.item()``) per pair.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -212,6 +214,39 @@ def membership(features: torch.Tensor, k: int, kv_of_head: Sequence[int],
     sim = cosine_similarity(features)
     labels = average_linkage(sim, k) if clustering == "linkage" else kmeans_labels(features, k)
     return Membership(labels, representatives(labels, sim, kv_of_head))
+
+
+def kv_head_map(num_heads: int, num_kv_heads: int) -> tuple[int, ...]:
+    """The KV head each of ``num_heads`` query heads reads under grouped-query attention
+    (``num_heads / num_kv_heads`` consecutive query heads share one).
+
+    >>> kv_head_map(4, 2)
+    (0, 0, 1, 1)
+    """
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    return tuple(h // group for h in range(num_heads))
+
+
+def sequence_memberships(probs: torch.Tensor, k: int, kv_of_head: Sequence[int],
+                         first: int = FIRST_TOKENS, clustering: str = "linkage",
+                         static: Optional[Membership] = None) -> tuple[Membership, ...]:
+    """One membership per sequence of ``probs`` ``[B, H, Tq >= first, Tk]``: ``static`` (the
+    fixed clusters of CHAI-static) for every sequence when given, else each sequence's own
+    from its first ``first`` rows (:func:`online_memberships`). The one rule by which the
+    graph's modules, the decoder and the generation cache fix a layer's membership.
+
+    >>> p = torch.eye(4).expand(1, 4, 4, 4).clone()    # every head attends alike
+    >>> [m.representatives for m in sequence_memberships(p, 1, (0, 0, 1, 1), first=4)]
+    [(0,)]
+    >>> fixed = Membership((0, 0, 1, 1), (1, 2))
+    >>> sequence_memberships(p.expand(2, -1, -1, -1), 2, (0, 0, 1, 1), static=fixed)[1] == fixed
+    True
+    """
+    if static is not None:
+        return (static,) * probs.shape[0]
+    return online_memberships(probs, k, kv_of_head, first, clustering)
 
 
 def online_memberships(probs: torch.Tensor, k: int, kv_of_head: Sequence[int],

@@ -23,18 +23,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clustered_attention)
-from tidal.ir.clustered_attention_op import apply_mask
-from tidal.ir.head_clusters import FIRST_TOKENS, Membership, check_count, online_memberships
+from tidal.ir.clustered_attention_math import (clustered_rows, first_rows,
+                                               first_rows_attention, rep_of_heads, repeat_kv,
+                                               share_rows)
+from tidal.ir.clustered_attention_op import apply_mask, causal_mask
+from tidal.ir.head_clusters import (FIRST_TOKENS, Membership, check_count, kv_head_map,
+                                    sequence_memberships)
 from tidal.passes.attention_match import EagerParts
-
-
-def share_rows(probs: torch.Tensor, rep_of_head: torch.Tensor, first: int) -> torch.Tensor:
-    """Rows ``first:`` of every head replaced by its representative's: ``probs`` ``[B, H, Tq,
-    Tk]``, ``rep_of_head`` ``[B, H]`` (long)."""
-    tail = probs[:, :, first:]
-    index = rep_of_head[:, :, None, None].expand_as(tail)
-    return torch.cat((probs[:, :, :first], torch.gather(tail, 1, index)), dim=2)
 
 
 class ClusteredHeads(torch.nn.Module):
@@ -84,15 +79,13 @@ class ClusteredHeads(torch.nn.Module):
     @property
     def kv_of_head(self) -> tuple[int, ...]:
         """The KV head each query head reads."""
-        group = self.num_heads // self.num_kv_heads
-        return tuple(h // group for h in range(self.num_heads))
+        return kv_head_map(self.num_heads, self.num_kv_heads)
 
     def memberships(self, probs: torch.Tensor) -> tuple[Membership, ...]:
-        """One membership per batch element (static, or from the first tokens through
-        ``tidal.ir.head_clusters.online_memberships``, as ``ChaiDecoder`` does)."""
-        if self.static is not None:
-            return (self.static,) * probs.shape[0]
-        return online_memberships(probs, self.k, self.kv_of_head, self.first, self.clustering)
+        """One membership per batch element (static, or from the first tokens), through
+        ``tidal.ir.head_clusters.sequence_memberships`` as ``ChaiDecoder`` fixes its own."""
+        return sequence_memberships(probs, self.k, self.kv_of_head, self.first,
+                                    self.clustering, self.static)
 
     def forward(self, probs: torch.Tensor) -> torch.Tensor:
         if probs.dim() == 3 and probs.shape[0] % self.num_heads == 0:  # [B*H, Tq, Tk]
@@ -107,8 +100,8 @@ class ClusteredHeads(torch.nn.Module):
             raise ValueError(f"attention layer {self.layer}: expected {self.num_heads} heads in "
                              f"the probabilities, got shape {tuple(probs.shape)}")
         self.last_membership = self.memberships(probs)
-        rep = torch.tensor([m.rep_of_head for m in self.last_membership], device=probs.device)
-        return share_rows(probs, rep, self.first)
+        return share_rows(probs, rep_of_heads(self.last_membership, self.num_heads,
+                                              probs.device), self.first)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, heads={self.num_heads}, k={self.k}, first={self.first}"
@@ -143,30 +136,17 @@ class ClusteredHeads(torch.nn.Module):
         """Attention of ``query`` ``[B, H, Tq, D]`` on ``key``/``value`` ``[B, H or Hkv, Tk,
         D]`` (``attn_mask`` and ``is_causal`` as ``scaled_dot_product_attention`` takes them):
         the first rows with every head (their probabilities give each sequence's membership),
-        the rest through ``tidal::clustered_attention``."""
-        first, (tq, tk) = self.first, (query.shape[2], key.shape[2])
-        heads = query.shape[1]
+        the rest through ``tidal::clustered_attention``
+        (``tidal.ir.clustered_attention_math``)."""
         key, value = self._kv_heads(key), self._kv_heads(value)
-        mask_first = attn_mask
-        if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == tq:
-            mask_first = attn_mask[..., :first, :]
-        causal = torch.ones(tq, tk, dtype=torch.bool, device=query.device).tril(tk - tq)[:first] \
-            if is_causal else None  # the first rows keep their place in the whole block
-        k_all, v_all = _repeat_kv(key, heads), _repeat_kv(value, heads)
-        scores = query[:, :, :first] @ k_all.transpose(-1, -2) * scale
-        probs = apply_mask(apply_mask(scores, causal), mask_first).softmax(dim=-1)
+        rows = first_rows([0] * query.shape[0], self.first, query.shape[2], query.device)
+        probs, heads_out = first_rows_attention(query, key, value, scale, rows,
+                                                causal=bool(is_causal), mask=attn_mask)
         self.last_membership = self.memberships(probs)
-        rep = torch.tensor([m.rep_of_head for m in self.last_membership], device=query.device)
-        # the op takes every row (a square causal block runs SDPA's fused causal kernel); its
-        # first rows, computed with the representatives' scores, are replaced
-        rest = torch.ops.tidal.clustered_attention(query, key, value, rep, float(scale),
-                                                   bool(is_causal), attn_mask)
+        rep = rep_of_heads(self.last_membership, query.shape[1], query.device)
         self.last_route = "representatives"
-        return torch.cat((probs @ v_all, rest[:, :, first:]), dim=2)
-
-
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+        return clustered_rows(query, key, value, rep, scale, is_causal, attn_mask, rows,
+                              heads_out)
 
 
 class ClusteredSDPA(ClusteredHeads):
@@ -209,12 +189,10 @@ class ClusteredSDPA(ClusteredHeads):
         if why is None:
             return self._representatives_only(query, key, value, attn_mask, is_causal, scale)
         heads = query.shape[-3]
-        key, value = _repeat_kv(key, heads), _repeat_kv(value, heads)
+        key, value = repeat_kv(key, heads), repeat_kv(value, heads)
         scores = query @ key.transpose(-1, -2) * scale
         if is_causal:
-            tq, tk = scores.shape[-2:]
-            scores = apply_mask(scores, torch.ones(tq, tk, dtype=torch.bool,
-                                                device=scores.device).tril(tk - tq))
+            scores = apply_mask(scores, causal_mask(*scores.shape[-2:], scores.device))
         probs = super().forward(apply_mask(scores, attn_mask).softmax(dim=-1))
         self.last_route = f"all heads: {why}"
         if dropout_p:

@@ -10,15 +10,17 @@ scale)`` instead of ``update`` followed by attention. Per sequence of the batch,
 layer:
 
 - the first ``plan.first_tokens`` (5) real tokens (after any left padding) use every head; their
-  attention probabilities decide the sequence's membership (``head_clusters.online_memberships``,
-  the function the graph and ``ChaiDecoder`` use; or the plan's offline membership in static
-  mode), fixed for the rest of the sequence;
+  attention probabilities decide the sequence's membership (``head_clusters.
+  sequence_memberships``, the function the graph and ``ChaiDecoder`` use; or the plan's offline
+  membership in static mode), fixed for the rest of the sequence;
 - every later query row computes scores only for the sequence's representative heads and each
-  head multiplies its representative's probabilities with its own V;
+  head multiplies its representative's probabilities with its own V (the prompt through
+  ``tidal.ir.clustered_attention_math``, as the graph computes it);
 - once every sequence of the batch has its membership, K is cut to the KV heads the
-  representatives read: ``[B, G', T, D]`` with ``G'`` the most KV heads any sequence of the
-  batch keeps (a sequence keeping fewer repeats its first kept head in the spare slots), in
-  each sequence's own order. Under multi-head attention ``G'`` is exactly ``k``.
+  representatives read (``tidal.ir.representative_k_cache``, the layout and decode step
+  ``ChaiDecoder`` uses too): ``[B, G', T, D]`` with ``G'`` the most KV heads any sequence of
+  the batch keeps (a sequence keeping fewer repeats its first kept head in the spare slots),
+  in each sequence's own order. Under multi-head attention ``G'`` is exactly ``k``.
 
 Layers the plan leaves unclustered (``chosen_k`` None) keep K and V whole and run
 ``scaled_dot_product_attention``. With one head per cluster the result is the model's own
@@ -44,66 +46,21 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from tidal.ir import clustered_attention_op  # noqa: F401  (registers tidal::clustered_attention)
+from tidal.ir.clustered_attention_math import (clustered_rows, first_rows,
+                                               first_rows_attention, rep_of_heads, repeat_kv,
+                                               share_probs)
 from tidal.ir.clustered_attention_op import apply_mask
-from tidal.ir.head_clusters import Membership, online_memberships
+from tidal.ir.head_clusters import Membership, sequence_memberships
 from tidal.ir.plans.chai import ChaiPlan, LayerChoice
+from tidal.ir.representative_k_cache import (KCacheLayout, k_cache_layout, keep_kv_heads,
+                                             representatives_step)
 from tidal.runtime.chai import hf_compat
-
-
-@dataclass
-class _Layout:
-    """Where a pruned layer keeps what, per sequence (``whole``: nothing to prune or save):
-    ``kv_keep`` ``[B, G']`` the KV head in each K slot; ``q_index`` ``[B, G', R]`` the representative query heads that score against
-    each slot (padded by repetition); ``slot_of_head`` ``[B, H]`` the score row
-    (``q_index.flatten(1)`` position) each head's probabilities come from."""
-
-    kv_keep: torch.Tensor
-    q_index: torch.Tensor
-    slot_of_head: torch.Tensor
-
-    whole: bool = False
-    """Every sequence keeps every KV head (in order) and the padded layout would score at
-    least as many rows as there are heads: the decode step then scores every head and shares,
-    which costs no more, and K is not cut."""
-
-
-def layout(memberships: Sequence[Membership], kv_of_head: Sequence[int],
-           device: torch.device) -> _Layout:
-    """The pruned layout for one layer of a batch with these per-sequence memberships.
-
-    Example:
-        >>> from tidal.ir.head_clusters import Membership
-        >>> m = Membership((0, 0, 1, 1), (1, 2))       # heads 0,1 -> rep 1; heads 2,3 -> rep 2
-        >>> lay = layout([m], kv_of_head=(0, 0, 1, 1), device=torch.device("cpu"))
-        >>> lay.kv_keep.tolist(), lay.q_index.tolist(), lay.slot_of_head.tolist()
-        ([[0, 1]], [[[1], [2]]], [[0, 0, 1, 1]])
-    """
-    keeps, per_kvs = [], []
-    for m in memberships:
-        keep = sorted({kv_of_head[r] for r in m.representatives})
-        keeps.append(keep)
-        per_kvs.append([[r for r in m.representatives if kv_of_head[r] == g] for g in keep])
-    width = max(len(k) for k in keeps)
-    reps = max(len(p) for per_kv in per_kvs for p in per_kv)
-    kv_keep, q_index, slots = [], [], []
-    for m, keep, per_kv in zip(memberships, keeps, per_kvs):
-        rows = [p + [p[0]] * (reps - len(p)) for p in per_kv]
-        rows += [rows[0]] * (width - len(rows))
-        kv_keep.append(keep + [keep[0]] * (width - len(keep)))
-        q_index.append(rows)
-        slot = {r: j * reps + i for j, p in enumerate(per_kv) for i, r in enumerate(p)}
-        slots.append([slot[r] for r in m.rep_of_head])
-    whole = all(k == list(range(len(kv_keep[0]))) for k in kv_keep) and \
-        width * reps >= len(kv_of_head) and len(kv_keep[0]) == len(set(kv_of_head))
-    return _Layout(torch.tensor(kv_keep, device=device), torch.tensor(q_index, device=device),
-                   torch.tensor(slots, device=device), whole)
 
 
 @dataclass
@@ -114,7 +71,7 @@ class _LayerState:
 
     memberships: list[Optional[Membership]]
     first_rows: Optional[torch.Tensor] = None
-    layout: Optional[_Layout] = None
+    layout: Optional[KCacheLayout] = None
 
 
 def _kept(mask: torch.Tensor) -> torch.Tensor:
@@ -284,8 +241,7 @@ class ClusteredKCache(DynamicCache):
         if layer == 0:
             hf_compat.count_seen(self, value.shape[2])
         if kv_keep is not None:
-            key = torch.gather(key, 1, kv_keep[:, :, None, None].expand(
-                -1, -1, key.shape[2], key.shape[3]))
+            key = keep_kv_heads(key, kv_keep)
         held = hf_compat.layer_kv(self, layer)
         keys = self._write(layer, "k", None if held is None else held[0], key)
         values = self._write(layer, "v", None if held is None else held[1], value)
@@ -309,29 +265,20 @@ class ClusteredKCache(DynamicCache):
         return store[:, :, :need]
 
     def _membership(self, spec: LayerChoice, probs: torch.Tensor) -> Membership:
-        """A sequence's membership from its first rows' probabilities ``[H, first, first]``."""
-        if self.plan.mode == "static":
-            return Membership(spec.static_labels, spec.static_reps)
-        return online_memberships(probs[None], spec.chosen_k, spec.kv_of_head, self.first,
-                                  self.plan.clustering)[0]
+        """A sequence's membership from its first rows' probabilities ``[H, first, first]``
+        (``tidal.ir.head_clusters.sequence_memberships``, the graph's rule)."""
+        static = Membership(spec.static_labels, spec.static_reps) \
+            if self.plan.mode == "static" else None
+        return sequence_memberships(probs[None], spec.chosen_k, spec.kv_of_head, self.first,
+                                    self.plan.clustering, static)[0]
 
     def _prefill(self, layer: int, spec: LayerChoice, q, k, v, mask, scale) -> torch.Tensor:
         """Attention over a prompt from an empty cache: each sequence's first real rows with
         every head (its membership), the rest through ``tidal::clustered_attention``."""
-        b, h, t, d = q.shape
+        b, h, t, _ = q.shape
         first, pads = self.first, self.pads
-        group = h // k.shape[1]
-        rows = (torch.tensor(pads, device=q.device)[:, None]
-                + torch.arange(first, device=q.device)).clamp(max=t - 1)      # [B, F]
-        qf = torch.gather(q, 2, rows[:, None, :, None].expand(b, h, first, d))
-        k_all = k.repeat_interleave(group, 1) if group > 1 else k
-        v_all = v.repeat_interleave(group, 1) if group > 1 else v
-        scores = qf @ k_all.transpose(-1, -2) * scale                        # [B, H, F, T]
-        causal = torch.arange(t, device=q.device)[None, None, :] <= rows[:, :, None]
-        scores = scores.masked_fill(~causal[:, None], float("-inf"))
-        if mask is not None:
-            scores = apply_mask(scores, _mask_rows(mask, rows))
-        probs = scores.softmax(dim=-1)
+        rows = first_rows(pads, first, t, q.device)                          # [B, F]
+        probs, heads = first_rows_attention(q, k, v, scale, rows, causal=True, mask=mask)
         state = _LayerState([None] * b, q.new_zeros(b, h, first, first))
         for i, pad in enumerate(pads):
             real = min(t - pad, first)
@@ -339,11 +286,8 @@ class ClusteredKCache(DynamicCache):
             if real == first:
                 state.memberships[i] = self._membership(spec, state.first_rows[i])
         self.states[layer] = state
-        rep = self._rep_of_head(state, h, q.device)
-        out = torch.ops.tidal.clustered_attention(q, k, v, rep, float(scale), True, mask)
-        heads = probs @ v_all                                                # [B, H, F, D]
-        for i in (i for i, m in enumerate(state.memberships) if m is not None):
-            out[i, :, pads[i]:pads[i] + first] = heads[i]
+        out = clustered_rows(q, k, v, rep_of_heads(state.memberships, h, q.device), scale,
+                             True, mask, rows, heads)
         self._append(layer, k, v, None)
         self._prune_if_fixed(layer, spec, q.device)
         return out
@@ -354,18 +298,15 @@ class ClusteredKCache(DynamicCache):
         lay = state.layout
         if lay is not None and not lay.whole:
             keys, values = self._append(layer, k, v, lay.kv_keep)
-            return _grouped_decode(q, keys, values, lay, mask, scale)
+            return representatives_step(q, keys, values, lay, mask, scale)
         keys, values = self._append(layer, k, v, None)
         b, h, _, d = q.shape
         n = keys.shape[2]
         group = h // keys.shape[1]
-        scores = q @ (keys.repeat_interleave(group, 1) if group > 1 else keys).transpose(-1, -2)
-        scores = scores * scale
-        if mask is not None:
-            scores = apply_mask(scores, mask)
-        probs = scores.softmax(dim=-1)                                       # [B, H, 1, n]
-        rep = self._rep_of_head(state, h, q.device)                          # before fixing
-        shared = torch.gather(probs, 1, rep[:, :, None, None].expand_as(probs))
+        scores = q @ repeat_kv(keys, h).transpose(-1, -2) * scale
+        probs = apply_mask(scores, mask).softmax(dim=-1)                     # [B, H, 1, n]
+        rep = rep_of_heads(state.memberships, h, q.device)                   # before fixing
+        shared = share_probs(probs, rep)
         for i, pad in enumerate(self.pads if lay is None else ()):
             j = n - 1 - pad                               # this token's index among the real
             if state.memberships[i] is None and j < self.first:
@@ -376,25 +317,17 @@ class ClusteredKCache(DynamicCache):
         self._prune_if_fixed(layer, spec, q.device)
         return out.view(b, h, 1, d)
 
-    def _rep_of_head(self, state: _LayerState, heads: int, device) -> torch.Tensor:
-        """``[B, H]`` representatives (every head its own while a sequence is open)."""
-        own = tuple(range(heads))
-        return torch.tensor([own if m is None else m.rep_of_head for m in state.memberships],
-                            device=device)
-
     def _prune_if_fixed(self, layer: int, spec: LayerChoice, device) -> None:
         """Once every sequence has its membership: K cut to the kept KV heads."""
         state = self.states[layer]
         if state.layout is not None or any(m is None for m in state.memberships):
             return
-        state.layout = layout(state.memberships, spec.kv_of_head, device)
+        state.layout = k_cache_layout(state.memberships, spec.kv_of_head, device)
         state.first_rows = None
         if state.layout.whole:
             return
         keys, values = hf_compat.layer_kv(self, layer)
-        keep = state.layout.kv_keep
-        hf_compat.set_layer_kv(self, layer, torch.gather(
-            keys, 1, keep[:, :, None, None].expand(-1, -1, keys.shape[2], keys.shape[3])), values)
+        hf_compat.set_layer_kv(self, layer, keep_kv_heads(keys, state.layout.kv_keep), values)
         self.stores.pop((layer, "k"), None)  # the full-width buffer is freed
 
 
@@ -439,31 +372,3 @@ def _attend_somewhere(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask | dead
     return mask.masked_fill(dead, 0.0)
-
-
-def _mask_rows(mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The rows ``rows`` ``[B, F]`` of a 4-D mask (a mask with one row applies to all)."""
-    if mask.shape[-2] == 1:
-        return mask
-    mask = mask.expand(rows.shape[0], *mask.shape[1:])
-    index = rows[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
-    return torch.gather(mask, 2, index)
-
-
-def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lay: _Layout,
-                    mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """One query token ``[B, H, 1, D]`` of a pruned layer: scores for the representatives only,
-    against the kept K slots ``[B, G', n, D]`` they read, shared with their members, times each
-    head's own V ``[B, Hkv, n, D]``."""
-    b, h, _, d = q.shape
-    g_kept, reps = lay.q_index.shape[1:]
-    n = keys.shape[2]
-    qr = torch.gather(q[:, :, 0], 1, lay.q_index.reshape(b, -1, 1).expand(-1, -1, d))
-    scores = qr.view(b, g_kept, reps, d) @ keys.transpose(-1, -2) * scale  # [B, G', R, n]
-    if mask is not None:
-        scores = apply_mask(scores, mask)
-    probs = scores.softmax(dim=-1).view(b, g_kept * reps, n)
-    probs = torch.gather(probs, 1, lay.slot_of_head[:, :, None].expand(-1, -1, n))
-    kv = values.shape[1]
-    out = probs.view(b, kv, h // kv, n) @ values
-    return out.view(b, h, 1, d)

@@ -14,7 +14,10 @@ membership in static mode, CHAI-static), fixed for the rest of the sequence; aft
 are computed only for each cluster's representative head and shared with its members, V is kept
 for every head, and the K cache holds only the KV heads that representatives read (under
 grouped-query attention, a KV head is dropped when no representative uses it). With k = H (or no
-plan) the logits equal the original model's.
+plan) the logits equal the original model's. The prompt's attention is the graph's
+(``tidal.ir.clustered_attention_math``), the pruned K cache and its decode step those of Hugging
+Face generation (``tidal.ir.representative_k_cache``); what is the decoder's own is its layers,
+rotary embedding and static cache.
 
 Online membership is per sequence, so clustered online decoding takes one sequence at a time
 (batch 1); static mode and unclustered decoding take any batch.
@@ -49,8 +52,13 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from tidal.ir.head_clusters import FIRST_TOKENS, Membership, check_count, online_memberships
+from tidal.ir.clustered_attention_math import (clustered_rows, first_rows,
+                                               first_rows_attention, rep_of_heads)
+from tidal.ir.head_clusters import (FIRST_TOKENS, Membership, check_count, kv_head_map,
+                                    sequence_memberships)
 from tidal.ir.plans.chai import ChaiPlan
+from tidal.ir.representative_k_cache import (KCacheLayout, k_cache_layout, keep_kv_heads,
+                                             representatives_step)
 from tidal.runtime.chai import hf_compat
 
 
@@ -67,24 +75,15 @@ class _Layer:
 
 
 @dataclass
-class _Clusters:
-    """A layer's fixed membership, as index tensors for the decode step."""
-
-    membership: Membership
-    kv_keep: torch.Tensor        # kept KV heads (sorted)
-    q_index: torch.Tensor        # [G', r] representative query heads per kept KV head (padded)
-    slot_of_head: torch.Tensor   # [H] row of q_index.flatten() whose scores head h uses
-
-
-@dataclass
 class DecodeState:
     """The static KV cache of one generation: per layer K (only kept KV heads once clustered)
-    and V ``[B, KV, max_len, D]``, the filled length, and each layer's clusters."""
+    and V ``[B, KV, max_len, D]``, the filled length, and each layer's clusters (the layout
+    of its pruned K cache, ``tidal.ir.representative_k_cache``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     length: int = 0
-    clusters: list[Optional[_Clusters]] = field(default_factory=list)
+    clusters: list[Optional[KCacheLayout]] = field(default_factory=list)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -137,8 +136,7 @@ class ChaiDecoder:
                 m.down_proj.weight.detach()))
         self.device = self.embed.device
         _check_one_device(self)
-        group = self.heads // self.kv_heads
-        self.kv_of_head = tuple(h // group for h in range(self.heads))
+        self.kv_of_head = kv_head_map(self.heads, self.kv_heads)
         steps = torch.arange(0, self.head_dim, 2, device=self.device).float()
         self.inv_freq = 1.0 / self.theta ** (steps / self.head_dim)
         self._set_clusters(plan, counts, mode)
@@ -203,16 +201,6 @@ class ChaiDecoder:
         ang = torch.cat((ang, ang), dim=-1)
         return ang.cos().to(self.embed.dtype), ang.sin().to(self.embed.dtype)
 
-    def _clusters(self, mem: Membership) -> _Clusters:
-        keep = sorted({self.kv_of_head[r] for r in mem.representatives})
-        per_kv = [[r for r in mem.representatives if self.kv_of_head[r] == g] for g in keep]
-        width = max(len(p) for p in per_kv)
-        rows = [p + [p[0]] * (width - len(p)) for p in per_kv]
-        slot = {r: i * width + j for i, p in enumerate(per_kv) for j, r in enumerate(p)}
-        keep_t, rows_t, slot_t = (torch.tensor(x, device=self.device)   # where the cache is
-                                  for x in (keep, rows, [slot[r] for r in mem.rep_of_head]))
-        return _Clusters(mem, keep_t, rows_t, slot_t)
-
     def new_state(self, batch: int, max_len: int) -> DecodeState:
         """An empty static cache for ``batch`` sequences of up to ``max_len`` tokens."""
         if max_len > self.max_positions:
@@ -229,12 +217,13 @@ class ChaiDecoder:
 
     # --- attention ---
     def _prefill_attention(self, i: int, q, k, v, state: DecodeState) -> torch.Tensor:
-        """Causal attention over the prompt; fixes layer ``i``'s clusters when it has a count."""
+        """Causal attention over the prompt; fixes layer ``i``'s clusters when it has a count:
+        the first tokens with every head, the rest scored for the representatives only
+        (``tidal.ir.clustered_attention_math``, as the graph computes it)."""
         b, t = q.shape[0], q.shape[2]
-        group = self.heads // self.kv_heads
-        k_count = self.counts[i]
-        if k_count is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+        if self.counts[i] is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=self.heads != self.kv_heads)
         if t <= self.first:
             raise ValueError(f"ChaiDecoder: clustered layers need a prompt longer than "
                              f"{self.first} tokens (got {t})")
@@ -242,40 +231,19 @@ class ChaiDecoder:
             raise ValueError("ChaiDecoder: online membership is per sequence; decode one "
                              "sequence at a time (batch 1) or use mode='static'")
         scale = 1 / math.sqrt(self.head_dim)
-        f = self.first
-        kf, vf = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        head = torch.ones(f, f, dtype=torch.bool, device=q.device).tril()
-        p5 = (q[:, :, :f] @ kf[:, :, :f].transpose(-1, -2) * scale).masked_fill(~head, -math.inf)
-        p5 = p5.softmax(-1)
-        mem = self.first_token_membership(i, p5)
-        cl = self._clusters(mem)
-        state.clusters[i] = cl
-        out_head = p5 @ vf[:, :, :f]
-        out_tail = q.new_empty(b, self.heads, t - f, self.head_dim)
-        d = self.head_dim
-        for c, rep in enumerate(mem.representatives):
-            # one causal SDPA per cluster: the representative's Q and K (expanded, not
-            # copied) against the V heads its members read (a fused kernel needs V as wide
-            # as K, so the V heads are not concatenated)
-            members = [h for h, lab in enumerate(mem.labels) if lab == c]
-            kvs = sorted({self.kv_of_head[h] for h in members})
-            kr = self.kv_of_head[rep]
-            shape = (b, len(kvs), t, d)
-            res = F.scaled_dot_product_attention(
-                q[:, rep:rep + 1].expand(shape), k[:, kr:kr + 1].expand(shape), v[:, kvs],
-                is_causal=True, scale=scale)                     # [B, |kvs|, T, D]
-            for h in members:
-                out_tail[:, h] = res[:, kvs.index(self.kv_of_head[h]), f:]
-        return torch.cat((out_head, out_tail), dim=2)
+        rows = first_rows([0] * b, self.first, t, q.device)
+        probs, heads_out = first_rows_attention(q, k, v, scale, rows, causal=True)
+        mem = self.first_token_membership(i, probs)
+        state.clusters[i] = k_cache_layout([mem] * b, self.kv_of_head, self.device)
+        return clustered_rows(q, k, v, rep_of_heads([mem] * b, self.heads, q.device), scale,
+                              True, None, rows, heads_out)
 
     def first_token_membership(self, i: int, probs: torch.Tensor) -> Membership:
         """Layer ``i``'s membership: the plan's in static mode, else the first sequence's from
-        the attention probabilities of its first tokens ``probs`` ``[B, H, first, first]``
-        (``tidal.ir.head_clusters.online_memberships``, the function the graph uses)."""
-        if self.static[i] is not None:
-            return self.static[i]
-        return online_memberships(probs[:1], self.counts[i], self.kv_of_head, self.first,
-                                  self.clustering)[0]
+        the attention probabilities of its first tokens ``probs`` ``[B, H, first, Tk]``
+        (``tidal.ir.head_clusters.sequence_memberships``, the function the graph uses)."""
+        return sequence_memberships(probs[:1], self.counts[i], self.kv_of_head, self.first,
+                                    self.clustering, self.static[i])[0]
 
     def _step_attention(self, i: int, q, state: DecodeState, n: int) -> torch.Tensor:
         """One query token ``q`` ``[B, H, 1, D]`` over the ``n`` cached positions."""
@@ -288,11 +256,7 @@ class ChaiDecoder:
             qg = q.view(b, self.kv_heads, group, self.head_dim)
             probs = (qg @ keys.transpose(-1, -2) * scale).softmax(-1)
             return (probs @ values).reshape(b, self.heads, 1, self.head_dim)
-        qr = q[:, :, 0][:, cl.q_index]                           # [B, G', r, D]
-        scores = (qr @ keys.transpose(-1, -2) * scale).softmax(-1)   # [B, G', r, n]
-        probs = scores.flatten(1, 2)[:, cl.slot_of_head]         # [B, H, n]
-        out = probs.view(b, self.kv_heads, group, n) @ values
-        return out.reshape(b, self.heads, 1, self.head_dim)
+        return representatives_step(q, keys, values, cl, None, scale)
 
     # --- model ---
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos, sin):
@@ -327,8 +291,8 @@ class ChaiDecoder:
             attn = self._prefill_attention(i, q, k, v, state)
             cl = state.clusters[i]
             if cl is not None:   # keep only the KV heads representatives read
-                state.keys[i] = state.keys[i][:, cl.kv_keep].contiguous()
-                k = k[:, cl.kv_keep]
+                state.keys[i] = keep_kv_heads(state.keys[i], cl.kv_keep)
+                k = keep_kv_heads(k, cl.kv_keep)
             state.keys[i][:, :, :t] = k
             state.values[i][:, :, :t] = v
             x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.wo)
@@ -349,7 +313,7 @@ class ChaiDecoder:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             cl = state.clusters[i]
-            state.keys[i][:, :, pos:pos + 1] = k if cl is None else k[:, cl.kv_keep]
+            state.keys[i][:, :, pos:pos + 1] = k if cl is None else keep_kv_heads(k, cl.kv_keep)
             state.values[i][:, :, pos:pos + 1] = v
             attn = self._step_attention(i, q, state, pos + 1)
             x = x + F.linear(attn.transpose(1, 2).reshape(b, 1, -1), layer.wo)
@@ -373,7 +337,7 @@ class ChaiDecoder:
 
     def memberships(self, state: DecodeState) -> list[Optional[Membership]]:
         """Each layer's fixed membership in ``state`` (None: unclustered)."""
-        return [None if c is None else c.membership for c in state.clusters]
+        return [None if c is None else c.memberships[0] for c in state.clusters]
 
 
 def _check_one_device(dec: ChaiDecoder) -> None:

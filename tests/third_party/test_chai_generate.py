@@ -286,15 +286,15 @@ def test_kmeans_and_static_plans_generate_as_the_graph(how):
 
 def test_a_layout_that_saves_nothing_scores_every_head_and_keeps_k_whole():
     from tidal.ir.head_clusters import Membership
-    from tidal.runtime.chai.cache import layout
+    from tidal.ir.representative_k_cache import k_cache_layout
 
     kv = (0, 0, 1, 1, 2, 2, 3, 3)
     # 6 clusters over 4 KV heads, two representatives on KV heads 0 and 1: 4 slots x 2 rows = 8
     spread = Membership((0, 1, 2, 3, 4, 4, 5, 5), (0, 1, 2, 3, 4, 6))
-    assert layout([spread], kv, torch.device("cpu")).whole
+    assert k_cache_layout([spread], kv, torch.device("cpu")).whole
     fewer = Membership((0, 0, 0, 0, 1, 1, 1, 1), (0, 4))      # 2 slots x 1 row: saves
-    assert not layout([fewer], kv, torch.device("cpu")).whole
-    assert not layout([spread, fewer], kv, torch.device("cpu")).whole   # slots padded
+    assert not k_cache_layout([fewer], kv, torch.device("cpu")).whole
+    assert not k_cache_layout([spread, fewer], kv, torch.device("cpu")).whole   # slots padded
 
 
 def test_mild_clustering_generates_as_the_graph():
