@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from tidal.ir.head_clusters import FIRST_TOKENS, check_count
+from tidal.ir.head_clusters import FIRST_TOKENS, check_count, kv_head_map
 from tidal.ir.plan import Plan
 
 
@@ -44,9 +44,8 @@ class LayerChoice:
 
     @property
     def kv_of_head(self) -> tuple[int, ...]:
-        """The KV head each query head reads."""
-        group = self.num_heads // self.num_kv_heads
-        return tuple(h // group for h in range(self.num_heads))
+        """The KV head each query head reads (``head_clusters.kv_head_map``)."""
+        return kv_head_map(self.num_heads, self.num_kv_heads)
 
 
 @dataclass(frozen=True)
