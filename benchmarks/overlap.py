@@ -4,12 +4,16 @@ otherwise pick), on 2 gloo ranks of this CPU machine.
 
 Model: an MLP of 4 layers of width 1024 (about 3.2 M parameters, 12.6 MB of gradients), global
 batch 64 (32 per rank), buckets of 1 MiB so that every large layer's gradients form their own
-all-reduce. Each configuration runs ``--warmup`` steps, then ``--steps`` timed steps; the median
-step time is printed with the ratio against the program without overlap (same process, same
-data). CPU figures on a 2-core machine shared by both ranks: overlap can only hide what the
-cores are not both busy with.
+all-reduce. Each rank builds the three (the program without overlap, with overlap, DDP), runs
+``--warmup`` rounds, then ``--steps`` timed rounds; a round runs one step of each, in turn,
+each after a barrier (interleaved: the noise of a shared machine hits the three alike). A
+step's time is the slower rank's; the median over the rounds is printed with the ratios against
+the program without overlap, and the host-overhead figure of issue 33
+(``benchmarks/host_overhead.py``): the program with overlap against DDP, with its goal. CPU
+figures on a 2-core machine shared by both ranks: overlap can only hide what the cores are not
+both busy with.
 
-    python benchmarks/overlap.py [--steps 20] [--warmup 3]
+    python benchmarks/overlap.py [--steps 30] [--warmup 3]
 """
 from __future__ import annotations
 
@@ -26,7 +30,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.host_overhead import GOAL_DP_VS_DDP, goal_line, load_note  # noqa: E402
+
 BATCH, WIDTH, BUCKET = 64, 1024, 1 << 20
+VARIANTS = ("tidal serial", "tidal overlap", "torch DDP")
 
 
 def _model() -> torch.nn.Module:
@@ -37,62 +44,90 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(WIDTH, 10))
 
 
-def _run(rank: int, size: int, steps: int, warmup: int) -> dict:
-    import torch.distributed as dist
+def _steps(xs: torch.Tensor, ys: torch.Tensor, size: int, runners: list) -> dict:
+    """One step function per variant (``runners`` collects the program runners to close)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from tidal.ir.capture import capture_train_step
     from tidal.runtime.program import ProgramRunner, data_parallel
 
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(BATCH, 128, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
-    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
-    xs, ys = x[rows], y[rows]
-    out = {}
+    steps = {}
     for overlap in (False, True):
         model = _model()
         step = capture_train_step(model, (xs,), ys, F.cross_entropy)
         program = data_parallel(step, size, bucket_bytes=BUCKET, overlap=overlap)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        times = []
-        with ProgramRunner() as run:
-            for i in range(warmup + steps):
+        run = ProgramRunner()
+        runners.append(run)
+        steps[VARIANTS[overlap]] = (lambda run=run, program=program, step=step, model=model,
+                                    opt=opt: run(program, step, model, (xs,), ys, opt))
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET / 2**20)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    def ddp_step() -> None:
+        ddp_opt.zero_grad()
+        F.cross_entropy(ddp(xs), ys).backward()
+        ddp_opt.step()
+
+    steps[VARIANTS[2]] = ddp_step
+    return steps
+
+
+def _run(rank: int, size: int, steps: int, warmup: int) -> dict[str, list[float]]:
+    """This rank's step times (s) by variant, interleaved rounds after a barrier each."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, 128, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    runners: list = []
+    fns = _steps(x[rows], y[rows], size, runners)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    try:
+        for i in range(warmup + steps):
+            for name, fn in fns.items():
                 dist.barrier()
                 t0 = time.perf_counter()
-                run(program, step, model, (xs,), ys, opt)
+                fn()
                 if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-        out["tidal overlap" if overlap else "tidal serial"] = statistics.median(times)
-    ddp = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET / 2**20)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(ddp(xs), ys).backward()
-        opt.step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    out["torch DDP"] = statistics.median(times)
-    return out
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        for run in runners:
+            run.close()
+    return times
+
+
+def measure(steps: int = 30, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per step by variant on 2 gloo ranks, each step's time the slower rank's."""
+    from tidal.runtime.distributed import spawn
+
+    results = spawn(_run, 2, steps, warmup, timeout_s=900)
+    return {k: statistics.median(max(ts) for ts in zip(*(r[k] for r in results)))
+            for k in VARIANTS}
+
+
+def ddp_figure(steps: int = 30, med: dict[str, float] | None = None) -> str:
+    """The host-overhead figure: the program with overlap / DDP on 2 gloo ranks, against its
+    goal (measured now unless ``med``, :func:`measure`'s result, is given)."""
+    med = measure(steps) if med is None else med
+    return goal_line("data-parallel program with overlap / PyTorch DDP, 2 gloo ranks",
+                     med["tidal overlap"] / med["torch DDP"], GOAL_DP_VS_DDP)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
-    from tidal.runtime.distributed import spawn
-
-    results = spawn(_run, 2, args.steps, args.warmup, timeout_s=600)
-    base = max(r["tidal serial"] for r in results)
+    med = measure(args.steps, args.warmup)
+    base = med["tidal serial"]
     print(f"data-parallel step, 2 gloo ranks, MLP width {WIDTH}, batch {BATCH}, "
-          f"buckets {BUCKET >> 20} MiB (CPU, not a GPU figure)")
-    for name in ("tidal serial", "tidal overlap", "torch DDP"):
-        t = max(r[name] for r in results)  # the slower rank sets the step time
+          f"buckets {BUCKET >> 20} MiB (CPU, not a GPU figure); {load_note()}")
+    for name in VARIANTS:
+        t = med[name]
         print(f"  {name:14s} {t * 1e3:8.2f} ms/step   ratio vs tidal serial {t / base:.3f}")
+    print("  " + ddp_figure(med=med))
     return 0
 
 

@@ -7,9 +7,16 @@ bert_small. For each: the median forward time of eager ``model(x)``, of the fx g
 measured interleaved under ``torch.no_grad``; printed as ratios (lowered / eager: < 1 means less
 host overhead per step). Then a whole training step at batch 1 (forward, loss, backward, SGD) of
 the MLP: eager autograd against the captured joint graph (``tidal.capture_train_step``, the
-graph the runtime's programs cut into segments), as a ratio.
+graph the runtime's programs cut into segments) and the same step run as a program, as ratios.
 
-    python benchmarks/replay_overhead.py [--repeats 200]
+Then the host-overhead figures of issue 33 (``benchmarks/host_overhead.py``), each against its
+goal: the batch-1 training step through the program against eager, and the host time per piece
+dispatched (trivial pieces through ``ProgramRunner.launch``); ``--ddp`` adds the data-parallel
+program against PyTorch DDP on 2 gloo ranks (``benchmarks/overlap.py``), so one run prints all
+three. Medians of interleaved repeats, wall time and the process's CPU time, with the load
+average (the machine may be shared).
+
+    python benchmarks/replay_overhead.py [--repeats 200] [--ddp]
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import tidal  # noqa: E402
+from benchmarks.host_overhead import (GOAL_STEP_VS_EAGER, GOAL_US_PER_PIECE,  # noqa: E402
+                                      goal_line, interleaved, load_note, us_per_piece)
 from examples.models import ZOO  # noqa: E402
 from tidal.ir.table import format_table  # noqa: E402
 from tidal.runtime.lower import lower  # noqa: E402
@@ -69,13 +78,14 @@ def measure(name: str, model: torch.nn.Module, inputs: tuple, repeats: int) -> l
             round(med["lowered"] / med["eager"], 3), round(med["lowered"] / med["fx"], 3)]
 
 
-def measure_step(name: str, model: torch.nn.Module, inputs: tuple, targets, loss_fn,
-                 repeats: int) -> list:
-    """Median µs per training step (forward, loss, backward, SGD) for eager autograd, for
-    the captured joint graph (``tidal.capture_train_step``: one straight-line replay that
-    returns the loss and every gradient, then the same SGD step) and for the same step as a
-    program (``tidal.runtime.program``: the joint graph lowered into captured segments, run
-    as pieces through the scheduler's streams, the optimizer a piece of its own)."""
+def measure_step(model: torch.nn.Module, inputs: tuple, targets, loss_fn, repeats: int
+                 ) -> tuple[int, dict[str, tuple[float, float]]]:
+    """The captured step's aten ops, and by variant the median (wall, CPU) µs per training
+    step (forward, loss, backward, SGD), interleaved: ``eager`` autograd; ``captured``, the
+    joint graph (``tidal.capture_train_step``: one straight-line replay that returns the loss
+    and every gradient, then the same SGD step); ``program``, the same step as a program
+    (``tidal.runtime.program``: the joint graph lowered into captured segments, run as pieces
+    through the scheduler's streams, the optimizer a piece of its own)."""
     from tidal.ir.capture import capture_train_step
     from tidal.runtime.program import ProgramRunner, data_parallel
 
@@ -95,34 +105,50 @@ def measure_step(name: str, model: torch.nn.Module, inputs: tuple, targets, loss
             params[k].grad = g
         opt.step()
 
-    runner = ProgramRunner()
     program = data_parallel(step, world=1)
+    with ProgramRunner() as runner:
+        def as_program() -> None:
+            runner(program, step, model, inputs, targets, opt)
 
-    def as_program() -> None:
-        runner(program, step, model, inputs, targets, opt)
-
-    _, grads = step.run(model, inputs, targets)
-    as_program()
-    eager()
-    for k, g in grads.items():
-        torch.testing.assert_close(g, params[k].grad, rtol=1e-5, atol=1e-6)
-    times: dict[str, list[float]] = {"eager": [], "captured": [], "program": []}
-    for _ in range(repeats):
-        for k, fn in (("eager", eager), ("captured", captured), ("program", as_program)):
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        _, grads = step.run(model, inputs, targets)
+        as_program()
+        eager()
+        for k, g in grads.items():
+            torch.testing.assert_close(g, params[k].grad, rtol=1e-5, atol=1e-6)
+        med = interleaved({"eager": eager, "captured": captured, "program": as_program},
+                          repeats)
     nodes = sum(1 for n in step.gm.graph.nodes if n.op.startswith("call"))
-    runner.close()
-    return [name, nodes, round(med["eager"], 1), round(med["captured"], 1),
-            round(med["captured"] / med["eager"], 3), round(med["program"], 1),
-            round(med["program"] / med["eager"], 3)]
+    return nodes, {k: (wall * 1e6, cpu * 1e6) for k, (wall, cpu) in med.items()}
+
+
+def step_rows(name: str, nodes: int, med: dict[str, tuple[float, float]]) -> list[list]:
+    """Table rows (wall, then CPU) of :func:`measure_step`'s medians."""
+    rows = []
+    for col, clock in ((0, "wall"), (1, "CPU")):
+        eager, captured, program = (med[k][col] for k in ("eager", "captured", "program"))
+        rows.append([name, clock, nodes, round(eager, 1), round(captured, 1),
+                     round(captured / eager, 3), round(program, 1), round(program / eager, 3)])
+    return rows
+
+
+def host_figures(step: dict[str, tuple[float, float]], repeats: int) -> list[str]:
+    """The batch-1 step and per-piece figures against their goals (wall; CPU beside)."""
+    eager, program = step["eager"], step["program"]
+    lines = [goal_line("training step through the program / eager, batch 1 (wall)",
+                       program[0] / eager[0], GOAL_STEP_VS_EAGER)
+             + f"; CPU time {program[1] / eager[1]:.3f}x"]
+    for shape, (wall, cpu) in us_per_piece(repeats).items():
+        lines.append(goal_line(f"host time per piece dispatched, {shape} program (wall)",
+                               wall, GOAL_US_PER_PIECE, " us") + f"; CPU time {cpu:.1f} us")
+    return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--ddp", action="store_true",
+                        help="also the data-parallel program vs DDP on 2 gloo ranks")
+    parser.add_argument("--ddp-steps", type=int, default=30)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -134,11 +160,18 @@ def main(argv=None) -> int:
                         "lowered/fx"], rows))
     mlp = DeepNarrowMLP()
     x, y = torch.randn(1, 16), torch.randn(1, 16)
-    steps = [measure_step("deep_narrow_mlp b1", mlp, (x,), y, torch.nn.functional.mse_loss,
-                          args.repeats // 2)]
+    nodes, step = measure_step(mlp, (x,), y, torch.nn.functional.mse_loss, args.repeats // 2)
     print("\ntraining step (forward + backward + SGD), batch 1:")
-    print(format_table(["model", "aten ops", "eager us", "captured us", "captured/eager",
-                        "program us", "program/eager"], steps))
+    print(format_table(["model", "clock", "aten ops", "eager us", "captured us",
+                        "captured/eager", "program us", "program/eager"],
+                       step_rows("deep_narrow_mlp b1", nodes, step)))
+    print(f"\nhost overhead (issue 33), {load_note()}:")
+    for line in host_figures(step, max(args.repeats // 10, 5)):
+        print("  " + line)
+    if args.ddp:
+        from benchmarks.overlap import ddp_figure
+
+        print("  " + ddp_figure(args.ddp_steps))
     return 0
 
 

@@ -12,9 +12,14 @@ One interface, three implementations selected by :func:`backend_for`:
 - ``CpuBackend`` (the CPU): the same semantics emulated. A stream is a FIFO worker thread; work
   that occupies the device passes a gate with ``slots`` places (default 1: one device) that is
   granted to the most urgent ready stream first and is never preempted (as a GPU's block
-  scheduler); ``slots=None`` lets streams run freely (naive co-running). A captured segment is a
-  straight-line program (``tidal.runtime.lower`` compiles one per segment) bound to static input
-  slots; it replays with no re-tracing.
+  scheduler); ``slots=None`` lets streams run freely (naive co-running). A foreground piece on
+  the device whose stream has run everything enqueued on it, with a free place on the device
+  that no other stream waits for, runs at once on the launching thread (as CUDA runs a piece's
+  host side inside ``launch``): the same order, events and times, without the two thread
+  hand-offs (``inline=False``: always the worker). A captured segment is a straight-line
+  program (``tidal.runtime.lower`` compiles one per segment) bound to static input slots; it
+  replays with no re-tracing, its globals bound at capture and each operator called through
+  its C++ entry point (:func:`direct_calls`: the fastest equivalent route on the CPU).
 - ``LogicalBackend``: streams on a logical clock with scripted durations, so scheduling policies
   are tested deterministically (no wall-clock timing in tests).
 
@@ -41,12 +46,14 @@ Example:
 """
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import heapq
 import itertools
 import threading
 import time
+import types
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -60,6 +67,49 @@ LOW = 0
 def _tensor_sig(values: Sequence[Any]) -> tuple:
     return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
                  for v in values)
+
+
+class Flag:
+    """A one-shot ``threading.Event`` (``set``, ``is_set``, ``wait``) that is cheap to make
+    (one lock, held from birth until the flag is set; ``threading.Event`` builds a Condition):
+    every launch and event of a step makes one.
+
+    Example:
+        >>> f = Flag()
+        >>> f.is_set(), f.wait(timeout=0)
+        (False, False)
+        >>> f.set(); f.set()
+        >>> f.is_set(), f.wait()
+        (True, True)
+    """
+
+    __slots__ = ("_lock", "_unset", "_is_set")
+
+    def __init__(self) -> None:
+        self._is_set = False
+        self._unset = [True]  # popped by the one call of set() that releases the lock
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def is_set(self) -> bool:
+        """Whether :meth:`set` was called."""
+        return self._is_set
+
+    def set(self) -> None:
+        """Set the flag and wake every waiter (later calls do nothing)."""
+        try:
+            self._unset.pop()  # atomic: one caller gets here
+        except IndexError:
+            return
+        self._is_set = True
+        self._lock.release()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until set, or ``timeout`` seconds; whether it is set."""
+        if not self._is_set and self._lock.acquire(timeout=-1 if timeout is None
+                                                   else max(timeout, 0.0)):
+            self._lock.release()
+        return self._is_set
 
 
 class Launch:
@@ -76,7 +126,7 @@ class Launch:
         self.error: Optional[BaseException] = None
         self.ready_us = self.start_us = self.end_us = 0.0
         self.started = False  # it has begun on the device (start_us is set)
-        self._done = threading.Event()
+        self._done = Flag()
 
     def done(self) -> bool:
         """Whether the work has finished (successfully or not)."""
@@ -191,6 +241,17 @@ class _Gate:
             heapq.heappush(self._waiting, ticket)
             return ticket
 
+    def try_acquire(self) -> bool:
+        """Take a place now if one is free and no stream waits for one (nothing more urgent
+        is passed over); whether it did. Never blocks."""
+        if self.slots is None:
+            return True
+        with self._cond:
+            if self.slots <= 0 or self._waiting:
+                return False
+            self.slots -= 1
+            return True
+
     def acquire(self, priority: int, ticket: Optional[tuple[int, int]] = None) -> None:
         if self.slots is None:
             return
@@ -216,7 +277,7 @@ class Event:
     backend time it completed."""
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        self._done = Flag()
         self.time_us = 0.0
         self._waiters: list["CpuStream"] = []
         self._lock = threading.Lock()
@@ -248,13 +309,15 @@ class Event:
 
 
 class CpuStream:
-    """A FIFO worker thread (see ``CpuBackend``)."""
+    """A FIFO worker thread (see ``CpuBackend``). ``busy``: an item is running, on the worker
+    or inline on a caller's thread (:meth:`CpuBackend.launch`)."""
 
     def __init__(self, backend: "CpuBackend", priority: int):
         self.backend, self.priority = backend, priority
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self.busy = False
         self._ticket: Optional[tuple[int, int]] = None
         self._thread = threading.Thread(target=self._work, name=f"tidal-stream{priority}",
                                         daemon=True)
@@ -275,13 +338,40 @@ class CpuStream:
             self._items.append(item)
             self._cond.notify()
 
+    def _reached(self) -> bool:
+        """Whether the stream has run everything enqueued on it (call with ``_cond`` held)."""
+        return not self._items and not self.busy and not self._closed
+
     def record(self, event: Event) -> None:
-        """Complete ``event`` when the stream reaches this point."""
-        self._put(("record", event))
+        """Complete ``event`` when the stream reaches this point: at once when it already has
+        (nothing queued or running)."""
+        with self._cond:
+            if not self._reached():
+                self._put(("record", event))
+                return
+        event._set(self.backend.now_us())
 
     def wait_event(self, event: Event) -> None:
-        """Later work on this stream waits for ``event``."""
-        self._put(("wait", event))
+        """Later work on this stream waits for ``event`` (nothing to wait for once it is
+        complete)."""
+        if not (event.query() and not self._closed):
+            self._put(("wait", event))
+
+    def take_inline(self) -> bool:
+        """Take the stream for a piece run on the caller's thread, if it has reached its end
+        and the device has a place that no stream waits for (the piece then holds it); whether
+        it did. :meth:`end_inline` gives the stream back."""
+        with self._cond:
+            if not self._reached() or not self.backend.gate.try_acquire():
+                return False
+            self.busy = True
+            return True
+
+    def end_inline(self) -> None:
+        """The inline piece ended: what was enqueued meanwhile runs on the worker."""
+        with self._cond:
+            self.busy = False
+            self._cond.notify()
 
     def synchronize(self) -> None:
         """Block until everything enqueued so far has run."""
@@ -289,15 +379,20 @@ class CpuStream:
         self.record(ev)
         ev.synchronize()
 
+    def _next(self) -> Optional[tuple]:
+        """The next item, once nothing runs inline (None: closed and drained)."""
+        with self._cond:
+            while self.busy or (not self._items and not self._closed):
+                self._cond.wait()
+            if not self._items:
+                return None
+            self.busy = True
+            return self._items.popleft()
+
     def _work(self) -> None:
         be = self.backend
-        while True:
-            with self._cond:
-                while not self._items and not self._closed:
-                    self._cond.wait()
-                if not self._items:
-                    return
-                kind, *rest = self._items.popleft()
+        while (item := self._next()) is not None:
+            kind, *rest = item
             if kind == "record":
                 rest[0]._set(be.now_us())
             elif kind == "wait":
@@ -309,18 +404,13 @@ class CpuStream:
                     with self._cond:
                         ticket, self._ticket = self._ticket, None
                     be.gate.acquire(self.priority, ticket)
-                launch.start_us = be.now_us()
-                launch.started = True
-                try:
-                    launch.result = fn(*args)
-                except BaseException as e:  # reported through the Launch, the stream goes on
-                    launch.error = e
-                finally:
-                    launch.end_us = be.now_us()
-                    if uses_device:
-                        be.gate.release()
-                    launch._done.set()
-                    be._notify()
+                be._execute(launch, fn, args)
+                if uses_device:
+                    be.gate.release()
+            with self._cond:
+                self.busy = False
+            if kind == "work":
+                be._finish(launch)
 
     def close(self) -> None:
         with self._cond:
@@ -339,14 +429,18 @@ class HostStream:
 
 class CpuBackend(Backend):
     """The CPU emulation of the GPU runtime (see the module docstring). ``slots``: how many
-    pieces occupy the device at once (None: unlimited, no priority dispatch)."""
+    pieces occupy the device at once (None: unlimited, no priority dispatch). ``inline``:
+    a foreground device piece whose stream is idle runs on the launching thread
+    (:meth:`launch`); False: every piece goes through its stream's worker."""
 
-    def __init__(self, slots: Optional[int] = 1):
+    def __init__(self, slots: Optional[int] = 1, inline: bool = True):
         self.device = torch.device("cpu")
         self.gate = _Gate(slots)
+        self.inline = inline
         self._t0 = time.perf_counter()
         self._streams: list[CpuStream] = []
         self._done = threading.Condition()
+        self._waiting_any = 0  # threads in wait_any (a launch that ends wakes them)
         self._host = HostStream()
         self._current = threading.local()
 
@@ -379,22 +473,61 @@ class CpuBackend(Backend):
 
     def launch(self, stream: CpuStream, fn: Callable, *args: Any, uses_device: bool = True,
                label: str = "") -> Launch:
+        """Enqueue ``fn(*args)`` on ``stream`` (see :class:`Backend`). With ``inline``, a
+        piece on the device on a foreground stream (priority ``HIGH`` or more urgent) runs at
+        once on the caller's thread when the stream has run everything enqueued on it and the
+        device has a place no other stream waits for: the same order, events and times as on
+        the worker, without two thread hand-offs. Host work (``uses_device=False``: waiting
+        for peers or data) always goes to the worker, so the caller can go on meanwhile."""
         launch = Launch(label)
-        stream._put(("work", fn, args, uses_device, launch))
+        if uses_device and self.inline and stream.priority <= HIGH and stream.take_inline():
+            launch.ready_us = self.now_us()
+            try:
+                self._execute(launch, fn, args)
+            finally:
+                self.gate.release()
+                stream.end_inline()
+            self._finish(launch)
+        else:
+            stream._put(("work", fn, args, uses_device, launch))
         return launch
 
+    def _execute(self, launch: Launch, fn: Callable, args: tuple) -> None:
+        """Run ``fn(*args)`` for ``launch``: its start and end times, result or error (the
+        stream goes on after an error: it is reported through the launch)."""
+        launch.start_us = self.now_us()
+        launch.started = True
+        try:
+            launch.result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported through the Launch
+            launch.error = e
+        launch.end_us = self.now_us()
+
+    def _finish(self, launch: Launch) -> None:
+        """``launch`` is done: wake whoever waits for it."""
+        launch._done.set()
+        self._notify()
+
     def _notify(self) -> None:
-        with self._done:
-            self._done.notify_all()
+        """A launch is done (set before this is called): wake the threads in ``wait_any``;
+        none is there (the counter is raised, under the lock, before a waiter checks its
+        launches), nothing to do."""
+        if self._waiting_any:
+            with self._done:
+                self._done.notify_all()
 
     def wait_any(self, launches: Sequence[Launch], timeout_us: Optional[float] = None) -> None:
         deadline = None if timeout_us is None else time.perf_counter() + timeout_us * 1e-6
         with self._done:
-            while not any(l.done() for l in launches):
-                left = None if deadline is None else deadline - time.perf_counter()
-                if left is not None and left <= 0:
-                    return
-                self._done.wait(left)
+            self._waiting_any += 1
+            try:
+                while not any(l.done() for l in launches):
+                    left = None if deadline is None else deadline - time.perf_counter()
+                    if left is not None and left <= 0:
+                        return
+                    self._done.wait(left)
+            finally:
+                self._waiting_any -= 1
 
     def record(self, stream: Any, event: Event) -> None:
         """Complete ``event`` when ``stream`` reaches this point (at once on the host)."""
@@ -412,7 +545,10 @@ class CpuBackend(Backend):
 
     def capture(self, program: Callable, static_inputs: Sequence[Any], *, pool: Any = None,
                 in_place: Sequence[int] = ()) -> Captured:
-        """Warm the program up once on ``static_inputs`` (it must run) and bind it."""
+        """Bind the program as it is now (:func:`direct_calls`: the fastest equivalent route,
+        each operator called without its Python wrapper), warm it up once on
+        ``static_inputs`` (it must run) and return it for replay."""
+        program = direct_calls(program)
         with torch.no_grad():
             program(*static_inputs)
         return Captured(program, static_inputs)
@@ -637,6 +773,48 @@ class _CudaLaunch(Launch):  # pragma: no cover - needs a GPU
         self.end_ev.synchronize()
         self.done()
         return super().wait()
+
+
+def direct_calls(program: Callable) -> Callable:
+    """``program`` (a Python function) bound as a capture freezes it: the globals its code
+    reads (nested code included) taken now, and each ``torch`` operator overload among them
+    (``torch.ops.aten.mm.default``, what a lowered segment calls) replaced by the C++ entry
+    point its ``__call__`` forwards to: the same kernels in the same order, one Python frame
+    less per op. A function that calls no operator overload through a global, and anything
+    but a plain function, is returned as it is.
+
+    Example:
+        >>> add = torch.ops.aten.add.Tensor
+        >>> def double(x):
+        ...     return add(x, x)
+        >>> fast = direct_calls(double)
+        >>> fast(torch.ones(2)).tolist(), fast is double, direct_calls(print) is print
+        ([2.0, 2.0], False, True)
+    """
+    if not isinstance(program, types.FunctionType):
+        return program
+    env = program.__globals__
+    names = [n for n in _global_names(program.__code__) if n in env]
+    if not any(type(env[n]) is torch._ops.OpOverload for n in names):
+        return program
+    bound = {"__builtins__": env.get("__builtins__", builtins)}
+    for n in names:
+        value = env[n]
+        bound[n] = value._op if type(value) is torch._ops.OpOverload else value
+    fn = types.FunctionType(program.__code__, bound, program.__name__, program.__defaults__,
+                            program.__closure__)
+    fn.__kwdefaults__ = program.__kwdefaults__
+    fn.__dict__.update(program.__dict__)
+    return fn
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the code nested in it may read as globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
 
 
 def used_here(*tensors: Any) -> None:

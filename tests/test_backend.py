@@ -1,11 +1,13 @@
 """Runtime backends: stream FIFO order, priority dispatch on the device gate, events, errors,
-capture/replay; the logical-clock backend; CUDA (skipped without a GPU)."""
+capture/replay; the CPU backend's inline launches and direct operator calls; the logical-clock
+backend; CUDA (skipped without a GPU)."""
 import threading
 
 import pytest
 import torch
 
-from tidal.runtime.backend import (HIGH, LOW, CpuBackend, LogicalBackend, backend_for)
+from tidal.runtime.backend import (HIGH, LOW, CpuBackend, Flag, LogicalBackend, backend_for,
+                                   direct_calls)
 
 
 def _wait_until(pred):
@@ -147,3 +149,94 @@ def test_a_stream_queues_for_the_device_the_moment_its_event_completes():
         assert launch.done() and launch.error is None
     finally:
         be.close()
+
+
+def test_a_foreground_device_piece_on_an_idle_stream_runs_inline_in_stream_order():
+    with CpuBackend(slots=None) as be:
+        hi, caller = be.stream(HIGH), threading.get_ident()
+        first = be.launch(hi, threading.get_ident)
+        assert first.done() and first.wait() == caller  # ran inside launch, on this thread
+        assert first.ready_us <= first.start_us <= first.end_us
+        seen = []
+
+        def enqueue_behind():  # runs inline; what it enqueues on its own stream waits for it
+            be.launch(hi, lambda: seen.append("second"))
+            seen.append("first")
+        be.launch(hi, enqueue_behind).wait()
+        be.synchronize()
+        assert seen == ["first", "second"]
+    with CpuBackend(slots=None) as be:
+        hi, hold = be.stream(HIGH), threading.Event()
+        blocker = be.launch(hi, lambda: hold.wait(30), uses_device=False)  # host work: worker
+        assert not blocker.done()
+        queued = be.launch(hi, threading.get_ident)  # the stream is busy: queued behind it
+        assert not queued.done()
+        hold.set()
+        assert queued.wait() != threading.get_ident() and blocker.wait() is True
+
+
+def test_inline_runs_only_where_nothing_is_passed_over():
+    with CpuBackend(slots=1) as be:
+        hi, lo = be.stream(HIGH), be.stream(LOW)
+        assert be.launch(lo, threading.get_ident).wait() != threading.get_ident()  # LOW: worker
+        be.gate.acquire(LOW)                          # another stream holds the device
+        waiting = be.launch(hi, threading.get_ident)  # not inline: it queues for the gate
+        assert not waiting.done()
+        be.gate.release()
+        assert waiting.wait() != threading.get_ident()
+    with CpuBackend(slots=None, inline=False) as be:
+        assert be.launch(be.stream(HIGH), threading.get_ident).wait() != threading.get_ident()
+
+
+def test_an_inline_error_is_reported_through_its_launch():
+    with CpuBackend(slots=1) as be:
+        s = be.stream(HIGH)
+        bad = be.launch(s, lambda: 1 / 0)
+        assert bad.done() and isinstance(bad.error, ZeroDivisionError)
+        with pytest.raises(ZeroDivisionError):
+            bad.wait()
+        assert be.gate.slots == 1 and be.launch(s, lambda: 7).wait() == 7  # device released
+
+
+def test_events_on_idle_streams_complete_at_once_and_done_events_cost_no_wait():
+    with CpuBackend(slots=None) as be:
+        s, ev = be.stream(HIGH), be.event()
+        be.record(s, ev)
+        assert ev.query()                        # the stream had already reached it
+        be.wait(s, ev)
+        assert not s._items                      # nothing to wait for
+        hold, later = threading.Event(), be.event()
+        be.launch(s, hold.wait, uses_device=False)
+        be.record(s, later)
+        assert not later.query()                 # recorded behind running work
+        hold.set()
+        later.synchronize()
+        assert later.time_us >= ev.time_us
+
+
+def test_flag_is_a_cheap_one_shot_event():
+    flag = Flag()
+    assert not flag.is_set() and flag.wait(timeout=0.001) is False
+    threading.Timer(0.01, flag.set).start()
+    assert flag.wait(timeout=30) is True and flag.is_set()
+    flag.set()                                   # a second set does nothing
+    assert flag.wait() is True
+
+
+def test_cpu_capture_replays_operators_through_their_direct_entry_points():
+    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+    scope = {"mm": mm, "add": add}
+    exec("def seg(x, w):\n    y = mm(x, w)\n    return (add(y, y), [add(v, v) for v in (y,)][0])\n",
+         scope)
+    x, w = torch.randn(3, 4), torch.randn(4, 2)
+    fast = direct_calls(scope["seg"])
+    assert fast is not scope["seg"] and fast.__globals__["mm"] is mm._op
+    assert fast.__globals__["add"] is add._op    # read inside a comprehension too
+    for a, b in zip(fast(x, w), scope["seg"](x, w)):
+        assert torch.equal(a, b)
+    plain = lambda t: (t * 2,)  # noqa: E731 - calls no operator overload: left as it is
+    assert direct_calls(plain) is plain and direct_calls(print) is print
+    with CpuBackend() as be:
+        seg = be.capture(scope["seg"], (x, w))
+        assert seg.program.__globals__["mm"] is mm._op
+        assert torch.equal(seg.replay(x, w)[0], 2 * (x @ w))
