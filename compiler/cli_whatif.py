@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from tidal.compiler.cli_args import positive_int
 from tidal.ir import perf_model
 from tidal.ir.cluster import Cluster
+from tidal.ir.param_owners import trainable
 if TYPE_CHECKING:  # imported where used: ``tidal whatif --help`` must not import torch
     from tidal.runtime.comm.compressors import Compressor
 
@@ -129,7 +130,7 @@ def model_stats(name: str) -> ModelStats:
     gm = trace(model, inputs)
     cost.annotate(gm, inputs)
     one = cost.total_cost(gm, 1)
-    shapes = tuple(tuple(p.shape) for p in reversed(list(model.parameters())) if p.requires_grad)
+    shapes = tuple(tuple(p.shape) for p in reversed(trainable(model).values()))
     return ModelStats(name, sum(p.numel() for p in model.parameters()), one["fwd_flops"],
                       one["bwd_flops"], shapes)
 
@@ -168,11 +169,10 @@ def workload(stats: ModelStats, batch: int, tflops: float = V100_FP32_TFLOPS,
              bucket_bytes: float = perf_model.DDP_BUCKET_BYTES) -> perf_model.Workload:
     """Forward/backward time at ``tflops`` and DDP buckets of ``stats`` at per-GPU ``batch``."""
     rate = tflops * 1e12
-    sizes = [4 * math.prod(s) for s in stats.grad_shapes]
-    parts = perf_model.bucket_partition(sizes, bucket_bytes)
-    return perf_model.Workload(stats.fwd_flops_per_sample * batch / rate,
-                               stats.bwd_flops_per_sample * batch / rate,
-                               tuple(float(sum(sizes[i] for i in b)) for b in parts))
+    return perf_model.Workload.from_tensors(stats.fwd_flops_per_sample * batch / rate,
+                                            stats.bwd_flops_per_sample * batch / rate,
+                                            [4 * math.prod(s) for s in stats.grad_shapes],
+                                            bucket_bytes)
 
 
 def required_by_batch(stats: ModelStats, batches: Sequence[int], cluster: Cluster, *,

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from tidal.ir.node_runner import fetch_attr
+from tidal.ir.param_owners import trainable, unowned
 from tidal.ir.table import format_table
 
 Ranks = tuple[int, ...]
@@ -81,10 +82,10 @@ def owned_tensors(gm: fx.GraphModule, owners: Mapping[str, Ranks], world: int,
 
 def foreign_params(gm: fx.GraphModule, owners: Mapping[str, Ranks], world: int,
                    rank: Optional[int]) -> list[str]:
-    """The trainable parameters of ``gm`` that ``rank`` does not own, by name: it neither
+    """The trainable parameters of ``gm`` that ``rank`` does not own, by name
+    (``tidal.ir.param_owners.unowned`` of what :func:`owned_tensors` gives it): it neither
     receives their gradients nor updates them (the module example)."""
-    mine = {id(t) for t in owned_tensors(gm, owners, world, rank).values()}
-    return [n for n, p in gm.named_parameters() if p.requires_grad and id(p) not in mine]
+    return unowned(gm, {id(t) for t in owned_tensors(gm, owners, world, rank).values()})
 
 
 def buffer_sets(gm: fx.GraphModule, owners: Mapping[str, Ranks], world: int
@@ -151,9 +152,8 @@ def state_bytes(gm: fx.GraphModule, owners: Mapping[str, Ranks], world: int,
     """
     everything = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
     mine = {id(t): t for t in owned_tensors(gm, owners, world, rank).values()}
-    trainable = {i: p for i, p in everything.items()
-                 if isinstance(p, torch.nn.Parameter) and p.requires_grad}
-    held = [p for i, p in trainable.items() if i in mine]
+    learned = {id(p): p for p in trainable(gm).values()}
+    held = [p for i, p in learned.items() if i in mine]
     state = optimizer.state if optimizer is not None else {}
     with_state = [p for p in held if state.get(p)]
     opt = sum(nbytes(t for t in state[p].values() if isinstance(t, torch.Tensor))
@@ -162,8 +162,8 @@ def state_bytes(gm: fx.GraphModule, owners: Mapping[str, Ranks], world: int,
     return StateBytes(
         rank=rank or 0, params=nbytes(mine.values()), grads=nbytes(held),
         optimizer=opt, dp_params=nbytes(everything.values()),
-        dp_grads=nbytes(trainable.values()),
-        dp_optimizer=round(opt + per_byte * (nbytes(trainable.values()) - nbytes(held))))
+        dp_grads=nbytes(learned.values()),
+        dp_optimizer=round(opt + per_byte * (nbytes(learned.values()) - nbytes(held))))
 
 
 def state_table(rows: Sequence[StateBytes]) -> str:

@@ -27,6 +27,7 @@ import torch.fx as fx
 from tidal.ir.collectives import GATHER, SCATTER
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, gradient_buckets
 from tidal.ir.node_runner import fetch_attr
+from tidal.ir.param_owners import trainable
 
 Ranks = tuple[int, ...]
 
@@ -139,7 +140,7 @@ def sync_buckets(gm: fx.GraphModule, param_ranks: Mapping[str, Ranks], world: in
     used = first_use(gm)
     moves = transfer_positions(gm)
     order = [(used.get(id(p), 0), i, name, p)
-             for i, (name, p) in enumerate(gm.named_parameters()) if p.requires_grad]
+             for i, (name, p) in enumerate(trainable(gm).items())]
     items = []
     for ready, _, name, p in sorted(order, key=lambda o: (-o[0], -o[1])):
         ranks = tuple(param_ranks.get(name, everyone))

@@ -113,3 +113,18 @@ def gradient_buckets(items: Sequence[tuple[Hashable, T, float]],
             runs[-1][1].append((value, nbytes))
     return [(key, [run[k][0] for k in part]) for key, run in runs if run
             for part in bucket_partition([b for _, b in run], cap_bytes)]
+
+
+def ddp_buckets(sizes: Sequence[tuple[str, float]], cap_bytes: float = DDP_BUCKET_BYTES
+                ) -> tuple[tuple[str, ...], ...]:
+    """DDP's buckets of named gradients: ``sizes`` are ``(name, bytes)`` in registration
+    order; backward issues them in reverse and every rank syncs every one, so the one rule
+    (:func:`gradient_buckets`) cuts the reversed names into buckets of at most ``cap_bytes``
+    (a gradient of 0 bytes has nothing to sync and is in none).
+
+    Example:
+        >>> ddp_buckets([("w0", 8), ("b0", 4), ("w1", 8), ("empty", 0)], cap_bytes=12)
+        (('w1', 'b0'), ('w0',))
+    """
+    return tuple(tuple(names) for _, names in gradient_buckets(
+        [(None, name, nbytes) for name, nbytes in reversed(sizes)], cap_bytes))

@@ -55,4 +55,4 @@ def first_owners(users: Sequence[Sequence[tuple[str, T]]],
 
 def unowned(root: torch.nn.Module, owned_ids: set[int]) -> list[str]:
     """The names of ``root``'s trainable parameters whose ids are not in ``owned_ids``."""
-    return [k for k, p in root.named_parameters() if p.requires_grad and id(p) not in owned_ids]
+    return [k for k, p in trainable(root).items() if id(p) not in owned_ids]

@@ -52,12 +52,13 @@ import torch
 import torch.fx as fx
 
 from tidal.ir import compression_model, cost, perf_model
+from tidal.ir.comm_cost import ddp_buckets
 from tidal.ir.compression_model import CompressorSpec, SpecLike
+from tidal.ir.param_owners import trainable
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.plans.compression import CompressionPlan
 
-__all__ = ["CompressionPass", "CompressionPlan", "HOSTS", "MODES", "lr_decays", "make_buckets",
-           "trainable"]
+__all__ = ["CompressionPass", "CompressionPlan", "HOSTS", "MODES", "lr_decays", "make_buckets"]
 
 MODES = ("on", "off", "auto")
 HOSTS = ("tick_tock", "burst_parallel", "round_robin")
@@ -68,17 +69,11 @@ DEFAULT_LR_HORIZON = 100_000
 """Optimizer steps of ``accordion_lr_schedule`` read into the plan by default."""
 
 
-def trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters that get gradients, in registration order."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-
 def make_buckets(model: torch.nn.Module, cap_bytes: float) -> tuple[tuple[str, ...], ...]:
     """Parameter names in reverse registration order (roughly the order the backward produces
-    gradients, as DDP assumes), grouped into buckets of at most ``cap_bytes``."""
-    params = list(reversed(trainable(model)))
-    parts = perf_model.bucket_partition([p.numel() * 4 for _, p in params], cap_bytes)
-    return tuple(tuple(params[i][0] for i in b) for b in parts)
+    gradients, as DDP assumes), grouped into buckets of at most ``cap_bytes``: the gradient
+    sync's own buckets (``tidal.ir.comm_cost.ddp_buckets``)."""
+    return ddp_buckets([(n, p.numel() * 4) for n, p in trainable(model).items()], cap_bytes)
 
 
 def lr_decays(schedule: Callable[[int], float], interval: int, horizon: int
@@ -194,7 +189,7 @@ class CompressionPass(Pass):
         fwd = bwd = 0.0
         for f, b in cost.node_times_us(gm, per_gpu, cluster).values():
             fwd, bwd = fwd + f * 1e-6, bwd + b * 1e-6
-        params = dict(trainable(ctx.model))
+        params = trainable(ctx.model)
         shapes = [[tuple(params[n].shape) for n in b] for b in buckets]
         work = perf_model.Workload(fwd, bwd, tuple(
             float(sum(4 * params[n].numel() for n in b)) for b in buckets))
@@ -206,7 +201,7 @@ class CompressionPass(Pass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         model = ctx.model
         buckets = make_buckets(model, self.bucket_bytes)
-        params = dict(trainable(model))
+        params = trainable(model)
         grad_bytes = sum(4 * p.numel() for p in params.values())
         notes = []
         enabled = self.mode == "on"

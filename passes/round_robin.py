@@ -38,6 +38,7 @@ import torch.fx as fx
 from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.ir import cost, layer_graph, meta
 from tidal.ir.compat import split_module_tuple
+from tidal.ir.param_owners import unowned
 from tidal.ir.plans.round_robin import RoundRobinPlan
 from tidal.ir.pass_api import Pass, PassContext, PassResult
 from tidal.ir.schedule import Action, Schedule
@@ -277,7 +278,7 @@ def _unused_note(gm: fx.GraphModule, ctx: PassContext) -> tuple[str, ...]:
     no gradient, so no partition syncs them), or nothing."""
     used = {id(p) for p in gm.parameters()}
     model = ctx.model if ctx.model is not None else gm
-    unused = [k for k, p in model.named_parameters() if p.requires_grad and id(p) not in used]
+    unused = unowned(model, used)
     if not unused:
         return ()
     return (f"{len(unused)} trainable parameter(s) the forward never uses get no gradient and "

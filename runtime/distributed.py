@@ -123,6 +123,18 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def group_size(group: Any = None) -> int:
+    """The number of ranks in ``group`` (None: the default group); 1 without a process group.
+
+    Example:
+        >>> group_size()        # no process group here
+        1
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
 def rank_and_size() -> tuple[int, int]:
     """(rank, world size) of the default group, (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():

@@ -56,8 +56,11 @@ from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
 # re-exported: the builders and the README name them here
 from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
-from tidal.runtime.backend import Backend, backend_for, used_here
+from tidal.runtime.backend import Backend, backend_for
+from tidal.runtime.distributed import group_size
 from tidal.runtime.lower import lower
+from tidal.runtime.programs.optimizer_wiring import set_grads
+from tidal.runtime.programs.replica_sync import reduce_loss
 from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime
 from tidal.runtime.scheduling.pieces import STREAMS, stream_kind  # noqa: F401
 
@@ -85,18 +88,19 @@ def device_of(*values: Any) -> torch.device:
 
 
 def data_parallel(step: TrainStep, world: int, bucket_bytes: float = DDP_BUCKET_BYTES,
-                  overlap: bool = True) -> Program:
+                  overlap: bool = True, sync: str = "all_reduce") -> Program:
     """The data-parallel program of a captured step (see the module docstring): the one
     data-parallel schedule (``tidal.ir.program.data_parallel_program``) over the joint
     graph's nodes, each gradient (backward issues them in reverse registration order, as DDP)
-    ready at the node that computes it."""
+    ready at the node that computes it; a bucket's comm piece is named ``<sync> <b>``."""
     nodes = [n for n in step.gm.graph.nodes if n.op != "output"]
     pos = {n: i for i, n in enumerate(nodes)}
     _, grads = grad_nodes(step)
     last = len(nodes) - 1
     issued = [(i, _nbytes(grads[i]), pos.get(grads[i], last))
               for i in reversed(range(len(grads)))]
-    return data_parallel_program([n.name for n in nodes], issued, world, bucket_bytes, overlap)
+    return data_parallel_program([n.name for n in nodes], issued, world, bucket_bytes, overlap,
+                                 sync)
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -201,7 +205,7 @@ class ProgramRunner:
         run = self._captured(program, step, flat).run(flat)
         loss_node, grad_list = grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
-        world = dist.get_world_size(self.group) if _distributed() else 1
+        world = group_size(self.group)
 
         def all_reduce(indices: Sequence[int]) -> None:
             grads = [run.value(grad_list[i]) for i in indices]
@@ -209,19 +213,17 @@ class ProgramRunner:
                 averaged.update(zip(indices, grads))
                 return
             buf = torch.cat([g.reshape(-1) for g in grads])
-            if world > 1:
-                dist.all_reduce(buf, group=self.group)
-                buf /= world
+            dist.all_reduce(buf, group=self.group)
+            buf /= world
             offset = 0
             for i, g in zip(indices, grads):
                 averaged[i] = buf[offset:offset + g.numel()].view_as(g)
                 offset += g.numel()
 
         def apply() -> None:
-            used_here(*averaged.values())  # made on the comm stream, read on this one
-            for i, name in enumerate(step.param_names):  # a replay reuses a CUDA graph's outputs
-                g = averaged[i]
-                params[name].grad = g.clone() if world == 1 and g.is_cuda else g
+            named = {name: averaged[i] for i, name in enumerate(step.param_names)}
+            # a replay reuses a CUDA graph's outputs: in one process they are copied
+            set_grads(params, named, copy=world == 1 and any(g.is_cuda for g in named.values()))
             if optimizer is not None:
                 optimizer.step()
 
@@ -233,10 +235,7 @@ class ProgramRunner:
             return apply
 
         trace = self.launch(program, work)
-        loss = run.value(loss_node).detach().clone()
-        if world > 1:
-            dist.all_reduce(loss, group=self.group)
-            loss /= world
+        loss = reduce_loss(run.value(loss_node), self.group)
         grads = {name: averaged[i] for i, name in enumerate(step.param_names)}
         return loss, grads, trace
 
@@ -408,10 +407,6 @@ class ProgramExecutor:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def chrome_trace(traces: Mapping[int, Sequence[PieceTrace]]) -> dict:

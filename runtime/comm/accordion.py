@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tidal.runtime.distributed import collective_device
+from tidal.runtime.distributed import collective_device, group_size
 
 DEFAULT_ETA = 0.5
 
@@ -61,7 +61,7 @@ def _check_eta(eta: float) -> float:
 def _broadcast_flags(flags: list[bool], group: Optional[dist.ProcessGroup]) -> list[bool]:
     """Rank 0's flags on every rank (unchanged with no process group); the flags travel on
     the group's device (NCCL: the current GPU)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return flags
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32,
                      device=collective_device(group))

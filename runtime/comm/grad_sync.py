@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tidal.ir.comm_cost import DDP_BUCKET_BYTES, bucket_partition
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, ddp_buckets
 from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression, synchronize
 
 
@@ -53,26 +53,28 @@ class GradSync:
         self._buckets = None if buckets is None else tuple(tuple(b) for b in buckets)
 
     def buckets(self, grads: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
-        """The buckets of ``grads``' names: reverse order (the backward's), at most
-        ``bucket_bytes`` each (fixed on first use; explicit ones as given)."""
+        """The buckets of ``grads``' names: DDP's (``tidal.ir.comm_cost.ddp_buckets``: reverse
+        order, the backward's, at most ``bucket_bytes`` each, an empty gradient in none; fixed
+        on first use) or the explicit ones as given. Raises ``ValueError`` when the names do
+        not match them."""
         if self._buckets is None:
-            names = list(reversed(list(grads)))
-            parts = bucket_partition([grads[n].numel() * 4 for n in names], self.bucket_bytes)
-            self._buckets = tuple(tuple(names[i] for i in b) for b in parts)
+            self._buckets = ddp_buckets([(n, g.numel() * 4) for n, g in grads.items()],
+                                        self.bucket_bytes)
         covered = {n for b in self._buckets for n in b}
-        if covered != set(grads):
-            missing = sorted(set(grads) ^ covered)
-            raise ValueError(f"GradSync: gradients {missing[:3]} do not match the buckets "
+        odd = sorted((covered - set(grads)) | {n for n, g in grads.items()
+                                               if n not in covered and g.numel()})
+        if odd:
+            raise ValueError(f"GradSync: gradients {odd[:3]} do not match the buckets "
                              "(every call must pass the same names)")
         return self._buckets
 
     def __call__(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The synchronized gradients (same names, order, shapes and dtypes). Collective: every
-        rank of the group calls it with the same names."""
+        """The synchronized gradients (same names, order, shapes and dtypes; an empty one as
+        it is). Collective: every rank of the group calls it with the same names."""
         out: dict[str, torch.Tensor] = {}
         for bucket in self.buckets(grads):
             out.update(self.bucket({n: grads[n] for n in bucket}))
-        return {n: out[n] for n in grads}
+        return {n: out.get(n, g) for n, g in grads.items()}
 
     def bucket(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One bucket synchronized: encode, the collective(s), decode

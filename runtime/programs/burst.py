@@ -20,7 +20,8 @@ The parts, one module each:
 * **owner-only state**: a parameter or buffer belongs to the ranks of the one layer that uses
   it, or to every rank (``tidal.ir.burst_ownership``). A rank holds, updates and checkpoints
   only what it owns: on its distributed steps the program removes every other parameter (and
-  its state) from the optimizer (:meth:`BurstProgram.own_optimizer`), the rank never receives
+  its state) from the optimizer (:meth:`BurstProgram.own_optimizer`,
+  ``tidal.runtime.programs.optimizer_wiring.remove_params``), the rank never receives
   the gradients of the others (their ``.grad`` stays ``None``), and buffers a layer updates in
   training (BatchNorm's running statistics) are averaged over the layer's ranks only. A rank's
   copy of a layer it does not run is stale after the first step and never read.
@@ -72,12 +73,12 @@ from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Program
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
-from tidal.runtime.distributed import is_distributed
+from tidal.runtime.distributed import is_distributed, rank_and_size
 from tidal.runtime.programs.burst_graph import specialise
 from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from_plan, step_layout
-from tidal.runtime.programs.burst_state import (load_rank_state, rank_state_dict, remove_params,
-                                                saved_tensors)
+from tidal.runtime.programs.burst_state import load_rank_state, rank_state_dict, saved_tensors
 from tidal.runtime.programs.burst_step import BurstStep
+from tidal.runtime.programs.optimizer_wiring import remove_params
 
 __all__ = ["PLAN_KIND", "BurstProgram", "BurstStep", "Bucket", "StateBytes", "StepLayout",
            "build_program", "from_plan", "state_table", "sync_buckets"]
@@ -282,7 +283,7 @@ class BurstProgram:
         distributed = is_distributed()
         if distributed:
             self._check(inputs)
-        rank, size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        rank, size = rank_and_size()
         key = (id(gm), rank, size, self.bucket_bytes, self.overlap) + tuple(
             (tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
         run = self.local_module(gm) if distributed else gm

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from tidal.ir import meta
+from tidal.ir.param_owners import trainable
 
 Ranks = tuple[int, ...]
 
@@ -122,7 +123,7 @@ def _grad_args(gm: fx.GraphModule, node: fx.Node, inside: set, inputs: list) -> 
     if len(inside) == 1 and (node.target in _NO_GRAD or
                              (node.op == "call_method" and node.target == "detach")):
         return (False,)
-    grad = any(n.op == "call_module" and any(
-        p.requires_grad for p in gm.get_submodule(n.target).parameters()) for n in inside)
+    grad = any(n.op == "call_module" and bool(trainable(gm.get_submodule(n.target)))
+               for n in inside)
     return (grad,) + tuple(inputs)
 

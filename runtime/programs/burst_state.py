@@ -1,28 +1,23 @@
-"""A burst-parallel rank's owner-only training state, wired into the user's optimizer and
-checkpoints: which of it the rank holds is ``tidal.ir.burst_ownership``; this is what is done
-with it.
+"""A burst-parallel rank's owner-only training state in its checkpoints: which of it the rank
+holds is ``tidal.ir.burst_ownership``; this is what is saved and restored.
 
 On its distributed steps the rank removes every parameter it does not own (and its state) from
-the optimizer's param groups (:func:`remove_params`: the same optimizer object, so a
-learning-rate scheduler on it keeps working; a group left empty stays, so group indices do not
-change). A rank's checkpoint (:func:`rank_state_dict`) holds its share: its tensors by name, the
+the optimizer's param groups (``tidal.runtime.programs.optimizer_wiring.remove_params``). A
+rank's checkpoint (:func:`rank_state_dict`) holds its share: its tensors by name, the
 optimizer, the compressors' state; :func:`load_rank_state` restores it on the same rank of a job
 of the same world, naming what does not fit.
 
 Example:
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> remove_params(opt, model, ["0.weight", "0.bias"])
-    >>> [len(g["params"]) for g in opt.param_groups]
-    [2]
+    >>> opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
     >>> state = rank_state_dict(1, 2, dict(model[1].named_parameters()), opt, {})
     >>> sorted(state["model"]), state["rank"], state["world"]
     (['bias', 'weight'], 1, 2)
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -31,20 +26,6 @@ from tidal.ir.burst_sync import ranks_label
 from tidal.runtime.comm.grad_sync import GradSync
 
 Ranks = tuple[int, ...]
-
-
-def remove_params(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
-                  names: Sequence[str]) -> None:
-    """Take ``module``'s parameters ``names`` out of ``optimizer``'s param groups (the lists
-    themselves, in place) and state (the module example)."""
-    params = dict(module.named_parameters())
-    drop = {id(params[n]) for n in names}
-    for group in optimizer.param_groups:
-        removed = [p for p in group["params"] if id(p) in drop]
-        if removed:
-            group["params"][:] = [p for p in group["params"] if id(p) not in drop]
-            for p in removed:
-                optimizer.state.pop(p, None)
 
 
 def saved_tensors(gm: fx.GraphModule, owned: Mapping[str, torch.Tensor]

@@ -43,8 +43,12 @@ from tidal.ir.program import Piece, Program
 from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.distributed import all_reduce_tensors, is_distributed
 from tidal.runtime.programs.burst_layout import StepLayout
+from tidal.runtime.programs.optimizer_wiring import set_grads
+from tidal.runtime.programs.replica_sync import average_buffers
+from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
 Ranks = tuple[int, ...]
+WHO = "burst_parallel"
 
 
 class StepOwner(Protocol):
@@ -156,15 +160,19 @@ class BurstStep:
     _runner: Optional[_CutRunner] = None
     _pairs: list = field(default_factory=list)
     _synced: dict = field(default_factory=dict)
+    guard: FailFast = field(default_factory=lambda: FailFast(WHO))
 
     @property
     def program(self) -> Program:
         return self.layout.program
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        """What piece ``index`` does; once a piece failed, the later ones fail at once, naming
+        it (``step_failures.FailFast``), so that no rank waits on a peer that will not come."""
         what, arg = self.layout.actions[index]
         method = getattr(self, f"_{what}")
-        return method if arg is None else functools.partial(method, arg)
+        return self.guard.wrap(piece.name, method if arg is None
+                               else functools.partial(method, arg))
 
     def loss(self) -> torch.Tensor:
         if self._loss is None:
@@ -205,25 +213,24 @@ class BurstStep:
         scaled by its rows), so the sync is a sum; through a :class:`GradSync` (which averages)
         the result is scaled back by the number of ranks."""
         params = dict(self.gm.named_parameters())
-        named = [(n, params[n]) for n in bucket.names]
-        for _, p in named:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        grads = {n: params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])
+                 for n in bucket.names}
         sync = self.owner.sync_of(bucket.ranks)
-        if sync is None:
-            all_reduce_tensors([p.grad for _, p in named], self.owner.group_of(bucket.ranks))
-        else:
-            synced = sync.bucket({n: p.grad for n, p in named})
-            for n, p in named:
-                p.grad.copy_(synced[n] * len(bucket.ranks))
-        for n, p in named:
-            self._synced[n] = (p.grad, p.grad._version)
+        with collective_errors(WHO, bucket.piece):
+            if sync is None:
+                all_reduce_tensors(list(grads.values()), self.owner.group_of(bucket.ranks))
+            else:
+                grads = {n: g * len(bucket.ranks) for n, g in sync.bucket(grads).items()}
+        set_grads(params, grads)
+        for n in grads:
+            self._synced[n] = (params[n].grad, params[n].grad._version)
 
     def _buffers_all_reduce(self, ranks: Ranks) -> None:
         """Average the set's floating-point buffers (running statistics) over its ranks."""
         names = set(self.layout.buffer_sets[ranks])
-        floats = [b for n, b in self.gm.named_buffers() if n in names and b.is_floating_point()]
-        all_reduce_tensors(floats, self.owner.group_of(ranks), average=True)
+        with collective_errors(WHO, f"the buffer all-reduce of ranks {ranks}"):
+            average_buffers((b for n, b in self.gm.named_buffers() if n in names),
+                            self.owner.group_of(ranks))
 
     def _optimizer(self) -> None:
         params = dict(self.gm.named_parameters())

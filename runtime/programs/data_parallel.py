@@ -103,16 +103,14 @@ def eager_pieces(buckets: Sequence[Sequence[int]]) -> list[Piece]:
 
 def framed(pieces: Sequence[Piece], world: int, accordion: bool) -> Program:
     """``pieces`` (the first waits for nothing, the last is the optimizer) after the
-    ``broadcast`` of rank 0's state, then the ``accordion`` piece when asked for; the comm
-    pieces that sync gradients are named ``sync <b>``.
+    ``broadcast`` of rank 0's state, then the ``accordion`` piece when asked for.
 
     Example:
         >>> [p.name for p in framed(eager_pieces([(0,)]), 2, True).pieces]
         ['broadcast', 'forward', 'backward', 'sync 0', 'optimizer', 'accordion']
     """
     out = [Piece(BROADCAST, COMM)]
-    out += [replace(p, deps=tuple(d + 1 for d in p.deps) or (0,),
-                    name=f"{SYNC} {p.name.split()[-1]}" if p.grads else p.name) for p in pieces]
+    out += [replace(p, deps=tuple(d + 1 for d in p.deps) or (0,)) for p in pieces]
     if accordion:
         out.append(Piece(ACCORDION, COMPUTE, (len(out) - 1,)))
     return Program(tuple(out), world)
@@ -212,8 +210,8 @@ class DataParallelProgram:
         if not reason:
             try:
                 step = capture_step(gm, inputs, targets, loss_fn)
-                program = framed(data_parallel(step, world, self.bucket_bytes, self.overlap).pieces,
-                                 world, self.accordion is not None)
+                pieces = data_parallel(step, world, self.bucket_bytes, self.overlap, SYNC).pieces
+                program = framed(pieces, world, self.accordion is not None)
                 flat = step_inputs(step, gm, inputs, targets)
                 capture = lower_step(step, program, {0: flat},
                                      backend_for(flat_tensors(flat)[0].device))

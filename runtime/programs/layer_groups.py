@@ -89,9 +89,8 @@ from tidal.runtime.programs.step_capture import (Fallback, StepCapture, capture_
 from tidal.runtime.weights.loader import expected_specs, group_tensors
 from tidal.runtime.weights.store import HostCopy, PathLike, WeightStore
 
-__all__ = ["LOADING_STEP", "LayerGroupsProgram", "LoadTimeline", "PLAN_KIND", "Pipelined",
-           "bind_training", "cold_start", "cut_at_markers", "from_plan", "graph_interpreter",
-           "InterpretedSegments", "pipelined", "run_pipelined"]
+__all__ = ["LOADING_STEP", "LayerGroupsProgram", "PLAN_KIND", "cold_start", "from_plan",
+           "run_pipelined"]
 
 PLAN_KIND = "LayerGroupPlan"
 

@@ -5,7 +5,8 @@ A program computes gradients as values (a captured step's outputs, a sync's resu
 ``optimizer`` piece hands them to the parameters (:func:`set_grads`, :func:`accumulate_grad`)
 and steps the user's optimizer: on every parameter, or on those one partition owns
 (:func:`step_only`, the same optimizer object so its state and a scheduler on it stay), or on
-a replica's parameters through a clone of it (:func:`clone_optimizer`).
+a replica's parameters through a clone of it (:func:`clone_optimizer`). A rank that holds only
+the parameters it owns takes the others out of the optimizer for good (:func:`remove_params`).
 
 Example:
     >>> import torch
@@ -20,7 +21,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -93,3 +94,26 @@ def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
     if not groups:
         raise ValueError("the optimizer holds none of the model's parameters")
     return type(opt)(groups, **opt.defaults)
+
+
+def remove_params(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                  names: Sequence[str]) -> None:
+    """Take ``module``'s parameters ``names`` out of ``optimizer``'s param groups (the lists
+    themselves, in place: the same optimizer object, so a learning-rate scheduler on it keeps
+    working; a group left empty stays, so group indices do not change) and its state.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> remove_params(opt, model, ["0.weight", "0.bias"])
+        >>> [len(g["params"]) for g in opt.param_groups]
+        [2]
+    """
+    params = dict(module.named_parameters())
+    drop = {id(params[n]) for n in names}
+    for group in optimizer.param_groups:
+        removed = [p for p in group["params"] if id(p) in drop]
+        if removed:
+            group["params"][:] = [p for p in group["params"] if id(p) not in drop]
+            for p in removed:
+                optimizer.state.pop(p, None)

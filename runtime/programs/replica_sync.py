@@ -17,21 +17,14 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from tidal.runtime.distributed import all_reduce_tensors, collective_device
-
-
-def _world(group: Optional[dist.ProcessGroup]) -> int:
-    """The size of ``group`` (the default group when None); 1 without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+from tidal.runtime.distributed import all_reduce_tensors, collective_device, group_size
 
 
 def broadcast_state(model: torch.nn.Module, params: bool,
                     group: Optional[dist.ProcessGroup] = None) -> None:
     """Give every rank of ``group`` rank 0's buffers (BatchNorm statistics each rank updated
     from its own shard) and, with ``params``, its parameters (before the first step)."""
-    if _world(group) == 1:
+    if group_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0
     tensors = list(model.buffers()) + ([p.data for p in model.parameters()] if params else [])
@@ -42,7 +35,7 @@ def broadcast_state(model: torch.nn.Module, params: bool,
 def average_buffers(buffers: Iterable[torch.Tensor],
                     group: Optional[dist.ProcessGroup] = None) -> None:
     """Average the floating-point ones of ``buffers`` over the ranks of ``group``, in place."""
-    if _world(group) > 1:
+    if group_size(group) > 1:
         all_reduce_tensors([b for b in buffers if b.is_floating_point()], group, average=True)
 
 
@@ -51,7 +44,7 @@ def reduce_loss(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
     """A detached copy of ``loss`` summed over the ranks of ``group`` (with ``mean``: averaged:
     each rank's loss is that of its own shard)."""
     out = loss.detach().clone()
-    world = _world(group)
+    world = group_size(group)
     if world == 1:
         return out
     reduced = out.to(collective_device(group))

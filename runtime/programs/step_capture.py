@@ -43,7 +43,7 @@ from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Program
 from tidal.ir.rng import fork_rng_of
 from tidal.runtime.backend import Backend
-from tidal.runtime.distributed import collective_device, is_distributed
+from tidal.runtime.distributed import collective_device, group_size
 from tidal.runtime.program import CapturedProgram, state_inputs
 
 FAILED_TO_RUN = "the captured step failed to run: "
@@ -125,7 +125,7 @@ def agreed(reason: str, group: Optional[dist.ProcessGroup] = None) -> str:
     """``reason`` (why this rank cannot run the captured step, '' when it can), or a reason of
     its own when another rank of ``group`` cannot: every rank runs the same program. A
     collective on more than one rank."""
-    if not is_distributed() or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return reason
     flag = torch.tensor([1 if reason else 0], dtype=torch.int32,
                         device=collective_device(group))

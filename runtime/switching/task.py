@@ -3,7 +3,7 @@ the arena group by group while the first groups already compute, its state saved
 
 :class:`Task` is built when the worker starts (task initialization, off the switch's path):
 the job's graph (weightless until transmitted), its pipelined programs from
-:mod:`tidal.runtime.programs.layer_groups` (per group a ``load group k`` piece on the ``load``
+:mod:`tidal.ir.layer_group_program` (per group a ``load group k`` piece on the ``load``
 stream and a ``group k`` piece that waits for it: group ``k+1`` transfers while group ``k``
 computes), its optimizer and a :class:`~tidal.runtime.program.ProgramRunner` on the task's
 device (on a GPU its CUDA backend: each piece on its stream). :meth:`Task.warm_up` runs one
@@ -48,9 +48,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from tidal.ir.joint_segments import cut_at_markers
+from tidal.ir.layer_group_program import pipelined
+from tidal.ir.param_owners import trainable
 from tidal.runtime.program import ProgramRunner, Work
-from tidal.runtime.programs.layer_groups import (LoadTimeline, bind_training, graph_interpreter,
-                                                 InterpretedSegments, cut_at_markers, pipelined)
+from tidal.runtime.programs.layer_group_loads import LoadTimeline
+from tidal.runtime.programs.layer_group_steps import (InterpretedSegments, bind_training,
+                                                      graph_interpreter)
 from tidal.runtime.switching.device import resolve_device, to_device, to_host
 from tidal.runtime.switching.errors import SwitchingError
 from tidal.runtime.switching.host_model import HostModel
@@ -163,7 +167,7 @@ class Task:
         tail = [("backward", ()), ("optimizer", ())] if job.training else []
         self._loading = pipelined(segments, tail)
         self._resident = pipelined(segments, tail, loads=False)
-        self.optimizer = (job.optimizer([p for p in self.gm.parameters() if p.requires_grad])
+        self.optimizer = (job.optimizer(list(trainable(self.gm).values()))
                           if job.training else None)
         self.runner = ProgramRunner(device=self.device)
         self.loads: Optional[Transmission] = None
@@ -172,9 +176,8 @@ class Task:
         self._preempted: Optional[Callable[[], bool]] = None
         self.release()
         if job.training:  # preemption points inside the backward: each parameter's gradient
-            for p in self.gm.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._check_backward)
+            for p in trainable(self.gm).values():
+                p.register_post_accumulate_grad_hook(self._check_backward)
 
     def _check_backward(self, param: torch.Tensor) -> None:
         """A parameter's gradient is complete: stop here if a preemption was asked during this
