@@ -37,6 +37,7 @@ from tidal.ir import meta
 from tidal.ir.errors import TraceError
 from tidal.ir.export_capture import NAME as EXPORT
 from tidal.ir.export_capture import LeafSpec, export_trace, user_leaf
+from tidal.ir.param_owners import trainable
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -362,7 +363,7 @@ def capture_train_step(model: torch.nn.Module,
     graph (``make_fx`` with fake tensors of a step that calls ``torch.func.functional_call`` and
     ``torch.autograd.grad``). Parameters and buffers (BatchNorm statistics) are graph inputs.
     ``example_inputs`` is a tuple of positional inputs or a dict of keyword inputs."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    params = trainable(model)
     buffers = dict(model.named_buffers())
     names = tuple(params)
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tidal.ir.memory_timeline import MemoryTimeline, interleave, saved_activations
+from tidal.ir.param_owners import trainable
 from tidal.ir.plan import Plan
 
 _STATE_COPIES = {"SGD": 0.0, "Adam": 2.0, "AdamW": 2.0, "Adamax": 2.0, "NAdam": 2.0,
@@ -69,7 +70,7 @@ def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
 
 def gradient_bytes(model: torch.nn.Module) -> int:
     """One gradient of every trainable parameter (bytes)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return sum(p.numel() * p.element_size() for p in trainable(model).values())
 
 
 def predicted_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:

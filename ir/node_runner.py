@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from tidal.ir.param_owners import trainable
+
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 """fx node kinds that compute (as opposed to placeholder, get_attr, output)."""
 
@@ -106,7 +108,7 @@ def run_isolated(
     if bwd_ctx is not None:
         params = []
         if n.op == "call_module":
-            params = [p for p in interp.fetch_attr(n.target).parameters() if p.requires_grad]
+            params = list(trainable(interp.fetch_attr(n.target)).values())
         diff_out = [t for t in flat_tensors(out) if t.requires_grad and t.grad_fn is not None]
         wrt = leaves + params
         with bwd_ctx:

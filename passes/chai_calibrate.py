@@ -274,75 +274,27 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
     largest k worth trying (``mildest_useful_k``; default H - 1); a layer whose mildest is 0
     stays unclustered. Assumes the metric is monotone in k within a layer and in the number of
     clustered layers (bisection).
+
+    Example:
+        >>> curves = {0: (4.0, 1.0, 0.0), 1: (4.0, 3.0, 0.0)}   # layer 0 the more redundant
+        >>> def perplexity(counts):                 # +0.1 per head clustered away
+        ...     return 10.0 + 0.1 * sum(3 - k for k in counts.values())
+        >>> choice = choose_counts(curves, perplexity, Budget(tolerance=0.03), 10.0)
+        >>> choice.counts, choice.evaluations
+        ({0: 2, 1: None}, 3)
     """
     if check is not None and check_baseline is None:
         raise ValueError("choose_counts: check needs check_baseline (its metric unclustered)")
-    inner = budget.tightened(margin)
     mild = {l: len(errors[l]) - 1 if mildest is None else mildest[l] for l in errors}
-    accepted: list[tuple[int, int, float]] = []      # (layer, k, choose metric) in order
-    evals = 0
-    for layer in tie_stable_order(sorted(errors), lambda l: redundancy(errors[l])):
-        top = mild[layer]
-        if len(errors[layer]) < 2 or top < 1:
-            continue
-        chosen = {l: k for l, k, _ in accepted}
-        cache: dict[int, float] = {}
-
-        def ok(k: int) -> bool:
-            nonlocal evals
-            if k not in cache:
-                cache[k] = evaluate({**chosen, layer: k})
-                evals += 1
-            return inner.allows(cache[k], baseline)
-
-        if not ok(top):
-            log(f"layer {layer}: unclustered (k={top} gives {cache[top]:.4g})")
-            continue
-        lo, hi = 1, top        # hi is within budget
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        accepted.append((layer, hi, cache[hi]))
-        log(f"layer {layer}: k={hi} ({cache[hi]:.4g})")
-
+    accepted, evals = _accept_layers(errors, evaluate, budget.tightened(margin), baseline,
+                                     mild, log)
     size = len(accepted)
-
-    def ladder(n: int) -> dict[int, int]:
-        """Rung ``n`` of the back-off ladder (0: nothing clustered, 2 * size: as chosen): up to
-        ``size``, the first n accepted layers at their mildest useful k; beyond, all of them,
-        the first n - size at their chosen k and the rest at the mildest."""
-        if n <= size:
-            return {l: mild[l] for l, _, _ in accepted[:n]}
-        return {l: (k if i < n - size else mild[l])
-                for i, (l, k, _) in enumerate(accepted)}
-
     rung, held_out = 2 * size, math.nan
     if check is not None:
-        results = {0: check_baseline}
-
-        def fits(n: int) -> bool:
-            nonlocal evals
-            if n not in results:
-                results[n] = check(ladder(n))
-                evals += 1
-                log(f"held-out check, back-off rung {n}/{2 * size} "
-                    f"({ladder(n)}): {results[n]:.4g}")
-            return budget.allows(results[n], check_baseline)
-
-        if size and not fits(rung):
-            lo, hi = 0, rung       # rung lo fits, rung hi does not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    lo = mid
-                else:
-                    hi = mid
-            rung = lo
-        held_out = results[rung] if size else check_baseline
-    final = ladder(rung)
+        rung, held_out, checks = _highest_fitting_rung(accepted, mild, check, check_baseline,
+                                                       budget, log)
+        evals += checks
+    final = _ladder(accepted, mild, rung)
     backed = tuple(l for l, _, _ in reversed(accepted) if l not in final)
     softened = tuple(l for l, k, _ in accepted if l in final and final[l] != k)
     if backed or softened:
@@ -357,6 +309,99 @@ def choose_counts(errors: Mapping[int, Sequence[float]],
         evals += 1
     return Choice({l: final.get(l) for l in sorted(errors)}, metric, held_out, backed,
                   evals, softened)
+
+
+Accepted = list[tuple[int, int, float]]
+"""The layers ``choose_counts`` accepted, in order: ``(layer, k, metric on the choose split)``."""
+
+
+def _accept_layers(errors: Mapping[int, Sequence[float]],
+                   evaluate: Callable[[Mapping[int, int]], float], inner: Budget,
+                   baseline: float, mild: Mapping[int, int],
+                   log: Callable[[str], None]) -> tuple[Accepted, int]:
+    """The choose step: layers tried from the most redundant, each kept at the smallest k
+    within ``inner`` together with the layers already accepted (not at all when even its
+    mildest k ``mild[layer]`` breaks it); the accepted layers and the evaluations made."""
+    accepted: Accepted = []
+    evals = 0
+    for layer in tie_stable_order(sorted(errors), lambda l: redundancy(errors[l])):
+        top = mild[layer]
+        if len(errors[layer]) < 2 or top < 1:
+            continue
+        chosen = {l: k for l, k, _ in accepted}
+        k, measured = _smallest_allowed(top, lambda k: evaluate({**chosen, layer: k}),
+                                        lambda value: inner.allows(value, baseline))
+        evals += len(measured)
+        if k is None:
+            log(f"layer {layer}: unclustered (k={top} gives {measured[top]:.4g})")
+            continue
+        accepted.append((layer, k, measured[k]))
+        log(f"layer {layer}: k={k} ({measured[k]:.4g})")
+    return accepted, evals
+
+
+def _smallest_allowed(top: int, metric_of: Callable[[int], float],
+                      allows: Callable[[float], bool]) -> tuple[Optional[int], dict[int, float]]:
+    """The smallest k in 1..``top`` whose metric ``allows`` accepts, by bisection (None: not
+    even ``top``), and every metric measured on the way (k -> value)."""
+    measured: dict[int, float] = {}
+
+    def ok(k: int) -> bool:
+        if k not in measured:
+            measured[k] = metric_of(k)
+        return allows(measured[k])
+
+    if not ok(top):
+        return None, measured
+    lo, hi = 1, top        # hi is within budget
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, measured
+
+
+def _ladder(accepted: Accepted, mild: Mapping[int, int], n: int) -> dict[int, int]:
+    """Rung ``n`` of the back-off ladder (0: nothing clustered, 2 * size: as chosen): up to
+    ``size`` (the number accepted), the first n accepted layers at their mildest useful k;
+    beyond, all of them, the first n - size at their chosen k and the rest at the mildest."""
+    size = len(accepted)
+    if n <= size:
+        return {l: mild[l] for l, _, _ in accepted[:n]}
+    return {l: (k if i < n - size else mild[l]) for i, (l, k, _) in enumerate(accepted)}
+
+
+def _highest_fitting_rung(accepted: Accepted, mild: Mapping[int, int],
+                          check: Callable[[Mapping[int, int]], float], check_baseline: float,
+                          budget: Budget, log: Callable[[str], None]
+                          ) -> tuple[int, float, int]:
+    """The verify step: ``(rung, held-out metric, checks made)`` for the highest rung of the
+    back-off ladder whose held-out metric fits ``budget`` (by bisection; rung 0, nothing
+    clustered, fits by definition)."""
+    top = 2 * len(accepted)
+    results = {0: check_baseline}
+
+    def fits(n: int) -> bool:
+        if n not in results:
+            results[n] = check(_ladder(accepted, mild, n))
+            log(f"held-out check, back-off rung {n}/{top} "
+                f"({_ladder(accepted, mild, n)}): {results[n]:.4g}")
+        return budget.allows(results[n], check_baseline)
+
+    rung = top
+    if accepted and not fits(rung):
+        lo, hi = 0, rung       # rung lo fits, rung hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        rung = lo
+    held_out = results[rung] if accepted else check_baseline
+    return rung, held_out, len(results) - 1
 
 
 def verdict(plan_layers: Sequence[LayerChoice], model_name: str = "the model") -> str:

@@ -435,8 +435,52 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
         choose_set, check_set = list(batches), []
     else:
         choose_set, check_set = split_holdout(batches, holdout)
-    gm = clustered_graph(model, batches[0])
+    measured = _measure(clustered_graph(model, batches[0]), batches, choose_set, check_set,
+                        budget, embed)
+    if mode == "paper":
+        return _paper_plan(model, batches, measured, budget, model_name, log)
+    return _budget_plan(model, batches, measured, budget, margin, model_name, log)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What both calibration rules start from: the rewritten graph ``gm`` and its CHAI
+    ``modules``, the heads' statistics and error curves (layer -> k = 1..H) over every batch,
+    the metric with given counts clustered on the choosing batches (``choose``) and on the
+    held-out ones (``check``, None without any), its values with none clustered, and how many
+    batches each side has."""
+
+    gm: fx.GraphModule
+    modules: list
+    stats: HeadStats
+    errors: dict
+    choose: Callable[[dict], float]
+    check: Optional[Callable[[dict], float]]
+    baseline: float
+    check_baseline: Optional[float]
+    choose_batches: int
+    check_batches: int
+
+
+def _measure(gm: fx.GraphModule, batches: Sequence[tuple], choose_set: Sequence[tuple],
+             check_set: Sequence[tuple], budget: Budget,
+             embed: Optional[Callable[[Any, tuple], torch.Tensor]]) -> _Measured:
+    """Run ``gm`` on every batch to collect the heads' statistics, then measure the budget's
+    metric with nothing clustered on both sides of the split."""
     modules = chai_modules(gm)
+    stats = _head_stats(gm, modules, batches)
+    metric_on = _metric_on(gm, batches, budget, embed)
+    choose = metric_on(choose_set)
+    check = metric_on(check_set) if check_set else None
+    baseline = choose({})
+    check_baseline = check({}) if check else None
+    return _Measured(gm, modules, stats, {m.layer: stats.errors(m.layer) for m in modules},
+                     choose, check, baseline, check_baseline, len(choose_set), len(check_set))
+
+
+def _head_stats(gm: fx.GraphModule, modules: list[ClusteredHeads],
+                batches: Sequence[tuple]) -> HeadStats:
+    """Every layer's attention probabilities on ``batches``, accumulated (``HeadStats``)."""
     stats = HeadStats()
     for m in modules:
         m.observer = stats.add
@@ -445,6 +489,15 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
             gm(*batch)
     for m in modules:
         m.observer = None
+    return stats
+
+
+def _metric_on(gm: fx.GraphModule, batches: Sequence[tuple], budget: Budget,
+               embed: Optional[Callable[[Any, tuple], torch.Tensor]]
+               ) -> Callable[[Sequence[tuple]], Callable[[dict], float]]:
+    """``metric_on(subset)``: the budget's metric on ``subset`` as a function of the counts
+    clustered (perplexity, or the mean cosine of ``embed``'s embeddings with the unclustered
+    ones, computed here once for every batch)."""
     if budget.metric == "cosine":
         if embed is None:
             raise ValueError("calibrate: budget metric 'cosine' needs embed(outputs, batch)")
@@ -465,42 +518,46 @@ def calibrate(model: torch.nn.Module, batches: Sequence[tuple], *,
                 set_counts(gm, counts)
                 return perplexity(gm, subset)
             return metric
+    return metric_on
 
-    choose_metric = metric_on(choose_set)
-    check_metric = metric_on(check_set) if check_set else None
-    baseline = choose_metric({})
-    check_baseline = check_metric({}) if check_metric else None
-    errors = {m.layer: stats.errors(m.layer) for m in modules}
-    if mode == "paper":
-        return _paper_plan(model, batches, modules, stats, errors, choose_metric, check_metric,
-                           baseline, check_baseline, budget, model_name, log)
-    mildest = {m.layer: mildest_useful_k(m.num_heads, m.num_kv_heads) for m in modules}
-    choice = choose_counts(errors, choose_metric, budget, baseline, log, check=check_metric,
-                           check_baseline=check_baseline, margin=margin, mildest=mildest)
-    counts = choice.counts
-    set_counts(gm, {})
-    log(f"{choice.evaluations} evaluations; {budget.metric} {baseline:.4g} -> "
+
+def _budget_plan(model: torch.nn.Module, batches: Sequence[tuple], measured: _Measured,
+                 budget: Budget, margin: float, model_name: str,
+                 log: Callable[[str], None]) -> ChaiPlan:
+    """``calibrate(mode="budget")``: each layer's k chosen under the tightened budget on the
+    choosing batches and verified on the held-out ones (``choose_counts``)."""
+    mildest = {m.layer: mildest_useful_k(m.num_heads, m.num_kv_heads)
+               for m in measured.modules}
+    choice = choose_counts(measured.errors, measured.choose, budget, measured.baseline, log,
+                           check=measured.check, check_baseline=measured.check_baseline,
+                           margin=margin, mildest=mildest)
+    set_counts(measured.gm, {})
+    held = measured.check_batches > 0
+    log(f"{choice.evaluations} evaluations; {budget.metric} {measured.baseline:.4g} -> "
         f"{choice.metric:.4g} (choose split)"
-        + (f", {check_baseline:.4g} -> {choice.held_out:.4g} (held out)" if check_set else ""))
-    layers = _layer_choices(model, batches, modules, stats, errors, counts)
+        + (f", {measured.check_baseline:.4g} -> {choice.held_out:.4g} (held out)"
+           if held else ""))
+    layers = _layer_choices(model, batches, measured, choice.counts)
     rule = (f"{budget.describe()} (chosen under {budget.tightened(margin).describe()} on "
-            f"{len(choose_set)} batch(es)"
-            + (f", verified on {len(check_set)} held-out batch(es))" if check_set else ")"))
-    return ChaiPlan(tuple(layers), budget=rule, baseline_metric=baseline,
+            f"{measured.choose_batches} batch(es)"
+            + (f", verified on {measured.check_batches} held-out batch(es))" if held else ")"))
+    return ChaiPlan(tuple(layers), budget=rule, baseline_metric=measured.baseline,
                     final_metric=choice.metric, verdict=verdict(layers, model_name),
-                    held_out_baseline=check_baseline or 0.0,
-                    held_out_metric=choice.held_out if check_set else 0.0,
+                    held_out_baseline=measured.check_baseline or 0.0,
+                    held_out_metric=choice.held_out if held else 0.0,
                     backed_off=choice.backed_off, softened=choice.softened)
 
 
-def _layer_choices(model: torch.nn.Module, batches: Sequence[tuple], modules: list,
-                   stats: HeadStats, errors: dict, counts: dict) -> list[LayerChoice]:
+def _layer_choices(model: torch.nn.Module, batches: Sequence[tuple], measured: _Measured,
+                   counts: dict) -> list[LayerChoice]:
     """Each layer's :class:`LayerChoice` for the chosen ``counts`` (with CHAI-static's
     membership from the averaged similarity)."""
     layers = []
-    for m, match in zip(modules, find_attention(trace(model, batches[0]), model)):
+    errors = measured.errors
+    for m, match in zip(measured.modules, find_attention(trace(model, batches[0]), model)):
         k = counts[m.layer]
-        static = static_membership(stats.similarity(m.layer), k, m.kv_of_head) if k else None
+        static = (static_membership(measured.stats.similarity(m.layer), k, m.kv_of_head)
+                  if k else None)
         layers.append(LayerChoice(
             m.layer, match.scope, m.num_heads, m.num_kv_heads, match.head_dim, k,
             elbow(errors[m.layer]), errors[m.layer],
@@ -508,22 +565,21 @@ def _layer_choices(model: torch.nn.Module, batches: Sequence[tuple], modules: li
     return layers
 
 
-def _paper_plan(model, batches, modules, stats, errors, choose_metric, check_metric, baseline,
-                check_baseline, budget: Budget, model_name: str,
-                log: Callable[[str], None]) -> ChaiPlan:
+def _paper_plan(model: torch.nn.Module, batches: Sequence[tuple], measured: _Measured,
+                budget: Budget, model_name: str, log: Callable[[str], None]) -> ChaiPlan:
     """``calibrate(mode="paper")``: k at every layer's elbow, K-means membership online; the
     metric measured with them (on the choosing and the held-out batches), not enforced."""
-    counts = {m.layer: elbow(errors[m.layer]) for m in modules}
-    for m in modules:
+    counts = {m.layer: elbow(measured.errors[m.layer]) for m in measured.modules}
+    for m in measured.modules:
         m.clustering = "kmeans"
-    final = choose_metric(counts)
-    held = check_metric(counts) if check_metric else 0.0
-    log(f"paper: k at the elbow {sorted(counts.items())}; {budget.metric} {baseline:.4g} -> "
-        f"{final:.4g}")
-    layers = _layer_choices(model, batches, modules, stats, errors, counts)
+    final = measured.choose(counts)
+    held = measured.check(counts) if measured.check else 0.0
+    log(f"paper: k at the elbow {sorted(counts.items())}; {budget.metric} "
+        f"{measured.baseline:.4g} -> {final:.4g}")
+    layers = _layer_choices(model, batches, measured, counts)
     return ChaiPlan(tuple(layers), clustering="kmeans",
                     budget=f"paper: each layer's k at its elbow, K-means membership; "
                            f"{budget.describe()} measured, not enforced",
-                    baseline_metric=baseline, final_metric=final,
+                    baseline_metric=measured.baseline, final_metric=final,
                     verdict=verdict(layers, model_name),
-                    held_out_baseline=check_baseline or 0.0, held_out_metric=held)
+                    held_out_baseline=measured.check_baseline or 0.0, held_out_metric=held)

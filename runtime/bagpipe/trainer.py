@@ -256,148 +256,202 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
         """Train iterations ``start .. stop-1``; returns ``{"stats": [...], "dense": ...}``."""
+        stats = [self._iteration(x) for x in range(self.cfg.start, self.cfg.stop)]
+        return self._finish(stats)
+
+    def _iteration(self, x: int) -> IterationStats:
+        """Iteration ``x``, steps 1-7 of the module docstring; its stats."""
+        self._progress(x)
+        if self.cfg.fail_at is not None and tuple(self.cfg.fail_at) == (self.rank, x):
+            os._exit(1)
+        t0 = time.perf_counter()
+        st = IterationStats(iteration=x)
+        w = self._get(x)
+        sync_fetch = self._next_prefetch <= x
+        if sync_fetch:
+            self._prefetch_now(x, st)
+        kwargs, leaves = self._rows_for(x, w, st, sync_fetch)
+        self._forward_backward(w, kwargs)
+        grads = self._row_grads(w, leaves)
+        self._finish_deferred(st)
+        dense = self._all_reduce_dense()
+        self._wait_writes()
+        buf, layout = self._critical_sync(x, w, leaves, grads, st)
+        self._step_dense(dense)
+        self._apply(buf, layout)
+        self._background_sync(x, w, leaves, grads, st)
+        self._prefetch_ahead(x + self.cfg.lookahead)   # the window: x and the L batches beyond
+        st.seconds = time.perf_counter() - t0
+        return st
+
+    def _prefetch_now(self, x: int, st: IterationStats) -> None:
+        """Step 1 when ``x``'s prefetch was not issued ahead: this trainer's write-backs
+        waited for, a barrier with the others (every write-back up to ``x - 1`` confirmed; at
+        a checkpoint boundary trainer 0 saves, then a second barrier), then the prefetch."""
         cfg = self.cfg
-        T, lr = cfg.trainers, cfg.lr
-        W = cfg.lookahead + 1  # the window: the batch and the L batches beyond it
-        stats = []
-        for x in range(cfg.start, cfg.stop):
-            self._progress(x)
-            if cfg.fail_at is not None and tuple(cfg.fail_at) == (self.rank, x):
-                os._exit(1)
-            t0 = time.perf_counter()
-            st = IterationStats(iteration=x)
-            w = self._get(x)
-            sync_fetch = self._next_prefetch <= x
-            if sync_fetch:
-                self._wait_writes()
-                _barrier()
-                self._confirmed = x - 1
-                if (cfg.checkpoint_every and cfg.checkpoint_dir and x > cfg.start
-                        and x % cfg.checkpoint_every == 0):
-                    if self.rank == 0:
-                        self._save_checkpoint(x)
-                    _barrier()
-                self._issue_prefetch(x, st)
-            # rows for x
-            kwargs = {}
-            leaves = {}
-            for name, d in w.decisions.items():
-                cache = self.caches[name]
-                ids, _, futs = self._fetches[x][name]
-                if len(ids):
-                    rows = merge_rows(ids, [f.wait() if f is not None else None
-                                            for f in futs], len(self.servers),
-                                      self.tables[name].dim, self.tables[name].torch_dtype)
-                    cache.insert(ids.tolist(), rows)
-                    nb = rows.numel() * rows.element_size()
-                    st.rows_fetched += len(ids)
-                    st.bytes_fetched += nb
-                    if sync_fetch:
-                        st.bytes_critical += nb
-                for i, t in d.ttl:
-                    if i in cache:
-                        cache.set_ttl([i], t)
-                used = d.uses[self.rank]
-                st.lookups += len(used)
-                st.hits += len(set(used).difference(d.fetch[self.rank]))
-                t = self.tables[name]
-                used_t = _ids(used)
-                leaf = cache.rows(used).requires_grad_(True)
-                kwargs[t.ids_input] = used_t
-                kwargs[t.rows_input] = leaf
-                leaves[name] = (used_t, leaf)
-            del self._fetches[x]
-            for p in self.params:
-                p.grad = None
-            out = self.gm(*w.inputs, **kwargs)
-            loss = self.loss_fn(out, w.targets)
-            loss.backward()
-            grads = {}
-            for name, (used_t, leaf) in leaves.items():
-                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                grads[name] = g
-                d = w.decisions[name]
-                loc = d.local[self.rank]
-                if loc:
-                    self.caches[name].update(
-                        loc, flat_rows(_ids(loc), used_t, g, self.tables[name].dim) / T, lr)
-            self._finish_deferred(st)
-            # dense gradients
-            if self.params:
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                  .reshape(-1) for p in self.params])
-                dist.all_reduce(flat)
-                dense = flat / T
-            self._wait_writes()
-            # critical buffer: shared grads used by x+1, promotions for x+1
-            parts, layout, pos = [], [], 0
-            for name, d in w.decisions.items():
-                if d.critical:
-                    parts.append(flat_rows(_ids(d.critical), leaves[name][0], grads[name],
-                                           self.tables[name].dim).reshape(-1))
-                    layout.append((name, "grad", list(d.critical), pos, pos + parts[-1].numel()))
-                    pos += parts[-1].numel()
-                    st.rows_synced_critical += len(d.critical)
-            if x + 1 < cfg.stop:
-                nxt = self._get(x + 1)
-                for name, d in nxt.decisions.items():
-                    if d.promote:
-                        ids = [i for i, _ in d.promote]
-                        mine = [i for i, o in d.promote if o == self.rank]
-                        vals = torch.zeros(len(ids), self.tables[name].dim,
-                                           dtype=self.tables[name].torch_dtype)
-                        if mine:
-                            vals = flat_rows(_ids(ids), _ids(sorted(mine)),
-                                             self.caches[name].rows(sorted(mine)),
-                                             self.tables[name].dim)
-                        parts.append(vals.reshape(-1))
-                        layout.append((name, x + 1, ids, pos, pos + vals.numel()))
-                        pos += vals.numel()
-                        st.rows_promoted += len(ids)
-            dtype = parts[0].dtype if parts else torch.float64
-            buf = torch.cat(parts) if parts else torch.zeros(1, dtype=dtype)
-            dist.all_reduce(buf)
-            self._confirmed = x - 1
-            if parts:
-                nb = buf.numel() * buf.element_size()
-                st.bytes_synced += nb
-                st.bytes_critical += nb
-            if self.params:
-                off = 0
-                for p in self.params:
-                    n = p.numel()
-                    with torch.no_grad():
-                        p.add_(dense[off:off + n].view_as(p), alpha=-lr)
-                    off += n
+        self._wait_writes()
+        _barrier()
+        self._confirmed = x - 1
+        if (cfg.checkpoint_every and cfg.checkpoint_dir and x > cfg.start
+                and x % cfg.checkpoint_every == 0):
+            if self.rank == 0:
+                self._save_checkpoint(x)
+            _barrier()
+        self._issue_prefetch(x, st)
+
+    def _rows_for(self, x: int, w: BatchWork, st: IterationStats, sync_fetch: bool
+                  ) -> tuple[dict, dict]:
+        """The fetched rows of ``x`` put in the caches (with their TTLs) and the rows this
+        trainer's shard uses taken out as leaves: the graph's keyword inputs and, per table,
+        ``(used ids, leaf)``."""
+        kwargs, leaves = {}, {}
+        for name, d in w.decisions.items():
+            cache, table = self.caches[name], self.tables[name]
+            ids, _, futs = self._fetches[x][name]
+            if len(ids):
+                rows = merge_rows(ids, [f.wait() if f is not None else None for f in futs],
+                                  len(self.servers), table.dim, table.torch_dtype)
+                cache.insert(ids.tolist(), rows)
+                nb = rows.numel() * rows.element_size()
+                st.rows_fetched += len(ids)
+                st.bytes_fetched += nb
+                if sync_fetch:
+                    st.bytes_critical += nb
+            for i, t in d.ttl:
+                if i in cache:
+                    cache.set_ttl([i], t)
+            used = d.uses[self.rank]
+            st.lookups += len(used)
+            st.hits += len(set(used).difference(d.fetch[self.rank]))
+            used_t = _ids(used)
+            leaf = cache.rows(used).requires_grad_(True)
+            kwargs[table.ids_input] = used_t
+            kwargs[table.rows_input] = leaf
+            leaves[name] = (used_t, leaf)
+        del self._fetches[x]
+        return kwargs, leaves
+
+    def _forward_backward(self, w: BatchWork, kwargs: dict) -> None:
+        """Step 2: forward and backward of the graph on this trainer's shard."""
+        for p in self.params:
+            p.grad = None
+        out = self.gm(*w.inputs, **kwargs)
+        loss = self.loss_fn(out, w.targets)
+        loss.backward()
+
+    def _row_grads(self, w: BatchWork, leaves: dict) -> dict:
+        """Each table's gradient of the rows used (zeros where none flowed); step 3: LOCAL
+        rows stepped at once."""
+        T, lr = self.cfg.trainers, self.cfg.lr
+        grads = {}
+        for name, (used_t, leaf) in leaves.items():
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grads[name] = g
+            loc = w.decisions[name].local[self.rank]
+            if loc:
+                self.caches[name].update(
+                    loc, flat_rows(_ids(loc), used_t, g, self.tables[name].dim) / T, lr)
+        return grads
+
+    def _all_reduce_dense(self) -> Optional[torch.Tensor]:
+        """Step 5's communication: the dense gradients summed over trainers, / T, flat (None
+        without dense parameters)."""
+        if not self.params:
+            return None
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+        dist.all_reduce(flat)
+        return flat / self.cfg.trainers
+
+    def _step_dense(self, dense: Optional[torch.Tensor]) -> None:
+        """Step 5's update: ``p.add_(g, alpha=-lr)`` with the flat averaged gradients."""
+        if dense is None:
+            return
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            with torch.no_grad():
+                p.add_(dense[off:off + n].view_as(p), alpha=-self.cfg.lr)
+            off += n
+
+    def _grad_segments(self, w: BatchWork, leaves: dict, grads: dict,
+                       ids_of: Callable[[TableDecision], Sequence[int]],
+                       parts: list, layout: list) -> int:
+        """Append to the buffer ``parts``/``layout`` the gradients of the rows ``ids_of`` each
+        table's decision names (zeros for rows this trainer did not use); the rows added."""
+        added = 0
+        for name, d in w.decisions.items():
+            ids = ids_of(d)
+            if ids:
+                flat = flat_rows(_ids(ids), leaves[name][0], grads[name], self.tables[name].dim)
+                _append_segment(parts, layout, name, "grad", list(ids), flat)
+                added += len(ids)
+        return added
+
+    def _promotion_segments(self, nxt: BatchWork, parts: list, layout: list) -> int:
+        """Append to the buffer the values of the ids promoted to shared for ``nxt`` (this
+        trainer's rows where it owns them, zeros elsewhere); the rows added."""
+        added = 0
+        for name, d in nxt.decisions.items():
+            if d.promote:
+                table = self.tables[name]
+                ids = [i for i, _ in d.promote]
+                mine = sorted(i for i, o in d.promote if o == self.rank)
+                vals = torch.zeros(len(ids), table.dim, dtype=table.torch_dtype)
+                if mine:
+                    vals = flat_rows(_ids(ids), _ids(mine), self.caches[name].rows(mine),
+                                     table.dim)
+                _append_segment(parts, layout, name, nxt.batch, ids, vals)
+                added += len(ids)
+        return added
+
+    def _critical_sync(self, x: int, w: BatchWork, leaves: dict, grads: dict,
+                       st: IterationStats) -> tuple[torch.Tensor, list]:
+        """Step 6: the critical all-reduce (shared rows ``x + 1`` uses, promotions for
+        ``x + 1``) in one flat buffer; the reduced buffer and its layout."""
+        parts: list = []
+        layout: list = []
+        st.rows_synced_critical += self._grad_segments(w, leaves, grads,
+                                                       lambda d: d.critical, parts, layout)
+        if x + 1 < self.cfg.stop:
+            st.rows_promoted += self._promotion_segments(self._get(x + 1), parts, layout)
+        dtype = parts[0].dtype if parts else torch.float64
+        buf = torch.cat(parts) if parts else torch.zeros(1, dtype=dtype)
+        dist.all_reduce(buf)
+        self._confirmed = x - 1
+        if parts:
+            nb = buf.numel() * buf.element_size()
+            st.bytes_synced += nb
+            st.bytes_critical += nb
+        return buf, layout
+
+    def _background_sync(self, x: int, w: BatchWork, leaves: dict, grads: dict,
+                         st: IterationStats) -> None:
+        """Step 7: the other shared rows of ``x`` all-reduced in the background; the
+        evictions of ``x`` written back now, or deferred until that sync is applied."""
+        parts: list = []
+        layout: list = []
+        st.rows_synced_background += self._grad_segments(w, leaves, grads,
+                                                         lambda d: d.background, parts, layout)
+        handle, buf = None, None
+        if parts:
+            buf = torch.cat(parts)
+            handle = dist.all_reduce(buf, async_op=True)
+            st.bytes_synced += buf.numel() * buf.element_size()
+        if any(d.deferred for d in w.decisions.values()):
+            self._deferred = (x, handle, buf, layout)
+            return
+        if handle is not None:  # the oracle never asks for this; stay correct anyway
+            handle.wait()
             self._apply(buf, layout)
-            # background sync of x
-            bparts, blayout, pos = [], [], 0
-            for name, d in w.decisions.items():
-                if d.background:
-                    bparts.append(flat_rows(_ids(d.background), leaves[name][0], grads[name],
-                                            self.tables[name].dim).reshape(-1))
-                    blayout.append((name, "grad", list(d.background), pos,
-                                    pos + bparts[-1].numel()))
-                    pos += bparts[-1].numel()
-                    st.rows_synced_background += len(d.background)
-            handle, bbuf = None, None
-            if bparts:
-                bbuf = torch.cat(bparts)
-                handle = dist.all_reduce(bbuf, async_op=True)
-                st.bytes_synced += bbuf.numel() * bbuf.element_size()
-            deferred = any(d.deferred for d in w.decisions.values())
-            if deferred:
-                self._deferred = (x, handle, bbuf, blayout)
-            else:
-                if handle is not None:  # the oracle never asks for this; stay correct anyway
-                    handle.wait()
-                    self._apply(bbuf, blayout)
-                for name, d in w.decisions.items():
-                    self._drop(name, d, st, critical=True)
-                self._work.pop(x, None)
-            self._prefetch_ahead(x + W - 1)
-            st.seconds = time.perf_counter() - t0
-            stats.append(st)
+        for name, d in w.decisions.items():
+            self._drop(name, d, st, critical=True)
+        self._work.pop(x, None)
+
+    def _finish(self, stats: list[IterationStats]) -> dict:
+        """After the last iteration: the deferred sync and write-backs completed (counted in
+        the last iteration's stats), every cache checked empty, a final barrier."""
+        cfg = self.cfg
         final = IterationStats(iteration=cfg.stop)
         self._finish_deferred(final)
         self._wait_writes()
@@ -413,3 +467,12 @@ class Trainer:
         if self.rank == 0:
             out["dense"] = {k: v.detach().clone() for k, v in self.gm.state_dict().items()}
         return out
+
+
+def _append_segment(parts: list, layout: list, name: str, kind: Any, ids: list,
+                    rows: torch.Tensor) -> None:
+    """Append ``rows`` flattened to a sync buffer's ``parts`` and its entry ``(name, kind,
+    ids, start, end)`` to ``layout`` (``kind``: "grad", or the batch a promotion is for)."""
+    start = layout[-1][4] if layout else 0
+    parts.append(rows.reshape(-1))
+    layout.append((name, kind, ids, start, start + parts[-1].numel()))

@@ -119,7 +119,7 @@ class Comm:
     @property
     def world(self) -> World:
         """Rank and size in the group ((0, 1) with no process group)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not _initialised():
             return World(0, 1)
         return World(dist.get_rank(self.group), dist.get_world_size(self.group))
 
@@ -195,6 +195,8 @@ class Comm:
 
 
 def _initialised() -> bool:
+    """Whether a process group is initialised (``tidal.runtime.distributed.group_size`` cannot
+    say: it is 1 both without a group and in a group of one, and ``Comm.world`` needs a rank)."""
     return dist.is_available() and dist.is_initialized()
 
 
