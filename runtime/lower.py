@@ -402,17 +402,18 @@ def _build_steps(gm: fx.GraphModule, cg: _Codegen, groups, time_us) -> list[_Ste
 
 
 def _signature(values: Sequence[Any]) -> tuple:
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append((v.shape, v.dtype, v.device))
-        else:
-            try:
-                hash(v)
-                out.append(v)
-            except TypeError:
-                out.append(type(v))
-    return tuple(out)
+    """The capture key of ``values``: (shape, dtype, device) of each tensor, each other value
+    itself (its type when it cannot be hashed)."""
+    return tuple([(v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) else
+                  _hashable(v) for v in values])
+
+
+def _hashable(v: Any) -> Any:
+    try:
+        hash(v)
+    except TypeError:
+        return type(v)
+    return v
 
 
 class LoweredModule(torch.nn.Module):
@@ -429,6 +430,9 @@ class LoweredModule(torch.nn.Module):
         self._steps = steps
         self._cg = cg
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._placeholder_vars = [cg.var(n) for n in self._placeholders]
+        self._step_pieces = [Piece(f"step{s.info.index}", COMPUTE, kind=s.piece_kind,
+                                   duration_us=s.info.predicted_us) for s in steps]
         self._output = next(n for n in gm.graph.nodes if n.op == "output")
         self._names = [n.target for n in self._placeholders]
         self._drivers: dict[tuple, Callable] = {}
@@ -564,12 +568,9 @@ class PieceRun:
 
     def __init__(self, lowered: LoweredModule, values: list[Any], calls: list[Callable]):
         self._lowered = lowered
-        cg = lowered._cg
-        self._env = {cg.var(n): v for n, v in zip(lowered._placeholders, values)}
-        self.pieces = [BoundPiece(Piece(f"step{s.info.index}", COMPUTE, kind=s.piece_kind,
-                                        duration_us=s.info.predicted_us),
-                                  self._runner(k, s, call))
-                       for k, (s, call) in enumerate(zip(lowered._steps, calls))]
+        self._env = dict(zip(lowered._placeholder_vars, values))
+        self.pieces = [BoundPiece(piece, self._runner(k, s, call)) for k, (piece, s, call)
+                       in enumerate(zip(lowered._step_pieces, lowered._steps, calls))]
 
     def _runner(self, k: int, step: _Step, call: Callable) -> Callable[[], None]:
         env, frees = self._env, self._lowered._free_after[k]

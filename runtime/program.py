@@ -15,13 +15,13 @@ all-reduce after the last segment (the baseline): the one data-parallel schedule
 ``tidal.ir.program``, which the simulator builds from per-layer costs. ``split_pieces`` (pure,
 ``tidal.ir.program``) bounds segment durations.
 
-:class:`ProgramRunner` runs a program as a foreground job of the scheduler
-(``tidal.runtime.scheduler.Runtime``) on a backend (``CpuBackend`` here: a FIFO worker thread
+:class:`ProgramRunner` runs a program alone, its pieces dispatched in program order straight
+onto a backend (``tidal.runtime.scheduling.alone``; ``CpuBackend`` here: a FIFO worker thread
 per stream, events between them): compute pieces on high-priority streams, comm and load pieces
 on streams that do not occupy the device. Each piece's launch carries its start and end time,
 so a run gives its trace (:func:`chrome_trace`: one row per stream). :class:`ProgramExecutor`
 is the one executor every plan runs through (``Compiled.step``); :class:`ProgramJob` is a
-training job to submit beside others.
+training job to submit beside others to the scheduler (``tidal.runtime.scheduler.Runtime``).
 
 Example:
     >>> import torch
@@ -56,13 +56,15 @@ from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
 # re-exported: the builders and the README name them here
 from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
-from tidal.runtime.backend import Backend, backend_for
+from tidal.runtime.backend import Backend, CudaBackend, backend_for
 from tidal.runtime.distributed import group_size
 from tidal.runtime.lower import lower
 from tidal.runtime.programs.optimizer_wiring import set_grads
 from tidal.runtime.programs.replica_sync import reduce_loss
-from tidal.runtime.scheduler import BoundPiece, FunctionJob, Runtime
+from tidal.runtime.scheduler import BoundPiece
+from tidal.runtime.scheduling.alone import Route, dispatch_alone, route
 from tidal.runtime.scheduling.pieces import STREAMS, stream_kind  # noqa: F401
+from tidal.runtime.scheduling.streams import StreamPool
 
 def state_inputs(step: TrainStep) -> int:
     """How many of the captured step's flat inputs are parameters and buffers (they come
@@ -164,8 +166,12 @@ class ProgramRunner:
                  group: Optional[dist.ProcessGroup] = None, device: Any = "cpu"):
         self.backend = backend if backend is not None else runner_backend(device)
         self.group = group
-        self.streams: dict = {}  # the scheduler's streams, kept from step to step
+        self.streams: dict = {}  # the foreground's streams, kept from step to step
+        self._pool = StreamPool(self.backend, priorities=True, pool=self.streams)
+        self._routes: dict[int, tuple[Program, Route]] = {}
         self._captures: dict[tuple[int, int], CapturedProgram] = {}
+        self._states: dict[tuple[int, int], StepTensors] = {}
+        self._grads: dict[int, tuple[TrainStep, tuple[fx.Node, list[fx.Node]]]] = {}
 
     def __enter__(self) -> "ProgramRunner":
         return self
@@ -179,31 +185,54 @@ class ProgramRunner:
         self.streams.clear()
 
     def launch(self, program: Program, work: Work) -> list[PieceTrace]:
-        """Run every piece of ``program`` (``work(index, piece)`` gives what it does) as the
-        foreground job of a :class:`~tidal.runtime.scheduler.Runtime` on this runner's
-        backend: each piece on its stream, after the pieces it depends on (events across
-        streams), launches paced as the scheduler paces them. Returns when all have ended,
-        one :class:`PieceTrace` per piece. A piece that raises makes this raise its error
-        (a note names the piece), once nothing runs any more."""
-        runtime = Runtime(backend=self.backend, stream_pool=self.streams)
-        handle = runtime.submit(FunctionJob("program", lambda i: program_pieces(program, work),
-                                            iterations=1), priority="high")
-        runtime.run()
-        records = sorted(runtime.trace, key=lambda r: r.index)
-        if handle.failure is not None:
-            failed = min((r for r in records if r.error), key=lambda r: r.end_us, default=None)
-            error = handle.failure
-            error.add_note(f"in piece {failed.piece if failed else '?'!r} of the program")
+        """Run every piece of ``program`` (``work(index, piece)`` gives what it does) alone on
+        this runner's backend, dispatched in program order
+        (``tidal.runtime.scheduling.alone``): each piece on its stream (:func:`stream_kind`:
+        compute high priority, communication and loads low), after the pieces it depends on
+        (events across streams). Returns when all have ended, one :class:`PieceTrace` per
+        piece. A piece that raises stops the program (no piece after it begins, none of its
+        dependents runs) and makes this raise its error (a note names the piece), once nothing
+        runs any more. Jobs that run beside others go through the scheduler
+        (:class:`ProgramJob`)."""
+        pieces = program.pieces
+        if not pieces:
+            raise ValueError("the program has no pieces")
+        fns = []
+        for i, p in enumerate(pieces):
+            try:
+                fns.append(work(i, p))
+            except Exception as e:
+                e.add_note(f"binding piece {p.name!r} of the program")
+                raise
+        launches = dispatch_alone(self.backend, self._pool, pieces, fns, self._route(program),
+                                  inline_host=isinstance(self.backend, CudaBackend))
+        failed = [(l.end_us, i) for i, l in enumerate(launches) if l.error is not None]
+        if failed:
+            index = min(failed)[1]
+            error = launches[index].error
+            error.add_note(f"in piece {pieces[index].name!r} of the program")
             raise error
-        return [PieceTrace(r.piece, r.stream, r.start_us, r.end_us) for r in records]
+        return [PieceTrace(p.name, p.stream, l.start_us, l.end_us)
+                for p, l in zip(pieces, launches)]
+
+    def _route(self, program: Program) -> Route:
+        """The dispatch route of ``program`` (kept for the latest few programs)."""
+        key = id(program)
+        kept = self._routes.get(key)
+        if kept is None or kept[0] is not program:
+            if len(self._routes) >= 8:
+                self._routes.pop(next(iter(self._routes)))
+            kept = self._routes[key] = (program, route(program.pieces))
+        return kept[1]
 
     def __call__(self, program: Program, step: TrainStep, model: torch.nn.Module,
                  inputs: Any, targets: Any, optimizer: Optional[torch.optim.Optimizer] = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[PieceTrace]]:
-        params = dict(model.named_parameters())
-        flat = step_inputs(step, model, inputs, targets)
+        state = self._state(model, step)
+        params = state.params
+        flat = step_inputs(step, state, inputs, targets)
         run = self._captured(program, step, flat).run(flat)
-        loss_node, grad_list = grad_nodes(step)
+        loss_node, grad_list = self._grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
         world = group_size(self.group)
 
@@ -239,6 +268,22 @@ class ProgramRunner:
         grads = {name: averaged[i] for i, name in enumerate(step.param_names)}
         return loss, grads, trace
 
+    def _state(self, model: torch.nn.Module, step: TrainStep) -> "StepTensors":
+        """``model``'s tensors that ``step`` reads, found by name on the model's first step
+        and kept while they are still the model's (:meth:`StepTensors.current`)."""
+        key = (id(model), id(step))
+        state = self._states.get(key)
+        if state is None or state.model is not model or not state.current():
+            state = self._states[key] = StepTensors.find(model, step)
+        return state
+
+    def _grad_nodes(self, step: TrainStep) -> tuple[fx.Node, list[fx.Node]]:
+        """``grad_nodes(step)``, found once per step."""
+        kept = self._grads.get(id(step))
+        if kept is None or kept[0] is not step:
+            kept = self._grads[id(step)] = (step, grad_nodes(step))
+        return kept[1]
+
     def _captured(self, program: Program, step: TrainStep, flat: Sequence[Any]
                   ) -> "CapturedProgram":
         key = (id(program), id(step))
@@ -246,6 +291,75 @@ class ProgramRunner:
             self._captures[key] = CapturedProgram.build(program, step.gm, flat, self.backend,
                                                         state=state_inputs(step))
         return self._captures[key]
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The parameters and buffers of ``model`` that a captured step reads, by name (what
+    ``named_parameters``/``named_buffers`` give for the step's names, so it stands in for the
+    model in ``tidal.ir.capture.step_inputs``), and how each is reached from the model:
+    ``links`` (parent module, child name, child) and ``leaves`` (a module's parameter or
+    buffer table, name, tensor). :meth:`current` checks them by identity, far cheaper than a
+    walk of the model's modules; ``links=None``: not checkable (found again at every step).
+
+    Example:
+        >>> from tidal.ir.capture import capture_train_step
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+        >>> x, y = torch.randn(2, 4), torch.randint(0, 3, (2,))
+        >>> step = capture_train_step(model, (x,), y, torch.nn.functional.cross_entropy)
+        >>> state = StepTensors.find(model, step)
+        >>> sorted(state.params), state.current()
+        (['0.bias', '0.weight'], True)
+        >>> model[0].bias = torch.nn.Parameter(torch.zeros(3))  # a new parameter object
+        >>> state.current()
+        False
+    """
+
+    model: torch.nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    links: Optional[tuple[tuple[torch.nn.Module, str, torch.nn.Module], ...]]
+    leaves: tuple[tuple[dict, str, torch.Tensor], ...] = ()
+
+    @classmethod
+    def find(cls, model: torch.nn.Module, step: TrainStep) -> "StepTensors":
+        """The tensors of ``step``'s ``param_names`` and ``buffer_names`` in ``model``."""
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        params = {k: params[k] for k in step.param_names}
+        buffers = {k: buffers[k] for k in step.buffer_names}
+        links: dict[tuple[int, str], tuple] = {}
+        leaves = []
+        try:
+            for table, named in (("_parameters", params), ("_buffers", buffers)):
+                for name, tensor in named.items():
+                    *path, attr = name.split(".")
+                    owner = model
+                    for part in path:
+                        child = owner._modules[part]
+                        links[(id(owner), part)] = (owner, part, child)
+                        owner = child
+                    if getattr(owner, table).get(attr) is not tensor:
+                        raise KeyError(name)
+                    leaves.append((getattr(owner, table), attr, tensor))
+        except (KeyError, AttributeError):  # reached some other way: not checkable
+            return cls(model, params, buffers, None)
+        return cls(model, params, buffers, tuple(links.values()), tuple(leaves))
+
+    def current(self) -> bool:
+        """Whether every tensor is still reached from the model as when it was found (no
+        module or tensor on the way replaced or removed)."""
+        if self.links is None:
+            return False
+        return all(parent._modules.get(name) is child for parent, name, child in self.links) \
+            and all(table.get(name) is tensor for table, name, tensor in self.leaves)
+
+    def named_parameters(self) -> Any:
+        """(name, parameter) of the step's parameters."""
+        return self.params.items()
+
+    def named_buffers(self) -> Any:
+        """(name, buffer) of the step's buffers."""
+        return self.buffers.items()
 
 
 @dataclass(frozen=True)

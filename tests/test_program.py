@@ -235,3 +235,54 @@ def test_segments_are_captured_and_an_input_write_runs_uncaptured_once():
     torch.nn.functional.cross_entropy(eager(x), y).backward()
     for name, param in eager.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_piece_stops_the_program_and_is_named():
+    """A program run alone stops at a failing piece: none of its dependents runs, nothing is
+    launched after it, and its error is raised with a note naming it."""
+    from tidal.ir.program import Piece, Program
+
+    ran = []
+
+    def work(index, piece):
+        def run():
+            ran.append(piece.name)
+            if piece.name == "all_reduce 0":
+                raise RuntimeError("peer gone")
+        return run
+
+    p = Program((Piece("segment 0", COMPUTE), Piece("all_reduce 0", COMM, (0,)),
+                 Piece("optimizer", COMPUTE, (1,)), Piece("segment 1", COMPUTE, (2,))))
+    with ProgramRunner() as run:
+        with pytest.raises(RuntimeError, match="peer gone") as info:
+            run.launch(p, work)
+        assert ran == ["segment 0", "all_reduce 0"]
+        assert info.value.__notes__ == ["in piece 'all_reduce 0' of the program"]
+        ran.clear()
+        trace = run.launch(p, lambda i, piece: lambda: ran.append(piece.name))
+    assert ran == [q.name for q in p.pieces]  # the runner still runs the next program
+    assert [(t.name, t.stream) for t in trace] == [(q.name, q.stream) for q in p.pieces]
+    assert all(t.start_us <= t.end_us for t in trace)
+
+
+def test_a_replaced_parameter_is_found_again():
+    """The runner keeps the model's step tensors from step to step, and finds them again
+    when a parameter object is replaced (the gradient goes to the new one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    step = capture_train_step(model, (x,), y, F.cross_entropy)
+    p = data_parallel(step, world=1)
+    with ProgramRunner() as run:
+        run(p, step, model, (x,), y)
+        old = model[2].weight
+        model[2].weight = torch.nn.Parameter(old.detach() * 2)
+        _, grads, _ = run(p, step, model, (x,), y)
+    eager = copy.deepcopy(model)
+    for q in eager.parameters():
+        q.grad = None
+    F.cross_entropy(eager(x), y).backward()
+    assert model[2].weight.grad is not None and model[2].weight is not old
+    torch.testing.assert_close(grads["2.weight"], eager[2].weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model[2].weight.grad, eager[2].weight.grad, rtol=1e-5,
+                               atol=1e-6)

@@ -30,14 +30,15 @@ from tidal.runtime.backend import used_here
 
 def set_grads(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
               copy: bool = False) -> None:
-    """``params[name].grad = grads[name]`` (reshaped to the parameter's shape; a copy with
-    ``copy``: a value the next step overwrites, a CUDA graph's static output), for each name
-    of ``grads``. The gradients may have been made on another stream: they are marked used on
+    """``params[name].grad = grads[name]`` (reshaped to the parameter's shape where it
+    differs; a copy with ``copy``: a value the next step overwrites, a CUDA graph's static
+    output), for each name of ``grads``. The gradients may have been made on another stream: they are marked used on
     this one first."""
     used_here(*grads.values())
     for name, g in grads.items():
         p = params[name]
-        g = g.reshape(p.shape)
+        if g.shape != p.shape:
+            g = g.reshape(p.shape)
         p.grad = g.clone() if copy else g
 
 

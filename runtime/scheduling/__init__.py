@@ -6,4 +6,6 @@ submitted job's queues), ``records`` (statistics and the trace), ``streams`` (th
 streams of job roles), ``queues`` (building iterations and picking the next piece),
 ``timing`` (isolated durations and the slowdown feedback), ``idle`` (fitting background
 pieces into the foreground's idle spans), ``gate`` (when a background piece may go: compute
-share, feedback, idle spans) and ``runtime`` (the dispatch loop)."""
+share, feedback, idle spans) and ``runtime`` (the dispatch loop). ``alone`` dispatches one
+program that runs alone (``ProgramRunner.launch``) straight onto the backend, without the
+scheduler's queues."""

@@ -209,10 +209,13 @@ class Runtime:
     def _collect(self) -> None:
         done = [(q.launch.end_us, q.seq, h, q) for h in self.handles for q in h.outstanding
                 if q.launch.done()]
+        ended = {}  # the jobs an iteration of which ended
         for _, _, h, q in sorted(done, key=lambda d: d[:2]):
             h.outstanding.remove(q)
             self._finish(h, q)
-        for h in {id(h): h for _, _, h, _ in done}.values():
+            if q.last:
+                ended[id(h)] = h
+        for h in ended.values():
             h.forget_finished()
 
     def _finish(self, h: JobHandle, q: Queued) -> None:
