@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from tidal.compiler.cli_args import positive_int
 from tidal.ir import perf_model
 from tidal.ir.cluster import Cluster
-from tidal.ir.param_owners import trainable
 if TYPE_CHECKING:  # imported where used: ``tidal whatif --help`` must not import torch
     from tidal.runtime.comm.compressors import Compressor
 
@@ -123,6 +122,7 @@ def model_stats(name: str) -> ModelStats:
 
     from tidal.ir.capture import trace
     from tidal.ir import cost
+    from tidal.ir.param_owners import trainable
 
     with torch.device("meta"):
         model = model_factory(name)()
