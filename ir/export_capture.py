@@ -23,6 +23,11 @@ tidal's passes read from fx-traced graphs:
 A forward that takes ``use_cache`` and is not given it is captured with ``use_cache=False``
 (no key/value cache in the outputs of a training capture); the graph's trace notes say so.
 
+Inside ``with reusing_exports(cache):`` a capture of a model that exports alike an earlier one
+(``export_key``: the same module tree, attributes and config, parameter shapes and dtypes,
+input signature, leaves and global modes; e.g. a fresh copy of the same architecture) rebuilds
+its graph from the export ``cache`` kept, on its own parameters, instead of exporting again.
+
 Example:
     >>> import torch
     >>> from tidal.ir.export_capture import export_trace
@@ -43,10 +48,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
+import enum
+import functools
+import hashlib
 import inspect
 import operator
 import os
 import traceback
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
@@ -372,6 +384,16 @@ def _is_size(n: fx.Node) -> bool:
     return schema is None or not schema.is_mutable
 
 
+def _own(obj: Any) -> Any:
+    """A copy of a tensor or graph module of the export, for the rebuilt graph to hold: graphs
+    rebuilt from one export (:class:`ExportCache`) share nothing a pass could change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, fx.GraphModule):
+        return copy.deepcopy(obj)
+    return obj
+
+
 class _Rebuilder:
     """Builds the tidal graph from an ``ExportedProgram`` of ``model``."""
 
@@ -388,14 +410,14 @@ class _Rebuilder:
 
     def attr(self, target: str) -> fx.Node:
         """A ``get_attr`` node reading ``target`` (the model's own object by qualified name,
-        else the export's lifted constant or subgraph)."""
+        else a copy of the export's lifted constant or subgraph)."""
         if target not in self.attrs:
             try:
                 self.attrs[target] = _resolve(self.model, target)
             except AttributeError:
                 consts = getattr(self.ep, "constants", {})
-                self.attrs[target] = consts[target] if target in consts else \
-                    _resolve(self.ep.graph_module, target)
+                self.attrs[target] = _own(consts[target] if target in consts else
+                                          _resolve(self.ep.graph_module, target))
         return self.graph.get_attr(target)
 
     def value(self, name: str) -> Any:
@@ -444,7 +466,7 @@ class _Rebuilder:
 
     def copy(self, n: fx.Node, arg: Callable[[fx.Node], Any]) -> fx.Node:
         new = self.graph.node_copy(n, arg)
-        new.meta = {k: n.meta[k] for k in _KEPT_META if k in n.meta}
+        new.meta = {k: copy.copy(n.meta[k]) for k in _KEPT_META if k in n.meta}
         return new
 
     def inline_no_grad(self, n: fx.Node, home: torch.nn.Module, env: dict) -> tuple:
@@ -476,7 +498,7 @@ class _Rebuilder:
     def unique(self, obj: Any) -> str:
         """A fresh attribute name of the graph module for ``obj``."""
         name = f"_export_region_{len(self.attrs)}"
-        self.attrs[name] = obj
+        self.attrs[name] = _own(obj)
         return name
 
     def placeholder(self, n: fx.Node, spec: Any, names: Iterable[str]) -> None:
@@ -556,6 +578,225 @@ class _Rebuilder:
         self.graph.output(_structure(self.ep.call_spec.out_spec, user))
 
 
+# --- reusing an export ------------------------------------------------------------------------
+
+class _Unkeyable(Exception):
+    """A value the reuse key cannot describe exactly (the export is then not reused)."""
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis), type,
+            enum.Enum, torch.dtype, torch.device, torch.layout, torch.memory_format)
+"""Values that stand for themselves in a key (compared by value, or by identity for types)."""
+
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
+         types.WrapperDescriptorType)
+"""Code objects, compared by identity (a patched or re-created function is another one)."""
+
+_CONTAINERS_OF_VALUES = (list, tuple, dict, set, frozenset)
+
+
+class _Describer:
+    """Hashable descriptions of everything a non-strict export of ``model`` reads: modules by
+    their first qualified name, parameters and buffers by name and metadata (the export runs
+    on fake copies of them), any other tensor by metadata and value (read for real)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = {id(m): path for path, m in model.named_modules()}
+        self.state: dict[int, str] = {}
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            self.state.setdefault(id(t), name)
+        self.memo: dict[int, Any] = {}
+        self.active: set[int] = set()
+
+    def model(self, model: torch.nn.Module) -> tuple:
+        """Each module under each of its names: its class, its class's ``forward`` and all
+        its attributes (``training``, configs, hooks, parameters and buffers, children)."""
+        return tuple((path, type(m), getattr(type(m), "forward", None), self.value(vars(m)))
+                     for path, m in model.named_modules(remove_duplicate=False))
+
+    def tensor(self, t: torch.Tensor) -> tuple:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            raise _Unkeyable(f"a {type(t).__name__} of layout {t.layout}")
+        shape = (type(t), tuple(t.shape), t.dtype, t.device, t.requires_grad, t.stride(),
+                 t.storage_offset())
+        if id(t) in self.state:
+            return ("state", self.state[id(t)]) + shape
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
+            if t.device.type != "meta" else b""
+        return ("tensor", hashlib.sha256(data).hexdigest()) + shape
+
+    def value(self, v: Any) -> Any:
+        """``v`` as a hashable description; ``_Unkeyable`` for what cannot be described."""
+        if isinstance(v, _SCALARS):
+            return (type(v), v)
+        if isinstance(v, _CODE):
+            return ("code", v)
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v)
+        if isinstance(v, torch.nn.Module):
+            if id(v) not in self.modules:
+                raise _Unkeyable(f"a {type(v).__name__} outside the model")
+            return ("module", self.modules[id(v)])
+        if id(v) in self.memo:
+            return self.memo[id(v)][1]
+        if id(v) in self.active:
+            raise _Unkeyable(f"a {type(v).__name__} that holds itself")
+        self.active.add(id(v))
+        try:
+            out = (type(v), self.composite(v))
+        finally:
+            self.active.discard(id(v))
+        self.memo[id(v)] = (v, out)     # v kept alive: its id is not reused meanwhile
+        return out
+
+    def composite(self, v: Any) -> Any:
+        if isinstance(v, dict):
+            items = tuple((self.value(k), self.value(x)) for k, x in v.items())
+        elif isinstance(v, (set, frozenset)):
+            items = frozenset(self.value(x) for x in v)
+        elif isinstance(v, (list, tuple)):
+            items = tuple(self.value(x) for x in v)
+        elif isinstance(v, types.MethodType):
+            return self.value(v.__func__), self.value(v.__self__)
+        elif isinstance(v, weakref.ref):     # nn.LSTM's _flat_weight_refs
+            return self.value(v())
+        elif isinstance(v, functools.partial):
+            return self.value(v.func), self.value(v.args), self.value(v.keywords)
+        elif not hasattr(v, "__dict__") or \
+                any("__slots__" in vars(c) for c in type(v).__mro__[:-1]):
+            raise _Unkeyable(f"a {type(v).__name__} (no plain attributes to compare)")
+        else:
+            return self.value(vars(v))
+        extra = vars(v) if isinstance(v, _CONTAINERS_OF_VALUES) and hasattr(v, "__dict__") \
+            else {}
+        return items, self.value(extra) if extra else ()
+
+
+def _torch_modes() -> tuple:
+    """The global modes an export records: grad and inference mode, the default dtype,
+    autocast per device type, deterministic algorithms."""
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                     for d in ("cpu", "cuda"))
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.get_default_dtype(), autocast, torch.are_deterministic_algorithms_enabled())
+
+
+def _key(model: torch.nn.Module, inputs: _Inputs, leaves: Sequence[str]) -> Optional[tuple]:
+    """What an export of ``model`` on ``inputs`` depends on (None: something in it cannot be
+    described exactly, so the export is not reused). Input tensors by metadata and aliasing:
+    the export sees only fake copies of them."""
+    describe = _Describer(model)
+    first: dict[int, int] = {}
+
+    def arg(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("input", first.setdefault(id(v), len(first))) + describe.tensor(v)[2:]
+        return describe.value(v)
+
+    try:
+        return (describe.model(model), tuple(arg(v) for v in inputs.args),
+                tuple((k, arg(v)) for k, v in inputs.kwargs.items()), inputs.names,
+                tuple(sorted(inputs.added)), tuple(leaves), _torch_modes())
+    except Exception:  # noqa: BLE001 - _Unkeyable, or a tensor whose bytes cannot be read:
+        return None    # such a model is exported every time
+
+
+def export_key(model: torch.nn.Module,
+               example_inputs: Union[Sequence[Any], Mapping[str, Any]],
+               leaf_modules: Iterable[LeafSpec] = ()) -> Optional[tuple]:
+    """The key under which :class:`ExportCache` keeps the export of ``model`` on
+    ``example_inputs``: the module tree (every module's class, its ``forward``, its
+    attributes: ``training``, configs, hooks), the parameters' and buffers' names, aliasing,
+    shapes, dtypes and ``requires_grad``, the values of any other tensor the model holds, the
+    inputs' names, shapes, strides and dtypes (not their values: the export runs on fake
+    copies), the leaf modules and torch's global modes. ``None`` where something cannot be
+    described exactly (such a model is exported every time).
+
+    >>> a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    >>> x = torch.randn(3, 4)
+    >>> export_key(a, (x,)) == export_key(b, (x,))       # other values, the same export
+    True
+    >>> export_key(a, (x,)) == export_key(a.eval(), (x,))            # training differs
+    False
+    >>> export_key(a, (x,)) == export_key(a, (x.double(),))           # so does the dtype
+    False
+    """
+    return _key(model, _export_inputs(model, example_inputs), leaf_paths(model, leaf_modules))
+
+
+class ExportCache:
+    """Exports kept by :func:`export_key`, for :func:`reusing_exports`: a capture of a model
+    that exports alike (a fresh copy of the same architecture and config, on inputs of the same
+    shapes) rebuilds the graph from the stored ``ExportedProgram`` on its own model (a rebuild
+    reads the export and copies what the graph keeps of it, so the stored one never changes).
+    ``hits`` and ``misses`` count the captures that reused or stored one. The stored exports
+    hold the parameters of the models they were made from (never read again).
+
+    What the key cannot see must not change while a cache is in use: the code of the model's
+    classes and of the functions they call (a replaced ``forward`` of a class is seen), class
+    attributes, global registries (transformers' attention functions, torch's global module
+    hooks) and global flags other than grad and inference mode, the default dtype, autocast
+    and deterministic algorithms.
+    """
+
+    def __init__(self) -> None:
+        self.programs: dict[tuple, Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> Any:
+        """The export stored under ``key`` (counted a hit), or None."""
+        ep = self.programs.get(key)
+        self.hits += ep is not None
+        return ep
+
+    def put(self, key: tuple, ep: Any) -> None:
+        """Keep ``ep`` under ``key`` (counted a miss: an export was made)."""
+        self.programs[key] = ep
+        self.misses += 1
+
+
+_REUSE: contextvars.ContextVar = contextvars.ContextVar("tidal_export_reuse",
+                                                       default=(None, False))
+"""``(cache, reuse)`` of the innermost :func:`reusing_exports` (``(None, False)``: outside)."""
+
+
+@contextlib.contextmanager
+def reusing_exports(cache: Optional[ExportCache] = None, reuse: bool = True):
+    """Within the block, :func:`export_trace` (and so ``tidal.compile`` of a model captured
+    through ``torch.export``) reuses the exports kept in ``cache`` (a new one if not given) for
+    models that export alike (:func:`export_key`), and keeps there those it makes. With
+    ``reuse=False`` every capture exports (and keeps its export, for later blocks to reuse).
+    Yields the cache.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())
+    >>> x = torch.randn(3, 4)
+    >>> with reusing_exports() as cache:
+    ...     first = export_trace(model, (x,))
+    ...     again = export_trace(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU()), (x,))
+    >>> cache.misses, cache.hits
+    (1, 1)
+    """
+    cache = ExportCache() if cache is None else cache
+    token = _REUSE.set((cache, reuse))
+    try:
+        yield cache
+    finally:
+        _REUSE.reset(token)
+
+
+def _export(model: torch.nn.Module, inputs: _Inputs, leaves: Sequence[str]) -> Any:
+    """The ``ExportedProgram`` of ``model`` on ``inputs``, its ``leaves`` calls preserved;
+    ``TraceError`` naming the module and source line when the export fails."""
+    args, kwargs, dynamic = inputs.batched()
+    try:
+        with inputs.named_forward(model):
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic or None,
+                                       strict=False, preserve_module_call_signature=leaves)
+    except Exception as e:  # noqa: BLE001 - reported with the module and line at fault
+        raise export_error(model, e) from e
+
+
 def export_trace(model: torch.nn.Module,
                  example_inputs: Union[Sequence[Any], Mapping[str, Any]],
                  leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphModule:
@@ -565,13 +806,13 @@ def export_trace(model: torch.nn.Module,
     the export fails."""
     inputs = _export_inputs(model, example_inputs)
     leaves = leaf_paths(model, leaf_modules)
-    args, kwargs, dynamic = inputs.batched()
-    try:
-        with inputs.named_forward(model):
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic or None,
-                                     strict=False, preserve_module_call_signature=leaves)
-    except Exception as e:  # noqa: BLE001 - reported with the module and line at fault
-        raise export_error(model, e) from e
+    cache, reuse = _REUSE.get()
+    key = _key(model, inputs, leaves) if cache is not None else None
+    ep = cache.get(key) if key is not None and reuse else None
+    if ep is None:
+        ep = _export(model, inputs, leaves)
+        if key is not None:
+            cache.put(key, ep)
     gm = _Rebuilder(model, ep, leaves, inputs).build()
     meta.set_trace_notes(gm, (f"traced with {NAME}",) + inputs.notes)
     return gm

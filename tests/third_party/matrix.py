@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import tidal
+from tidal.ir.export_capture import ExportCache, reusing_exports
 from tidal.passes.burst_parallel import BurstParallel
 from tidal.passes.clustered_attention import ClusteredAttention
 from tidal.passes.compression import CompressionPass
@@ -181,13 +182,15 @@ def proxies_left(model: torch.nn.Module) -> list:
             for attr, v in vars(m).items() if isinstance(v, torch.fx.Proxy)]
 
 
-def check_recompile(model_name: str) -> Any:
+def check_recompile(model_name: str, exports: Optional[ExportCache] = None) -> Any:
     """Compiling leaves the model as it was: no fx Proxy stored on a module, and a second
-    ``tidal.compile`` of the same model works and equals eager."""
+    ``tidal.compile`` of the same model works and equals eager. Both compiles export the model
+    (nothing reused); the first one's export is kept in ``exports`` for other cells."""
     case = BUILDERS[model_name]()
     with torch.no_grad():
         want = case.call()
-    _compile(case, [])
+    with reusing_exports(exports or ExportCache(), reuse=False):
+        _compile(case, [])
     left = proxies_left(case.model)
     assert not left, f"{model_name}: tracing left fx Proxies on the model: {left}"
     c = _compile(case, [])
@@ -254,31 +257,34 @@ def run_ranks(rank: int, world: int, model_name: str) -> dict:
     per cell either ``("error", type name, message)`` or ``("ok", max |loss error|, max
     |parameter error| against one eager step on the global batch, the flat parameters)``.
     Under ``burst_parallel`` (owner-only state) the parameters are the rank's own copies of
-    those it owns and its owners' mean for the others (:func:`_owners_view`)."""
-    out = {}
-    for kind in MULTI_RANK:
-        case = BUILDERS[model_name]()
-        want_loss, ref = eager_step(case)
-        try:
+    those it owns and its owners' mean for the others (:func:`_owners_view`). The model is
+    exported once, by its first cell; the others rebuild that export on their fresh model."""
+    exports = ExportCache()
+    return {kind: _rank_cell_result(model_name, kind, world, exports) for kind in MULTI_RANK}
+
+
+def _rank_cell_result(model_name: str, kind: str, world: int, exports: ExportCache) -> tuple:
+    """One cell of :func:`run_ranks` on a fresh model (its capture reusing ``exports``)."""
+    case = BUILDERS[model_name]()
+    want_loss, ref = eager_step(case)
+    try:
+        with reusing_exports(exports):
             c = _compile(case, **_rank_cell(case, kind, world))
-            loss = torch.as_tensor(c.step(case.inputs, case.targets)).detach()
-        except Exception as e:  # recorded, compared with EXPECTED by the test
-            out[kind] = ("error", type(e).__name__, str(e)[:2000])
-            if kind == "burst_parallel":
-                _all_ok(False)
-            continue
-        named = [(n, p.detach()) for n, p in case.model.named_parameters()]
+        loss = torch.as_tensor(c.step(case.inputs, case.targets)).detach()
+    except Exception as e:  # recorded, compared with EXPECTED by the test
         if kind == "burst_parallel":
-            if not _all_ok(True):  # another rank failed: nothing to gather
-                out[kind] = ("error", "RuntimeError", "burst_parallel failed on another rank")
-                continue
-            named = _owners_view(c, case.model)
-        w = dict(ref.named_parameters())
-        perr = float(torch.stack([(p - w[n].detach()).abs().max() /
-                                  (1.0 + w[n].detach().abs().max()) for n, p in named]).max())
-        flat = torch.cat([p.reshape(-1) for _, p in named])
-        out[kind] = ("ok", float((loss - want_loss).abs()), perr, flat.numpy().copy())
-    return out
+            _all_ok(False)
+        return ("error", type(e).__name__, str(e)[:2000])
+    named = [(n, p.detach()) for n, p in case.model.named_parameters()]
+    if kind == "burst_parallel":
+        if not _all_ok(True):  # another rank failed: nothing to gather
+            return ("error", "RuntimeError", "burst_parallel failed on another rank")
+        named = _owners_view(c, case.model)
+    w = dict(ref.named_parameters())
+    perr = float(torch.stack([(p - w[n].detach()).abs().max() /
+                              (1.0 + w[n].detach().abs().max()) for n, p in named]).max())
+    flat = torch.cat([p.reshape(-1) for _, p in named])
+    return ("ok", float((loss - want_loss).abs()), perr, flat.numpy().copy())
 
 
 def run_models(rank: int, world: int, model_names: list) -> dict:

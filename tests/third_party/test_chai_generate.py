@@ -5,11 +5,13 @@ representatives read.
 Reference semantics: with one head per cluster, Hugging Face's own ``generate``; with fewer, the
 compiled graph (``clustered_attention``) run on the generated sequence (teacher forcing), and
 tidal's side decoder ``ChaiDecoder`` for Llama. Tolerances: logits within 1e-4 (float32, kernels
-of different shapes)."""
+of different shapes). A model is exported once per config and input shape for the whole module
+(``reusing_exports``): each test rebuilds the graph on its own fresh model."""
 import pytest
 import torch
 
 import tidal
+from tidal.ir.export_capture import ExportCache, reusing_exports
 from tidal.passes.clustered_attention import ClusteredAttention
 from tidal.runtime.chai.decode import ChaiDecoder
 
@@ -27,6 +29,17 @@ NEWER = {"olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
              head_dim=8, sliding_window=6, query_pre_attn_scalar=8))}
 """Decoders with q/k norms (OLMo 2 over the projection, the others per head); Qwen3, Qwen3-MoE
 and Gemma 3 exist only in transformers 5."""
+
+
+@pytest.fixture(scope="module")
+def exports():
+    return ExportCache()
+
+
+@pytest.fixture(autouse=True)
+def _reusing(exports):
+    with reusing_exports(exports):
+        yield
 
 
 def _decoder(name: str, impl: str = "sdpa"):
@@ -235,7 +248,8 @@ def test_the_model_is_left_as_it_was():
     model = _decoder("llama")
     ids = _ids(1, 9)
     before = _gen(model, ids, do_sample=False)
-    compiled = _compiled(model, ids, 2)
+    with reusing_exports(reuse=False):   # exported here: what the export leaves is under test
+        compiled = _compiled(model, ids, 2)
     clustered = _gen(compiled, ids, do_sample=False)
     assert "forward" not in vars(model.model.layers[0].self_attn)
     after = _gen(model, ids, do_sample=False)

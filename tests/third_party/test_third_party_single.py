@@ -8,6 +8,8 @@ import importlib.util
 
 import pytest
 
+from tidal.ir.export_capture import ExportCache, reusing_exports
+
 from .matrix import EQUAL, PASSES, Bug, Refuse, check_recompile, check_single, expected
 from .models import BUILDERS
 
@@ -37,11 +39,21 @@ def _check(fn, model_name, pass_name):
         fn()
 
 
-@pytest.mark.parametrize("model_name,pass_name", _params(PASSES))
-def test_single_process(model_name, pass_name):
-    _check(lambda: check_single(model_name, pass_name), model_name, pass_name)
+@pytest.fixture(scope="module")
+def exports():
+    """The exports of this module's tests: each model is exported by its recompile check
+    (which runs first, and exports every time) and the cells rebuild that export on their own
+    fresh model (``tidal.ir.export_capture.reusing_exports``: its key sees the whole module
+    tree, the config and the input signature)."""
+    return ExportCache()
 
 
 @pytest.mark.parametrize("model_name,pass_name", _params(["recompile"]))
-def test_compiling_leaves_the_model_as_it_was(model_name, pass_name):
-    _check(lambda: check_recompile(model_name), model_name, pass_name)
+def test_compiling_leaves_the_model_as_it_was(model_name, pass_name, exports):
+    _check(lambda: check_recompile(model_name, exports), model_name, pass_name)
+
+
+@pytest.mark.parametrize("model_name,pass_name", _params(PASSES))
+def test_single_process(model_name, pass_name, exports):
+    with reusing_exports(exports):
+        _check(lambda: check_single(model_name, pass_name), model_name, pass_name)
