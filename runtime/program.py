@@ -234,6 +234,7 @@ class ProgramRunner:
         run = self._captured(program, step, flat).run(flat)
         loss_node, grad_list = self._grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
+        pending: list = []
         world = group_size(self.group)
 
         def all_reduce(indices: Sequence[int]) -> None:
@@ -242,14 +243,21 @@ class ProgramRunner:
                 averaged.update(zip(indices, grads))
                 return
             buf = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(buf, group=self.group)
-            buf /= world
-            offset = 0
-            for i, g in zip(indices, grads):
-                averaged[i] = buf[offset:offset + g.numel()].view_as(g)
-                offset += g.numel()
+            pending.append((dist.all_reduce(buf, group=self.group, async_op=True), buf,
+                            indices, grads))
+
+        def average() -> None:
+            for work, buf, indices, grads in pending:
+                work.wait()
+                buf /= world
+                offset = 0
+                for i, g in zip(indices, grads):
+                    averaged[i] = buf[offset:offset + g.numel()].view_as(g)
+                    offset += g.numel()
+            pending.clear()
 
         def apply() -> None:
+            average()
             named = {name: averaged[i] for i, name in enumerate(step.param_names)}
             # a replay reuses a CUDA graph's outputs: in one process they are copied
             set_grads(params, named, copy=world == 1 and any(g.is_cuda for g in named.values()))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, ddp_buckets
-from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression, synchronize
+from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression, synchronize_async
 
 
 class GradSync:
@@ -83,8 +83,21 @@ class GradSync:
         Every compressor works per tensor (its state and seeds are keyed by name), so how the
         names are grouped into buckets changes how messages are packed, never the result.
         Collective: every rank of the group calls it with the same names in the same order."""
-        out = synchronize(self.compressor, grads, self.comm)
-        return {n: out[n].to(g.dtype) for n, g in grads.items()}
+        return self.bucket_async(grads)()
+
+    def bucket_async(self, grads: Mapping[str, torch.Tensor]
+                     ) -> Callable[[], dict[str, torch.Tensor]]:
+        """:meth:`bucket` without waiting (``synchronize_async``: the collectives are issued,
+        as DDP issues a bucket's all-reduce, and the caller goes on): returns the function
+        that waits for the bucket and gives its synchronized gradients (it raises what the
+        sync raised). ``grads`` must stay untouched until then."""
+        dtypes = {n: g.dtype for n, g in grads.items()}
+        future = synchronize_async(self.compressor, grads, self.comm)
+
+        def result() -> dict[str, torch.Tensor]:
+            out = future.wait()
+            return {n: out[n].to(dtype) for n, dtype in dtypes.items()}
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's checkpoint state."""

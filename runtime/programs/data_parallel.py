@@ -273,6 +273,7 @@ class _Step:
         self._names = tuple(names)
         self._first = owner.steps == 0
         self._synced: dict[str, torch.Tensor] = {}
+        self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
         if piece.name == BROADCAST:
@@ -296,10 +297,18 @@ class _Step:
         raise NotImplementedError
 
     def _sync(self, indices: Sequence[int]) -> None:
-        self._synced.update(self._owner.grad_sync.bucket(
+        """Issue the sync of one bucket (the ``optimizer`` piece waits for it)."""
+        self._pending.append(self._owner.grad_sync.bucket_async(
             {self._names[i]: self.grad(i) for i in indices}))
 
     def _apply(self) -> None:
+        for bucket, result in enumerate(self._pending):
+            try:
+                self._synced.update(result())
+            except Exception as e:
+                e.add_note(f"in the gradient sync of bucket {bucket} (piece 'sync {bucket}')")
+                raise
+        self._pending.clear()
         set_grads(self._params, self._synced)
         self._optimizer.step()
         self._owner.steps += 1
