@@ -3,21 +3,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
 from tidal.compiler.pass_manager import PassRecord
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
-from tidal.ir.program import COMPUTE, Piece
 from tidal.runtime import executors
-from tidal.runtime.program import ProgramExecutor, ProgramJob, chrome_trace
-from tidal.runtime.scheduler import BoundPiece
+from tidal.runtime.program import chrome_trace, device_of
+from tidal.runtime.programs.graph import lowered_graph
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
 
@@ -43,19 +43,24 @@ class Compiled:
         self.records = tuple(records)
         self.context = ctx
         self._optimizer: Optional[torch.optim.Optimizer] = None
-        self.executor: Optional[Executor] = executors.build(
-            gm, [r.plan for r in self.records if r.plan is not None])
-        self.lowered = _lowered(gm, ctx, lower) if self.executor is None else None
+        self.executor: Executor = executors.build(
+            gm, [r.plan for r in self.records if r.plan is not None],
+            lowered_graph(gm, ctx.example_inputs, lower))
+        """The one executor every call, step and job runs through (a ``ProgramExecutor``:
+        the rank program of the plans, or the graph as it is)."""
         self.train_trace: list = []
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
         self._generation: Optional[torch.nn.Module] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the compiled forward (through the executor the runtime built for the plans, if
-        any)."""
-        if self.executor is not None:
-            return self.executor.forward(self.graph_module, *args, **kwargs)
-        return (self.lowered or self.graph_module)(*args, **kwargs)
+        """Run the compiled forward (as the executor's rank program runs it)."""
+        return self.executor.forward(self.graph_module, *args, **kwargs)
+
+    @property
+    def lowered(self) -> Optional[torch.nn.Module]:
+        """The graph's lowered form (``compile(lower="graphs")``) when the graph runs as it
+        is, else None."""
+        return getattr(getattr(self.executor, "rank_program", None), "lowered", None)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` with the ``clustered_attention`` plan (CHAI) run in the
@@ -138,15 +143,8 @@ class Compiled:
             raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
                              "fn(outputs, targets) -> scalar tensor")
         inputs = bind_inputs(self.graph_module, inputs, "Compiled.step inputs")
-        opt = self.optimizer
-        if self.executor is not None:
-            return self.executor.step(self.graph_module, self.model, inputs, targets,
-                                      self.context.loss_fn, opt)
-        opt.zero_grad(set_to_none=True)
-        loss = self.context.loss_fn((self.lowered or self.graph_module)(*inputs), targets)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        return self.executor.step(self.graph_module, self.model, inputs, targets,
+                                  self.context.loss_fn, self.optimizer)
 
     def job(self, batches: Callable[[int], tuple[Any, Any]], *, name: str = "train",
             iterations: Optional[int] = None) -> Any:
@@ -162,7 +160,8 @@ class Compiled:
 
         With plans, the job's pieces are the rank's program (compute, communication and
         optimizer pieces on their streams); without, each iteration is two pieces:
-        ``forward`` (with the loss) and ``backward`` (with the optimizer's step)."""
+        ``forward`` (with the loss) and ``backward`` (with the optimizer's step,
+        ``tidal.runtime.programs.graph``)."""
         if self.context.loss_fn is None:
             raise ValueError("Compiled.job needs a loss: tidal.compile(..., loss_fn=fn)")
 
@@ -170,35 +169,8 @@ class Compiled:
             inputs, targets = batches(i)
             return bind_inputs(self.graph_module, inputs, "Compiled.job inputs"), targets
 
-        if isinstance(self.executor, ProgramExecutor):
-            return self.executor.job(name, self.graph_module, self.model, bound,
-                                     self.context.loss_fn, self.optimizer, iterations)
-
-        return ProgramJob(name, lambda i: self._step_pieces(*bound(i)), iterations,
-                          gated=False)
-
-    def _step_pieces(self, inputs: tuple, targets: Any
-                     ) -> tuple[list[BoundPiece], Callable[[], Any]]:
-        """One eager training step as two pieces on the compute stream (``forward`` with the
-        loss; ``backward`` with the optimizer's step), so a scheduler can fit them into shorter
-        idle spans, and the function that gives the loss once they ran. The pieces read the
-        model's state only when they run, so the next step's pieces may be made before this
-        one ends (the stream runs them in order)."""
-        held: dict[str, torch.Tensor] = {}
-        opt = self.optimizer
-
-        def forward() -> None:
-            opt.zero_grad(set_to_none=True)
-            out = (self.lowered or self.graph_module)(*inputs)
-            held["loss"] = self.context.loss_fn(out, targets)
-
-        def backward() -> None:
-            held["loss"].backward()
-            opt.step()
-
-        pieces = [BoundPiece(Piece("forward", COMPUTE), forward),
-                  BoundPiece(Piece("backward", COMPUTE), backward)]
-        return pieces, lambda: held["loss"].detach()
+        return self.executor.job(name, self.graph_module, self.model, bound,
+                                 self.context.loss_fn, self.optimizer, iterations)
 
     def train(self, batches: Callable[[int], tuple[Any, Any]], iterations: int, *,
               background: Any = None, idle_only: bool = True) -> dict[str, Any]:
@@ -285,13 +257,9 @@ class Compiled:
         Chrome trace (``chrome://tracing``, ui.perfetto.dev); returns the path. Raises
         ``ValueError`` when the plans run through an executor that records no pieces yet, or
         before the first step."""
-        pieces = getattr(self.executor, "last_trace", None) if self.executor is not None \
-            else None
+        pieces = self.executor.last_trace
         if not pieces:
-            what = type(self.executor).__name__ if self.executor is not None else "the graph"
-            raise ValueError(f"Compiled.trace: no pieces recorded ({what} runs the steps: "
-                             f"compile with a parallelism or compression pass to train through "
-                             f"a program), or no step has run yet")
+            raise ValueError("Compiled.trace: no pieces recorded: no step has run yet")
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         out = Path(path)
         out.write_text(json.dumps(chrome_trace({rank: pieces})))
@@ -304,9 +272,20 @@ class Compiled:
         ``layer_groups`` pass) onto ``device`` (by default where the model's parameters are;
         the inputs' tensors are moved there). Inputs default to the compile-time example
         inputs."""
-        from tidal.runtime.programs.layer_groups import cold_start
-
-        return cold_start(self, path, *inputs, device=device, **kwargs)
+        plan = self.plan.get("layer_groups")
+        if plan is None:
+            raise ValueError(f"Compiled.cold_start streams the weights group by group: compile "
+                             f"with passes=[LayerGroups()] first (passes run: "
+                             f"{', '.join(r.name for r in self.records) or 'none'})")
+        gm = self.graph_module
+        where = torch.device(device) if device is not None else device_of(gm)
+        if not inputs and not kwargs:
+            example = self.context.example_inputs
+            inputs, kwargs = ((), dict(example)) if isinstance(example, Mapping) else \
+                (tuple(example), {})
+        inputs, kwargs = tree_map(lambda v: v.to(where) if isinstance(v, torch.Tensor) else v,
+                                  (tuple(inputs), dict(kwargs)))
+        return executors.weight_streaming(gm, plan, path, where).forward(gm, *inputs, **kwargs)
 
     def report(self) -> str:
         """A table of the compile stages and passes: wall time, node counts, what was added
@@ -319,8 +298,7 @@ class Compiled:
         text = format_table(["pass", "ms", "nodes in", "nodes out", "added", "removed", "plan"],
                             rows)
         notes = [f"  {r.name}: {n}" for r in self.records for n in r.notes]
-        if isinstance(self.executor, ProgramExecutor):  # known once a step has run
-            notes += [f"  runtime: {n}" for n in self.executor.notes()]
+        notes += [f"  runtime: {n}" for n in self.executor.notes()]  # known after a step
         return text + ("\nnotes:\n" + "\n".join(notes) if notes else "")
 
     def dump(self, out_dir: Union[str, Path], *, scaling: Any = None,
@@ -343,36 +321,6 @@ class Compiled:
         if sections is not None:
             extra.extend(sections(Path(out_dir)))
         return write_dump(Path(out_dir), title, self.records, self.context.batch_size, extra)
-
-
-def _lowered(gm: fx.GraphModule, ctx: PassContext, lower: Optional[str]):
-    """The lowered form of ``gm`` for ``compile(lower=...)`` (None when not lowering)."""
-    if lower is None:
-        params = list(gm.parameters())
-        lower = "graphs" if params and params[0].device.type == "cuda" else "none"
-    if lower not in ("graphs", "none"):
-        raise ValueError(f"compile(lower={lower!r}): use 'graphs' (captured segments) or 'none'")
-    if lower == "none":
-        return None
-    from tidal.runtime.lower import lower as lower_graph
-
-    _inputs_on_the_parameters_device(gm, ctx.example_inputs)
-    return lower_graph(gm, ctx.example_inputs)
-
-
-def _inputs_on_the_parameters_device(gm: fx.GraphModule, example_inputs: Any) -> None:
-    """A ``ValueError`` naming the first example input on another device than the
-    parameters (a capture would fail deep inside torch)."""
-    params = list(gm.parameters())
-    if not params:
-        return
-    where = params[0].device
-    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    for name, value in zip(names, bind_inputs(gm, example_inputs, "compile example_inputs")):
-        if isinstance(value, torch.Tensor) and value.device != where:
-            raise ValueError(f"compile: example input {name!r} is on {value.device}, the "
-                             f"model's parameters on {where}: move it there "
-                             f"({name}.to('{where}')) or the model to {value.device}")
 
 
 def _table_weight(model: torch.nn.Module, name: str) -> torch.Tensor:

@@ -1,4 +1,7 @@
 """compile() with no passes is the model; compile() options and errors."""
+import copy
+import json
+
 import pytest
 import torch
 
@@ -127,11 +130,36 @@ def test_an_option_two_selected_passes_take_is_ambiguous():
 
 
 def test_lowering_names_an_example_input_on_another_device_than_the_parameters():
-    from tidal.compiler.compiled import _inputs_on_the_parameters_device
+    from tidal.runtime.programs.graph import lowered_graph
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 2))
     gm = tidal.trace(model, (torch.randn(2, 4),))
-    _inputs_on_the_parameters_device(gm, (torch.randn(2, 4),))
+    assert lowered_graph(gm, (torch.randn(2, 4),), "graphs") is not None
     with pytest.raises(ValueError, match=r"example input 'input' is on meta, the model's "
                                          r"parameters on cpu: move it there"):
-        _inputs_on_the_parameters_device(gm, (torch.randn(2, 4, device="meta"),))
+        lowered_graph(gm, (torch.randn(2, 4, device="meta"),), "graphs")
+
+
+def test_a_compile_without_plans_runs_its_steps_through_the_one_executor(tmp_path):
+    """No plan to run differently: the step is still a program (forward, backward) run by the
+    executor, with a trace; equal to eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    c = tidal.compile(model, (x,), passes=[], loss_fn=torch.nn.functional.cross_entropy,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    loss = c.step((x,), y)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = torch.nn.functional.cross_entropy(ref(x), y)
+    want.backward()
+    opt.step()
+    torch.testing.assert_close(loss, want.detach(), rtol=0, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert type(c.executor.rank_program).__name__ == "GraphProgram"
+    assert [p.name for p in c.executor.last_program.pieces] == ["forward", "backward"]
+    trace = json.loads(c.trace(tmp_path / "t.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == {"forward", "backward"}
+    with pytest.raises(ValueError, match=r"cold_start.*LayerGroups"):
+        c.cold_start(tmp_path / "missing.safetensors")

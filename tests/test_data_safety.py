@@ -22,7 +22,7 @@ from tidal.passes.burst_planner import split_batch
 from tidal.passes.layer_groups import LayerGroups
 from tidal.runtime.program import ProgramExecutor
 from tidal.runtime.programs.burst import BurstProgram
-from tidal.runtime.programs.layer_groups import cold_start, run_pipelined
+from tidal.runtime.programs.layer_groups import run_pipelined
 from tidal.runtime.weights.loader import expected_specs, group_tensors, write_groups
 from tidal.runtime.weights.store import WeightStore, WeightStoreError, write_store
 
@@ -97,7 +97,7 @@ def test_corrupt_tensor_bytes_are_refused_naming_the_tensor(tmp_path, fill):
                                                r"match the checksum"):
         run_pipelined(compiled.graph_module, path, (x,))
     with pytest.raises(WeightStoreError, match=r"'2\.weight' \(group 2\)"):
-        cold_start(compiled, path)
+        compiled.cold_start(path)
     targets = group_tensors(compiled.graph_module)
     with WeightStore.open(path, expected_specs(targets)) as store:
         with pytest.raises(WeightStoreError, match=r"'2\.weight'"):

@@ -11,7 +11,7 @@ from tidal.ir import ops
 from tidal.ir.plan import Plan
 from tidal.ir.plans.layer_groups import LayerGroupPlan
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.programs.layer_groups import LayerGroupsProgram, cold_start, run_pipelined
+from tidal.runtime.programs.layer_groups import LayerGroupsProgram, run_pipelined
 from tidal.runtime.weights.loader import group_tensors, write_groups
 from tidal.runtime.weights.store import WeightStoreError, write_store
 
@@ -169,7 +169,7 @@ def test_executor_and_cold_start_stream_from_a_store(tmp_path):
     with torch.no_grad():
         expected = model(*x)
     _scramble(model)
-    assert torch.equal(cold_start(compiled, path), expected)  # example inputs by default
+    assert torch.equal(compiled.cold_start(path), expected)  # example inputs by default
 
     c2 = tidal.compile(model, x, cluster=CLUSTER,
                        passes=[LayerGroups(weight_store=str(path))])

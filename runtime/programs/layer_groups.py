@@ -66,11 +66,10 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
 from tidal.ir import ops
 from tidal.ir.capture import step_inputs
@@ -103,11 +102,15 @@ EAGER_TAIL = (("backward", ()), (OPTIMIZER_PIECE, ()))
 """The pieces after the groups' forward in a step that runs with autograd."""
 
 
-def from_plan(gm: fx.GraphModule, plan: Any) -> Optional["LayerGroupsProgram"]:
+def from_plan(gm: fx.GraphModule, plan: Any, device: Optional[torch.device] = None
+              ) -> Optional["LayerGroupsProgram"]:
     """The rank program of a ``layer_groups`` plan that names a weight store, loading onto
-    the device of ``gm``'s parameters (None without a store: the graph runs as it is)."""
+    ``device`` (by default the device of ``gm``'s parameters); None without a store: the graph
+    runs as it is."""
     store = getattr(plan, "weight_store", None)
-    return LayerGroupsProgram(store, device_of(gm)) if store else None
+    if not store:
+        return None
+    return LayerGroupsProgram(store, device if device is not None else device_of(gm))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -284,20 +287,3 @@ def run_pipelined(gm: fx.GraphModule, path: PathLike, inputs: Sequence[Any],
     (:meth:`LayerGroupsProgram.run`). The store is validated before anything runs."""
     return LayerGroupsProgram(path, device, link_bytes_per_us, link_overhead_us,
                               backend).run(gm, inputs, kwargs)
-
-
-def cold_start(compiled: Any, path: PathLike, *inputs: Any, device: Any = None,
-               **kwargs: Any) -> Any:
-    """The first output of a compiled model whose weights stream in from ``path`` onto
-    ``device`` (by default where the model's parameters are; the ``layer_groups`` pass must
-    have run). Inputs default to the compile-time example inputs; their tensors are moved to
-    ``device``."""
-    gm = compiled.graph_module
-    where = torch.device(device) if device is not None else device_of(gm)
-    if not inputs and not kwargs:
-        example = compiled.context.example_inputs
-        inputs, kwargs = ((), dict(example)) if isinstance(example, Mapping) else (example, {})
-    inputs, kwargs = tree_map(lambda v: v.to(where) if isinstance(v, torch.Tensor) else v,
-                              (tuple(inputs), dict(kwargs)))
-    out, _ = run_pipelined(gm, path, inputs, kwargs, device=where)
-    return out

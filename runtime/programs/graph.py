@@ -1,0 +1,125 @@
+"""The rank program of a compile with no plan to run differently: the graph as it is.
+
+When no builder gives a program (no parallelism or compression plan, a CHAI plan, a
+layer-group plan without a weight store), ``Compiled`` still runs every call and every step
+through the one :class:`~tidal.runtime.program.ProgramExecutor`: its rank program is a
+:class:`GraphProgram`. Inference runs the graph (``compile(lower="graphs")``: the lowered form,
+captured segments, ``tidal.runtime.lower``); a training step is two pieces on the compute
+stream, ``forward`` (the loss) and ``backward`` (autograd, then the optimizer's step), so the
+step has a trace and a scheduler can fit the pieces into another job's idle spans. The pieces
+read the model's state only when they run, so the next step's pieces may be bound before this
+one ends (``pipelined``: the stream runs them in order).
+
+Example:
+    >>> import torch
+    >>> from tidal.runtime.program import ProgramExecutor
+    >>> from tidal.runtime.programs.graph import GraphProgram
+    >>> model = torch.nn.Linear(4, 2)
+    >>> gm = torch.fx.symbolic_trace(model)
+    >>> ex = ProgramExecutor(GraphProgram())
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> loss = ex.step(gm, model, (torch.randn(3, 4),), torch.tensor([0, 1, 1]),
+    ...                torch.nn.functional.cross_entropy, opt)
+    >>> [(p.name, p.stream) for p in ex.last_program.pieces]
+    [('forward', 'compute'), ('backward', 'compute')]
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from tidal.ir.inputs import bind_inputs
+from tidal.ir.program import COMPUTE, Piece, Program
+
+FORWARD, BACKWARD = "forward", "backward"
+
+STEP_PROGRAM = Program((Piece(FORWARD, COMPUTE), Piece(BACKWARD, COMPUTE, (0,))))
+"""One eager training step: the forward with the loss, then backward with the optimizer."""
+
+
+class GraphProgram:
+    """The rank program that runs the graph as it is (see the module docstring). ``lowered``:
+    the graph's lowered form (``tidal.runtime.lower.LoweredModule``) that inference and the
+    steps' forward run instead of the graph, or None."""
+
+    pipelined = True
+
+    def __init__(self, lowered: Optional[torch.nn.Module] = None):
+        self.lowered = lowered
+
+    def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        """The graph's forward (its lowered form when there is one)."""
+        return (self.lowered or gm)(*args, **kwargs)
+
+    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "GraphStep":
+        """One training step as :data:`STEP_PROGRAM`'s two pieces."""
+        return GraphStep(self.lowered or gm, inputs, targets, loss_fn, optimizer)
+
+    def uncaptured(self) -> list[tuple[str, str]]:
+        """(node, reason) of each step of the lowered forward that runs uncaptured."""
+        report = getattr(self.lowered, "report", None)
+        return [] if report is None else [(info.nodes[0], info.reason) for info in report.steps
+                                          if info.kind != "captured"]
+
+
+class GraphStep:
+    """One bound eager step (``tidal.runtime.program.StepWork``)."""
+
+    program = STEP_PROGRAM
+
+    def __init__(self, run: Callable[..., Any], inputs: Sequence[Any], targets: Any,
+                 loss_fn: Callable, optimizer: torch.optim.Optimizer):
+        self._run, self._inputs, self._targets = run, tuple(inputs), targets
+        self._loss_fn, self._optimizer = loss_fn, optimizer
+        self._loss: Optional[torch.Tensor] = None
+
+    def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        return self._forward if piece.name == FORWARD else self._backward
+
+    def _forward(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+        self._loss = self._loss_fn(self._run(*self._inputs), self._targets)
+
+    def _backward(self) -> None:
+        self._loss.backward()
+        self._optimizer.step()
+
+    def loss(self) -> torch.Tensor:
+        return self._loss.detach()
+
+
+def lowered_graph(gm: fx.GraphModule, example_inputs: Any, lower: Optional[str]
+                  ) -> Optional[torch.nn.Module]:
+    """The lowered form of ``gm`` for ``compile(lower=...)``: ``"graphs"`` captured segments
+    (``tidal.runtime.lower``), ``"none"`` None (the graph runs as it is); by default
+    ``"graphs"`` on a GPU, ``"none"`` on the CPU. ``ValueError`` for another value, or for an
+    example input on another device than the parameters (named)."""
+    params = list(gm.parameters())
+    if lower is None:
+        lower = "graphs" if params and params[0].device.type == "cuda" else "none"
+    if lower not in ("graphs", "none"):
+        raise ValueError(f"compile(lower={lower!r}): use 'graphs' (captured segments) or 'none'")
+    if lower == "none":
+        return None
+    from tidal.runtime.lower import lower as lower_graph
+
+    _inputs_on_the_parameters_device(gm, example_inputs)
+    return lower_graph(gm, example_inputs)
+
+
+def _inputs_on_the_parameters_device(gm: fx.GraphModule, example_inputs: Any) -> None:
+    """A ``ValueError`` naming the first example input on another device than the
+    parameters (a capture would fail deep inside torch)."""
+    params = list(gm.parameters())
+    if not params:
+        return
+    where = params[0].device
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    for name, value in zip(names, bind_inputs(gm, example_inputs, "compile example_inputs")):
+        if isinstance(value, torch.Tensor) and value.device != where:
+            raise ValueError(f"compile: example input {name!r} is on {value.device}, the "
+                             f"model's parameters on {where}: move it there "
+                             f"({name}.to('{where}')) or the model to {value.device}")
