@@ -160,7 +160,9 @@ class ProgramRunner:
     :func:`data_parallel` program of a captured step: ``runner(program, step, model, inputs,
     targets)`` returns ``(loss, {parameter name: averaged gradient}, [PieceTrace])``. The loss
     is averaged over the ranks (each rank passes its own shard). ``optimizer``, when given,
-    takes its step in the program's ``optimizer`` piece on the averaged gradients."""
+    takes its step in the program's ``optimizer`` piece on the averaged gradients. On several
+    ranks the averaged gradients are views of each bucket's buffer, which the next call of the
+    same program overwrites (DDP's ``gradient_as_bucket_view``)."""
 
     def __init__(self, backend: Optional[Backend] = None,
                  group: Optional[dist.ProcessGroup] = None, device: Any = "cpu"):
@@ -172,6 +174,7 @@ class ProgramRunner:
         self._captures: dict[tuple[int, int], CapturedProgram] = {}
         self._states: dict[tuple[int, int], StepTensors] = {}
         self._grads: dict[int, tuple[TrainStep, tuple[fx.Node, list[fx.Node]]]] = {}
+        self._buckets: dict = {}  # a bucket's flat buffer, reused step to step (as DDP's)
 
     def __enter__(self) -> "ProgramRunner":
         return self
@@ -242,7 +245,14 @@ class ProgramRunner:
             if world == 1:  # nothing to average: the gradients are the step's own outputs
                 averaged.update(zip(indices, grads))
                 return
-            buf = torch.cat([g.reshape(-1) for g in grads])
+            key = (id(program), tuple(indices))
+            buf = self._buckets.get(key)
+            if buf is None or buf.numel() != sum(g.numel() for g in grads):
+                if len(self._buckets) >= 64:
+                    self._buckets.clear()
+                buf = self._buckets[key] = torch.cat([g.reshape(-1) for g in grads])
+            else:
+                torch.cat([g.reshape(-1) for g in grads], out=buf)
             pending.append((dist.all_reduce(buf, group=self.group, async_op=True), buf,
                             indices, grads))
 
