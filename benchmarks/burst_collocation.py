@@ -9,7 +9,7 @@ foreground keeps its speed. Here, on 2 gloo ranks of this CPU machine (1 thread 
   rows back while rank 0 computes it (forward and backward). Each scatter/gather is a piece of
   its own on the ``transfer`` stream, so the scheduler knows the device is idle meanwhile;
 - background: a second small model training on every rank (its own data, no collectives),
-  submitted beside the foreground with ``Compiled.train(..., background=job)`` (the scheduler's
+  submitted beside the foreground with ``Compiled.train_scheduled(..., background=job)`` (the scheduler's
   ``idle_only`` policy: a background piece only when it is predicted to end before the
   foreground's next compute piece can start). Its batch is chosen per rank from the idle spans
   of the foreground's step alone (``tidal.sim.collocation.best_background_batch``: the batch
@@ -122,11 +122,11 @@ def _run(rank: int, size: int, steps: int, width: int, batch: int, rounds: int) 
     fg = tidal.compile(_foreground(width), (data[0][0],), passes=[BurstParallel(plan=plan)],
                        cluster=cluster, loss_fn=F.cross_entropy,
                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
-    fg.train(batches, 3)  # warm-up: groups, layouts, isolated piece times
+    fg.train_scheduled(batches, 3)  # warm-up: groups, layouts, isolated piece times
     dist.barrier()
 
     # the background batch, from the idle spans of steps alone (between compute pieces)
-    stats = fg.train(batches, steps)["train"]
+    stats = fg.train_scheduled(batches, steps)["train"]
     spans = job_idle_spans(fg.train_trace, "train")
     timed = {b: _bg_step_us(b) for b in BG_BATCHES}
     overhead = statistics.median(o for _, o in timed.values())
@@ -144,13 +144,13 @@ def _run(rank: int, size: int, steps: int, width: int, batch: int, rounds: int) 
     alone_us, with_us, idle, wait, bg_busy, bg_iters = [], [], 0.0, 0.0, 0.0, 0
     for _ in range(rounds):
         dist.barrier()
-        stats = fg.train(batches, steps)["train"]
+        stats = fg.train_scheduled(batches, steps)["train"]
         alone_us += stats.iteration_us
         idle += max(0.0, sum(stats.iteration_us) - stats.busy_us)
         wait += _waiting_us(fg.train_trace, "train")
         dist.barrier()
         job = background.job(lambda i: bg_data, name="extra") if bg_batch else None
-        stats = fg.train(batches, steps, background=job)
+        stats = fg.train_scheduled(batches, steps, background=job)
         with_us += stats["train"].iteration_us
         if bg_batch:
             bg_busy += stats["extra"].busy_us

@@ -57,7 +57,7 @@ parallelism's largest per-rank batch (``dp_batch``) and tick-tock's per-wave bat
 (``wave_batch``); data parallelism (hand-written: all-reduce of the averaged gradients, SGD)
 then runs N x dp_batch global samples per step and tick_tock (``TickTock``) 2N x wave_batch.
 Columns: ``batch/rank`` (samples per rank per step), ``samples/s`` (global samples per second:
-data parallelism from its median step as in table 1, tick_tock from one ``Compiled.train``
+data parallelism from its median step as in table 1, tick_tock from one ``Compiled.train_scheduled``
 call over ``--steps`` steps, whose waves run on persistently from step to step), ``ratio`` (to
 data parallelism), ``predicted MiB`` (the fit's peak per rank: one replica's state plus the
 timeline's activation peak; tick-tock two replicas plus the two waves' interleaved peak),
@@ -401,7 +401,7 @@ def _memory_bound(rank, world, width, depth, dp_batch, wave_batch, steps) -> dic
         tt.step(x, y)   # warm-up: the tock replica, the captured waves
         dist.barrier()
         t0 = time.perf_counter()
-        tt.train(lambda i: (x, y), steps)   # persistent waves across the steps
+        tt.train_scheduled(lambda i: (x, y), steps)   # persistent waves across the steps
         dist.barrier()
         secs = time.perf_counter() - t0
         tock = tt.executor.tock   # the tock replica and its optimizer (made at the first step)

@@ -1,15 +1,17 @@
 """``Compiled``: what ``tidal.compile`` returns — a runnable model plus what each pass did."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from tidal.compiler.guards import CaptureGuard
 from tidal.compiler.pass_manager import PassRecord
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
@@ -17,7 +19,7 @@ from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 from tidal.runtime import executors
 from tidal.runtime.program import chrome_trace, device_of
-from tidal.runtime.programs.graph import lowered_graph
+from tidal.runtime.programs.graph import GraphProgram, lowered_graph
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
 
@@ -48,13 +50,78 @@ class Compiled:
             lowered_graph(gm, ctx.example_inputs, lower))
         """The one executor every call, step and job runs through (a ``ProgramExecutor``:
         the rank program of the plans, or the graph as it is)."""
+        self.guard = CaptureGuard(model, gm, ctx.example_inputs,
+                                  tuple(r.name for r in self.records if r.plan is not None),
+                                  program=not isinstance(self.executor.rank_program,
+                                                         GraphProgram))
+        """What runs when the state a capture depends on changed (``compiler.guards``)."""
         self.train_trace: list = []
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
         self._generation: Optional[torch.nn.Module] = None
+        self._no_sync = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the compiled forward (as the executor's rank program runs it)."""
+        """Run the compiled forward (as the executor's rank program runs it). In another
+        training mode than the compile's, the model traced in that mode runs
+        (``tidal.compiler.guards``)."""
+        graph = self.guard.forward_graph(self.lowered is not None)
+        if graph is not None:
+            return graph(*args, **kwargs)
         return self.executor.forward(self.graph_module, *args, **kwargs)
+
+    # -- what a user expects of a module -------------------------------------------------
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        """The model's parameters (give them to your optimizer)."""
+        return self.model.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        """The model's named parameters (``nn.Module.named_parameters``)."""
+        return self.model.named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        """The model's buffers."""
+        return self.model.buffers(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        """The model's named buffers (``nn.Module.named_buffers``)."""
+        return self.model.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The model's ``state_dict`` (its keys, not the graph's)."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load into the model (``nn.Module.load_state_dict``; in place, so what the
+        compiled graph and its programs read changes with it)."""
+        if assign:
+            raise ValueError("Compiled.load_state_dict(assign=True) would replace the tensors "
+                             "the compiled graph reads: load in place (assign=False)")
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    @property
+    def training(self) -> bool:
+        """The model's ``training`` flag."""
+        return self.model.training
+
+    def train(self, mode: bool = True, *scheduled: Any, **options: Any) -> "Compiled":
+        """Set the model's training mode (``nn.Module.train``); returns this object. A
+        forward in another mode than the compile's runs the model traced in that mode."""
+        if scheduled or options or not isinstance(mode, bool):
+            raise TypeError(f"Compiled.train(mode) takes a bool, not {type(mode).__name__}: "
+                            f"the scheduler's training entry point is Compiled.train_scheduled")
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Compiled":
+        """``train(False)``."""
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradients (``nn.Module.zero_grad``)."""
+        self.model.zero_grad(set_to_none=set_to_none)
+
 
     @property
     def lowered(self) -> Optional[torch.nn.Module]:
@@ -143,8 +210,59 @@ class Compiled:
             raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
                              "fn(outputs, targets) -> scalar tensor")
         inputs = bind_inputs(self.graph_module, inputs, "Compiled.step inputs")
-        return self.executor.step(self.graph_module, self.model, inputs, targets,
+        return self.executor.step(self._step_graph(), self.model, inputs, targets,
                                   self.context.loss_fn, self.optimizer)
+
+    def _step_graph(self) -> torch.fx.GraphModule:
+        """The graph this step runs (the compiled one, or one the guard gives)."""
+        graph = self.guard.step_graph(self.lowered is not None)
+        return self.graph_module if graph is None else graph
+
+    def backward(self, inputs: Any, targets: Any, *, scale: Any = None) -> torch.Tensor:
+        """The open step, as DDP's: forward, ``loss_fn(outputs, targets)`` and backward of one
+        (micro-)batch, with the gradients synchronized over the ranks and *added* to each
+        trainable parameter's ``.grad`` (as ``loss.backward()`` adds them); the loop then does
+        what it wants before its own optimizer's step (clip with :meth:`clip_grad_norm_`,
+        ``GradScaler.unscale_``/``step``, several optimizers, schedulers) and zeroes the
+        gradients itself. ``scale`` multiplies the loss before backward (``1 / k`` for
+        accumulation over ``k`` micro-batches, or a ``GradScaler``'s scale). Inside
+        :meth:`no_sync`, gradients accumulate locally and the next call outside it syncs
+        their sum (DDP's ``no_sync``). Returns the (unscaled) loss of the global batch.
+
+        Example:
+            >>> import torch, tidal
+            >>> model = torch.nn.Linear(4, 2)
+            >>> c = tidal.compile(model, (torch.randn(8, 4),),
+            ...                   loss_fn=torch.nn.functional.cross_entropy)
+            >>> opt = torch.optim.AdamW(c.parameters(), lr=1e-3)
+            >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+            >>> loss = c.backward(x, y)
+            >>> norm = c.clip_grad_norm_(1.0)
+            >>> opt.step(); opt.zero_grad()
+        """
+        if self.context.loss_fn is None:
+            raise ValueError("Compiled.backward needs a loss: tidal.compile(..., loss_fn=fn) "
+                             "with fn(outputs, targets) -> scalar tensor")
+        inputs = bind_inputs(self.graph_module, inputs, "Compiled.backward inputs")
+        return self.executor.backward(self._step_graph(), self.model, inputs, targets,
+                                      self.context.loss_fn, scale=scale,
+                                      sync=not self._no_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, :meth:`backward` accumulates gradients locally without synchronizing them;
+        the first call after it syncs the sum (DDP's ``no_sync``, for accumulation)."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter by their global norm (over every rank, each
+        parameter counted once), as ``torch.nn.utils.clip_grad_norm_`` does on one process;
+        returns the total norm before clipping."""
+        return self.executor.clip_grad_norm_(self.model, max_norm, norm_type)
 
     def job(self, batches: Callable[[int], tuple[Any, Any]], *, name: str = "train",
             iterations: Optional[int] = None) -> Any:
@@ -169,11 +287,11 @@ class Compiled:
             inputs, targets = batches(i)
             return bind_inputs(self.graph_module, inputs, "Compiled.job inputs"), targets
 
-        return self.executor.job(name, self.graph_module, self.model, bound,
+        return self.executor.job(name, self._step_graph(), self.model, bound,
                                  self.context.loss_fn, self.optimizer, iterations)
 
-    def train(self, batches: Callable[[int], tuple[Any, Any]], iterations: int, *,
-              background: Any = None, idle_only: bool = True) -> dict[str, Any]:
+    def train_scheduled(self, batches: Callable[[int], tuple[Any, Any]], iterations: int, *,
+                        background: Any = None, idle_only: bool = True) -> dict[str, Any]:
         """Train ``iterations`` steps on ``batches(i)`` as the foreground job of a scheduler
         on this process's device, with ``background`` (a job: another model's
         ``compiled.job(...)``) packed into the foreground's idle spans (``idle_only``, DeepPool's
@@ -192,7 +310,7 @@ class Compiled:
             ...                    loss_fn=torch.nn.functional.cross_entropy,
             ...                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
             >>> batch = lambda i: (torch.randn(8, 4), torch.randint(0, 2, (8,)))
-            >>> stats = fg.train(batch, 3, background=bg.job(batch, name="extra"))
+            >>> stats = fg.train_scheduled(batch, 3, background=bg.job(batch, name="extra"))
             >>> stats["train"].iterations
             3
         """

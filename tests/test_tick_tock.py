@@ -158,7 +158,7 @@ def test_compute_pieces_are_captured_and_a_buffer_written_in_place_runs_uncaptur
 def _two_ranks(rank, world):
     """The 2-rank run as _check reads it, with the executor's last program, its trace (the
     pieces as they ran) and why the waves ran eagerly ('' when they ran captured segments),
-    and the final replicas of the same training through ``Compiled.train`` (persistent waves:
+    and the final replicas of the same training through ``Compiled.train_scheduled`` (persistent waves:
     the steps overlap)."""
     c, result = _train(world)
     return (result, c.executor.last_program, c.executor.last_trace, c.executor.fallback_reason,
@@ -166,7 +166,7 @@ def _two_ranks(rank, world):
 
 
 def _train_persistent(world, backend=None):
-    """STEPS steps through ``Compiled.train`` (a ``Runtime`` on ``backend`` when given): the
+    """STEPS steps through ``Compiled.train_scheduled`` (a ``Runtime`` on ``backend`` when given): the
     final parameters and tock replica (plain data), and the scheduler's trace."""
     from tidal.runtime.scheduler import Runtime
 
@@ -175,7 +175,7 @@ def _train_persistent(world, backend=None):
     c = tidal.compile(model, x, passes=[TickTock(ranks=world)], example_targets=y,
                       loss_fn=torch.nn.functional.cross_entropy, optimizer=_opt)
     if backend is None:
-        c.train(_data, STEPS)
+        c.train_scheduled(_data, STEPS)
         trace = c.train_trace
     else:
         with Runtime(backend=backend) as rt:
@@ -186,7 +186,7 @@ def _train_persistent(world, backend=None):
 
 
 def test_persistent_waves_overlap_across_steps_and_train_as_separate_steps():
-    # Compiled.train binds step m + 1 while step m runs: on a logical clock (F 10, B 20, the
+    # Compiled.train_scheduled binds step m + 1 while step m runs: on a logical clock (F 10, B 20, the
     # syncs and updates 1 µs) the tick's forward of step m + 1 runs during the tock's backward
     # of step m, and the replicas end exactly as Lemma 1 says (as separate steps do)
     from tidal.runtime.backend import LogicalBackend
@@ -222,7 +222,7 @@ def test_two_gloo_ranks_waves_follow_lemma_1_and_replicas_match_reference(two_ra
     for result, _, _, why, ((tick_sd, tock_sd), trace) in two_ranks:
         assert why == ""  # the waves ran segments of the captured joint graph
         _check(result, 2)
-        for k in ref_tick:  # persistent waves (Compiled.train) end as separate steps do
+        for k in ref_tick:  # persistent waves (Compiled.train_scheduled) end as separate steps do
             torch.testing.assert_close(torch.as_tensor(tick_sd[k]), ref_tick[k], **TOL)
             torch.testing.assert_close(torch.as_tensor(tock_sd[k]), ref_tock[k], **TOL)
         firsts = [min(r.start_us for r in trace if r.iteration == m) for m in range(STEPS)]

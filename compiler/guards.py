@@ -1,0 +1,111 @@
+"""Guards of a compiled model: what runs when the state a capture depends on has changed.
+
+The compile traced the model in one state (``tidal.ir.step_state``: module ``training`` flags,
+``requires_grad``, autocast, grad mode), and a plan's program captures its training step in
+the state of its first step. At every call and step :class:`CaptureGuard` compares the state
+now with those, and never runs a capture made in another state:
+
+- **forward** (``compiled(x)``): in another training mode than the trace's, the model is traced
+  again in the mode it is in now (once per mode, kept) and that graph runs, so
+  ``compiled.eval()`` gives eval semantics (no dropout, BatchNorm's running statistics) under
+  every plan; the ``clustered_attention`` plan (CHAI), whose rewritten forward *is* the
+  compiled graph, raises instead. Under an autocast other than the trace's, a lowered graph
+  (captured segments) runs uncaptured (the graph itself honours autocast);
+- **step** with no plan (the graph runs as it is, with autograd): as the forward; autograd
+  honours ``requires_grad``, autocast and grad mode itself;
+- **step** under a plan's program: the first step fixes the state; a later change of it, or a
+  training mode other than the trace's, raises :class:`StepGuardError` naming what changed
+  (module, parameter, autocast, grad mode) and what to do. A program is not re-captured in a
+  new state yet.
+
+Example:
+    >>> import torch, tidal
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    >>> c = tidal.compile(model, (torch.randn(2, 4),))
+    >>> x = torch.randn(2, 4)
+    >>> torch.equal(c.eval()(x), model(x))   # eval: no dropout, as the model
+    True
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from tidal.ir.errors import TidalError
+from tidal.ir.step_state import StepState, state_changes, step_state
+
+FORWARD_PLANS = ("clustered_attention",)
+"""Plans whose rewritten forward is the compiled graph itself (a re-trace would drop it)."""
+
+
+class StepGuardError(TidalError, RuntimeError):
+    """A step or call in a state its capture was not made in (the message says what changed
+    and what to do)."""
+
+
+class CaptureGuard:
+    """The guards of one compiled model (see the module docstring): ``gm`` the compiled graph,
+    ``example_inputs`` what it was traced on, ``plans`` the names of the plans it runs,
+    ``program`` whether a plan's program (not the graph as it is) runs the steps."""
+
+    def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: Any,
+                 plans: tuple[str, ...], program: bool):
+        self.model, self.gm, self.example_inputs = model, gm, example_inputs
+        self.plans, self.program = plans, program
+        self.traced: StepState = step_state(model)
+        self.first_step: Optional[StepState] = None
+        self._graphs: dict[tuple[bool, ...], fx.GraphModule] = {}
+
+    def forward_graph(self, lowered: bool) -> Optional[fx.GraphModule]:
+        """The graph a forward must run now instead of the compiled one (None: the compiled
+        one is right). ``lowered``: the compiled forward runs captured segments."""
+        now = step_state(self.model)
+        if now.training != self.traced.training:
+            forward_plans = [p for p in self.plans if p in FORWARD_PLANS]
+            if forward_plans:
+                raise StepGuardError(self._message(
+                    "Compiled.__call__", now,
+                    f"the {forward_plans[0]} plan rewrote the forward in the mode it was "
+                    f"compiled in: put the model back in that mode, or compile it again in "
+                    f"this one"))
+            return self._retraced(now)
+        if lowered and now.autocast != self.traced.autocast:
+            return self.gm
+        return None
+
+    def step_graph(self, lowered: bool) -> Optional[fx.GraphModule]:
+        """The graph a step must run now instead of the compiled one (None: the compiled one
+        is right, or a program runs the step); raises :class:`StepGuardError` when a plan's
+        program would run in a state other than the one it captured."""
+        if not self.program:
+            return self.forward_graph(lowered)
+        now = step_state(self.model)
+        if now.training != self.traced.training:
+            raise StepGuardError(self._message(
+                "Compiled.step", now, "call model.train() (or .eval()) before tidal.compile, "
+                "to compile the model in the mode it trains in", self.traced))
+        if self.first_step is None:
+            self.first_step = now
+        elif now != self.first_step:
+            raise StepGuardError(self._message(
+                "Compiled.step", now, "train in the state of the first step (freeze "
+                "parameters and enter autocast before it), or compile the model again; a "
+                "program is not re-captured in a new state yet", self.first_step))
+        return None
+
+    def _retraced(self, now: StepState) -> fx.GraphModule:
+        """The model traced again in its current training mode (kept per mode)."""
+        from tidal.ir.capture import trace
+
+        if now.mode_key not in self._graphs:
+            self._graphs[now.mode_key] = trace(self.model, self.example_inputs)
+        return self._graphs[now.mode_key]
+
+    def _message(self, where: str, now: StepState, fix: str,
+                 before: Optional[StepState] = None) -> str:
+        changes = state_changes(before or self.traced, now)
+        plans = ", ".join(self.plans) or "no plan"
+        return (f"{where}: the state the capture ({plans}) was made in changed: "
+                f"{'; '.join(changes)}. {fix}")
