@@ -413,3 +413,49 @@ def test_a_stalled_peer_fails_the_wave_sync_within_the_world_timeout(tmp_path):
     assert info.value.rank == 0 and "a peer rank stalled or died" in message, message
     elapsed = float(message.split("[after ")[1].split(" s]")[0])
     assert elapsed < 5 * STALL_TIMEOUT_S, message  # the world timeout, not the peer's return
+
+
+def _two_groups(params):
+    """SGD with momentum over two param groups (weights, biases), different rates."""
+    params = list(params)
+    return torch.optim.SGD([{"params": params[0::2], "lr": 0.1},
+                            {"params": params[1::2], "lr": 0.05, "weight_decay": 0.01}],
+                           lr=0.1, momentum=0.9)
+
+
+def _halving(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def test_the_tock_wave_follows_the_users_groups_and_schedule_every_step():
+    """A learning-rate schedule on ``compiled.optimizer`` (two param groups) drives both waves:
+    Lemma 1's reference with the schedule stepping both waves' optimizers (was: the tock's
+    clone kept the first step's rate)."""
+    tick, tock = _model(), _model()
+    opts = {"T": _two_groups(tick.parameters()), "K": _two_groups(tock.parameters())}
+    scheds = [_halving(o) for o in opts.values()]
+    model = _model()
+    x, y = _data(0)
+    c = tidal.compile(model, x, passes=[TickTock(ranks=1)], example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy, optimizer=_two_groups)
+    sched = _halving(c.optimizer)
+    prev_tock = None
+    for step in range(STEPS):
+        (x,), y = _data(step)
+        c.step((x,), y)
+        sched.step()
+        n = BATCH // 2
+        g_tick = _shard_grads(tick, x[:n], y[:n], 1)
+        g_tock = _shard_grads(tock, x[n:], y[n:], 1)
+        for m, G, w in ((tick, _mean(g_tick + (prev_tock or [])), "T"),
+                        (tock, _mean(g_tock + g_tick), "K")):
+            for k, p in m.named_parameters():
+                p.grad = G[k].clone()
+            opts[w].step()
+        prev_tock = g_tock
+        for s in scheds:
+            s.step()
+    for k, v in tock.state_dict().items():
+        torch.testing.assert_close(c.executor.tock.state_dict()[k], v, **TOL, msg=f"tock {k}")
+    for k, v in tick.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, **TOL, msg=f"tick {k}")

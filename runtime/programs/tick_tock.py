@@ -186,6 +186,7 @@ class TickTockProgram:
         self.plan = plan
         self.tock: Optional[torch.nn.Module] = None
         self._tock_opt: Optional[torch.optim.Optimizer] = None
+        self._group_of: tuple[int, ...] = ()
         self._prev_tock: Optional[list[torch.Tensor]] = None  # what the next tick averages with
         self._groups: tuple[Any, Any] = (None, None)
         self._sync_factory: GradSyncFactory = plain_sync
@@ -213,9 +214,25 @@ class TickTockProgram:
         tock_params = dict(self.tock.named_parameters())
         mapping = {id(p): tock_params[k] for k, p in gm.named_parameters()}
         self._tock_opt = clone_optimizer(optimizer, mapping)
+        # which of the user's groups each of the clone's came from (a group with none of the
+        # graph's parameters has no clone)
+        self._group_of = tuple(i for i, g in enumerate(optimizer.param_groups)
+                               if any(id(p) in mapping for p in g["params"]))
         if world > 1:  # every rank, in the same order; the world's timeout
             self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
         self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
+
+    def _follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """The tock's optimizer takes the user's hyper-parameters (a learning-rate schedule,
+        a changed weight decay) group by group, at every step: the second wave trains as the
+        user's optimizer says, not as it said at the first step."""
+        groups = optimizer.param_groups
+        if len(groups) <= max(self._group_of, default=-1):
+            raise ValueError("tick_tock: the optimizer's param groups changed after the first "
+                             "step (the tock wave's optimizer follows them group by group): "
+                             "add param groups before the first step")
+        for mine, i in zip(self._tock_opt.param_groups, self._group_of):
+            mine.update({k: v for k, v in groups[i].items() if k != "params"})
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of what the latest step ran uncaptured: the nodes of the lowered
@@ -254,6 +271,7 @@ class TickTockProgram:
         ys = split_batch(targets, 2 * world, "tick_tock targets")
         if self.tock is None:
             self._start(gm, optimizer, world)
+        self._follow(optimizer)
         waves = {"T": _Wave("T", gm, optimizer, xs[rank], ys[rank], self._groups[0],
                             self.syncs["T"]),
                  "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
