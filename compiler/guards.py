@@ -16,7 +16,8 @@ now with those, and never runs a capture made in another state:
 - **step** under a plan's program: the first step fixes the state; a later change of it, or a
   training mode other than the trace's, raises :class:`StepGuardError` naming what changed
   (module, parameter, autocast, grad mode) and what to do. A program is not re-captured in a
-  new state yet.
+  new state yet, and does not run under autocast yet: a step inside ``torch.autocast`` raises
+  (its pieces would silently compute in the parameters' dtype).
 
 Example:
     >>> import torch, tidal
@@ -86,6 +87,13 @@ class CaptureGuard:
             raise StepGuardError(self._message(
                 "Compiled.step", now, "call model.train() (or .eval()) before tidal.compile, "
                 "to compile the model in the mode it trains in", self.traced))
+        autocast = [f"autocast({d}, {dt})" for d, on, dt in now.autocast if on]
+        if autocast:
+            raise StepGuardError(
+                f"Compiled.step: {autocast[0]} is on, and the program of "
+                f"{', '.join(self.plans) or 'the plan'} does not run its captured pieces under "
+                f"autocast yet (they would silently compute in the parameters' dtype): step "
+                f"outside autocast, or compile without a parallelism or compression pass")
         if self.first_step is None:
             self.first_step = now
         elif now != self.first_step:

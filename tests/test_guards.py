@@ -77,7 +77,7 @@ def test_a_program_step_in_another_state_raises_naming_what_changed():
         c.step((x,), y)
     model.a.weight.requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(StepGuardError, match=r"autocast\(cpu\) off -> bfloat16"):
+        with pytest.raises(StepGuardError, match=r"autocast\(cpu, bfloat16\) is on"):
             c.step((x,), y)
     c.eval()
     with pytest.raises(StepGuardError, match=r"training mode True -> False \(modules ''"):
@@ -99,3 +99,33 @@ def test_compiled_behaves_like_a_module_where_users_expect_one():
     assert float(model[0].weight.detach().abs().sum()) == 0.0
     with pytest.raises(TypeError, match="train_scheduled"):
         c.train(lambda i: None, 3)
+
+
+def test_a_program_step_under_autocast_from_the_first_step_raises():
+    """Not silently fp32: the program's pieces do not run under the caller's autocast."""
+    model = _FunctionalDropout()
+    x, y = _data()
+    c = tidal.compile(model, (x,), passes=["compression"], loss_fn=F.cross_entropy,
+                      optimizer=_sgd)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(StepGuardError, match=r"autocast\(cpu, bfloat16\) is on.*compression"):
+            c.step((x,), y)
+
+
+def test_a_step_without_plans_under_autocast_equals_eager_autocast():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    c = tidal.compile(model, (x,), loss_fn=F.cross_entropy, optimizer=_sgd)
+    opt = _sgd(ref.parameters())
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = c.step((x,), y)
+            want = F.cross_entropy(ref(x), y)
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), rtol=0, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
