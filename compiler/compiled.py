@@ -50,10 +50,12 @@ class Compiled:
             lowered_graph(gm, ctx.example_inputs, lower))
         """The one executor every call, step and job runs through (a ``ProgramExecutor``:
         the rank program of the plans, or the graph as it is)."""
+        rank_program = self.executor.rank_program
         self.guard = CaptureGuard(model, gm, ctx.example_inputs,
                                   tuple(r.name for r in self.records if r.plan is not None),
-                                  program=not isinstance(self.executor.rank_program,
-                                                         GraphProgram))
+                                  program=not isinstance(rank_program, GraphProgram),
+                                  traced=self.records[0].graph_after,
+                                  refresh=getattr(rank_program, "refresh_state", None))
         """What runs when the state a capture depends on changed (``compiler.guards``)."""
         self.train_trace: list = []
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
@@ -88,7 +90,12 @@ class Compiled:
         return self.model.named_buffers(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The model's ``state_dict`` (its keys, not the graph's)."""
+        """The model's current ``state_dict`` (its keys, not the graph's). Under a plan whose
+        ranks hold stale copies of what they do not run (``burst_parallel``), the copies are
+        first brought up to date from their owners: a collective, every rank calls it."""
+        refresh = getattr(self.executor.rank_program, "refresh_state", None)
+        if refresh is not None:
+            refresh(self.graph_module)
         return self.model.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

@@ -6,9 +6,12 @@ the state of its first step. At every call and step :class:`CaptureGuard` compar
 now with those, and never runs a capture made in another state:
 
 - **forward** (``compiled(x)``): in another training mode than the trace's, the model is traced
-  again in the mode it is in now (once per mode, kept) and that graph runs, so
+  again in the mode it is in now (once per mode, kept); when that trace differs from the
+  compile's (a mode read at trace time: ``torch.export`` records dropout's flag,
+  ``F.dropout(x, p, self.training)`` is a constant to fx), that graph runs, after a plan's
+  stale copies are brought up to date (``burst_parallel``: a collective), so
   ``compiled.eval()`` gives eval semantics (no dropout, BatchNorm's running statistics) under
-  every plan; the ``clustered_attention`` plan (CHAI), whose rewritten forward *is* the
+  every plan; when it is the same, the compiled forward runs (its modules read the mode); the ``clustered_attention`` plan (CHAI), whose rewritten forward *is* the
   compiled graph, raises instead. Under an autocast other than the trace's, a lowered graph
   (captured segments) runs uncaptured (the graph itself honours autocast);
 - **step** with no plan (the graph runs as it is, with autograd): as the forward; autograd
@@ -29,7 +32,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -52,18 +55,22 @@ class CaptureGuard:
     ``program`` whether a plan's program (not the graph as it is) runs the steps."""
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: Any,
-                 plans: tuple[str, ...], program: bool):
+                 plans: tuple[str, ...], program: bool, traced: Optional[fx.Graph] = None,
+                 refresh: Optional[Callable[[fx.GraphModule], None]] = None):
         self.model, self.gm, self.example_inputs = model, gm, example_inputs
         self.plans, self.program = plans, program
         self.traced: StepState = step_state(model)
         self.first_step: Optional[StepState] = None
-        self._graphs: dict[tuple[bool, ...], fx.GraphModule] = {}
+        self._trace_code = _code(traced) if traced is not None else None
+        self._refresh = refresh
+        self._graphs: dict[tuple[bool, ...], Optional[fx.GraphModule]] = {}
 
     def forward_graph(self, lowered: bool) -> Optional[fx.GraphModule]:
         """The graph a forward must run now instead of the compiled one (None: the compiled
         one is right). ``lowered``: the compiled forward runs captured segments."""
         now = step_state(self.model)
-        if now.training != self.traced.training:
+        graph = self._retraced(now) if now.training != self.traced.training else None
+        if graph is not None:
             forward_plans = [p for p in self.plans if p in FORWARD_PLANS]
             if forward_plans:
                 raise StepGuardError(self._message(
@@ -71,7 +78,9 @@ class CaptureGuard:
                     f"the {forward_plans[0]} plan rewrote the forward in the mode it was "
                     f"compiled in: put the model back in that mode, or compile it again in "
                     f"this one"))
-            return self._retraced(now)
+            if self._refresh is not None:
+                self._refresh(self.gm)
+            return graph
         if lowered and now.autocast != self.traced.autocast:
             return self.gm
         return None
@@ -83,7 +92,7 @@ class CaptureGuard:
         if not self.program:
             return self.forward_graph(lowered)
         now = step_state(self.model)
-        if now.training != self.traced.training:
+        if now.training != self.traced.training and self._retraced(now) is not None:
             raise StepGuardError(self._message(
                 "Compiled.step", now, "call model.train() (or .eval()) before tidal.compile, "
                 "to compile the model in the mode it trains in", self.traced))
@@ -103,12 +112,17 @@ class CaptureGuard:
                 "program is not re-captured in a new state yet", self.first_step))
         return None
 
-    def _retraced(self, now: StepState) -> fx.GraphModule:
-        """The model traced again in its current training mode (kept per mode)."""
+    def _retraced(self, now: StepState) -> Optional[fx.GraphModule]:
+        """The model traced again in its current training mode (kept per mode), or None when
+        that trace is the compile's own (the graph reads the modes when it runs: the modules
+        whose behaviour depends on them are called, not inlined). Before a re-traced graph
+        runs, a plan's stale copies are brought up to date (``refresh``: a collective)."""
         from tidal.ir.capture import trace
 
         if now.mode_key not in self._graphs:
-            self._graphs[now.mode_key] = trace(self.model, self.example_inputs)
+            graph = trace(self.model, self.example_inputs)
+            same = self._trace_code is not None and _code(graph.graph) == self._trace_code
+            self._graphs[now.mode_key] = None if same else graph
         return self._graphs[now.mode_key]
 
     def _message(self, where: str, now: StepState, fix: str,
@@ -117,3 +131,9 @@ class CaptureGuard:
         plans = ", ".join(self.plans) or "no plan"
         return (f"{where}: the state the capture ({plans}) was made in changed: "
                 f"{'; '.join(changes)}. {fix}")
+
+
+def _code(graph: fx.Graph) -> str:
+    """The Python code of ``graph`` (two traces of one model in two modes are the same graph
+    when their code is the same)."""
+    return graph.python_code("self").src

@@ -270,6 +270,40 @@ def _check_results(cases, results):
 TWO_RANK_CASES = [CASES[1], CASES[4], CASES[5]]
 
 
+def _current_state(rank, size):
+    """Two steps with c1 and bn1 on rank 0 only: model.state_dict() on each rank, then
+    compiled.state_dict() (a collective), then an eval forward traced again in eval mode."""
+    from tidal.runtime.programs.burst_refresh import StaleStateError
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = Normed().double()
+    x, y = _data()
+    compiled = _compile(model, x, size, ("layers", {"c1": 1, "bn1": 1}))
+    for _ in range(2):
+        compiled.step((x,), y)
+    try:
+        model.state_dict()
+        stale = None
+    except StaleStateError as e:
+        stale = str(e)
+    state = {k: v.clone() for k, v in compiled.state_dict().items()}
+    again = {k: v.clone() for k, v in model.state_dict().items()}  # current now: no raise
+    return stale, state, again
+
+
+def test_the_model_state_is_current_on_every_rank_or_refuses(two_rank_job):
+    """Not the stale copy: model.state_dict() on the rank that skips c1/bn1 raises naming the
+    way out; compiled.state_dict() (a collective) is the same current state on both ranks."""
+    (stale0, state0, again0), (stale1, state1, again1) = two_rank_job["_current_state"]
+    assert stale0 is None  # rank 0 runs every layer: nothing stale
+    assert "rank 1" in stale1 and "'c1.weight'" in stale1 and "compiled.state_dict()" in stale1
+    assert state0.keys() == state1.keys()
+    for k in state0:
+        assert torch.equal(state0[k], state1[k]), k
+        assert torch.equal(again1[k], state1[k]), k
+
+
 @pytest.mark.slow
 def test_two_ranks_match_single_process(two_rank_job):
     _check_results(TWO_RANK_CASES, two_rank_job["equivalence"])
@@ -287,7 +321,7 @@ def two_rank_job():
     """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
     return spawn_parts(2, [part(_equivalence, TWO_RANK_CASES, name="equivalence"),
                            part(_equivalence, SKIP_CASES, name="skip"), part(_owner_state),
-                           part(_composed)], timeout_s=900)
+                           part(_composed), part(_current_state)], timeout_s=900)
 
 
 @pytest.fixture(scope="module")

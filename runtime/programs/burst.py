@@ -75,6 +75,8 @@ from tidal.ir.program import Program
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import is_distributed, rank_and_size
 from tidal.runtime.programs.burst_graph import specialise
+from tidal.runtime.programs.burst_refresh import (StaleGuard, refresh_replicas,
+                                                  replicated_elsewhere)
 from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from_plan, step_layout
 from tidal.runtime.programs.burst_state import load_rank_state, rank_state_dict, saved_tensors
 from tidal.runtime.programs.burst_step import BurstStep
@@ -140,6 +142,8 @@ class BurstProgram:
         self._sync_factory: Optional[GradSyncFactory] = None
         self._syncs: dict[Ranks, GradSync] = {}
         self.last_state: Optional[StateBytes] = None
+        self._stale: list[str] = []  # this rank's stale copies since its latest step
+        self._stale_guard = StaleGuard(lambda: bool(self._stale), lambda: self._stale)
 
     @property
     def spec(self) -> BurstSpec:
@@ -247,6 +251,15 @@ class BurstProgram:
         load_rank_state(state, 0 if rank is None else rank, self.world,
                         saved_tensors(gm, self.owned(gm)), optimizer, own, self.sync_of)
 
+    def refresh_state(self, gm: fx.GraphModule) -> None:
+        """Bring this rank's stale copies (of layers it does not run) up to date from their
+        owners, in place (``burst_refresh.refresh_replicas``; a collective on several ranks,
+        a no-op before a step): ``Compiled.state_dict()`` calls it, so the model's state is
+        current on every rank."""
+        if is_distributed() and self._ready:
+            refresh_replicas(gm, self.param_ranks, self.world, self.comm_group)
+            self._stale = []
+
     def state_bytes(self, gm: fx.GraphModule, optimizer: Optional[torch.optim.Optimizer] = None,
                     rank: Optional[int] = None) -> StateBytes:
         """The bytes of training state ``rank`` (default: this rank) holds, beside data
@@ -293,6 +306,9 @@ class BurstProgram:
         self.fallback_reason = layout.reason
         if distributed:
             remove_params(optimizer, gm, layout.foreign)
+            self._stale_guard.watch(model)
+            self._stale = [n for n, src in replicated_elsewhere(gm, self.param_ranks, size)
+                           if rank not in self.param_ranks[n]]
         return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, optimizer)
 
     def sync_of(self, ranks: Ranks) -> Optional[GradSync]:
