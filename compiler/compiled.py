@@ -107,6 +107,32 @@ class Compiled:
                              "the compiled graph reads: load in place (assign=False)")
         return self.model.load_state_dict(state_dict, strict=strict)
 
+    def runtime_state_dict(self) -> dict[str, Any]:
+        """What the plan's program holds beside the model and the optimizer (tick_tock's
+        second wave, compressor residuals, step counters), for a checkpoint beside
+        :meth:`state_dict` and the optimizer's; ``{}`` when it holds nothing.
+
+        Example:
+            >>> import torch, tidal
+            >>> c = tidal.compile(torch.nn.Linear(2, 2), (torch.randn(4, 2),))
+            >>> c.runtime_state_dict()
+            {}
+        """
+        save = getattr(self.executor.rank_program, "runtime_state", None)
+        return {} if save is None else save(self.graph_module)
+
+    def load_runtime_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`runtime_state_dict`'s result (after the model and the optimizer):
+        the next step continues the saved training bit for bit."""
+        load = getattr(self.executor.rank_program, "load_runtime_state", None)
+        if load is None:
+            if state:
+                raise ValueError(f"Compiled.load_runtime_state_dict: this compile's program "
+                                 f"({type(self.executor.rank_program).__name__}) holds no "
+                                 f"runtime state, the checkpoint has {sorted(state)[:3]}")
+            return
+        load(self.graph_module, self.optimizer, state)
+
     @property
     def training(self) -> bool:
         """The model's ``training`` flag."""

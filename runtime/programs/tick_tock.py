@@ -51,7 +51,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -221,6 +221,35 @@ class TickTockProgram:
         if world > 1:  # every rank, in the same order; the world's timeout
             self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
         self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
+
+    def runtime_state(self, gm: fx.GraphModule) -> dict[str, Any]:
+        """What this program holds beside the model and the user's optimizer, for a checkpoint
+        (``Compiled.runtime_state_dict``): the tock replica, its optimizer's state, the tock
+        gradient the next tick averages with (Eq. 1) and the waves' compressor states; empty
+        before the first step."""
+        if self.tock is None:
+            return {}
+        prev = self._prev_tock
+        return {"tock": {k: v.detach().clone() for k, v in self.tock.state_dict().items()},
+                "tock_optimizer": self._tock_opt.state_dict(),
+                "prev_tock": None if prev is None else [g.detach().clone() for g in prev],
+                "syncs": {w: s.state_dict() for w, s in self.syncs.items()}}
+
+    def load_runtime_state(self, gm: fx.GraphModule, optimizer: torch.optim.Optimizer,
+                           state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`runtime_state` returned (after the model and ``optimizer``,
+        the user's, were restored): the next step continues the saved training bit for
+        bit."""
+        if not state:
+            return
+        if self.tock is None:
+            self._start(gm, optimizer, rank_and_size()[1])
+        self.tock.load_state_dict(state["tock"])
+        self._tock_opt.load_state_dict(state["tock_optimizer"])
+        prev = state["prev_tock"]
+        self._prev_tock = None if prev is None else [g.clone() for g in prev]
+        for w, sync_state in state["syncs"].items():
+            self.syncs[w].load_state_dict(sync_state)
 
     def _follow(self, optimizer: torch.optim.Optimizer) -> None:
         """The tock's optimizer takes the user's hyper-parameters (a learning-rate schedule,
