@@ -17,8 +17,9 @@ from tidal.ir.cluster import Cluster
 from tidal.ir.errors import PassError
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.input_check import check_input_dtypes
-from tidal.ir.pass_api import Pass, PassContext
+from tidal.ir.pass_api import BATCH_CONVENTIONS, Pass, PassContext
 from tidal.passes import registry
+from tidal.runtime.batch_data import global_batch
 from tidal.runtime.comm.compressors.modeling import encode_decode_s
 
 PassSpec = Union[str, Pass]
@@ -82,7 +83,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
             loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
             optimizer: OptimizerSpec = None, example_targets: Any = None,
             leaf_modules: Iterable[LeafSpec] = (), verbose: bool = False,
-            lower: Optional[str] = None, **options: Any) -> Compiled:
+            lower: Optional[str] = None, batch: str = "global", check_batch: bool = True,
+            **options: Any) -> Compiled:
     """Trace ``model``, annotate per-node costs and run ``passes`` on the graph.
 
     ``example_inputs``: a tuple of inputs (a single tensor is accepted; a dict for Hugging Face
@@ -94,6 +96,19 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     ``"graphs"`` runs the graph lowered into captured segments (``tidal.runtime.lower``),
     ``"none"`` runs it as is; default ``"graphs"`` on a CUDA model, else ``"none"``. Other keyword
     ``options`` go to every selected pass whose constructor takes them.
+
+    ``batch`` says how the ranks pass training data (``PassContext.batch``): ``"global"``
+    (default) when every rank passes the same global batch, of which each rank's program takes
+    its share; ``"local"`` when each rank passes its own local batch, as a DDP loop with
+    ``DistributedSampler`` does: every step then all-gathers the ranks' batches along dim 0 in
+    rank order into the global batch (a last, smaller batch too), and ``example_inputs`` /
+    ``example_targets`` are this rank's local batch as well (``compile`` joins them the same
+    way, so the plan is for the global batch). ``check_batch`` (default True) checks the data
+    every step with one small collective: under ``"global"`` that every rank's batch is the
+    same (a ``BatchError`` names the input and the ranks that differ), under ``"local"`` that
+    what is not split by rows (Python values, 0-dim tensors) is equal on every rank. Under
+    both, a tensor input or target whose dim 0 is not the batch's is an error, never
+    replicated (``tidal.runtime.batch_data.global_batch``).
 
     Example:
         >>> import torch, tidal
@@ -107,6 +122,10 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    check_batch_options(batch, check_batch)
+    if batch == "local":
+        example_inputs, example_targets = global_batch(example_inputs, example_targets, batch,
+                                                       check=check_batch)
     log = _stderr_log if verbose else (lambda msg: None)
     records: list[PassRecord] = []
     t0 = time.perf_counter()
@@ -124,7 +143,8 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     ctx = PassContext(example_inputs=positional, batch_size=cost.example_batch(positional),
                       cluster=cluster or Cluster(), model=model, loss_fn=loss_fn,
                       optimizer=optimizer, example_targets=example_targets, log=log,
-                      encode_decode_s=_measurer(model))
+                      encode_decode_s=_measurer(model), batch=batch,
+                      check_batch=check_batch)
     selected = resolve_passes(passes, options, ctx)
     if isinstance(passes, str) and passes == "auto":
         selected, skipped = auto_select(selected, gm, ctx)
@@ -136,6 +156,26 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
     return Compiled(model, gm, records + pass_records, ctx, lower=lower)
+
+
+def check_batch_options(batch: Any, check_batch: Any) -> None:
+    """Raise ``ValueError``/``TypeError`` naming ``compile``'s ``batch`` or ``check_batch``
+    when its value is not one it takes.
+
+    Example:
+        >>> check_batch_options("local", False)
+        >>> check_batch_options("sharded", True)
+        Traceback (most recent call last):
+        ...
+        ValueError: compile(batch='sharded'): batch is one of ('global', 'local'): ...
+    """
+    if batch not in BATCH_CONVENTIONS:
+        raise ValueError(f"compile(batch={batch!r}): batch is one of {BATCH_CONVENTIONS}: "
+                         "'global' when every rank passes the same global batch, 'local' when "
+                         "each rank passes its own (DistributedSampler)")
+    if not isinstance(check_batch, bool):
+        raise TypeError(f"compile(check_batch={check_batch!r}): check_batch is True or False "
+                        "(whether every step checks the ranks' batches)")
 
 
 def _measurer(model: torch.nn.Module) -> Callable[..., float]:

@@ -18,6 +18,7 @@ from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 from tidal.runtime import executors
+from tidal.runtime.batch_data import global_batch
 from tidal.runtime.program import chrome_trace, device_of
 from tidal.runtime.programs.graph import GraphProgram, lowered_graph
 
@@ -242,9 +243,17 @@ class Compiled:
         if self.context.loss_fn is None:
             raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
                              "fn(outputs, targets) -> scalar tensor")
-        inputs = bind_inputs(self.graph_module, inputs, "Compiled.step inputs")
+        inputs, targets = self._global_batch(inputs, targets, "Compiled.step inputs")
         return self.executor.step(self._step_graph(), self.model, inputs, targets,
                                   self.context.loss_fn, self.optimizer)
+
+    def _global_batch(self, inputs: Any, targets: Any, what: str) -> tuple[tuple, Any]:
+        """The step's global batch from what this rank passed (``compile(batch=...)``:
+        ``tidal.runtime.batch_data.global_batch``), its inputs bound to the graph's
+        placeholders."""
+        inputs = bind_inputs(self.graph_module, inputs, what)
+        return global_batch(inputs, targets, self.context.batch,
+                            check=self.context.check_batch)
 
     def _step_graph(self) -> torch.fx.GraphModule:
         """The graph this step runs (the compiled one, or one the guard gives)."""
@@ -276,7 +285,7 @@ class Compiled:
         if self.context.loss_fn is None:
             raise ValueError("Compiled.backward needs a loss: tidal.compile(..., loss_fn=fn) "
                              "with fn(outputs, targets) -> scalar tensor")
-        inputs = bind_inputs(self.graph_module, inputs, "Compiled.backward inputs")
+        inputs, targets = self._global_batch(inputs, targets, "Compiled.backward inputs")
         return self.executor.backward(self._step_graph(), self.model, inputs, targets,
                                       self.context.loss_fn, scale=scale,
                                       sync=not self._no_sync)
@@ -318,7 +327,7 @@ class Compiled:
 
         def bound(i: int) -> tuple[Any, Any]:
             inputs, targets = batches(i)
-            return bind_inputs(self.graph_module, inputs, "Compiled.job inputs"), targets
+            return self._global_batch(inputs, targets, "Compiled.job inputs")
 
         return self.executor.job(name, self._step_graph(), self.model, bound,
                                  self.context.loss_fn, self.optimizer, iterations)

@@ -29,6 +29,11 @@ from tidal.ir.cluster import Cluster
 from tidal.ir.errors import PassError
 from tidal.ir.plan import Plan
 
+BATCH_CONVENTIONS = ("global", "local")
+"""How the ranks pass a training step's data (``compile(batch=)``): ``"global"``, every rank
+the same global batch; ``"local"``, each rank its own local batch (a ``DistributedSampler``),
+joined into the global batch in rank order by the runtime."""
+
 
 @dataclass
 class PassContext:
@@ -37,6 +42,9 @@ class PassContext:
     ``example_inputs`` and ``example_targets`` at the example batch, ``batch_size`` (the global
     batch), the ``cluster``, ``loss_fn``/``optimizer`` when compiling for training, the original
     ``model``, ``plans`` of the passes that ran before (by name) and ``log`` for progress lines.
+    ``batch`` is how the ranks pass a step's data (one of :data:`BATCH_CONVENTIONS`; a pass
+    always sees the global batch) and ``check_batch`` whether the runtime checks it every step
+    (``tidal.runtime.batch_data.global_batch``).
     """
 
     example_inputs: tuple
@@ -52,6 +60,8 @@ class PassContext:
     """Measures a gradient compressor on this machine: ``(spec, parameter shapes) -> seconds``
     of encode + decode (``compile()`` fills it from the runtime's compressors; a pass cannot
     import the runtime)."""
+    batch: str = "global"
+    check_batch: bool = True
 
     @classmethod
     def for_inputs(cls, example_inputs: Sequence[Any], **kw: Any) -> "PassContext":
