@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
@@ -53,6 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from tidal.ir.capture import TrainStep, grad_nodes, step_inputs
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
+from tidal.ir.errors import TidalError
 from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
 # re-exported: the builders and the README name them here
 from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
@@ -464,11 +466,46 @@ class RankProgram(Protocol):
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> StepWork: ...
 
 
+class OpenRankProgram(RankProgram, Protocol):
+    """A rank program that runs the open step (``Compiled.backward``, as DDP's): ``bind_backward``
+    prepares forward, loss and backward of one (micro-)batch with no optimizer piece. With
+    ``sync`` the gradient of ``scale * loss`` (plus what the program accumulated under
+    ``no_sync``), averaged over the ranks as DDP averages, is *added* to each trainable
+    parameter's ``.grad``; without, it is accumulated in the program, unsynchronized. It may
+    define ``clip_grad_norm_(model, max_norm, norm_type)`` (the global norm over what the
+    ranks hold, each parameter counted once; default: ``torch.nn.utils.clip_grad_norm_``, for
+    programs whose ranks all hold the same synchronized gradients)."""
+
+    def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> StepWork: ...
+
+
+class OpenStepError(TidalError):
+    """The open step (``Compiled.backward``, ``Compiled.clip_grad_norm_``) is not available
+    for a plan's program (yet), or not with an option of its plan; the message names which
+    and what to use instead."""
+
+
+def plan_kind_of(rank_program: Any) -> str:
+    """The plan kind whose builder made ``rank_program`` (its module's ``PLAN_KIND``), or its
+    class name when the module declares none.
+
+    Example:
+        >>> from tidal.runtime.programs.graph import GraphProgram
+        >>> plan_kind_of(GraphProgram())
+        'GraphProgram'
+    """
+    module = sys.modules.get(type(rank_program).__module__)
+    return getattr(module, "PLAN_KIND", type(rank_program).__name__)
+
+
 class ProgramExecutor:
     """The one executor: runs the program a builder gives for each step on the runtime's
     streams (:class:`ProgramRunner`) and keeps its pieces (``last_program``, ``last_trace``;
-    :func:`chrome_trace` writes them). What the executor does not define (a builder's
-    statistics, ``state_dict``, ``use_grad_sync``) is the rank program's."""
+    :func:`chrome_trace` writes them). :meth:`step` runs a whole step (the optimizer's
+    included); :meth:`backward` and :meth:`clip_grad_norm_` are the open step, where the rank
+    program offers it (:class:`OpenRankProgram`). What the executor does not define (a
+    builder's statistics, ``state_dict``, ``use_grad_sync``) is the rank program's."""
 
     def __init__(self, rank_program: RankProgram, runner: Optional[ProgramRunner] = None):
         self.rank_program = rank_program
@@ -508,6 +545,65 @@ class ProgramExecutor:
         self.last_program = bound.program
         self.last_trace = self.runner.launch(bound.program, bound.work)
         return bound.loss()
+
+    def backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+                 loss_fn: Callable, *, scale: Any = None, sync: bool = True) -> torch.Tensor:
+        """The open step (``Compiled.backward``): forward, ``loss_fn(outputs, targets)`` and
+        backward of one (micro-)batch as the rank program binds them
+        (:class:`OpenRankProgram`): with ``sync``, the gradient of ``scale * loss`` (plus what
+        earlier calls with ``sync=False`` accumulated), averaged over the ranks, is added to
+        each trainable parameter's ``.grad``; without, it is kept in the program. Returns the
+        global batch's loss (unscaled, detached). Raises :class:`OpenStepError` naming the plan
+        kind when the rank program has no open step.
+
+        Example:
+            >>> from tidal.runtime.programs.graph import GraphProgram
+            >>> model = torch.nn.Linear(4, 2)
+            >>> ex = ProgramExecutor(GraphProgram())
+            >>> x, y = torch.randn(3, 4), torch.tensor([0, 1, 1])
+            >>> loss = ex.backward(model, model, (x,), y, torch.nn.functional.cross_entropy,
+            ...                    scale=0.5, sync=False)
+            >>> model.weight.grad is None                     # kept in the program
+            True
+            >>> loss = ex.backward(model, model, (x,), y, torch.nn.functional.cross_entropy,
+            ...                    scale=0.5)
+            >>> model.weight.grad.shape, [p.name for p in ex.last_program.pieces]
+            (torch.Size([2, 4]), ['forward', 'backward', 'grads'])
+        """
+        bind = getattr(self.rank_program, "bind_backward", None)
+        if bind is None:
+            raise OpenStepError(f"Compiled.backward (the open step) is not available under "
+                                f"{plan_kind_of(self.rank_program)} yet: use Compiled.step")
+        self.device = device_of(model, inputs)
+        bound = bind(gm, model, inputs, targets, loss_fn, scale, sync)
+        self.last_program = bound.program
+        self.last_trace = self.runner.launch(bound.program, bound.work)
+        return bound.loss()
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``model``'s parameters by their global norm over every rank
+        (each parameter counted once); returns the norm before clipping. The rank program's
+        ``clip_grad_norm_`` when it has one; else, for a program with an open step (every rank
+        holds the same synchronized gradients), ``torch.nn.utils.clip_grad_norm_`` over the
+        parameters. Raises :class:`OpenStepError` naming the plan kind otherwise.
+
+        Example:
+            >>> from tidal.runtime.programs.graph import GraphProgram
+            >>> model = torch.nn.Linear(3, 1)                 # 4 gradients of 2.0: norm 4
+            >>> for p in model.parameters():
+            ...     p.grad = torch.full_like(p, 2.0)
+            >>> ProgramExecutor(GraphProgram()).clip_grad_norm_(model, 1.0).item()
+            4.0
+        """
+        own = getattr(self.rank_program, "clip_grad_norm_", None)
+        if own is not None:
+            return own(model, max_norm, norm_type)
+        if getattr(self.rank_program, "bind_backward", None) is None:
+            raise OpenStepError(f"Compiled.clip_grad_norm_ is not available under "
+                                f"{plan_kind_of(self.rank_program)} yet: its ranks hold "
+                                f"different parts of the gradients (use Compiled.step)")
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def job(self, name: str, gm: fx.GraphModule, model: torch.nn.Module,
             batches: Callable[[int], tuple[Any, Any]], loss_fn: Callable,

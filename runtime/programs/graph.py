@@ -8,7 +8,10 @@ captured segments, ``tidal.runtime.lower``); a training step is two pieces on th
 stream, ``forward`` (the loss) and ``backward`` (autograd, then the optimizer's step), so the
 step has a trace and a scheduler can fit the pieces into another job's idle spans. The pieces
 read the model's state only when they run, so the next step's pieces may be bound before this
-one ends (``pipelined``: the stream runs them in order).
+one ends (``pipelined``: the stream runs them in order). The open step (``Compiled.backward``,
+:meth:`GraphProgram.bind_backward`) is ``forward``, ``backward`` (autograd of ``scale * loss``)
+and ``grads`` (added to the parameters' ``.grad``) or, inside ``no_sync``, ``accumulate`` (kept
+in the program until the next call outside it): one process, nothing to synchronize.
 
 Example:
     >>> import torch
@@ -31,12 +34,21 @@ import torch
 import torch.fx as fx
 
 from tidal.ir.inputs import bind_inputs
+from tidal.ir.param_owners import trainable
 from tidal.ir.program import COMPUTE, Piece, Program
+from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
+                                                     accumulate_grad)
 
 FORWARD, BACKWARD = "forward", "backward"
 
 STEP_PROGRAM = Program((Piece(FORWARD, COMPUTE), Piece(BACKWARD, COMPUTE, (0,))))
 """One eager training step: the forward with the loss, then backward with the optimizer."""
+
+OPEN_PROGRAMS = {sync: Program((Piece(FORWARD, COMPUTE), Piece(BACKWARD, COMPUTE, (0,)),
+                                Piece(GRADS if sync else ACCUMULATE, COMPUTE, (1,))))
+                 for sync in (True, False)}
+"""The open step's program, with ``sync`` (``grads``: added to ``.grad``) or without
+(``accumulate``: kept in the program)."""
 
 
 class GraphProgram:
@@ -48,6 +60,8 @@ class GraphProgram:
 
     def __init__(self, lowered: Optional[torch.nn.Module] = None):
         self.lowered = lowered
+        self.local_grads = LocalGrads()
+        """What the open step accumulated inside ``no_sync``, not yet in ``.grad``."""
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """The graph's forward (its lowered form when there is one)."""
@@ -57,6 +71,13 @@ class GraphProgram:
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "GraphStep":
         """One training step as :data:`STEP_PROGRAM`'s two pieces."""
         return GraphStep(self.lowered or gm, inputs, targets, loss_fn, optimizer)
+
+    def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool
+                      ) -> "GraphBackward":
+        """The open step as :data:`OPEN_PROGRAMS`' three pieces (see the module docstring)."""
+        return GraphBackward(self.lowered or gm, trainable(gm), inputs, targets, loss_fn,
+                             scale, sync, self.local_grads)
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of each step of the lowered forward that runs uncaptured."""
@@ -86,6 +107,49 @@ class GraphStep:
     def _backward(self) -> None:
         self._loss.backward()
         self._optimizer.step()
+
+    def loss(self) -> torch.Tensor:
+        return self._loss.detach()
+
+
+class GraphBackward:
+    """One bound open step (``tidal.runtime.program.StepWork``): the gradient of
+    ``scale * loss`` added to the trainable parameters' ``.grad`` with what ``local`` holds
+    (``sync``), or added to ``local``."""
+
+    def __init__(self, run: Callable[..., Any], params: dict[str, torch.Tensor],
+                 inputs: Sequence[Any], targets: Any, loss_fn: Callable, scale: Any,
+                 sync: bool, local: LocalGrads):
+        self.program = OPEN_PROGRAMS[sync]
+        self._run, self._inputs, self._targets = run, tuple(inputs), targets
+        self._loss_fn, self._scale, self._params, self._local = loss_fn, scale, params, local
+        self._loss: Optional[torch.Tensor] = None
+        self._grads: dict[str, torch.Tensor] = {}
+
+    def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        return {FORWARD: self._forward, BACKWARD: self._backward, GRADS: self._add,
+                ACCUMULATE: self._accumulate}[piece.name]
+
+    def _forward(self) -> None:
+        self._loss = self._loss_fn(self._run(*self._inputs), self._targets)
+
+    def _backward(self) -> None:
+        if not self._params:
+            return
+        loss = self._loss if self._scale is None else self._loss * self._scale
+        grads = torch.autograd.grad(loss, list(self._params.values()), allow_unused=True)
+        self._grads = {n: g for n, g in zip(self._params, grads) if g is not None}
+
+    def _add(self) -> None:
+        add_grads(self._params, {n: self._local.plus(self._params[n], g)
+                                 for n, g in self._grads.items()})
+        for _, param, left in self._local.drain():   # accumulated, unused in this call
+            if param.requires_grad:
+                accumulate_grad(param, left)
+
+    def _accumulate(self) -> None:
+        for n, g in self._grads.items():
+            self._local.add(n, self._params[n], g)
 
     def loss(self) -> torch.Tensor:
         return self._loss.detach()

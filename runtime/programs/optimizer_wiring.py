@@ -7,6 +7,9 @@ and steps the user's optimizer: on every parameter, or on those one partition ow
 (:func:`step_only`, the same optimizer object so its state and a scheduler on it stay), or on
 a replica's parameters through a clone of it (:func:`clone_optimizer`). A rank that holds only
 the parameters it owns takes the others out of the optimizer for good (:func:`remove_params`).
+In the open step (``Compiled.backward``) there is no optimizer piece: the ``grads`` piece adds
+the synchronized gradients to ``.grad`` (:func:`add_grads`) and, inside ``no_sync``, the
+``accumulate`` piece keeps them in the program (:class:`LocalGrads`) until the next sync.
 
 Example:
     >>> import torch
@@ -21,7 +24,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -118,3 +121,81 @@ def remove_params(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
             group["params"][:] = [p for p in group["params"] if id(p) not in drop]
             for p in removed:
                 optimizer.state.pop(p, None)
+
+
+GRADS, ACCUMULATE = "grads", "accumulate"
+"""The last piece of an open step (``Compiled.backward``): ``grads`` adds the synchronized
+gradients to the parameters' ``.grad``; ``accumulate`` (inside ``no_sync``) adds this call's
+gradients to the program's :class:`LocalGrads` instead."""
+
+
+def scaled(grad: torch.Tensor, scale: Any) -> torch.Tensor:
+    """``grad * scale`` (``scale`` a number or a tensor: a ``GradScaler``'s), or ``grad`` itself
+    when ``scale`` is None.
+
+    Example:
+        >>> scaled(torch.ones(2), 0.25).tolist(), scaled(torch.ones(1), None).tolist()
+        ([0.25, 0.25], [1.0])
+    """
+    return grad if scale is None else grad * scale
+
+
+def add_grads(params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:
+    """``params[name].grad += grads[name]`` (set when None, reshaped to the parameter's shape),
+    as ``loss.backward()`` adds to it, for each name of ``grads`` whose parameter still
+    requires a gradient (a frozen one is left untouched). The gradients may have been made on
+    another stream: they are marked used on this one first.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1)
+        >>> _ = m.bias.requires_grad_(False)
+        >>> add_grads(dict(m.named_parameters()), {"weight": torch.ones(2), "bias": torch.ones(1)})
+        >>> add_grads(dict(m.named_parameters()), {"weight": torch.ones(2)})
+        >>> m.weight.grad.tolist(), m.bias.grad
+        ([[2.0, 2.0]], None)
+    """
+    used_here(*grads.values())
+    for name, g in grads.items():
+        p = params[name]
+        if p.requires_grad:
+            accumulate_grad(p, g.reshape(p.shape) if g.shape != p.shape else g)
+
+
+class LocalGrads:
+    """Gradients a program accumulates on this rank inside ``Compiled.no_sync()`` (DDP's
+    ``no_sync``), by parameter, neither synchronized nor in ``.grad``: the next synchronized
+    call adds its own gradient to each sum (:meth:`plus`) and synchronizes the total once.
+
+    Example:
+        >>> w = torch.zeros(2, requires_grad=True)
+        >>> local = LocalGrads()
+        >>> local.add("w", w, torch.ones(2)); local.add("w", w, torch.ones(2))
+        >>> local.plus(w, torch.ones(2)).tolist(), len(local)
+        ([3.0, 3.0], 0)
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+    def add(self, name: str, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` to ``param``'s sum (a copy of it first: graph outputs are reused)."""
+        kept = self._sums.get(id(param))
+        if kept is None:
+            self._sums[id(param)] = (name, param, grad.detach().clone())
+        else:
+            kept[2].add_(grad)
+
+    def plus(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``param``'s sum plus ``grad`` (the sum is handed over: taken out of here), or
+        ``grad`` when nothing was accumulated for it."""
+        kept = self._sums.pop(id(param), None)
+        return grad if kept is None else kept[2].add_(grad)
+
+    def drain(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, parameter, sum)`` of every sum left (taken out of here)."""
+        left = list(self._sums.values())
+        self._sums.clear()
+        return left
