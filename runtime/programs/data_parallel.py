@@ -75,10 +75,12 @@ from tidal.runtime.program import OpenStepError, data_parallel
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
                                                      scaled, set_grads)
 from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss
+from tidal.runtime.programs.data_parallel_steps import (ACCORDION, BROADCAST, SYNC,
+                                                       CapturedStep, DataParallelStep,
+                                                       EagerStep, OpenStep, open_program)
 from tidal.runtime.programs.step_capture import (Fallback, StepCapture, agreed, capture_step,
                                                  lower_step, shape_key)
 
-BROADCAST, ACCORDION, SYNC = "broadcast", "accordion", "sync"
 
 
 def shard(value: Any, rank: int, size: int, batch: int) -> Any:
@@ -124,51 +126,6 @@ def framed(pieces: Sequence[Piece], world: int, accordion: bool) -> Program:
     return Program(tuple(out), world)
 
 
-def open_program(program: Program, sync: bool) -> tuple[Program, tuple[int, ...]]:
-    """The open step's program made from a step's ``program`` (:func:`framed`): the same
-    pieces with ``grads`` (the synchronized gradients added to ``.grad``) in place of the
-    ``optimizer`` piece and no ``accordion`` piece; with ``sync`` False, no sync pieces either
-    and ``accumulate`` last. Returns it and, per piece, its index in ``program``.
-
-    Example:
-        >>> step = framed(eager_pieces([(0,), (1,)]), 2, False)
-        >>> p, origin = open_program(step, sync=False)
-        >>> [(q.name, q.deps) for q in p.pieces], origin  # doctest: +NORMALIZE_WHITESPACE
-        ([('broadcast', ()), ('forward', (0,)), ('backward', (1,)), ('accumulate', (2,))],
-         (0, 1, 2, 5))
-        >>> [q.name for q in open_program(step, sync=True)[0].pieces][-3:]
-        ['sync 0', 'sync 1', 'grads']
-    """
-    pieces = program.pieces
-    drop = {i for i, p in enumerate(pieces)
-            if p.name == ACCORDION or (not sync and p.stream == COMM and p.name != BROADCAST)}
-    index: dict[int, int] = {}
-    out: list[Piece] = []
-
-    def deps_of(deps: Sequence[int]) -> set[int]:
-        return {k for d in deps for k in (deps_of(pieces[d].deps) if d in drop else {index[d]})}
-
-    for i, p in enumerate(pieces):
-        if i in drop:
-            continue
-        if p.kind == OPTIMIZER:
-            p = Piece(GRADS if sync else ACCUMULATE, COMPUTE)
-        index[i] = len(out)
-        out.append(replace(p, deps=tuple(sorted(deps_of(pieces[i].deps)))))
-    return Program(tuple(out), program.world), tuple(index)
-
-
-@dataclass(frozen=True)
-class OpenStep:
-    """How a bound step is open (``Compiled.backward``): its ``program`` (:func:`open_program`),
-    each piece's index in the step's program (``origin``), the loss's ``scale`` and ``sync``."""
-
-    program: Program
-    origin: tuple[int, ...]
-    scale: Any
-    sync: bool
-
-
 class DataParallelProgram:
     """Data-parallel training as a program (see the module docstring). ``compressor``: the
     gradient compressor (default: none, a plain averaging all-reduce); ``buckets``: explicit
@@ -206,7 +163,7 @@ class DataParallelProgram:
         self._programs: dict[tuple, StepCapture] = {}
         self._open_programs: dict[tuple, tuple[Program, tuple[int, ...]]] = {}
         self._latest: Optional[StepCapture] = None
-        self._params_shared = False
+        self.params_shared = False
         self.local_grads = LocalGrads()
         """What the open step accumulated inside ``no_sync`` on this rank, not yet synced."""
 
@@ -238,17 +195,17 @@ class DataParallelProgram:
         return gm(*args, **kwargs)
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any, targets: Any,
-             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_Step":
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> DataParallelStep:
         """This rank's step on its shard of the global batch: the program of these shapes
         (built on first use) and what its pieces do. Raises ``ValueError`` when the global
         batch does not split evenly over the ranks."""
         key, local, local_targets = self._shard(inputs, targets)
         capture = self._capture(key, gm, model, local, local_targets, loss_fn)
-        step = _CapturedStep if capture.captured else _EagerStep
+        step = CapturedStep if capture.captured else EagerStep
         return step(self, capture, model, optimizer, gm, local, local_targets, loss_fn)
 
     def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any,
-                      targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> "_Step":
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> DataParallelStep:
         """The open step on this rank's shard (``Compiled.backward``; see the module
         docstring): the step's program of these shapes made open (:func:`open_program`).
         Raises ``OpenStepError`` with Accordion (it reads the optimizer's rate at the end of
@@ -264,7 +221,7 @@ class DataParallelProgram:
         if (key, sync) not in self._open_programs:
             self._open_programs[key, sync] = open_program(capture.program, sync)
         opened = OpenStep(*self._open_programs[key, sync], scale, sync)
-        step = _CapturedStep if capture.captured else _EagerStep
+        step = CapturedStep if capture.captured else EagerStep
         return step(self, capture, model, None, gm, local, local_targets, loss_fn, opened)
 
     def _shard(self, inputs: Any, targets: Any) -> tuple[tuple, Any, Any]:
@@ -343,175 +300,3 @@ class DataParallelProgram:
         self.compressor.load_state_dict(state["compressor"])
         if self.accordion is not None and state["accordion"] is not None:
             self.accordion.load_state_dict(state["accordion"])
-
-
-class _Step:
-    """One bound step (``tidal.runtime.program.StepWork``): the broadcast, sync, optimizer and
-    Accordion pieces, or with ``opened`` (:class:`OpenStep`) its program's ``grads`` or
-    ``accumulate`` piece; subclasses run the compute pieces and give the gradients and the
-    loss."""
-
-    def __init__(self, owner: DataParallelProgram, capture: StepCapture,
-                 model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 module: torch.nn.Module, names: Sequence[str],
-                 opened: Optional[OpenStep] = None):
-        self.program = capture.program if opened is None else opened.program
-        self._opened = opened
-        self._owner = owner
-        self._model = model
-        self._params = trainable(module)
-        self._optimizer = optimizer
-        self._names = tuple(names)
-        self._first = owner.steps == 0 and not owner._params_shared
-        self._synced: dict[str, torch.Tensor] = {}
-        self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
-
-    def work(self, index: int, piece: Piece) -> Callable[[], Any]:
-        if piece.name == BROADCAST:
-            return self._broadcast
-        if piece.stream == COMM:
-            return functools.partial(self._sync, piece.grads)
-        if piece.kind == OPTIMIZER:
-            return self._apply
-        if piece.name == ACCORDION:
-            return functools.partial(self._owner.accordion_step, self._synced, self._optimizer)
-        if self._opened is not None and piece.name in (GRADS, ACCUMULATE):
-            return self._add if piece.name == GRADS else self._accumulate
-        return self.compute(index if self._opened is None else self._opened.origin[index],
-                            piece)
-
-    def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
-        raise NotImplementedError
-
-    def grad(self, index: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def open_grad(self, index: int) -> torch.Tensor:
-        """Gradient ``index`` of ``scale * loss`` (the open step's)."""
-        return scaled(self.grad(index), self._opened.scale)
-
-    def local_loss(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _broadcast(self) -> None:
-        broadcast_state(self._model, self._first, self._owner.comm.group)
-        self._owner._params_shared = True
-
-    def _sync(self, indices: Sequence[int]) -> None:
-        """Issue the sync of one bucket (the ``optimizer`` or ``grads`` piece waits for it):
-        in the open step, of this call's gradients plus what ``no_sync`` calls accumulated."""
-        if self._opened is None:
-            grads = {self._names[i]: self.grad(i) for i in indices}
-        else:
-            local = self._owner.local_grads
-            grads = {self._names[i]: local.plus(self._params[self._names[i]], self.open_grad(i))
-                     for i in indices}
-        self._pending.append(self._owner.grad_sync.bucket_async(grads))
-
-    def _wait(self) -> None:
-        """Wait for every bucket's sync; their results in ``_synced``."""
-        for bucket, result in enumerate(self._pending):
-            try:
-                self._synced.update(result())
-            except Exception as e:
-                e.add_note(f"in the gradient sync of bucket {bucket} (piece 'sync {bucket}')")
-                raise
-        self._pending.clear()
-
-    def _apply(self) -> None:
-        self._wait()
-        set_grads(self._params, self._synced)
-        self._optimizer.step()
-        self._owner.steps += 1
-
-    def _add(self) -> None:
-        """The open step's ``grads`` piece: the synchronized gradients added to ``.grad``."""
-        self._wait()
-        add_grads(self._params, self._synced)
-        left = self._owner.local_grads.drain()
-        if left:
-            raise ValueError(f"data parallel: gradients of {[n for n, _, _ in left][:3]} were "
-                             f"accumulated inside no_sync() but this synchronized "
-                             f"Compiled.backward does not train them (frozen in between?): "
-                             f"keep requires_grad the same over an accumulation")
-
-    def _accumulate(self) -> None:
-        """The open step's ``accumulate`` piece (inside ``no_sync``): gradients kept here."""
-        local = self._owner.local_grads
-        for i, name in enumerate(self._names):
-            local.add(name, self._params[name], self.open_grad(i))
-
-    def loss(self) -> torch.Tensor:
-        """The global batch's loss: the mean of the ranks' shard losses."""
-        return reduce_loss(self.local_loss(), self._owner.comm.group)
-
-
-class _CapturedStep(_Step):
-    """The captured step's segments (lowered, captured); gradients are its outputs."""
-
-    def __init__(self, owner: DataParallelProgram, capture: StepCapture,
-                 model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
-                 opened: Optional[OpenStep] = None):
-        super().__init__(owner, capture, model, optimizer, gm, capture.step.param_names,
-                         opened)
-        self._run = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
-        self._loss_node, self._grad_nodes = capture.nodes()
-
-    def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
-        return self._run.segment(index)
-
-    def grad(self, index: int) -> torch.Tensor:
-        return self._run.value(self._grad_nodes[index])
-
-    def local_loss(self) -> torch.Tensor:
-        return self._run.value(self._loss_node)
-
-
-class _EagerStep(_Step):
-    """Eager ``forward`` and ``backward`` pieces (autograd fills the parameters' ``.grad``; in
-    the open step, the gradients of ``scale * loss`` are kept here instead)."""
-
-    def __init__(self, owner: DataParallelProgram, capture: StepCapture,
-                 model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                 gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
-                 opened: Optional[OpenStep] = None):
-        super().__init__(owner, capture, model, optimizer, model, tuple(trainable(model)),
-                         opened)
-        self._run = functools.partial(_eager_loss, gm, inputs, targets, loss_fn)
-        self._loss: Optional[torch.Tensor] = None
-        self._grads: tuple[Optional[torch.Tensor], ...] = ()
-
-    def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
-        return self._forward if piece.name == "forward" else self._backward
-
-    def _forward(self) -> None:
-        if self._optimizer is not None:
-            self._optimizer.zero_grad(set_to_none=True)
-        self._loss = self._run()
-
-    def _backward(self) -> None:
-        if self._opened is None:
-            self._loss.backward()
-        elif self._names:
-            scale = self._opened.scale
-            loss = self._loss if scale is None else self._loss * scale
-            self._grads = torch.autograd.grad(loss, [self._params[n] for n in self._names],
-                                              allow_unused=True)
-
-    def grad(self, index: int) -> torch.Tensor:
-        p = self._params[self._names[index]]
-        return p.grad if p.grad is not None else torch.zeros_like(p)
-
-    def open_grad(self, index: int) -> torch.Tensor:
-        g = self._grads[index]
-        return g if g is not None else torch.zeros_like(self._params[self._names[index]])
-
-    def local_loss(self) -> torch.Tensor:
-        return self._loss
-
-
-def _eager_loss(gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable
-                ) -> torch.Tensor:
-    out = gm(**inputs) if isinstance(inputs, Mapping) else gm(*inputs)
-    return loss_fn(out, targets)
