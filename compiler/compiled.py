@@ -20,6 +20,7 @@ from tidal.ir.plan import CompiledPlan
 from tidal.runtime import executors
 from tidal.runtime.batch_data import global_batch
 from tidal.runtime.program import chrome_trace, device_of
+from tidal.runtime.programs.step_failures import collective_errors
 from tidal.runtime.programs.graph import GraphProgram, lowered_graph
 
 OptimizerSpec = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer], None]
@@ -252,8 +253,10 @@ class Compiled:
         ``tidal.runtime.batch_data.global_batch``), its inputs bound to the graph's
         placeholders."""
         inputs = bind_inputs(self.graph_module, inputs, what)
-        return global_batch(inputs, targets, self.context.batch,
-                            check=self.context.check_batch)
+        with collective_errors(what.split(" ")[0], f"the exchange of the ranks' batches "
+                               f"(compile(batch={self.context.batch!r}))"):
+            return global_batch(inputs, targets, self.context.batch,
+                                check=self.context.check_batch)
 
     def _step_graph(self) -> torch.fx.GraphModule:
         """The graph this step runs (the compiled one, or one the guard gives)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -34,9 +35,11 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tidal.ir import meta
-from tidal.ir.errors import TraceError
+from tidal.ir.errors import TidalError, TraceError
 from tidal.ir.export_capture import NAME as EXPORT
 from tidal.ir.export_capture import LeafSpec, export_trace, user_leaf
+from tidal.ir.node_runner import (alias_root, fetch_attr, is_inplace_method, op_name,
+                                  written_nodes)
 from tidal.ir.param_owners import trainable
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -60,14 +63,46 @@ class _PathTracking:
 
 class _Tracer(_PathTracking, fx.Tracer):
     """fx tracer that honours user leaf modules and remembers which module it was in when
-    tracing failed."""
+    tracing failed.
 
-    def __init__(self, leaf_modules: Iterable[LeafSpec] = ()):
+    With ``proxy_buffers`` (the default) a buffer read in the forward is a ``get_attr`` proxy,
+    so an update of it in place (``self.count.add_(1)``, ``self.ema.mul_(0.9).add_(x)``) is a
+    node of the graph, as in eager; fx's default runs such an update once on the real buffer
+    at trace time and leaves it out of the graph. A buffer write records the user's line
+    (``stack_trace``), and one made under ``torch.no_grad()`` writes detached values, as the
+    eager update records no autograd history in the buffer."""
+
+    def __init__(self, leaf_modules: Iterable[LeafSpec] = (), proxy_buffers: bool = True):
         super().__init__()
+        self.proxy_buffer_attributes = proxy_buffers
         self.user_leaf = user_leaf(leaf_modules)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         return self.user_leaf(m, qualname) or super().is_leaf_module(m, qualname)
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **options):
+        writes = kind == "call_method" and is_inplace_method(target) and bool(args) and \
+            isinstance(args[0], fx.Proxy) and alias_root(args[0].node).op == "get_attr"
+        if writes and not torch.is_grad_enabled():
+            args = (args[0],) + tuple(self.create_proxy("call_method", "detach", (a,), {})
+                                      if isinstance(a, fx.Proxy) else a for a in args[1:])
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **options)
+        if writes:
+            frame = _caller_frame()
+            if frame is not None:
+                proxy.node.meta.setdefault("stack_trace", "".join(
+                    traceback.format_list([frame])))
+        return proxy
+
+
+def _caller_frame() -> traceback.FrameSummary | None:
+    """The innermost frame of the current stack outside torch and tidal's ``ir``: the user's
+    line being traced."""
+    for frame in reversed(traceback.extract_stack()):
+        f = os.path.abspath(frame.filename)
+        if not f.startswith(_TORCH_DIR) and not f.startswith(_THIS_DIR) and "<" not in frame.filename:
+            return frame
+    return None
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -261,19 +296,50 @@ def _trace_whole(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Ma
 def _trace_fx(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[str, Any]],
               leaf_modules: Sequence[LeafSpec]) -> fx.GraphModule:
     """Plain ``torch.fx`` tracing with ``leaf_modules`` kept whole; ``TraceError`` on failure
-    (its ``module_path`` names the innermost module being traced)."""
+    (its ``module_path`` names the innermost module being traced).
+
+    Buffers are traced as proxies, so their in-place updates are in the graph. A forward whose
+    Python needs a buffer's value (``if self.initialized:``) is traced again with buffers as
+    plain tensors, as fx does by default; if that trace updated a buffer for real (an update
+    the graph then lacks) it is a ``TraceError`` naming the buffer, and the capture goes on to
+    ``torch.export``, which keeps the update."""
+    try:
+        return _trace_fx_once(model, example_inputs, leaf_modules, proxy_buffers=True)
+    except TraceError:
+        return _trace_fx_once(model, example_inputs, leaf_modules, proxy_buffers=False)
+
+
+def _trace_fx_once(model: torch.nn.Module,
+                   example_inputs: Union[Sequence[Any], Mapping[str, Any]],
+                   leaf_modules: Sequence[LeafSpec], proxy_buffers: bool) -> fx.GraphModule:
+    """One ``torch.fx`` trace (see :func:`_trace_fx`)."""
     n_pos = 0 if isinstance(example_inputs, Mapping) else len(example_inputs)
     given = example_inputs.keys() if isinstance(example_inputs, Mapping) else ()
-    tracer = _Tracer(leaf_modules)
+    tracer = _Tracer(leaf_modules, proxy_buffers=proxy_buffers)
+    versions = {name: b._version for name, b in model.named_buffers()}
     try:
         graph = tracer.trace(model, concrete_args=_concrete_defaults(model, n_pos, given) or None)
     except TraceError:
         raise
     except Exception as e:
         raise _trace_error(model, tracer, e) from e
+    _check_no_buffer_written(model, versions)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _record_input_names(gm, model)
     return gm
+
+
+def _check_no_buffer_written(model: torch.nn.Module, versions: Mapping[str, int]) -> None:
+    """Raise ``TraceError`` naming a buffer of ``model`` written in place while tracing (its
+    version moved since ``versions``): the trace ran that update instead of recording it."""
+    for name, b in model.named_buffers():
+        if b._version != versions.get(name, b._version):
+            owner, _, _ = name.rpartition(".")
+            raise TraceError(
+                f"cannot trace {type(model).__name__} with torch.fx: buffer {name!r} is updated "
+                f"in place by Python torch.fx runs at trace time instead of recording (the "
+                f"graph would drop the update)", module_path=owner,
+                module_type=type(model.get_submodule(owner)).__name__)
 
 
 def _reason(error: TraceError) -> str:
@@ -326,23 +392,29 @@ class TrainStep:
 
     ``gm(params, buffers, inputs, targets)`` returns ``(loss, grads)`` where ``params`` and
     ``buffers`` are dicts keyed by ``param_names``/``buffer_names`` and ``grads`` a tuple in
-    ``param_names`` order. Buffer updates (BatchNorm running statistics) happen in place on the
-    buffers passed in, as in eager training.
+    ``param_names`` order. Buffer updates (BatchNorm running statistics, a forward's
+    ``self.count.add_(1)``: :func:`buffer_writes`) happen in place on the buffers passed in,
+    as in eager training.
     """
 
     gm: fx.GraphModule
     param_names: tuple[str, ...]
     buffer_names: tuple[str, ...]
+    statistic_names: frozenset[str] = frozenset()
+    """The buffers that are a normalization layer's running statistics (BatchNorm's)."""
 
     def run(self, model: torch.nn.Module, inputs: Union[Sequence[Any], Mapping[str, Any]],
             targets: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the captured step on ``model``'s own parameters and buffers; return the loss and
-        the gradients by parameter name (the model's ``.grad`` fields are not touched)."""
+        the gradients by parameter name (the model's ``.grad`` fields are not touched). The
+        graph computes the gradients itself, so it runs without autograd: a buffer it updates
+        takes no autograd history, as under the forward's ``torch.no_grad()``."""
         params = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
-        loss, grads = self.gm({k: params[k] for k in self.param_names},
-                              {k: buffers[k] for k in self.buffer_names}, as_inputs(inputs),
-                              targets)
+        with torch.no_grad():
+            loss, grads = self.gm({k: params[k] for k in self.param_names},
+                                  {k: buffers[k] for k in self.buffer_names},
+                                  as_inputs(inputs), targets)
         return loss, dict(zip(self.param_names, grads))
 
 
@@ -361,7 +433,8 @@ def capture_train_step(model: torch.nn.Module,
                        loss_fn: Callable[[Any, Any], torch.Tensor]) -> TrainStep:
     """Capture forward, ``loss_fn(outputs, targets)`` and backward of ``model`` as one aten-level
     graph (``make_fx`` with fake tensors of a step that calls ``torch.func.functional_call`` and
-    ``torch.autograd.grad``). Parameters and buffers (BatchNorm statistics) are graph inputs.
+    ``torch.autograd.grad``). Parameters and buffers (BatchNorm statistics) are graph inputs;
+    a buffer the forward updates in place is written in place by the graph, as in eager.
     ``example_inputs`` is a tuple of positional inputs or a dict of keyword inputs."""
     params = trainable(model)
     buffers = dict(model.named_buffers())
@@ -386,7 +459,8 @@ def capture_train_step(model: torch.nn.Module,
             f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}",
             module_type=type(model).__name__,
             location=f"{frame.filename}:{frame.lineno}" if frame else "") from e
-    return TrainStep(gm=gm, param_names=names, buffer_names=tuple(buffers))
+    return TrainStep(gm=gm, param_names=names, buffer_names=tuple(buffers),
+                     statistic_names=running_statistics(model))
 
 
 def grad_nodes(step: TrainStep) -> tuple[fx.Node, list[fx.Node]]:
@@ -418,3 +492,136 @@ def failing_node(step: TrainStep, flat: Sequence[Any]) -> str:
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 return f"node {node.name!r} ({node.target}): {type(e).__name__}: {first}"
     return ""
+
+
+# --- buffers updated in place -----------------------------------------------------------------
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+_TORCH_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+class BufferUpdateError(TidalError):
+    """A buffer the forward updates in place (``self.ema.mul_(0.9)``) whose update tidal cannot
+    keep as eager does under a pass. Carries ``buffer`` (its qualified name), ``op`` and
+    ``location`` (``file:line`` of the update, if known)."""
+
+    def __init__(self, message: str, *, buffer: str, op: str = "", location: str = ""):
+        super().__init__(message)
+        self.buffer, self.op, self.location = buffer, op, location
+
+
+@dataclass(frozen=True)
+class BufferWrite:
+    """An in-place update of a buffer in a captured graph: the buffer's qualified name, the op
+    (``mul_``, ``add_``, ``copy_``) and the user's ``file:line`` when the capture recorded it."""
+
+    buffer: str
+    op: str
+    location: str = ""
+
+    def describe(self) -> str:
+        """``mul_ at model.py:12`` (or the op alone)."""
+        return f"{self.op} at {self.location}" if self.location else self.op
+
+
+def running_statistics(model: torch.nn.Module) -> frozenset[str]:
+    """Qualified names of the buffers that are running statistics of a normalization layer
+    (``running_mean``, ``running_var``, ``num_batches_tracked`` of a module that tracks them:
+    BatchNorm, InstanceNorm with ``track_running_stats``)."""
+    return frozenset(
+        f"{path}.{name}" if path else name for path, m in model.named_modules()
+        if getattr(m, "track_running_stats", False)
+        for name, _ in m.named_buffers(recurse=False) if name in _STATISTICS)
+
+
+def buffer_writes(graph: Union[fx.GraphModule, TrainStep], *,
+                  statistics: bool = False) -> tuple[BufferWrite, ...]:
+    """The in-place buffer updates of a captured forward (``trace``) or training step
+    (``capture_train_step``), in graph order; running statistics of normalization layers
+    (:func:`running_statistics`) only with ``statistics=True``.
+
+    >>> class Counter(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.lin = torch.nn.Linear(2, 2)
+    ...         self.register_buffer("count", torch.zeros(()))
+    ...     def forward(self, x):
+    ...         self.count.add_(1)
+    ...         return self.lin(x)
+    >>> x = torch.randn(3, 2)
+    >>> [(w.buffer, w.op) for w in buffer_writes(trace(Counter(), (x,)))]
+    [('count', 'add_')]
+    >>> step = capture_train_step(Counter(), (x,), torch.tensor([0, 1, 1]),
+    ...                           torch.nn.functional.cross_entropy)
+    >>> [(w.buffer, w.op) for w in buffer_writes(step)]
+    [('count', 'add_')]
+    """
+    gm = graph.gm if isinstance(graph, TrainStep) else graph
+    names = _buffer_nodes(graph)
+    skip = frozenset() if statistics else (
+        graph.statistic_names if isinstance(graph, TrainStep) else running_statistics(gm))
+    found: list[BufferWrite] = []
+    for n in gm.graph.nodes:
+        for w in written_nodes(gm, n):
+            name = names.get(w)
+            if name is not None and name not in skip:
+                write = BufferWrite(name, op_name(n), _location(n))
+                if write not in found:
+                    found.append(write)
+    return tuple(found)
+
+
+def refuse_buffer_writes(graph: Union[fx.GraphModule, TrainStep], under: str, why: str) -> None:
+    """Raise :class:`BufferUpdateError` naming the first buffer ``graph`` updates in place
+    (:func:`buffer_writes`; running statistics are left to the caller), for a pass ``under``
+    that cannot keep the update as eager does, because ``why``.
+
+    >>> class Ema(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.register_buffer("ema", torch.zeros(2))
+    ...     def forward(self, x):
+    ...         self.ema.mul_(0.9).add_(x.mean(0) * 0.1)
+    ...         return x * 2
+    >>> try:
+    ...     refuse_buffer_writes(trace(Ema(), (torch.randn(3, 2),)), "round_robin",
+    ...                          "each partition runs once per micro-batch")
+    ... except BufferUpdateError as e:
+    ...     print(e.buffer, e.op)
+    ema mul_
+    """
+    writes = buffer_writes(graph)
+    if not writes:
+        return
+    first = writes[0]
+    more = sorted({w.buffer for w in writes} - {first.buffer})
+    also = f" (also updated in place: {', '.join(repr(b) for b in more)})" if more else ""
+    raise BufferUpdateError(
+        f"buffer {first.buffer!r} is updated in place in forward ({first.describe()}); tidal "
+        f"cannot keep that update under {under}: {why}{also}. Update the buffer outside the "
+        f"compiled step (after compiled.step returns), or compile without {under}",
+        buffer=first.buffer, op=first.op, location=first.location)
+
+
+def _buffer_nodes(graph: Union[fx.GraphModule, TrainStep]) -> dict[fx.Node, str]:
+    """The nodes of ``graph`` that stand for a buffer, with its qualified name: a step's buffer
+    placeholders, a forward's ``get_attr`` nodes reading a tensor that is not a parameter."""
+    if isinstance(graph, TrainStep):
+        holders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+        first = len(graph.param_names)
+        return dict(zip(holders[first:first + len(graph.buffer_names)], graph.buffer_names))
+    found = {}
+    for n in graph.graph.nodes:
+        if n.op == "get_attr":
+            value = fetch_attr(graph, n.target)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found[n] = n.target
+    return found
+
+
+def _location(n: fx.Node) -> str:
+    """``file:line`` of the innermost user frame in ``n``'s recorded stack trace ('' if
+    none)."""
+    frames = [(f, line) for f, line in _TORCH_FRAME.findall(n.meta.get("stack_trace") or "")
+              if not os.path.abspath(f).startswith(_TORCH_DIR) and "<" not in f]
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""

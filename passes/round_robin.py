@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from tidal.ir.comm_cost import ring_allreduce_us
 from tidal.ir import cost, layer_graph, meta
+from tidal.ir.capture import buffer_writes, refuse_buffer_writes
 from tidal.ir.compat import split_module_tuple
 from tidal.ir.param_owners import unowned
 from tidal.ir.plans.round_robin import RoundRobinPlan
@@ -285,6 +286,11 @@ def _unused_note(gm: fx.GraphModule, ctx: PassContext) -> tuple[str, ...]:
             f"are not synced: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}",)
 
 
+_BUFFER_WHY = ("each partition runs once per micro-batch, so the buffer would be updated N "
+               "times per step on micro-batches instead of once on the global batch (BatchNorm "
+               "statistics are the one exception: averaged per partition)")
+
+
 class RoundRobin(Pass):
     """Wavelet round-robin model parallelism: N time-balanced partitions, every rank runs
     partition c on batch (i − c) mod N at cycle c, one all-reduce per partition.
@@ -315,6 +321,9 @@ class RoundRobin(Pass):
             return f"it needs at least 2 partitions (GPUs); the cluster has {n}"
         if ctx.batch_size % n:
             return f"batch {ctx.batch_size} is not divisible into {n} micro-batches"
+        writes = buffer_writes(gm)
+        if writes:
+            return f"buffer {writes[0].buffer!r} is updated in place in forward ({_BUFFER_WHY})"
         return ""
 
     def plan(self, gm: fx.GraphModule, ctx: PassContext) -> tuple[RoundRobinPlan, dict[str, int]]:
@@ -356,6 +365,7 @@ class RoundRobin(Pass):
         return plan, part
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        refuse_buffer_writes(gm, _NAME, _BUFFER_WHY)
         plan, part = self.plan(gm, ctx)
         split = split_module_tuple(gm, ctx.model, lambda x: part[x.name],
                                    keep_original_order=True)

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from tidal.ir import cost
+from tidal.ir.capture import buffer_writes, refuse_buffer_writes
 from tidal.ir.memory_fit import (MemoryFit, StepBytes, fit_batches, gradient_bytes,
                                  measure_step_bytes, optional_budget, predicted_state_bytes,
                                  rows_at)
@@ -88,6 +89,11 @@ MAX_FIT_BATCH = 1 << 14
 """The largest batch the memory-bound sizing tries."""
 
 
+_BUFFER_WHY = ("each wave runs the forward on its own shard with its own replica, so the "
+               "model's buffer would see only the tick wave's half of the batch (BatchNorm "
+               "statistics are the one exception: averaged per wave, as data parallelism does)")
+
+
 class TickTock(Pass):
     """Wavelet tick-tock data parallelism: tick and tock waves with separate replicas, the tock
     one forward behind, cross-wave gradient averaging (Eq. 1) and a per-wave all-reduce.
@@ -108,6 +114,9 @@ class TickTock(Pass):
 
     def why_not(self, gm: fx.GraphModule, ctx: PassContext) -> str:
         shards = 2 * (self.ranks or ctx.cluster.gpus)
+        writes = buffer_writes(gm)
+        if writes:
+            return f"buffer {writes[0].buffer!r} is updated in place in forward ({_BUFFER_WHY})"
         return "" if ctx.batch_size % shards == 0 else \
             f"batch {ctx.batch_size} is not divisible into {shards} wave shards"
 
@@ -159,6 +168,7 @@ class TickTock(Pass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         from tidal.ir.capture import capture_train_step
 
+        refuse_buffer_writes(gm, _NAME, _BUFFER_WHY)
         n = self.ranks or ctx.cluster.gpus
         shards = 2 * n
         if ctx.batch_size % shards:
@@ -173,6 +183,7 @@ class TickTock(Pass):
             # the traced graph, called with its placeholders in order: keyword inputs (a
             # Hugging Face attention_mask) stay bound to their own parameters
             step = capture_train_step(gm, inputs, targets, ctx.loss_fn)
+            refuse_buffer_writes(step, _NAME, _BUFFER_WHY)  # inside a module kept whole
             timeline = memory_timeline(step, ctx.cluster)
             fwd, total = timeline.forward_us, timeline.iteration_us
             bwd = total - fwd

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import math
 import operator
@@ -50,7 +51,7 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir import meta
 from tidal.ir.cluster import Cluster
-from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr
+from tidal.ir.node_runner import COMPUTE_OPS, fetch_attr, written_nodes
 from tidal.ir.ops import is_tidal_op
 from tidal.ir.program import COLLECTIVE, COMPUTE, SEGMENT, Piece
 from tidal.runtime.backend import Backend, CaptureError, backend_for
@@ -91,51 +92,22 @@ def _is_bool_tensor(arg: Any) -> bool:
     return False
 
 
-_UNDECLARED_WRITES = {name: ("running_mean", "running_var") for name in (
-    "aten::native_batch_norm", "aten::cudnn_batch_norm", "aten::miopen_batch_norm",
-    "aten::batch_norm", "aten::_batch_norm_impl_index")}
-"""Ops that update running statistics in training without saying so in their schema."""
-
-
-def _training(n: fx.Node, schema: Any) -> bool:
-    names = [a.name for a in schema.arguments]
-    if "training" not in names:
-        return True
-    i = names.index("training")
-    return bool(n.args[i] if i < len(n.args) else n.kwargs.get("training", True))
-
-
 def _written_input(gm: fx.GraphModule, n: fx.Node) -> Optional[fx.Node]:
-    """The first graph input ``n`` writes in place, if any (see :func:`_written_inputs`)."""
+    """The first graph input or buffer ``n`` writes in place, if any (see
+    :func:`_written_inputs`)."""
     written = _written_inputs(gm, n)
     return written[0] if written else None
 
 
 def _written_inputs(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
-    """The graph inputs ``n`` writes in place: an aten op's arguments its schema marks
-    written (``add_``'s self, ``native_batch_norm``'s running statistics), or the first
-    argument of an in-place method or module."""
-    schema = getattr(n.target, "_schema", None)
-    if schema is not None:
-        hidden = _UNDECLARED_WRITES.get(schema.name, ())
-        found = []
-        for i, arg in enumerate(schema.arguments):
-            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if isinstance(value, fx.Node) and value.op == "placeholder" and (
-                    written or (arg.name in hidden and _training(n, schema))):
-                found.append(value)
-        return found
-    first = n.args[0] if n.args else None
-    if not (isinstance(first, fx.Node) and first.op == "placeholder"):
-        return []
-    if n.op == "call_method":
-        inplace = n.target.endswith("_") and not n.target.endswith("__")
-    elif n.op == "call_module":
-        inplace = bool(getattr(gm.get_submodule(n.target), "inplace", False))
-    else:
-        inplace = bool(n.kwargs.get("inplace", False))
-    return [first] if inplace else []
+    """The graph inputs (placeholders) and attributes (``get_attr``: a buffer) ``n`` writes in
+    place, through views and chains of in-place ops
+    (:func:`tidal.ir.node_runner.written_nodes`)."""
+    return [w for w in written_nodes(gm, n) if w.op in ("placeholder", "get_attr")]
+
+
+def _written_name(n: fx.Node) -> str:
+    return f"graph input {n.name}" if n.op == "placeholder" else f"buffer {n.target}"
 
 
 def stop_reason(gm: fx.GraphModule, n: fx.Node) -> Optional[tuple[str, str]]:
@@ -159,7 +131,7 @@ def stop_reason(gm: fx.GraphModule, n: fx.Node) -> Optional[tuple[str, str]]:
         return "eager", "data-dependent output shape (boolean-mask indexing)"
     written = _written_input(gm, n)
     if written is not None:
-        return "eager", f"in-place update of graph input {written.name}"
+        return "eager", f"in-place update of {_written_name(written)}"
     declared = _declared_uncaptured(gm, n)
     if declared is not None:
         return "eager", declared
@@ -401,6 +373,18 @@ def _build_steps(gm: fx.GraphModule, cg: _Codegen, groups, time_us) -> list[_Ste
     return steps
 
 
+@contextlib.contextmanager
+def _restored(tensors: Sequence[torch.Tensor]):
+    """Put ``tensors`` back as they were on exit (what a capture's runs wrote in them)."""
+    saved = [t.detach().clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in zip(tensors, saved):
+                t.copy_(value)
+
+
 def _signature(values: Sequence[Any]) -> tuple:
     """The capture key of ``values``: (shape, dtype, device) of each tensor, each other value
     itself (its type when it cannot be hashed)."""
@@ -447,6 +431,11 @@ class LoweredModule(torch.nn.Module):
         # buffers no step writes): never cloned for capture, never copied before a replay
         self.in_place = frozenset(cg.var(n) for n in self._placeholders
                                   if n.target in in_place and n not in written)
+        # buffers the graph writes in place (``self.count.add_(1)``): a capture runs the steps
+        # that write them, so they are put back as they were after each capture
+        self._written_buffers = tuple({id(t): t for t in (
+            fetch_attr(gm, w.target) for w in written if w.op == "get_attr")
+            if isinstance(t, torch.Tensor)}.values())
         self._pool = backend.memory_pool()  # this module's captures share one pool of their own
 
     def _plan_frees(self) -> list[list[str]]:
@@ -501,27 +490,33 @@ class LoweredModule(torch.nn.Module):
         if calls is None:
             # capture on copies: an uncaptured step that writes an input in place (a
             # BatchNorm statistic) runs during capture, and must not write the real one
-            env = {}
-            for n, v in zip(self._placeholders, values):
-                var = self._cg.var(n)
-                keep = var in self.in_place or not isinstance(v, torch.Tensor)
-                env[var] = v if keep else v.detach().clone()
-            calls = []
-            for k, s in enumerate(self._steps):
-                ins = [env[v] for v in s.ins]
-                call = s.program
-                if self.report.steps[k].kind == "captured":
-                    try:
-                        call = self.backend.capture(
-                            s.program, ins, pool=self._pool,
-                            in_place=[i for i, v in enumerate(s.ins)
-                                      if v in self.in_place]).replay
-                    except CaptureError as e:
-                        self._capture_failed(k, e)
-                env.update(zip(s.outs, call(*ins)))
-                calls.append(call)
+            with _restored(self._written_buffers):
+                calls = self._capture(values)
             self._captures[key] = calls
             self._drivers[key] = self._make_driver(calls, "captured")
+        return calls
+
+    def _capture(self, values: list[Any]) -> list[Callable]:
+        """Each step's callable for the signature of ``values``, captured steps captured."""
+        env = {}
+        for n, v in zip(self._placeholders, values):
+            var = self._cg.var(n)
+            keep = var in self.in_place or not isinstance(v, torch.Tensor)
+            env[var] = v if keep else v.detach().clone()
+        calls = []
+        for k, s in enumerate(self._steps):
+            ins = [env[v] for v in s.ins]
+            call = s.program
+            if self.report.steps[k].kind == "captured":
+                try:
+                    call = self.backend.capture(
+                        s.program, ins, pool=self._pool,
+                        in_place=[i for i, v in enumerate(s.ins)
+                                  if v in self.in_place]).replay
+                except CaptureError as e:
+                    self._capture_failed(k, e)
+            env.update(zip(s.outs, call(*ins)))
+            calls.append(call)
         return calls
 
     def _capture_failed(self, k: int, error: CaptureError) -> None:
