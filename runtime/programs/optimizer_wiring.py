@@ -89,6 +89,11 @@ def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
         ...                                                      b.parameters())})
         >>> twin.param_groups[0]["lr"], twin.param_groups[0]["params"][0] is b.weight
         (0.5, True)
+        >>> adamw = torch.optim.AdamW([{"params": [a.weight], "weight_decay": 0.1},
+        ...                            {"params": [a.bias], "weight_decay": 0.0}], lr=1e-3)
+        >>> twin = clone_optimizer(adamw, {id(a.weight): b.weight, id(a.bias): b.bias})
+        >>> type(twin).__name__, [g["weight_decay"] for g in twin.param_groups]
+        ('AdamW', [0.1, 0.0])
     """
     groups = []
     for g in opt.param_groups:
@@ -97,7 +102,11 @@ def clone_optimizer(opt: torch.optim.Optimizer, mapping: dict[int, torch.Tensor]
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
     if not groups:
         raise ValueError("the optimizer holds none of the model's parameters")
-    return type(opt)(groups, **opt.defaults)
+    # each group carries every hyper-parameter; the class's own defaults may hold keys its
+    # constructor does not take (AdamW's ``decoupled_weight_decay``)
+    clone = type(opt)(groups)
+    clone.defaults.update(opt.defaults)
+    return clone
 
 
 def remove_params(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
