@@ -258,9 +258,9 @@ class Compiled:
             return global_batch(inputs, targets, self.context.batch,
                                 check=self.context.check_batch)
 
-    def _step_graph(self) -> torch.fx.GraphModule:
+    def _step_graph(self, where: str = "Compiled.step") -> torch.fx.GraphModule:
         """The graph this step runs (the compiled one, or one the guard gives)."""
-        graph = self.guard.step_graph(self.lowered is not None)
+        graph = self.guard.step_graph(self.lowered is not None, where)
         return self.graph_module if graph is None else graph
 
     def backward(self, inputs: Any, targets: Any, *, scale: Any = None) -> torch.Tensor:
@@ -289,8 +289,8 @@ class Compiled:
             raise ValueError("Compiled.backward needs a loss: tidal.compile(..., loss_fn=fn) "
                              "with fn(outputs, targets) -> scalar tensor")
         inputs, targets = self._global_batch(inputs, targets, "Compiled.backward inputs")
-        return self.executor.backward(self._step_graph(), self.model, inputs, targets,
-                                      self.context.loss_fn, scale=scale,
+        return self.executor.backward(self._step_graph("Compiled.backward"), self.model,
+                                      inputs, targets, self.context.loss_fn, scale=scale,
                                       sync=not self._no_sync)
 
     @contextlib.contextmanager

@@ -85,7 +85,8 @@ class CaptureGuard:
             return self.gm
         return None
 
-    def step_graph(self, lowered: bool) -> Optional[fx.GraphModule]:
+    def step_graph(self, lowered: bool, where: str = "Compiled.step"
+                   ) -> Optional[fx.GraphModule]:
         """The graph a step must run now instead of the compiled one (None: the compiled one
         is right, or a program runs the step); raises :class:`StepGuardError` when a plan's
         program would run in a state other than the one it captured."""
@@ -94,12 +95,12 @@ class CaptureGuard:
         now = step_state(self.model)
         if now.training != self.traced.training and self._retraced(now) is not None:
             raise StepGuardError(self._message(
-                "Compiled.step", now, "call model.train() (or .eval()) before tidal.compile, "
+                where, now, "call model.train() (or .eval()) before tidal.compile, "
                 "to compile the model in the mode it trains in", self.traced))
         autocast = [f"autocast({d}, {dt})" for d, on, dt in now.autocast if on]
         if autocast:
             raise StepGuardError(
-                f"Compiled.step: {autocast[0]} is on, and the program of "
+                f"{where}: {autocast[0]} is on, and the program of "
                 f"{', '.join(self.plans) or 'the plan'} does not run its captured pieces under "
                 f"autocast yet (they would silently compute in the parameters' dtype): step "
                 f"outside autocast, or compile without a parallelism or compression pass")
@@ -107,7 +108,7 @@ class CaptureGuard:
             self.first_step = now
         elif now != self.first_step:
             raise StepGuardError(self._message(
-                "Compiled.step", now, "train in the state of the first step (freeze "
+                where, now, "train in the state of the first step (freeze "
                 "parameters and enter autocast before it), or compile the model again; a "
                 "program is not re-captured in a new state yet", self.first_step))
         return None
