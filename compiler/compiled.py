@@ -270,7 +270,8 @@ class Compiled:
         what it wants before its own optimizer's step (clip with :meth:`clip_grad_norm_`,
         ``GradScaler.unscale_``/``step``, several optimizers, schedulers) and zeroes the
         gradients itself. ``scale`` multiplies the loss before backward (``1 / k`` for
-        accumulation over ``k`` micro-batches, or a ``GradScaler``'s scale). Inside
+        accumulation over ``k`` micro-batches; a ``torch.amp.GradScaler``: its scale, then
+        ``scaler.unscale_(opt)``, ``scaler.step(opt)``, ``scaler.update()`` as usual). Inside
         :meth:`no_sync`, gradients accumulate locally and the next call outside it syncs
         their sum (DDP's ``no_sync``). Returns the (unscaled) loss of the global batch.
 
@@ -289,6 +290,8 @@ class Compiled:
             raise ValueError("Compiled.backward needs a loss: tidal.compile(..., loss_fn=fn) "
                              "with fn(outputs, targets) -> scalar tensor")
         inputs, targets = self._global_batch(inputs, targets, "Compiled.backward inputs")
+        if isinstance(scale, torch.amp.GradScaler):   # its scale, as scaler.scale(loss) reads it
+            scale = scale.scale(torch.ones((), device=device_of(self.model)))
         return self.executor.backward(self._step_graph("Compiled.backward"), self.model,
                                       inputs, targets, self.context.loss_fn, scale=scale,
                                       sync=not self._no_sync)

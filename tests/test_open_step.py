@@ -6,10 +6,12 @@
 micro-batch per step equals ``Compiled.step`` and the ranks stay identical; a plan with no
 open step (``tick_tock``) and Accordion are refused by name."""
 import contextlib
+import copy
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tidal
@@ -288,3 +290,33 @@ def test_open_step_on_two_gloo_ranks_equals_ddp():
     for name in LOOPS:                              # every rank holds the same parameters
         assert torch.equal(loops0[name], loops1[name]), name
     assert torch.equal(topk0, topk1)
+
+
+@pytest.mark.parametrize("passes", [[], ["compression"]])
+def test_a_torch_grad_scaler_drives_the_open_step_as_eager(passes):
+    """``backward(..., scale=scaler)`` with a ``torch.amp.GradScaler``: unscale_, clip, step,
+    update as in an eager loop, equal (the scaler's own scale is created by the call)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    options = {"compressor": "none"} if passes else {}
+    c = tidal.compile(model, (x,), passes=passes, loss_fn=F.cross_entropy, **options)
+    runs = [(c, torch.optim.AdamW(c.parameters()), torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+            (ref, torch.optim.AdamW(ref.parameters()),
+             torch.amp.GradScaler("cpu", init_scale=2.0**8))]
+    for _ in range(3):
+        for net, opt, scaler in runs:
+            if net is c:
+                c.backward(x, y, scale=scaler)
+                scaler.unscale_(opt)
+                c.clip_grad_norm_(1.0)
+            else:
+                scaler.scale(F.cross_entropy(ref(x), y)).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
