@@ -44,12 +44,19 @@ _PUBLIC = MappingProxyType({
     "TraceError": ("tidal.ir.errors", "TraceError"),
     "PassError": ("tidal.ir.errors", "PassError"),
     "PlanError": ("tidal.ir.errors", "PlanError"),
+    # what a training loop may catch by name (README: Training loops)
+    "OpenStepError": ("tidal.runtime.program", "OpenStepError"),
+    "StepGuardError": ("tidal.compiler.guards", "StepGuardError"),
+    "BatchError": ("tidal.runtime.batch_data", "BatchError"),
+    "BufferUpdateError": ("tidal.ir.capture", "BufferUpdateError"),
+    "StaleStateError": ("tidal.runtime.programs.burst_refresh", "StaleStateError"),
 })
 
 __all__ = [
     "compile", "trace", "capture_train_step", "Compiled", "Cluster", "DeviceProfile",
     "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes", "hooks",
-    "TidalError", "TraceError", "PassError", "PlanError", "__version__",
+    "TidalError", "TraceError", "PassError", "PlanError", "OpenStepError", "StepGuardError",
+    "BatchError", "BufferUpdateError", "StaleStateError", "__version__",
 ]
 
 
