@@ -6,7 +6,10 @@ Model: an MLP of 4 layers of width 1024 (about 3.2 M parameters, 12.6 MB of grad
 batch 64 (32 per rank), buckets of 1 MiB so that every large layer's gradients form their own
 all-reduce. Each rank builds the three (the program without overlap, with overlap, DDP), runs
 ``--warmup`` rounds, then ``--steps`` timed rounds; a round runs one step of each, in turn,
-each after a barrier (interleaved: the noise of a shared machine hits the three alike). A
+each after a barrier (interleaved: the noise of a shared machine hits the three alike). Then
+a training loop's step, tidal's open step (``compiled.backward`` under ``compression`` with
+the plain all-reduce, each rank its own batch) against DDP's: AdamW, accumulation over 2
+micro-batches inside ``no_sync``, clipping by the global norm. A
 step's time is the slower rank's; the median over the rounds is printed with the ratios against
 the program without overlap, and the host-overhead figure of issue 33
 (``benchmarks/host_overhead.py``): the program with overlap against DDP, with its goal. CPU
@@ -33,7 +36,8 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.host_overhead import GOAL_DP_VS_DDP, goal_line, load_note  # noqa: E402
 
 BATCH, WIDTH, BUCKET = 64, 1024, 1 << 20
-VARIANTS = ("tidal serial", "tidal overlap", "torch DDP")
+VARIANTS = ("tidal serial", "tidal overlap", "torch DDP", "tidal loop", "DDP loop")
+ACCUM = 2  # micro-batches per step in the training-loop variants
 
 
 def _model() -> torch.nn.Module:
@@ -70,7 +74,47 @@ def _steps(xs: torch.Tensor, ys: torch.Tensor, size: int, runners: list) -> dict
         ddp_opt.step()
 
     steps[VARIANTS[2]] = ddp_step
+    steps.update(_loop_steps(xs, ys))
     return steps
+
+
+def _loop_steps(xs: torch.Tensor, ys: torch.Tensor) -> dict:
+    """A training loop's step, tidal's open step (``compression`` with the plain all-reduce,
+    each rank its own batch) and DDP's: AdamW, accumulation over ``ACCUM`` micro-batches (all
+    but the last inside ``no_sync``), clipping by the global norm."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    import tidal
+
+    micro = xs.shape[0] // ACCUM
+    chunks = [(xs[i * micro:(i + 1) * micro], ys[i * micro:(i + 1) * micro])
+              for i in range(ACCUM)]
+    compiled = tidal.compile(_model(), (chunks[0][0],), passes=["compression"],
+                             compressor="none", bucket_mb=BUCKET / 2**20, batch="local",
+                             check_batch=False, loss_fn=F.cross_entropy)
+    ddp = DistributedDataParallel(_model(), bucket_cap_mb=BUCKET / 2**20)
+    opts = {"tidal": torch.optim.AdamW(compiled.parameters(), lr=1e-3),
+            "ddp": torch.optim.AdamW(ddp.parameters(), lr=1e-3)}
+
+    def tidal_loop() -> None:
+        for i, (x, y) in enumerate(chunks):
+            with compiled.no_sync() if i < ACCUM - 1 else contextlib.nullcontext():
+                compiled.backward(x, y, scale=1 / ACCUM)
+        compiled.clip_grad_norm_(1.0)
+        opts["tidal"].step()
+        opts["tidal"].zero_grad()
+
+    def ddp_loop() -> None:
+        for i, (x, y) in enumerate(chunks):
+            with ddp.no_sync() if i < ACCUM - 1 else contextlib.nullcontext():
+                (F.cross_entropy(ddp(x), y) / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opts["ddp"].step()
+        opts["ddp"].zero_grad()
+
+    return {VARIANTS[3]: tidal_loop, VARIANTS[4]: ddp_loop}
 
 
 def _run(rank: int, size: int, steps: int, warmup: int) -> dict[str, list[float]]:
@@ -128,6 +172,8 @@ def main(argv=None) -> int:
         t = med[name]
         print(f"  {name:14s} {t * 1e3:8.2f} ms/step   ratio vs tidal serial {t / base:.3f}")
     print("  " + ddp_figure(med=med))
+    print(f"  training loop (AdamW, accumulation {ACCUM} with no_sync, clipping), tidal's open "
+          f"step / DDP: {med['tidal loop'] / med['DDP loop']:.3f}x")
     return 0
 
 
