@@ -11,8 +11,9 @@ now with those, and never runs a capture made in another state:
   ``F.dropout(x, p, self.training)`` is a constant to fx), that graph runs, after a plan's
   stale copies are brought up to date (``burst_parallel``: a collective), so
   ``compiled.eval()`` gives eval semantics (no dropout, BatchNorm's running statistics) under
-  every plan; when it is the same, the compiled forward runs (its modules read the mode); the ``clustered_attention`` plan (CHAI), whose rewritten forward *is* the
-  compiled graph, raises instead. Under an autocast other than the trace's, a lowered graph
+  every plan; when it is the same, the compiled forward runs (its modules read the mode). The
+  ``clustered_attention`` plan (CHAI), whose rewritten forward *is* the compiled graph,
+  raises instead. Under an autocast other than the trace's, a lowered graph
   (captured segments) runs uncaptured (the graph itself honours autocast);
 - **step** with no plan (the graph runs as it is, with autograd): as the forward; autograd
   honours ``requires_grad``, autocast and grad mode itself;

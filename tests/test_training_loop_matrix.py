@@ -1,0 +1,253 @@
+"""Issue 34's table: what a real training loop does, under every training pass and no pass, on
+one process, against plain PyTorch. Every cell is equal (stated tolerance) or a refusal that
+names what it refuses (README: Training loops); none is silently different. The multi-rank
+cells run in tests/test_open_step.py (DDP), tests/test_batch_data.py (each rank its own batch),
+tests/test_burst_parallel.py (current state on every rank) and tests/test_train_loop_example.py.
+"""
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tidal
+from tidal.passes.burst_parallel import BurstParallel
+from tidal.passes.compression import CompressionPass
+from tidal.passes.round_robin import RoundRobin
+from tidal.passes.tick_tock import TickTock
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+PASSES = {
+    "none": lambda: [],
+    "compression": lambda: [CompressionPass("none")],
+    "burst_parallel": lambda: [BurstParallel()],
+    "tick_tock": lambda: [TickTock(ranks=1)],
+    "round_robin": lambda: [RoundRobin(partitions=2)],
+}
+OPEN = ("none", "compression", "burst_parallel")
+"""Passes with the open step (``compiled.backward``); the others raise OpenStepError."""
+PROGRAMS = ("compression", "burst_parallel", "tick_tock", "round_robin")
+"""Passes whose step is a captured program: a change of state after the first step raises."""
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, buffer: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
+                                  torch.nn.Linear(16, 3))
+        self.drop = torch.nn.Dropout(0.5)
+        self.buffer = buffer
+        if buffer:
+            self.register_buffer("count", torch.zeros(()))
+            self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        if self.buffer:
+            self.count.add_(1)
+            self.ema.mul_(0.9).add_(x.mean(0) * 0.1)
+        return self.c(torch.relu(self.b(self.drop(torch.relu(self.a(x))))))
+
+
+def _batch(i=0, rows=8):
+    g = torch.Generator().manual_seed(10 + i)
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def _pair(name, buffer=False, optimizer=None):
+    """(compiled, its model, an eager copy) in eval mode (dropout off: deterministic), so the
+    reference is plain PyTorch on the whole batch."""
+    model = _Net(buffer).eval()
+    ref = copy.deepcopy(model)
+    x, _ = _batch()
+    c = tidal.compile(model, (x,), passes=PASSES[name](), loss_fn=F.cross_entropy,
+                      optimizer=optimizer)
+    return c, model, ref
+
+
+def _same(model, ref, tol=TOL):
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, **tol, msg=k)
+
+
+def _groups(params):
+    params = list(params)
+    return torch.optim.AdamW([{"params": params[0::2], "weight_decay": 0.1},
+                              {"params": params[1::2], "weight_decay": 0.0}], lr=1e-2)
+
+
+def _open_loop(c, ref, steps=2, micro=1, clip=None, scaler=False, two=False):
+    """The open step's loop on ``c`` and the eager loop on ``ref``, side by side."""
+    def optimizers(params):
+        params = list(params)
+        return [_groups(params[:2]), torch.optim.SGD(params[2:], lr=0.1)] if two \
+            else [_groups(params)]
+    runs = [(c, optimizers(c.parameters())), (ref, optimizers(ref.parameters()))]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**6) if scaler else None
+               for _ in runs]
+    for step in range(steps):
+        for (net, opts), gs in zip(runs, scalers):
+            for i in range(micro):
+                x, y = _batch(step * micro + i)
+                if net is c:
+                    sync = c.no_sync() if i < micro - 1 else contextlib.nullcontext()
+                    with sync:
+                        c.backward(x, y, scale=gs if gs is not None else 1 / micro)
+                else:
+                    loss = F.cross_entropy(ref(x), y)
+                    (gs.scale(loss) if gs is not None else loss / micro).backward()
+            if gs is not None:
+                for opt in opts:
+                    gs.unscale_(opt)
+            if clip is not None:
+                norm = (c.clip_grad_norm_(clip) if net is c else
+                        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+                assert torch.isfinite(torch.as_tensor(norm))
+            for opt in opts:
+                if gs is not None:
+                    gs.step(opt)
+                else:
+                    opt.step()
+                opt.zero_grad()
+            if gs is not None:
+                gs.update()
+
+
+OPEN_ROWS = {
+    "clip by global norm": dict(clip=0.05),
+    "fp16-style GradScaler": dict(scaler=True),
+    "accumulation over 4 micro-batches": dict(micro=4),
+    "two optimizers": dict(two=True),
+}
+
+
+@pytest.mark.parametrize("row", list(OPEN_ROWS))
+@pytest.mark.parametrize("name", list(PASSES))
+def test_open_step_rows(name, row):
+    c, model, ref = _pair(name)
+    if name not in OPEN:
+        with pytest.raises(tidal.OpenStepError, match=r"not available under \w+Plan"):
+            _open_loop(c, ref, **OPEN_ROWS[row])
+        return
+    _open_loop(c, ref, **OPEN_ROWS[row])
+    _same(model, ref)
+
+
+def _closed_steps(c, ref, steps=2, sched=None, between=None):
+    """``steps`` closed steps of ``c`` and the same eager steps of ``ref`` (its ``_opt``)."""
+    for step in range(steps):
+        x, y = _batch(step)
+        c.step((x,), y)
+        F.cross_entropy(ref(x), y).backward()
+        opt_ref = ref._opt
+        opt_ref.step()
+        opt_ref.zero_grad()
+        for s in sched or ():
+            s.step()
+        if between is not None:
+            between(step)
+
+
+@pytest.mark.parametrize("name", [n for n in PASSES if n != "tick_tock"])
+def test_closed_step_with_adamw_groups_and_a_schedule(name):
+    """tick_tock's reference is Lemma 1, not eager: tests/test_tick_tock.py runs it with two
+    groups and a schedule (the second wave follows them every step)."""
+    c, model, ref = _pair(name, optimizer=_groups)
+    ref._opt = _groups(ref.parameters())
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1))
+              for o in (c.optimizer, ref._opt)]
+    _closed_steps(c, ref, steps=3, sched=scheds)
+    _same(model, ref)
+
+
+def test_tick_tock_closed_step_with_adamw_groups_runs_and_both_waves_follow_the_rate():
+    c, model, _ = _pair("tick_tock", optimizer=_groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(c.optimizer, lambda s: 1 / (s + 1))
+    for step in range(3):
+        c.step(*_batch(step))   # both waves stepped at the rate in force now
+        assert [g["lr"] for g in c.executor.rank_program._tock_opt.param_groups] == \
+            [g["lr"] for g in c.optimizer.param_groups] == pytest.approx([1e-2 / (step + 1)] * 2)
+        sched.step()
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1)
+
+
+STATE_ROWS = {
+    "freeze a layer after step 1": lambda model: model.a.weight.requires_grad_(False),
+    "model.eval() then step": lambda model: model.eval(),
+}
+
+
+@pytest.mark.parametrize("row", list(STATE_ROWS))
+@pytest.mark.parametrize("name", list(PASSES))
+def test_a_change_of_state_after_the_first_step(name, row):
+    c, model, ref = _pair(name, optimizer=_sgd)
+    model.train(), ref.train()
+    model.drop.p = ref.drop.p = 0.0  # training mode, without dropout's randomness
+    ref._opt = _sgd(ref.parameters())
+    _closed_steps(c, ref, steps=1)
+    STATE_ROWS[row](model), STATE_ROWS[row](ref)
+    if name in PROGRAMS:
+        with pytest.raises(tidal.StepGuardError, match="changed: (requires_grad|training mode)"):
+            c.step(*_batch(1))
+        return
+    if name != "tick_tock":
+        _closed_steps(c, ref, steps=1)
+        _same(model, ref)
+
+
+@pytest.mark.parametrize("name", list(PASSES))
+def test_autocast_around_step(name):
+    c, model, ref = _pair(name, optimizer=_sgd)
+    ref._opt = _sgd(ref.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if name in PROGRAMS:
+            with pytest.raises(tidal.StepGuardError, match=r"autocast\(cpu, bfloat16\) is on"):
+                c.step(*_batch(0))
+            return
+        _closed_steps(c, ref, steps=2)
+    _same(model, ref, dict(rtol=0, atol=0))
+
+
+@pytest.mark.parametrize("name", list(PASSES))
+def test_eval_forward_after_training(name):
+    c, model, ref = _pair(name, optimizer=_sgd)
+    model.train(), ref.train()
+    model.drop.p = ref.drop.p = 0.0
+    c.step(*_batch(0))
+    c.eval()
+    x, _ = _batch(5)
+    with torch.no_grad():
+        assert not model.training
+        out = c(x)
+    assert out.shape == (8, 3)
+    if name != "tick_tock":   # tick_tock's tick replica trained on half the batch (Eq. 1)
+        ref._opt = _sgd(ref.parameters())
+        F.cross_entropy(ref(_batch(0)[0]), _batch(0)[1]).backward()
+        ref._opt.step()
+        torch.testing.assert_close(out, ref.eval()(x), **TOL)
+
+
+@pytest.mark.parametrize("name", list(PASSES))
+def test_a_buffer_updated_in_place(name):
+    if name in ("tick_tock", "round_robin"):
+        with pytest.raises(tidal.BufferUpdateError, match=r"'count'|'ema'"):
+            _pair(name, buffer=True, optimizer=_sgd)
+        return
+    c, model, ref = _pair(name, buffer=True, optimizer=_sgd)
+    ref._opt = _sgd(ref.parameters())
+    _closed_steps(c, ref, steps=3)
+    _same(model, ref)
+    assert float(model.count) == 3.0
+
+
+@pytest.mark.parametrize("name", [n for n in PASSES if n != "tick_tock"])
+def test_state_dict_after_training_is_current(name):
+    c, model, ref = _pair(name, optimizer=_sgd)
+    ref._opt = _sgd(ref.parameters())
+    _closed_steps(c, ref, steps=2)
+    for (k, a), b in zip(c.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, **TOL, msg=k)
