@@ -57,7 +57,8 @@ class Compiled:
                                   tuple(r.name for r in self.records if r.plan is not None),
                                   program=not isinstance(rank_program, GraphProgram),
                                   traced=self.records[0].graph_after,
-                                  refresh=getattr(rank_program, "refresh_state", None))
+                                  refresh=getattr(rank_program, "refresh_state", None),
+                                  loss_fn=ctx.loss_fn)
         """What runs when the state a capture depends on changed (``compiler.guards``)."""
         self.train_trace: list = []
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""

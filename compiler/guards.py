@@ -21,7 +21,10 @@ now with those, and never runs a capture made in another state:
   training mode other than the trace's, raises :class:`StepGuardError` naming what changed
   (module, parameter, autocast, grad mode) and what to do. A program is not re-captured in a
   new state yet, and does not run under autocast yet: a step inside ``torch.autocast`` raises
-  (its pieces would silently compute in the parameters' dtype).
+  (its pieces would silently compute in the parameters' dtype). The values ``loss_fn`` reads
+  besides its arguments (globals, closure variables, its object's attributes) are watched
+  too: the program traced ``loss_fn`` at the first step, so a later change raises naming the
+  variable (``tidal.compiler.loss_watch``).
 
 Example:
     >>> import torch, tidal
@@ -38,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from tidal.compiler.loss_watch import changed_reads, loss_reads
 from tidal.ir.errors import TidalError
 from tidal.ir.step_state import StepState, state_changes, step_state
 
@@ -57,13 +61,16 @@ class CaptureGuard:
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: Any,
                  plans: tuple[str, ...], program: bool, traced: Optional[fx.Graph] = None,
-                 refresh: Optional[Callable[[fx.GraphModule], None]] = None):
+                 refresh: Optional[Callable[[fx.GraphModule], None]] = None,
+                 loss_fn: Optional[Callable] = None):
         self.model, self.gm, self.example_inputs = model, gm, example_inputs
         self.plans, self.program = plans, program
         self.traced: StepState = step_state(model)
         self.first_step: Optional[StepState] = None
         self._trace_code = _code(traced) if traced is not None else None
         self._refresh = refresh
+        self.loss_fn = loss_fn
+        self._loss_reads: dict[str, Any] = {}
         self._graphs: dict[tuple[bool, ...], Optional[fx.GraphModule]] = {}
 
     def forward_graph(self, lowered: bool) -> Optional[fx.GraphModule]:
@@ -105,6 +112,7 @@ class CaptureGuard:
                 f"{', '.join(self.plans) or 'the plan'} does not run its captured pieces under "
                 f"autocast yet (they would silently compute in the parameters' dtype): step "
                 f"outside autocast, or compile without a parallelism or compression pass")
+        self._check_loss_fn(where)
         if self.first_step is None:
             self.first_step = now
         elif now != self.first_step:
@@ -113,6 +121,22 @@ class CaptureGuard:
                 "parameters and enter autocast before it), or compile the model again; a "
                 "program is not re-captured in a new state yet", self.first_step))
         return None
+
+    def _check_loss_fn(self, where: str) -> None:
+        """The values ``loss_fn`` reads besides its arguments are those of the first step
+        (the program traced it then: ``tidal.compiler.loss_watch``); else raise naming them."""
+        if self.loss_fn is None:
+            return
+        if self.first_step is None:
+            self._loss_reads = loss_reads(self.loss_fn)
+            return
+        changed = changed_reads(self.loss_fn, self._loss_reads)
+        if changed:
+            raise StepGuardError(
+                f"{where}: loss_fn reads {', '.join(changed)}, which changed since the first "
+                f"step; the program of {', '.join(self.plans)} traced loss_fn then and would "
+                f"keep the old value: pass what changes as an input or target, or compile "
+                f"without a parallelism or compression pass (loss_fn then runs every step)")
 
     def _retraced(self, now: StepState) -> Optional[fx.GraphModule]:
         """The model traced again in its current training mode (kept per mode), or None when

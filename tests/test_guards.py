@@ -129,3 +129,25 @@ def test_a_step_without_plans_under_autocast_equals_eager_autocast():
         torch.testing.assert_close(loss, want.detach(), rtol=0, atol=0)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_program_step_after_the_loss_fn_read_a_changed_value_raises_naming_it():
+    """Under a plan, loss_fn is traced once: a weight it reads from a closure that changes
+    afterwards raises (never a silently stale loss); with no plan it runs every step."""
+    weight = {"w": 1.0}
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out, target) * weight["w"]
+
+    x, y = _data()
+    for passes in ([], ["compression"]):
+        weight["w"] = 1.0
+        c = tidal.compile(_FunctionalDropout().eval(), (x,), passes=passes, loss_fn=loss_fn,
+                          optimizer=_sgd)
+        first = float(c.step((x,), y))
+        weight["w"] = 0.5
+        if passes:
+            with pytest.raises(StepGuardError, match=r"loss_fn reads closure variable 'weight'"):
+                c.step((x,), y)
+        else:
+            assert float(c.step((x,), y)) < first * 0.6
