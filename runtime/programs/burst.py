@@ -34,6 +34,14 @@ The parts, one module each:
   a bucket is summed over its ranks by a subgroup all-reduce, or a ``GradSync`` when the
   ``compression`` pass wraps the sync (:meth:`BurstProgram.use_grad_sync`).
 
+The open step (``Compiled.backward``, :meth:`BurstProgram.bind_backward`) ends in ``grads``
+(``accumulate`` inside ``no_sync``): the rank's synced gradients of what it owns are added to
+``.grad``, the others get none (the user's optimizer skips them). :meth:`BurstProgram.
+clip_grad_norm_` clips by the norm over every rank, each parameter counted once, non-finite
+on every rank when any rank's is. fp16: ``ShardedGradScaler`` (its ``unscale_`` agrees on
+``found_inf`` across ranks; a plain ``GradScaler`` decides per rank), passed as
+``compiled.backward(x, y, scale=scaler)``.
+
 The comm stream is one FIFO in program order and every rank issues its buckets in the same
 order, so the collectives match; they run on process groups of their own (a world-wide copy and
 the sets' subgroups), so they overlap the scatter/gather transfers of backward, which use the
@@ -74,13 +82,14 @@ from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Program
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import is_distributed, rank_and_size
+from tidal.runtime.program import OpenStepError
 from tidal.runtime.programs.burst_graph import specialise
 from tidal.runtime.programs.burst_refresh import (StaleGuard, refresh_replicas,
                                                   replicated_elsewhere)
 from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from_plan, step_layout
 from tidal.runtime.programs.burst_state import load_rank_state, rank_state_dict, saved_tensors
-from tidal.runtime.programs.burst_step import BurstStep
-from tidal.runtime.programs.optimizer_wiring import remove_params
+from tidal.runtime.programs.burst_step import BurstStep, clip_by_global_norm_
+from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads, remove_params
 
 __all__ = ["PLAN_KIND", "BurstProgram", "BurstStep", "Bucket", "StateBytes", "StepLayout",
            "build_program", "from_plan", "state_table", "sync_buckets"]
@@ -144,6 +153,9 @@ class BurstProgram:
         self.last_state: Optional[StateBytes] = None
         self._stale: list[str] = []  # this rank's stale copies since its latest step
         self._stale_guard = StaleGuard(lambda: bool(self._stale), lambda: self._stale)
+        self._graph: Optional[fx.GraphModule] = None  # the graph of the latest step
+        self.local_grads = LocalGrads()
+        """What the open step accumulated inside ``no_sync`` on this rank, not yet synced."""
 
     @property
     def spec(self) -> BurstSpec:
@@ -293,23 +305,83 @@ class BurstProgram:
         """One training step on the global batch (see the module docstring); its program is
         built once per graph, rank, input shapes and bucket cap. On several ranks, the
         optimizer is made owner-only first (as :meth:`own_optimizer` does)."""
+        layout, run = self._prepare(gm, model, inputs, targets, "optimizer")
+        if is_distributed():
+            remove_params(optimizer, gm, layout.foreign)
+        return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, optimizer)
+
+    def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> BurstStep:
+        """The open step on the global batch (``Compiled.backward``; the module docstring):
+        the step's program ending in ``grads`` (``sync``) or ``accumulate`` (inside
+        ``no_sync``), backward of ``scale * loss``. The user's optimizer is left as it is.
+
+        >>> import torch.nn.functional as F
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        >>> gm = fx.symbolic_trace(model)
+        >>> program = BurstProgram(1, 4, (("0.weight", (0,)), ("0.bias", (0,))))
+        >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+        >>> for sync in (False, True):              # two halves of one accumulation
+        ...     step = program.bind_backward(gm, model, (x,), y, F.cross_entropy, 0.5, sync)
+        ...     for i, piece in enumerate(step.program.pieces):
+        ...         step.work(i, piece)()
+        >>> [p.name for p in step.program.pieces], model[0].bias.grad is not None
+        (['forward', 'backward 0', 'grads'], True)
+        """
+        layout, run = self._prepare(gm, model, inputs, targets, GRADS if sync else ACCUMULATE)
+        return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, None, scale=scale,
+                         local=self.local_grads)
+
+    def _prepare(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                 targets: Any, finish: str) -> tuple[StepLayout, fx.GraphModule]:
+        """This step's layout (built once per graph, rank, input shapes, bucket cap and last
+        piece) and the graph the rank runs; on several ranks, the stale copies it will hold
+        are watched (``model.state_dict()`` refuses them)."""
         distributed = is_distributed()
         if distributed:
             self._check(inputs)
         rank, size = rank_and_size()
-        key = (id(gm), rank, size, self.bucket_bytes, self.overlap) + tuple(
+        key = (id(gm), rank, size, self.bucket_bytes, self.overlap, finish) + tuple(
             (tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
         run = self.local_module(gm) if distributed else gm
         if key not in self._layouts:
-            self._layouts[key] = self.layout(gm, rank, size, run)
+            self._layouts[key] = step_layout(gm, self.spec, rank, size, run, finish)
         layout = self._layouts[key]
         self.fallback_reason = layout.reason
+        self._graph = gm
         if distributed:
-            remove_params(optimizer, gm, layout.foreign)
             self._stale_guard.watch(model)
             self._stale = [n for n, src in replicated_elsewhere(gm, self.param_ranks, size)
                            if rank not in self.param_ranks[n]]
-        return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, optimizer)
+        return layout, run
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``model``'s parameters by their norm over every rank
+        (``burst_step.clip_by_global_norm_``): a parameter counts once, on its layer's first
+        rank (one all-reduce); every rank scales the gradients it holds by the same factor.
+        Returns the total norm, the same on every rank (non-finite on every rank when some
+        rank's gradients are). Raises ``OpenStepError`` before this rank's first step.
+
+        >>> model = torch.nn.Linear(3, 1)                 # 4 gradients of 2.0: norm 4
+        >>> for p in model.parameters():
+        ...     p.grad = torch.full_like(p, 2.0)
+        >>> BurstProgram(1, 4, ()).clip_grad_norm_(model, 1.0).item()
+        4.0
+        """
+        held = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in held]
+        if not is_distributed():
+            return clip_by_global_norm_(grads, grads, max_norm, norm_type)
+        if self._graph is None:
+            raise OpenStepError(f"Compiled.clip_grad_norm_ under burst_parallel on rank "
+                                f"{dist.get_rank()} before any Compiled.backward: which rank "
+                                f"counts each gradient is known once a step has run")
+        rank, everyone = dist.get_rank(), tuple(range(self.world))
+        first = {id(t): min(self.param_ranks.get(n, everyone))
+                 for n, t in self._graph.named_parameters()}
+        counted = [p.grad for p in held if first.get(id(p), 0) == rank]
+        return clip_by_global_norm_(counted, grads, max_norm, norm_type, self.comm_group)
 
     def sync_of(self, ranks: Ranks) -> Optional[GradSync]:
         """The gradient sync of the set ``ranks`` (made on first use by the factory

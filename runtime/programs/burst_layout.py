@@ -17,6 +17,12 @@ The pieces of one rank (:func:`step_layout`, on ``size`` ranks; in one process: 
   buffers;
 * ``optimizer``, after the gradient syncs: it overlaps the buffer syncs.
 
+The open step (``Compiled.backward``; ``finish``) ends in ``grads`` instead of ``optimizer``
+(the synchronized gradients added to ``.grad``) or, inside ``no_sync``, in ``accumulate``, with
+no bucket all-reduce before it (the gradients stay on the rank until the next synchronized
+call); the buffer syncs stay (running statistics are averaged at every forward, as in the
+closed step).
+
 Every rank issues its buckets in the same order (which agrees with every rank's stage order), so
 the collectives match. Beside the :class:`~tidal.ir.program.Program`, a :class:`StepLayout`
 says what each piece does (``actions``), which the binding
@@ -34,6 +40,8 @@ Example:
      'all_reduce 0,1 0.bias', 'all_reduce 0,1 0.weight', 'optimizer']
     >>> program.pieces[-1].deps       # the optimizer waits for backward and the syncs
     (2, 3, 4, 5)
+    >>> [p.name for p in step_layout(gm, spec, 0, 2, finish=ACCUMULATE).program.pieces]
+    ['forward', 'backward 1', 'backward 0', 'accumulate']
 """
 from __future__ import annotations
 
@@ -49,6 +57,11 @@ from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.program import COMM, COMPUTE, OPTIMIZER, TRANSFER, Piece, Program
 from tidal.runtime.programs.burst_graph import specialise
 from tidal.runtime.programs.burst_stages import Stages, forward_parts, stages
+from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS
+
+FINISHES = ("optimizer", GRADS, ACCUMULATE)
+"""How a step ends (:func:`step_layout`'s ``finish``): the closed step's ``optimizer`` piece, or
+the open step's ``grads`` (synced) or ``accumulate`` (inside ``no_sync``)."""
 
 PASS_NAME = "burst_parallel"
 """The pass whose node marks (``tidal.ir.meta.BurstPlacement``) a burst program reads."""
@@ -121,10 +134,13 @@ class _Pieces:
 
 
 def step_layout(gm: fx.GraphModule, spec: BurstSpec, rank: int, size: int,
-                run: Optional[fx.GraphModule] = None) -> StepLayout:
+                run: Optional[fx.GraphModule] = None, finish: str = "optimizer") -> StepLayout:
     """This rank's step on ``size`` ranks (one process: forward, backward, optimizer): its
     :class:`~tidal.ir.program.Program` and what each piece does (the module docstring).
-    ``run`` is the graph the rank runs (default: ``gm`` specialised for ``rank``)."""
+    ``run`` is the graph the rank runs (default: ``gm`` specialised for ``rank``); ``finish``
+    (one of :data:`FINISHES`) is its last piece: ``accumulate`` leaves out the bucket syncs."""
+    if finish not in FINISHES:
+        raise ValueError(f"burst_parallel: step_layout(finish={finish!r}): one of {FINISHES}")
     if size > 1:
         run = run if run is not None else specialise(gm, spec.layer_ranks, rank,
                                                      spec.unit_members)
@@ -140,23 +156,25 @@ def step_layout(gm: fx.GraphModule, spec: BurstSpec, rank: int, size: int,
     for k, (name, stream, lo, hi) in enumerate(parts):
         stage = out.add(Piece(name, stream, (stage,) if k else ()),
                         ("forward", (hi, k == len(parts) - 1, len(parts) == 1)))
-    stage, syncs = _backward_pieces(out, gm, run, cut, parts, stage)
+    stage, syncs = _backward_pieces(out, gm, run, cut, parts, stage, finish != ACCUMULATE)
     buffers = buffer_sets(gm, spec.param_ranks, size)
     if size > 1:
         _buffer_pieces(out, gm, buffers, rank, stage)
-    out.add(Piece("optimizer", COMPUTE, tuple(sorted(syncs + [stage])), kind=OPTIMIZER),
-            ("optimizer", None))
+    last = tuple(sorted(syncs + [stage]))
+    out.add(Piece(finish, COMPUTE, last, kind=OPTIMIZER if finish == "optimizer" else ""),
+            (finish, None))
     foreign = foreign_params(gm, spec.param_ranks, spec.world, rank) if size > 1 else ()
     return StepLayout(Program(tuple(out.pieces), size), cut, tuple(out.actions), buffers,
                       tuple(foreign), eager_reason(gm))
 
 
 def _backward_pieces(out: _Pieces, gm: fx.GraphModule, run: fx.GraphModule, cut: Stages,
-                     parts: list[tuple[str, str, int, int]], stage: int
+                     parts: list[tuple[str, str, int, int]], stage: int, sync: bool = True
                      ) -> tuple[int, list[int]]:
     """Add the backward stages, last segment first, each followed by the all-reduces of the
-    buckets it finalises; a stage that holds only a transfer (and inputs) is the transfer's
-    backward, on the ``transfer`` stream. Returns the last stage and the all-reduces."""
+    buckets it finalises (with ``sync``); a stage that holds only a transfer (and inputs) is
+    the transfer's backward, on the ``transfer`` stream. Returns the last stage and the
+    all-reduces."""
     names = [n.name for n in run.graph.nodes]
     bounds = [0] + [names.index(c) for c in cut.cuts] + [len(names)]
     moves = {lo: name for name, stream, lo, _ in parts if stream == TRANSFER}
@@ -170,7 +188,7 @@ def _backward_pieces(out: _Pieces, gm: fx.GraphModule, run: fx.GraphModule, cut:
             stage = out.add(Piece(f"{move} backward", TRANSFER, (stage,)), ("backward", k))
         else:
             stage = out.add(Piece(f"backward {k}", COMPUTE, (stage,)), ("backward", k))
-        for bucket in (b for b, s in cut.buckets if s == k):
+        for bucket in (b for b, s in cut.buckets if s == k and sync):
             syncs.append(out.add(Piece(bucket.piece, COMM, (stage,), ranks=bucket.ranks),
                                  ("all_reduce", bucket)))
     return stage, syncs

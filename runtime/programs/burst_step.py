@@ -10,6 +10,14 @@ the global-batch gradient), through a plain all-reduce on the bucket's process g
 ``GradSync`` the ``compression`` pass gave; ``buffers all_reduce`` averages running
 statistics; ``optimizer`` steps, after checking that no gradient changed after its sync.
 
+The open step (``Compiled.backward``: ``local`` given) has no optimizer piece. The first forward
+piece sets the user's ``.grad`` aside, backward starts from ``scale * loss``, and the last piece
+is ``grads`` (this call's gradients of the parameters the rank owns, synced among their ranks
+together with what ``no_sync`` calls accumulated, *added* to the user's ``.grad``; parameters
+the rank does not own get none) or, inside ``no_sync``, ``accumulate`` (this call's gradients
+added to ``local``, unsynced). :func:`clip_by_global_norm_` is the open step's clipping: the
+norm over every rank's gradients, each counted by one rank, one all-reduce.
+
 Example:
     >>> import torch, torch.fx as fx
     >>> from tidal.runtime.programs.burst import BurstProgram
@@ -28,8 +36,9 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,9 +50,9 @@ from tidal.ir.burst_sync import Bucket
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Piece, Program
 from tidal.runtime.comm.grad_sync import GradSync
-from tidal.runtime.distributed import all_reduce_tensors, is_distributed
+from tidal.runtime.distributed import all_reduce_tensors, collective_device, is_distributed
 from tidal.runtime.programs.burst_layout import StepLayout
-from tidal.runtime.programs.optimizer_wiring import set_grads
+from tidal.runtime.programs.optimizer_wiring import LocalGrads, add_grads, scaled, set_grads
 from tidal.runtime.programs.replica_sync import average_buffers
 from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
@@ -146,7 +155,8 @@ class BurstStep:
     """One step of a burst rank program (``owner``, a
     ``tidal.runtime.programs.burst.BurstProgram``) bound to tensors (a ``StepWork``):
     ``work(index, piece)`` gives what each piece of ``program`` does, ``loss()`` the global
-    loss after (the module docstring)."""
+    loss after (the module docstring). With ``local`` (the rank program's ``LocalGrads``) it is
+    the open step: no ``optimizer``, backward of ``scale * loss``."""
 
     owner: StepOwner
     layout: StepLayout
@@ -155,7 +165,10 @@ class BurstStep:
     inputs: tuple
     targets: Any
     loss_fn: Callable
-    optimizer: torch.optim.Optimizer
+    optimizer: Optional[torch.optim.Optimizer]
+    scale: Any = None
+    local: Optional[LocalGrads] = None
+    _kept: dict = field(default_factory=dict)
     _loss: Optional[torch.Tensor] = None
     _runner: Optional[_CutRunner] = None
     _pairs: list = field(default_factory=list)
@@ -184,11 +197,11 @@ class BurstStep:
         after the previous piece's); the last piece computes the loss on the output."""
         stop, last, whole = part
         if whole and not self.layout.stages.cuts:  # one piece, no cut: the module itself
-            self.optimizer.zero_grad(set_to_none=True)
+            self._begin()
             self._loss = self.loss_fn(self.run(*self.inputs), self.targets)
             return
         if self._runner is None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._begin()
             self._runner = _CutRunner(self.run, self.layout.stages.cuts)
             self._runner.start(*self.inputs)
         self._runner.advance(stop)
@@ -197,9 +210,20 @@ class BurstStep:
             self._loss = self.loss_fn(self._runner.result, self.targets)
             self._runner = None
 
+    def _begin(self) -> None:
+        """Before the first forward node: the closed step zeroes its optimizer's gradients;
+        the open step sets the user's ``.grad`` aside (this call's gradients are made apart,
+        then added to them by ``grads`` or kept by ``accumulate``)."""
+        if self.local is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        for name, p in self.gm.named_parameters():
+            self._kept[name] = p.grad
+            p.grad = None
+
     def _backward(self, k: int) -> None:
         if k == len(self.layout.stages.cuts):
-            self._loss.backward()
+            scaled(self._loss, self.scale).backward()
             return
         pairs = [(o, l.grad) for o, l in self._pairs[k] if l.grad is not None]
         self._pairs[k] = []
@@ -215,6 +239,8 @@ class BurstStep:
         params = dict(self.gm.named_parameters())
         grads = {n: params[n].grad if params[n].grad is not None else torch.zeros_like(params[n])
                  for n in bucket.names}
+        if self.local is not None:  # the open step: plus what no_sync calls accumulated
+            grads = {n: self.local.plus(params[n], g) for n, g in grads.items()}
         sync = self.owner.sync_of(bucket.ranks)
         with collective_errors(WHO, bucket.piece):
             if sync is None:
@@ -236,11 +262,97 @@ class BurstStep:
         params = dict(self.gm.named_parameters())
         for n in self.layout.foreign:  # a skipped unit's members that ran on zero rows
             params[n].grad = None
+        self._check_synced(params)
+        self.optimizer.step()
+        if is_distributed():
+            self.owner.last_state = self.owner.state_bytes(self.gm, self.optimizer)
+
+    def _check_synced(self, params: dict[str, torch.Tensor]) -> None:
         for n, (grad, version) in self._synced.items():
             if params[n].grad is not grad or grad._version != version:
                 raise RuntimeError(f"burst_parallel: the gradient of {n!r} changed after its "
                                    f"sync (a backward stage after the one that should "
                                    f"finalise it reached it)")
-        self.optimizer.step()
-        if is_distributed():
-            self.owner.last_state = self.owner.state_bytes(self.gm, self.optimizer)
+
+    def _take(self) -> dict[str, Optional[torch.Tensor]]:
+        """This call's gradients of the parameters the rank owns, by name (None: none); the
+        user's ``.grad`` that :meth:`_begin` set aside is put back on every parameter."""
+        foreign = set(self.layout.foreign)  # a skipped unit's members that ran on zero rows
+        fresh = {}
+        for name, p in self.gm.named_parameters():
+            if name not in foreign:
+                fresh[name] = p.grad
+            p.grad = self._kept.pop(name, None)
+        return fresh
+
+    def _grads(self) -> None:
+        """The open step's last piece (synced): this call's gradients of the parameters the
+        rank owns (a bucket's synced with what ``no_sync`` accumulated; a parameter of this
+        rank alone, its own plus that sum) added to the user's ``.grad``."""
+        params = dict(self.gm.named_parameters())
+        self._check_synced(params)
+        totals = {}
+        for n, g in self._take().items():
+            if n in self._synced:
+                totals[n] = g
+            elif g is not None:
+                totals[n] = self.local.plus(params[n], g)
+        for n, p, total in self.local.drain():  # accumulated, no gradient in this call
+            if not p.requires_grad:
+                raise ValueError(f"burst_parallel: the gradient of {n!r} was accumulated "
+                                 f"inside no_sync() but this synchronized Compiled.backward "
+                                 f"does not train it (frozen in between?): keep "
+                                 f"requires_grad the same over an accumulation")
+            totals[n] = total
+        add_grads(params, totals)
+
+    def _accumulate(self) -> None:
+        """The open step's last piece inside ``no_sync``: this call's gradients of the
+        parameters the rank owns added to ``local``, unsynced; ``.grad`` as the user left it."""
+        params = dict(self.gm.named_parameters())
+        for n, g in self._take().items():
+            if g is not None:
+                self.local.add(n, params[n], g)
+
+
+def clip_by_global_norm_(counted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                         max_norm: float, norm_type: float = 2.0,
+                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Clip ``grads`` (this rank's gradients) in place by the global ``norm_type`` norm of
+    the gradients every rank of ``group`` counts (``counted``: this rank's share, each gradient
+    counted by one rank only), as ``torch.nn.utils.clip_grad_norm_`` on one process: one
+    all-reduce of the partial sums of ``|g|^p`` (MAX for the ``inf`` norm), then every rank
+    scales its gradients by ``max_norm / (total + 1e-6)`` clamped to 1. Returns the total, the
+    same on every rank: NaN when some rank's gradients hold a NaN, else ``inf`` when one holds
+    an ``inf`` (skip the optimizer's step then, on every rank). No all-reduce without a
+    process group.
+
+    >>> g = [torch.full((4,), 2.0)]                 # norm 4
+    >>> clip_by_global_norm_(g, g, 1.0).item(), round(g[0][0].item(), 4)
+    (4.0, 0.5)
+    >>> clip_by_global_norm_([torch.tensor([1.0, float("inf")])], [], 1.0).item()
+    inf
+    """
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"burst_parallel: clip_grad_norm_(norm_type={norm_type!r}): a norm of "
+                         f"order > 0 (or inf)")
+    inf = math.isinf(p)
+    device = collective_device(group)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64).to(device)
+                         for g in counted] + [torch.zeros((), dtype=torch.float64,
+                                                          device=device)])
+    value = norms.amax() if inf else norms.pow(p).sum()
+    partial = torch.stack([value, norms.isnan().sum().double(), norms.isinf().sum().double()])
+    if is_distributed():
+        with collective_errors(WHO, "the all-reduce of clip_grad_norm_'s partial norms"):
+            dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            group=group)
+    value, nans, infs = partial.tolist()
+    total = math.nan if nans else math.inf if infs else value if inf else value ** (1 / p)
+    like = grads[0] if grads else counted[0] if counted else torch.zeros(())
+    out = torch.tensor(total, dtype=like.dtype, device=like.device)
+    coef = min(max_norm / (total + 1e-6), 1.0) if not math.isnan(total) else math.nan
+    for g in grads:
+        g.detach().mul_(coef)
+    return out

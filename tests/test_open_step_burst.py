@@ -1,0 +1,213 @@
+"""The open step under ``burst_parallel`` (``Compiled.backward``, ``no_sync``,
+``clip_grad_norm_``) on two gloo ranks, with layer ``c1`` on rank 0 only: the loop a user writes
+around DDP (AdamW with two param groups, a warm-up ``LambdaLR``, clipping by the global norm,
+accumulation of 2 micro-batches with ``scale=0.5``, the first inside ``no_sync``) equals the
+same loop in plain PyTorch on one process (float64: max |Δparam| ≤ 1e-9 on the parameters each
+rank owns; ``compiled.state_dict()`` equal to the reference's on both ranks; the clip norm
+equal on both ranks and to the reference's). Non-owned parameters get no gradient and are
+never stepped by the user's optimizer. Non-finite gradients on one rank only (rank 0's ``c1``)
+make the clip norm non-finite on both, and a ``ShardedGradScaler`` skips that step on both
+ranks and keeps their scales equal. One spawned job for every case."""
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+import tidal
+from tidal.ir import cost
+from tidal.passes.burst_parallel import BurstParallel, build_problem
+from tidal.passes.burst_planner import plan_from_counts
+
+from rank_parts import part, spawn_parts
+from test_burst_parallel import BATCH, Chain, owned_names
+
+STEPS, MICRO = 3, 2
+MAX_NORM = 0.2                  # below the gradients' norm here: clipping changes them
+PARAM_TOL = 1e-9                # float64
+CLUSTER = tidal.Cluster(gpus=2, bandwidth_gbps=100, latency_us=5, peak_tflops=1e-4)
+
+
+def _data(step, k):
+    g = torch.Generator().manual_seed(100 + 10 * step + k)
+    return (torch.randn(BATCH, 3, 6, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 10, (BATCH,), generator=g))
+
+
+def _model():
+    """The model, made in float64 (the ranks' default dtype, so their initial weights are the
+    reference's)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        return Chain()
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _compile(model):
+    """``model`` under a burst plan with c1 on rank 0 only, every other layer on both ranks."""
+    x, _ = _data(0, 0)
+    gm = tidal.trace(model, (x,))
+    cost.annotate(gm, (x,))
+    problem = build_problem(gm, CLUSTER, BATCH)
+    plan = plan_from_counts(problem, {n: 1 if n == "c1" else 2 for n in problem.names})
+    return tidal.compile(model, (x,), passes=[BurstParallel(plan=plan.to_json())],
+                         cluster=CLUSTER, loss_fn=F.cross_entropy)
+
+
+def _adamw(model):
+    """AdamW with two param groups (no decay on c1) and a warm-up LambdaLR."""
+    first = list(model.c1.parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt = torch.optim.AdamW([{"params": first, "weight_decay": 0.0},
+                             {"params": rest, "weight_decay": 0.1}], lr=1e-2)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+
+
+def _loop(model, backward, no_sync, clip, after_first=None):
+    """3 steps of AdamW + warm-up + clip over 2 micro-batches (scale 0.5, the first inside
+    ``no_sync``); returns the losses, the clip norms and the optimizer. ``after_first(model)``
+    runs after each step's first micro-batch."""
+    opt, sched = _adamw(model)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for k in range(MICRO):
+            x, y = _data(step, k)
+            with no_sync() if k < MICRO - 1 else contextlib.nullcontext():
+                losses.append(backward(x, y))
+            if k == 0 and after_first is not None:
+                after_first(model)
+        norms.append(clip(MAX_NORM))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return torch.stack(losses), torch.stack(norms), opt
+
+
+def _reference():
+    """The loop in plain PyTorch on one process, every micro-batch whole."""
+    model = _model()
+
+    def backward(x, y):
+        loss = F.cross_entropy(model(x), y)
+        (loss * 0.5).backward()
+        return loss.detach()
+
+    losses, norms, _ = _loop(model, backward, contextlib.nullcontext,
+                             lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m))
+    return model, losses, norms
+
+
+def _accumulating_loop(rank, size):
+    """The loop under the burst plan; inside no_sync nothing reaches .grad, and the
+    parameters this rank does not own never get a gradient (so AdamW never steps them)."""
+    torch.set_default_dtype(torch.float64)
+    model = _model()
+    initial = copy.deepcopy(model)
+    compiled = _compile(model)
+    mine = owned_names(compiled, model)
+    seen = {"grad_inside_no_sync": [], "foreign_grads": []}
+
+    def after_first(m):
+        seen["grad_inside_no_sync"].append(any(p.grad is not None for p in m.parameters()))
+
+    def clip(max_norm):
+        seen["foreign_grads"].append(sorted(n for n, p in model.named_parameters()
+                                            if n not in mine and p.grad is not None))
+        return compiled.clip_grad_norm_(max_norm)
+
+    losses, norms, opt = _loop(model, lambda x, y: compiled.backward((x,), y, scale=0.5),
+                               compiled.no_sync, clip, after_first)
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    untouched = [n for n, p in initial.named_parameters() if n not in mine
+                 and torch.equal(p, params[n])]
+    state = {k: v.clone() for k, v in compiled.state_dict().items()}
+    return (mine, {n: params[n].detach().clone() for n in mine}, losses, norms, state, seen,
+            untouched, len(held) == len(params))
+
+
+def _non_finite_on_one_rank(rank, size):
+    """An inf in rank 0's c1 gradient only (c1 runs on rank 0 alone): the clip norm is inf on
+    both ranks; a ShardedGradScaler skips that step on both and backs off both scales; the
+    next step (finite) equals plain SGD on the unscaled gradient."""
+    torch.set_default_dtype(torch.float64)
+    model = _model()
+    compiled = _compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    norms, scales = [], []
+    for step in range(2):
+        x, y = _data(step, 0)
+        compiled.backward((x,), y, scale=scaler.scale(torch.ones(())))
+        if step == 0 and rank == 0:
+            model.c1.weight.grad[0, 0, 0, 0] = float("inf")
+        scaler.unscale_(opt)
+        norms.append(compiled.clip_grad_norm_(1e3))       # large: no clipping
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+        if step == 0:
+            skipped = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    mine = owned_names(compiled, model)
+    return skipped, torch.stack(norms), scales, mine, {
+        n: p.detach().clone() for n, p in model.named_parameters() if n in mine}
+
+
+@pytest.fixture(scope="module")
+def two_rank_job():
+    return spawn_parts(2, [part(_accumulating_loop), part(_non_finite_on_one_rank)],
+                       timeout_s=600)
+
+
+def test_accumulating_loop_equals_one_process_pytorch(two_rank_job):
+    ref, ref_losses, ref_norms = _reference()
+    assert (ref_norms > MAX_NORM).all(), ref_norms      # every step was clipped
+    want = dict(ref.named_parameters())
+    initial = dict(_model().named_parameters())
+    results = two_rank_job["_accumulating_loop"]
+    owners = [set(r[0]) for r in results]
+    assert "c1.weight" in owners[0] - owners[1] and owners[0] | owners[1] == set(want)
+    for rank, (mine, params, losses, norms, state, seen, untouched, all_held) in \
+            enumerate(results):
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-9, atol=1e-12)
+        for name in mine:
+            diff = (params[name] - want[name]).abs().max().item()
+            assert diff <= PARAM_TOL, f"rank {rank}: {name} off by {diff:.2e}"
+            assert (params[name] - initial[name]).abs().max() > 1e-3, (rank, name)  # trained
+        assert state.keys() == ref.state_dict().keys()
+        for k, v in ref.state_dict().items():      # the whole model, current on every rank
+            torch.testing.assert_close(state[k], v, rtol=0, atol=PARAM_TOL,
+                                       msg=f"rank {rank}: state_dict()[{k!r}]")
+        assert seen["grad_inside_no_sync"] == [False] * STEPS, (rank, seen)
+        assert seen["foreign_grads"] == [[]] * STEPS, (rank, seen)
+        assert untouched == [n for n in want if n not in mine], rank  # never stepped here
+        assert all_held, "the user's optimizer keeps every parameter"
+    assert torch.equal(results[0][3], results[1][3])    # the same norm on both ranks
+
+
+def test_non_finite_gradients_on_one_rank_skip_the_step_on_both(two_rank_job):
+    (skip0, norms0, scales0, mine0, params0), (skip1, norms1, scales1, mine1, params1) = \
+        two_rank_job["_non_finite_on_one_rank"]
+    assert skip0 and skip1                              # both ranks skipped the inf step
+    assert torch.isinf(norms0[0]) and torch.isinf(norms1[0])
+    assert torch.isfinite(norms0[1]) and torch.equal(norms0[1], norms1[1])
+    assert scales0 == scales1 == [8.0, 8.0]             # backed off once, on both ranks
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _data(1, 0)
+    F.cross_entropy(ref(x), y).backward()
+    opt.step()
+    want = dict(ref.named_parameters())
+    for mine, params in ((mine0, params0), (mine1, params1)):
+        for name in mine:
+            torch.testing.assert_close(params[name], want[name], rtol=0, atol=PARAM_TOL)
+    for name in set(mine0) & set(mine1):                # the owners' copies stay identical
+        assert torch.equal(params0[name], params1[name]), name
