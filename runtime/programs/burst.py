@@ -80,6 +80,7 @@ from tidal.ir.collectives import SubgroupCache, check_layer_ranks, new_group
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Program
+from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import is_distributed, rank_and_size
 from tidal.runtime.program import OpenStepError
@@ -177,8 +178,9 @@ class BurstProgram:
                              f"{size} ranks; compile with tidal.Cluster(gpus={size})")
         first = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
         if first is not None and first.shape[0] != self.batch:
-            raise ValueError(f"burst_parallel: the plan is for a global batch of {self.batch}, "
-                             f"got inputs with batch {first.shape[0]}")
+            raise BatchError(f"burst_parallel: the plan is for a global batch of {self.batch}, "
+                             f"got {first.shape[0]} rows: compile for that batch, or drop the "
+                             f"last, smaller batch (DataLoader(drop_last=True))")
         if not self._ready:  # the plan is fixed: its ranks are checked against the world once
             check_layer_ranks(self.layer_ranks.items(), size)
             self.groups.create(r for r in self.param_ranks.values() if 1 < len(r) < size)

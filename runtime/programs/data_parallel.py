@@ -2,9 +2,13 @@
 
 :class:`DataParallelProgram` is the rank program (``tidal.runtime.program.RankProgram``) of
 data-parallel training, with or without gradient compression: every rank passes the same global
-batch and takes its shard of dim 0. Its program for one step (built once per input shape, so
-the simulator can run the same object) is the ``broadcast`` of rank 0's buffers (and, before the
-first step, parameters) on the ``comm`` stream, then
+batch and takes its shard of dim 0 (:func:`local_shard`): split as ``torch.tensor_split``
+splits, so the last, smaller batch of an epoch works; each rank's gradient and loss are weighted
+by its rows before the averaging sync, so the synchronized gradient is that of the global
+batch's mean loss (a rank with no rows joins every collective with zero gradients). Its
+program for one step (built once per shape of the global batch, so the simulator can run the
+same object) is the ``broadcast`` of rank 0's buffers (and, before the first step, parameters)
+on the ``comm`` stream, then
 
 * when the step captures (``tidal.ir.capture.capture_train_step``): the segments of the joint
   forward+backward graph cut where each bucket's last gradient is ready
@@ -55,7 +59,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,22 +87,80 @@ from tidal.runtime.programs.step_capture import (Fallback, StepCapture, agreed, 
 
 
 
+def shard_rows(batch: int, rank: int, size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of the global batch that ``rank`` of ``size`` trains on, cut as
+    ``torch.tensor_split`` cuts: the first ``batch % size`` ranks one row more; a rank gets
+    none when ``batch < size``.
+
+    Example:
+        >>> [shard_rows(7, r, 2) for r in range(2)], shard_rows(1, 1, 2)
+        ([(0, 4), (4, 7)], (1, 1))
+    """
+    per, extra = divmod(batch, size)
+    start = rank * per + min(rank, extra)
+    return start, start + per + (1 if rank < extra else 0)
+
+
 def shard(value: Any, rank: int, size: int, batch: int) -> Any:
-    """This rank's slice of dim 0 of every tensor whose dim 0 is the global batch.
+    """This rank's slice of dim 0 (:func:`shard_rows`) of every tensor whose dim 0 is the
+    global batch.
 
     Example:
         >>> import torch
-        >>> shard((torch.arange(4), "mask"), rank=1, size=2, batch=4)
-        (tensor([2, 3]), 'mask')
+        >>> shard((torch.arange(5), "mask"), rank=1, size=2, batch=5)
+        (tensor([3, 4]), 'mask')
     """
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-        per = batch // size
-        return value[rank * per:(rank + 1) * per]
+        start, stop = shard_rows(batch, rank, size)
+        return value[start:stop]
     if isinstance(value, (tuple, list)):
         return type(value)(shard(v, rank, size, batch) for v in value)
     if isinstance(value, Mapping):
         return {k: shard(v, rank, size, batch) for k, v in value.items()}
     return value
+
+
+class LocalShard(NamedTuple):
+    """This rank's part of a global batch: the step's cache ``key`` (the global batch's
+    shapes: the same on every rank), the ``inputs`` and ``targets`` it trains on and the
+    ``weight`` of its gradient and loss before the averaging sync, ``rows * world / batch``
+    (None when the batch splits evenly: 1; 0 on a rank with no rows, which trains on the
+    batch's first row as a stand-in so that it runs the same program and joins every
+    collective with zero gradients)."""
+
+    key: tuple
+    inputs: Any
+    targets: Any
+    weight: Optional[float]
+
+
+def local_shard(inputs: Any, targets: Any, rank: int, size: int) -> LocalShard:
+    """Rank ``rank``'s :class:`LocalShard` of the global batch ``inputs``/``targets``. The
+    weights make the synchronized gradient that of the global batch's mean loss, for a
+    ``loss_fn`` that averages over rows (the default of ``cross_entropy``/``mse_loss``); a
+    sum-reduced loss is not rescaled: it gets the same weights (DDP's plain average when
+    the batch splits evenly).
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(3.0)
+        >>> [(s.targets.tolist(), s.weight) for s in (local_shard((x,), x, r, 2) for r in (0, 1))]
+        [([0.0, 1.0], 1.3333333333333333), ([2.0], 0.6666666666666666)]
+        >>> local_shard((x,), x, 0, 3).weight is None   # an even split: weight 1
+        True
+        >>> local_shard((x[:1],), x[:1], 1, 2)[2:]     # no rows: a stand-in row, weight 0
+        (tensor([0.]), 0.0)
+    """
+    batch = example_batch(inputs)
+    if batch == 0:
+        raise ValueError("data parallel: the global batch has no rows; pass at least one")
+    start, stop = shard_rows(batch, rank, size)
+    rows = stop - start
+    weight = None if rows * size == batch else rows * size / batch
+    if rows == 0:
+        rank, size = 0, batch          # the first row (the weight 0 cancels it)
+    return LocalShard(shape_key(inputs, targets), shard(inputs, rank, size, batch),
+                      shard(targets, rank, size, batch), weight)
 
 
 def eager_pieces(buckets: Sequence[Sequence[int]]) -> list[Piece]:
@@ -160,7 +222,8 @@ class DataParallelProgram:
         self.steps = 0
         self.fallback_reason = "" if capture else "capture=False: eager pieces were asked for"
         self._window_lr: Optional[float] = None
-        self._programs: dict[tuple, StepCapture] = {}
+        self._programs: dict[tuple, StepCapture] = {}     # by the global batch's shapes
+        self._by_shard: dict[tuple, StepCapture] = {}     # the captured ones, by shard shapes
         self._open_programs: dict[tuple, tuple[Program, tuple[int, ...]]] = {}
         self._latest: Optional[StepCapture] = None
         self.params_shared = False
@@ -196,13 +259,14 @@ class DataParallelProgram:
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> DataParallelStep:
-        """This rank's step on its shard of the global batch: the program of these shapes
-        (built on first use) and what its pieces do. Raises ``ValueError`` when the global
-        batch does not split evenly over the ranks."""
-        key, local, local_targets = self._shard(inputs, targets)
-        capture = self._capture(key, gm, model, local, local_targets, loss_fn)
+        """This rank's step on its shard of the global batch (:func:`local_shard`: split as
+        ``torch.tensor_split`` splits, the gradient and loss weighted by the rows): the
+        program of these shapes (built on first use) and what its pieces do."""
+        part = self._shard(inputs, targets)
+        capture = self._capture(part, gm, model, loss_fn)
         step = CapturedStep if capture.captured else EagerStep
-        return step(self, capture, model, optimizer, gm, local, local_targets, loss_fn)
+        return step(self, capture, model, optimizer, gm, part.inputs, part.targets, loss_fn,
+                    weight=part.weight)
 
     def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any,
                       targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> DataParallelStep:
@@ -216,31 +280,29 @@ class DataParallelProgram:
                                 "switches the compression level from the optimizer's learning "
                                 "rate at the end of each window of Compiled.step; use "
                                 "Compiled.step, or compile without accordion")
-        key, local, local_targets = self._shard(inputs, targets)
-        capture = self._capture(key, gm, model, local, local_targets, loss_fn)
-        if (key, sync) not in self._open_programs:
-            self._open_programs[key, sync] = open_program(capture.program, sync)
-        opened = OpenStep(*self._open_programs[key, sync], scale, sync)
+        part = self._shard(inputs, targets)
+        capture = self._capture(part, gm, model, loss_fn)
+        if (part.key, sync) not in self._open_programs:
+            self._open_programs[part.key, sync] = open_program(capture.program, sync)
+        opened = OpenStep(*self._open_programs[part.key, sync], scale, sync)
         step = CapturedStep if capture.captured else EagerStep
-        return step(self, capture, model, None, gm, local, local_targets, loss_fn, opened)
+        return step(self, capture, model, None, gm, part.inputs, part.targets, loss_fn, opened,
+                    weight=part.weight)
 
-    def _shard(self, inputs: Any, targets: Any) -> tuple[tuple, Any, Any]:
-        """The shape key, this rank's inputs and targets of the global batch."""
+    def _shard(self, inputs: Any, targets: Any) -> LocalShard:
+        """This rank's :class:`LocalShard` of the global batch."""
         world = self.comm.world
-        batch = example_batch(inputs)
-        if batch % world.size:
-            raise ValueError(f"data parallel: global batch {batch} does not split evenly over "
-                             f"{world.size} ranks")
-        local = shard(inputs, world.rank, world.size, batch)
-        local_targets = shard(targets, world.rank, world.size, batch)
-        return shape_key(local, local_targets), local, local_targets
+        return local_shard(inputs, targets, world.rank, world.size)
 
-    def _capture(self, key: tuple, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any,
-                 targets: Any, loss_fn: Callable) -> StepCapture:
-        """The step of shape ``key`` (built on first use); the latest one run."""
-        if key not in self._programs:
-            self._programs[key] = self._build(gm, model, inputs, targets, loss_fn)
-        self._latest = self._programs[key]
+    def _capture(self, part: LocalShard, gm: fx.GraphModule, model: torch.nn.Module,
+                 loss_fn: Callable) -> StepCapture:
+        """The step of the global batch's shapes ``part.key`` (built on first use, every rank
+        at once: a rank's shard shape may have been built for another global batch, and
+        building agrees over the ranks); the latest one run."""
+        if part.key not in self._programs:
+            self._programs[part.key] = self._build(gm, model, part.inputs, part.targets,
+                                                   loss_fn)
+        self._latest = self._programs[part.key]
         return self._latest
 
     def _build(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: Any, targets: Any,
@@ -251,7 +313,10 @@ class DataParallelProgram:
         is launched; every rank agrees on the outcome."""
         world = self.comm.world.size
         reason, capture = self.fallback_reason, None
-        if not reason:
+        local_key = shape_key(inputs, targets)
+        if not reason and local_key in self._by_shard:
+            capture = self._by_shard[local_key]   # this shard shape, captured before
+        elif not reason:
             try:
                 step = capture_step(gm, inputs, targets, loss_fn)
                 pieces = data_parallel(step, world, self.bucket_bytes, self.overlap, SYNC).pieces
@@ -263,6 +328,7 @@ class DataParallelProgram:
                 reason = e.reason
         reason = agreed(reason, self.comm.group)
         if not reason:
+            self._by_shard[local_key] = capture
             return capture
         self.fallback_reason = reason
         index = {n: i for i, n in enumerate(trainable(model))}

@@ -79,12 +79,15 @@ class DataParallelStep:
     """One bound step (``tidal.runtime.program.StepWork``): the broadcast, sync, optimizer and
     Accordion pieces, or with ``opened`` (:class:`OpenStep`) its program's ``grads`` or
     ``accumulate`` piece; subclasses run the compute pieces and give the gradients and the
-    loss."""
+    loss. ``weight`` (``LocalShard.weight``, None for 1) multiplies this rank's gradients
+    before they are synced or kept under ``no_sync`` (before a compressor, whose error
+    feedback stays per rank) and its loss before the loss is averaged: the ranks' shards may
+    differ in rows."""
 
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  module: torch.nn.Module, names: Sequence[str],
-                 opened: Optional[OpenStep] = None):
+                 opened: Optional[OpenStep] = None, weight: Optional[float] = None):
         self.program = capture.program if opened is None else opened.program
         self._opened = opened
         self._owner = owner
@@ -92,6 +95,7 @@ class DataParallelStep:
         self._params = trainable(module)
         self._optimizer = optimizer
         self._names = tuple(names)
+        self._weight = weight
         self._first = owner.steps == 0 and not owner.params_shared
         self._synced: dict[str, torch.Tensor] = {}
         self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
@@ -120,6 +124,12 @@ class DataParallelStep:
         """Gradient ``index`` of ``scale * loss`` (the open step's)."""
         return scaled(self.grad(index), self._opened.scale)
 
+    def shared_grad(self, index: int) -> torch.Tensor:
+        """Gradient ``index`` as this rank hands it to the sync (or keeps it under
+        ``no_sync``): of the loss (``scale * loss`` in the open step), times the weight."""
+        grad = self.grad(index) if self._opened is None else self.open_grad(index)
+        return scaled(grad, self._weight)
+
     def local_loss(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -131,10 +141,11 @@ class DataParallelStep:
         """Issue the sync of one bucket (the ``optimizer`` or ``grads`` piece waits for it):
         in the open step, of this call's gradients plus what ``no_sync`` calls accumulated."""
         if self._opened is None:
-            grads = {self._names[i]: self.grad(i) for i in indices}
+            grads = {self._names[i]: self.shared_grad(i) for i in indices}
         else:
             local = self._owner.local_grads
-            grads = {self._names[i]: local.plus(self._params[self._names[i]], self.open_grad(i))
+            grads = {self._names[i]: local.plus(self._params[self._names[i]],
+                                                self.shared_grad(i))
                      for i in indices}
         self._pending.append(self._owner.grad_sync.bucket_async(grads))
 
@@ -169,11 +180,13 @@ class DataParallelStep:
         """The open step's ``accumulate`` piece (inside ``no_sync``): gradients kept here."""
         local = self._owner.local_grads
         for i, name in enumerate(self._names):
-            local.add(name, self._params[name], self.open_grad(i))
+            local.add(name, self._params[name], self.shared_grad(i))
 
     def loss(self) -> torch.Tensor:
-        """The global batch's loss: the mean of the ranks' shard losses."""
-        return reduce_loss(self.local_loss(), self._owner.comm.group)
+        """The global batch's loss: the mean of the ranks' shard losses (weighted: each
+        shard's counts by its rows)."""
+        return reduce_loss(scaled(self.local_loss().detach(), self._weight),
+                           self._owner.comm.group)
 
 
 class CapturedStep(DataParallelStep):
@@ -182,9 +195,9 @@ class CapturedStep(DataParallelStep):
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
-                 opened: Optional[OpenStep] = None):
+                 opened: Optional[OpenStep] = None, weight: Optional[float] = None):
         super().__init__(owner, capture, model, optimizer, gm, capture.step.param_names,
-                         opened)
+                         opened, weight)
         self._run = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
         self._loss_node, self._grad_nodes = capture.nodes()
 
@@ -205,9 +218,9 @@ class EagerStep(DataParallelStep):
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
                  gm: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Callable,
-                 opened: Optional[OpenStep] = None):
+                 opened: Optional[OpenStep] = None, weight: Optional[float] = None):
         super().__init__(owner, capture, model, optimizer, model, tuple(trainable(model)),
-                         opened)
+                         opened, weight)
         self._run = functools.partial(eager_loss, gm, inputs, targets, loss_fn)
         self._loss: Optional[torch.Tensor] = None
         self._grads: tuple[Optional[torch.Tensor], ...] = ()

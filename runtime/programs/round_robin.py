@@ -83,10 +83,12 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from tidal.ir.cost import example_batch
 from tidal.ir.program import Program
 from tidal.ir.rng import fork_rng_of
 from tidal.ir.round_robin_program import UPDATE, Slot, round_robin_program
 from tidal.ir.schedule import split_batch
+from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import rank_and_size
 from tidal.runtime.programs.round_robin_capture import StageGraph, capture_partitions
@@ -103,6 +105,31 @@ def from_plan(gm: fx.GraphModule, plan: Any) -> "RoundRobinProgram":
     """The rank program of a ``round_robin`` plan on the graph the pass split into
     partitions."""
     return RoundRobinProgram(gm, plan)
+
+
+def check_micro_batches(inputs: Any, n: int) -> None:
+    """Raise :class:`~tidal.runtime.batch_data.BatchError` naming round_robin, the batch and
+    what it needs unless the global batch ``inputs`` cuts into ``n`` equal micro-batches: the
+    schedule sends every micro-batch's activations through each of the N ranks, each
+    partition's joint graph is captured (with the loss / N) for one micro-batch shape and
+    its transfers are sized for it. No collective: every rank raises alike.
+
+    Example:
+        >>> import torch
+        >>> try:
+        ...     check_micro_batches((torch.zeros(5, 3),), 2)
+        ... except BatchError as e:
+        ...     print(str(e).split(" (")[0])
+        round_robin: the global batch size 5 is not divisible by 2
+    """
+    batch = example_batch(inputs)
+    if batch % n:
+        raise BatchError(
+            f"round_robin: the global batch size {batch} is not divisible by {n} (the "
+            f"partitions, one micro-batch each per cycle): each partition's gradient is the "
+            f"accumulation of {n} equal micro-batches (loss / {n} each), captured for one "
+            f"micro-batch shape; pass a multiple of {n} rows: drop the last, smaller batch "
+            f"(DataLoader(drop_last=True)) or pad it, or train it without round_robin")
 
 
 def _size(n: float) -> str:
@@ -230,7 +257,10 @@ class RoundRobinProgram:
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> RoundRobinStep:
         """One training step of the global batch under the round-robin schedule: the program
-        of this rank (all ranks without a process group), built once per micro-batch shape."""
+        of this rank (all ranks without a process group), built once per micro-batch shape.
+        A batch that does not cut into N equal micro-batches is refused
+        (:func:`check_micro_batches`)."""
+        check_micro_batches(inputs, self.n)
         self.materialize()  # capture, zero_grad and a failed step's leftovers need them all
         rank, world = rank_and_size()
         if world > 1 and world != self.n:

@@ -51,19 +51,23 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
 
 from tidal.ir.capture import step_inputs
 from tidal.ir.collectives import new_group
+from tidal.ir.cost import example_batch
 from tidal.ir.joint_segments import forward_backward
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.param_owners import trainable
-from tidal.ir.program import COMM, OPTIMIZER, Piece, Program
-from tidal.ir.schedule import Action, Schedule, split_batch
+from tidal.ir.program import Piece
+from tidal.ir.schedule import split_batch
+from tidal.ir.tick_tock_program import (LOSS, STREAMS, WAVES, first_iteration,  # noqa: F401
+                                        tick_tock, wave_stream)
 from tidal.runtime.backend import backend_for
+from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory, plain_sync
 from tidal.runtime.distributed import rank_and_size
 from tidal.runtime.program import CapturedRun
@@ -75,74 +79,33 @@ from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
 PLAN_KIND = "TickTockPlan"
 
-WAVES = ("T", "K")
-"""The schedule's lanes: ``T`` the tick wave, ``K`` the tock wave."""
-STREAMS = ("tick", "tock")
-"""Each wave's compute stream (and the word its pieces' names start with), in WAVES order."""
-LOSS = "loss"
 WHO = "tick_tock"
 
 
-def _stream(wave: str) -> str:
-    return STREAMS[WAVES.index(wave)]
-
-
-def first_iteration(schedule: Schedule) -> list[Action]:
-    """The actions of rank 0's first iteration of each wave (lanes ``T`` and ``K``), in the
-    schedule's order. Raises ``ValueError`` naming the schedule when a lane is missing or an
-    iteration lacks one of ``F``, ``B``, ``A``, ``U``."""
-    acts = schedule.for_rank(0)
-    first: dict[str, int] = {}
-    for a in acts:
-        if a.kind == "F" and a.lane in WAVES:
-            first[a.lane] = min(first.get(a.lane, a.batch), a.batch)
-    out = [a for a in acts if a.lane in first and a.batch == first[a.lane]]
-    for wave in WAVES:
-        kinds = sorted(a.kind for a in out if a.lane == wave)
-        if kinds != sorted("FBAU"):
-            raise ValueError(f"tick_tock: schedule {schedule.name!r} lane {wave!r} has actions "
-                             f"{kinds} in its first iteration; expected one each of F, B, A, U")
-    return out
-
-
-def tick_tock(schedule: Schedule, world: int, forward: Sequence[str] = (),
-              backward: Sequence[str] = (), grads: int = 0) -> Program:
-    """The program of one tick-tock step on ``world`` ranks from the plan's ``schedule`` (see
-    the module docstring): one piece per action of :func:`first_iteration`, ``F``/``B``/``U`` on
-    the wave's stream, ``A`` on ``comm``, each after its lane's previous action, the tock's
-    ``F`` after the tick's ``F`` and its ``A`` after the tick's ``B`` (Eq. 1), and the ``loss``
-    last. ``forward``/``backward`` name the joint-graph nodes of the ``F``/``B`` segments
-    (empty: eager pieces); ``grads`` is how many gradients an ``A`` averages.
+def check_wave_batch(inputs: Any, world: int) -> None:
+    """Raise :class:`~tidal.runtime.batch_data.BatchError` naming tick_tock, the batch and what
+    it needs unless the global batch ``inputs`` cuts into 2 x ``world`` equal shards: Eq. 1
+    averages a tick and a tock gradient of consecutive steps with equal weights, the mean over
+    2N shards (Lemma 1) only when the shards are equal. No collective: every rank raises alike.
 
     Example:
-        >>> from tidal.passes.tick_tock import tick_tock_schedule
-        >>> p = tick_tock(tick_tock_schedule(ranks=2, fwd_us=1.0, bwd_us=2.0, steps=2), world=2)
-        >>> [(x.name, x.stream, x.deps) for x in p.pieces]  # doctest: +NORMALIZE_WHITESPACE
-        [('tick F', 'tick', ()), ('tick B', 'tick', (0,)), ('tock F', 'tock', (0,)),
-         ('tock B', 'tock', (2,)), ('tick A', 'comm', (1,)), ('tick U', 'tick', (4,)),
-         ('tock A', 'comm', (1, 3)), ('tock U', 'tock', (6,)), ('loss', 'comm', (0, 2))]
+        >>> import torch
+        >>> check_wave_batch((torch.zeros(8, 3),), world=2)
+        >>> try:
+        ...     check_wave_batch((torch.zeros(7, 3),), world=2)
+        ... except BatchError as e:
+        ...     print(str(e).split(":")[1].strip())
+        the global batch size 7 is not divisible by 2 x ranks = 4
     """
-    pieces: list[Piece] = []
-    index: dict[tuple[str, str], int] = {}
-    last: dict[str, int] = {}
-    cross = {("K", "F"): ("T", "F"), ("K", "A"): ("T", "B")}  # tock F: F_end; tock A: Eq. 1
-    nodes = {"F": tuple(forward), "B": tuple(backward)}
-    for a in first_iteration(schedule):
-        deps = [last[a.lane]] if a.lane in last else []
-        if (a.lane, a.kind) in cross:
-            other = cross[(a.lane, a.kind)]
-            if other not in index:
-                raise ValueError(f"tick_tock: schedule {schedule.name!r} runs {a.label(False)} "
-                                 f"before the {_stream(other[0])} wave's {other[1]}, which it "
-                                 f"waits for")
-            deps.append(index[other])
-        pieces.append(Piece(f"{_stream(a.lane)} {a.kind}",
-                            COMM if a.kind == "A" else _stream(a.lane), tuple(sorted(deps)),
-                            nodes.get(a.kind, ()), tuple(range(grads)) if a.kind == "A" else (),
-                            kind=OPTIMIZER if a.kind == "U" else ""))
-        index[(a.lane, a.kind)] = last[a.lane] = len(pieces) - 1
-    pieces.append(Piece(LOSS, COMM, (index[("T", "F")], index[("K", "F")])))
-    return Program(tuple(pieces), world)
+    batch, shards = example_batch(inputs), 2 * world
+    if batch % shards:
+        raise BatchError(
+            f"tick_tock: the global batch size {batch} is not divisible by 2 x ranks = "
+            f"{shards}: a step cuts it into one shard per rank and wave, and Eq. 1 averages "
+            f"the tick and tock waves' gradients (of consecutive steps) with equal weights, "
+            f"which is the gradient of the batches' mean loss only over equal shards; pass a "
+            f"multiple of {shards} rows: drop the last, smaller batch "
+            f"(DataLoader(drop_last=True)) or pad it, or train it without tick_tock")
 
 
 @dataclass
@@ -166,7 +129,7 @@ class _Wave:
 
     @property
     def stream(self) -> str:
-        return _stream(self.name)
+        return wave_stream(self.name)
 
 
 class TickTockProgram:
@@ -294,8 +257,10 @@ class TickTockProgram:
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_TickTockStep":
-        """One tick iteration and one tock iteration on the global batch (2N shards)."""
+        """One tick iteration and one tock iteration on the global batch (2N shards; a
+        batch that does not cut into 2N equal shards is refused: :func:`check_wave_batch`)."""
         rank, world = rank_and_size()
+        check_wave_batch(inputs, world)
         xs = split_batch(tuple(inputs), 2 * world, "tick_tock global batch")
         ys = split_batch(targets, 2 * world, "tick_tock targets")
         if self.tock is None:
