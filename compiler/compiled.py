@@ -134,7 +134,8 @@ class Compiled:
                                  f"({type(self.executor.rank_program).__name__}) holds no "
                                  f"runtime state, the checkpoint has {sorted(state)[:3]}")
             return
-        load(self.graph_module, self.optimizer, state)
+        load(self.graph_module, self.optimizer if self.context.optimizer is not None else None,
+             state)
 
     @property
     def training(self) -> bool:

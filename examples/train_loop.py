@@ -4,7 +4,8 @@ What an engineer writes: AdamW over two parameter groups, a warm-up + cosine sch
 by the global gradient norm, gradient accumulation over 4 micro-batches, a ``DataLoader`` with
 a ``DistributedSampler`` (each rank passes its own batch: ``compile(..., batch="local")``),
 evaluation every few steps in eval mode, a ``torch.distributed.checkpoint`` (DCP) checkpoint
-half-way and a resume from it. The loop runs twice in one process group: under tidal (the open
+half-way (with each rank's ``compiled.runtime_state_dict()``: compressor residuals) and a
+resume from it. The loop runs twice in one process group: under tidal (the open
 step: ``compiled.backward``, ``compiled.no_sync``, ``compiled.clip_grad_norm_``, the user's
 optimizer and schedule) and under DDP, and prints both runs' losses and their largest
 difference. ``--bf16`` runs the forward under ``torch.autocast(bfloat16)`` (no pass only: a
@@ -116,6 +117,12 @@ class Runner:
         return loss
 
 
+def _runtime_file(ckpt: Path, kind: str) -> Path:
+    """This rank's file of the program's runtime state (``Compiled.runtime_state_dict``)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return ckpt / f"{kind}-runtime-rank{rank}.pt"
+
+
 def train(kind: str, passes: list, steps: int, bf16: bool, ckpt: Path, resume: bool,
           options: dict) -> dict:
     """``steps`` optimizer steps; a DCP checkpoint after half of them; with ``resume``, a
@@ -140,6 +147,9 @@ def train(kind: str, passes: list, steps: int, bf16: bool, ckpt: Path, resume: b
         dcp.load(state, checkpoint_id=str(ckpt / kind))
         set_state_dict(run.module, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        if kind == "tidal":   # what the program holds per rank (compressor residuals...)
+            run.net.load_runtime_state_dict(torch.load(_runtime_file(ckpt, kind),
+                                                       weights_only=False))
         for _ in range(start):
             sched.step()
         for _ in range(start * ACCUM):   # the loader where the checkpoint left it
@@ -151,6 +161,8 @@ def train(kind: str, passes: list, steps: int, bf16: bool, ckpt: Path, resume: b
             model_state, optim_state = get_state_dict(run.module, opt)
             dcp.save({"model": model_state, "optim": optim_state},
                      checkpoint_id=str(ckpt / kind))
+            if kind == "tidal":
+                torch.save(run.net.runtime_state_dict(), _runtime_file(ckpt, kind))
         total = 0.0
         for micro in range(ACCUM):
             x, y = next(batches)

@@ -359,6 +359,17 @@ class DataParallelProgram:
                 "compressor": self.compressor.state_dict(),
                 "accordion": self.accordion.state_dict() if self.accordion else None}
 
+    def runtime_state(self, gm: fx.GraphModule) -> dict[str, Any]:
+        """For ``Compiled.runtime_state_dict``: :meth:`state_dict` (this rank's compressor
+        residuals and warm-start state, Accordion, the step counter)."""
+        return self.state_dict()
+
+    def load_runtime_state(self, gm: fx.GraphModule, optimizer: Any,
+                           state: Mapping[str, Any]) -> None:
+        """For ``Compiled.load_runtime_state_dict``: :meth:`load_state_dict`."""
+        if state:
+            self.load_state_dict(state)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
         self.steps = state["steps"]
