@@ -40,6 +40,7 @@ _PUBLIC = MappingProxyType({
     "CompiledPlan": ("tidal.ir.plan", "CompiledPlan"),
     "passes": ("tidal.passes", None),      # tidal.passes.registry(): the registered passes
     "hooks": ("tidal.hooks", None),        # DDP communication hooks
+    "checkpoint": ("tidal.compiler.checkpoint", None),   # DCP get/set_state_dict
     "TidalError": ("tidal.ir.errors", "TidalError"),
     "TraceError": ("tidal.ir.errors", "TraceError"),
     "PassError": ("tidal.ir.errors", "PassError"),
@@ -55,7 +56,7 @@ _PUBLIC = MappingProxyType({
 __all__ = [
     "compile", "trace", "capture_train_step", "Compiled", "Cluster", "DeviceProfile",
     "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes", "hooks",
-    "TidalError", "TraceError", "PassError", "PlanError", "OpenStepError", "StepGuardError",
+    "checkpoint", "TidalError", "TraceError", "PassError", "PlanError", "OpenStepError", "StepGuardError",
     "BatchError", "BufferUpdateError", "StaleStateError", "__version__",
 ]
 
