@@ -55,7 +55,8 @@ class Compiled:
         rank_program = self.executor.rank_program
         self.guard = CaptureGuard(model, gm, ctx.example_inputs,
                                   tuple(r.name for r in self.records if r.plan is not None),
-                                  program=not isinstance(rank_program, GraphProgram),
+                                  program=None if isinstance(rank_program, GraphProgram)
+                                  else rank_program,
                                   traced=self.records[0].graph_after,
                                   refresh=getattr(rank_program, "refresh_state", None),
                                   loss_fn=ctx.loss_fn)

@@ -20,11 +20,16 @@ now with those, and never runs a capture made in another state:
 - **step** under a plan's program: the first step fixes the state; a later change of it, or a
   training mode other than the trace's, raises :class:`StepGuardError` naming what changed
   (module, parameter, autocast, grad mode) and what to do. A program is not re-captured in a
-  new state yet, and does not run under autocast yet: a step inside ``torch.autocast`` raises
-  (its pieces would silently compute in the parameters' dtype). The values ``loss_fn`` reads
-  besides its arguments (globals, closure variables, its object's attributes) are watched
-  too: the program traced ``loss_fn`` at the first step, so a later change raises naming the
-  variable (``tidal.compiler.loss_watch``).
+  new training mode or ``requires_grad`` state yet. Autocast: a rank program whose
+  ``recaptures_autocast`` is true captures its step once per autocast state and runs its eager
+  pieces under the autocast of the thread that bound the step
+  (``tidal.runtime.programs.piece_autocast``), so a step inside ``torch.autocast`` computes as
+  the eager step would, and an autocast change between steps is no change of state for it;
+  any other program (``layer_groups``') raises inside ``torch.autocast``, naming its plans (its pieces would
+  silently compute in the parameters' dtype). The values ``loss_fn`` reads besides its
+  arguments (globals, closure variables, its object's attributes) are watched too: the
+  program traced ``loss_fn`` at the first step, so a later change raises naming the variable
+  (``tidal.compiler.loss_watch``).
 
 Example:
     >>> import torch, tidal
@@ -36,6 +41,7 @@ Example:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,10 +63,11 @@ class StepGuardError(TidalError, RuntimeError):
 class CaptureGuard:
     """The guards of one compiled model (see the module docstring): ``gm`` the compiled graph,
     ``example_inputs`` what it was traced on, ``plans`` the names of the plans it runs,
-    ``program`` whether a plan's program (not the graph as it is) runs the steps."""
+    ``program`` the rank program of a plan that runs the steps (None: the graph as it is runs
+    them; its ``recaptures_autocast``, see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, example_inputs: Any,
-                 plans: tuple[str, ...], program: bool, traced: Optional[fx.Graph] = None,
+                 plans: tuple[str, ...], program: Any, traced: Optional[fx.Graph] = None,
                  refresh: Optional[Callable[[fx.GraphModule], None]] = None,
                  loss_fn: Optional[Callable] = None):
         self.model, self.gm, self.example_inputs = model, gm, example_inputs
@@ -98,28 +105,33 @@ class CaptureGuard:
         """The graph a step must run now instead of the compiled one (None: the compiled one
         is right, or a program runs the step); raises :class:`StepGuardError` when a plan's
         program would run in a state other than the one it captured."""
-        if not self.program:
+        if self.program is None:
             return self.forward_graph(lowered)
         now = step_state(self.model)
         if now.training != self.traced.training and self._retraced(now) is not None:
             raise StepGuardError(self._message(
                 where, now, "call model.train() (or .eval()) before tidal.compile, "
                 "to compile the model in the mode it trains in", self.traced))
+        recaptures = bool(getattr(self.program, "recaptures_autocast", False))
         autocast = [f"autocast({d}, {dt})" for d, on, dt in now.autocast if on]
-        if autocast:
+        if autocast and not recaptures:
             raise StepGuardError(
                 f"{where}: {autocast[0]} is on, and the program of "
                 f"{', '.join(self.plans) or 'the plan'} does not run its captured pieces under "
                 f"autocast yet (they would silently compute in the parameters' dtype): step "
-                f"outside autocast, or compile without a parallelism or compression pass")
+                f"outside autocast, or compile without {', '.join(self.plans) or 'the plan'} "
+                f"(no pass, compression, burst_parallel, tick_tock and round_robin run under "
+                f"autocast)")
         self._check_loss_fn(where)
+        if recaptures:  # captured once per autocast state: a change of it is no change
+            now = replace(now, autocast=())
         if self.first_step is None:
             self.first_step = now
         elif now != self.first_step:
             raise StepGuardError(self._message(
                 where, now, "train in the state of the first step (freeze "
-                "parameters and enter autocast before it), or compile the model again; a "
-                "program is not re-captured in a new state yet", self.first_step))
+                "parameters before it), or compile the model again; a program is not "
+                "re-captured in a new state yet", self.first_step))
         return None
 
     def _check_loss_fn(self, where: str) -> None:

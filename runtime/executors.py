@@ -54,7 +54,7 @@ def build(gm: fx.GraphModule, plans: Sequence[Plan],
         elif kind in BUILDERS:
             rank_program = BUILDERS.get(kind)(gm, plan)
             executor = executor if rank_program is None else ProgramExecutor(rank_program)
-    return executor if executor is not None else ProgramExecutor(GraphProgram(lowered))
+    return executor if executor is not None else ProgramExecutor(GraphProgram(lowered, gm))
 
 
 def weight_streaming(gm: fx.GraphModule, plan: Plan, path: Any,

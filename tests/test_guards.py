@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import tidal
-from tidal.compiler.guards import StepGuardError
+from tidal.compiler.guards import CaptureGuard, StepGuardError
 
 
 class _FunctionalDropout(torch.nn.Module):
@@ -77,8 +77,7 @@ def test_a_program_step_in_another_state_raises_naming_what_changed():
         c.step((x,), y)
     model.a.weight.requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(StepGuardError, match=r"autocast\(cpu, bfloat16\) is on"):
-            c.step((x,), y)
+        c.step((x,), y)   # captured again under autocast (tests/test_autocast_programs.py)
     c.eval()
     with pytest.raises(StepGuardError, match=r"training mode True -> False \(modules ''"):
         c.step((x,), y)
@@ -101,15 +100,40 @@ def test_compiled_behaves_like_a_module_where_users_expect_one():
         c.train(lambda i: None, 3)
 
 
-def test_a_program_step_under_autocast_from_the_first_step_raises():
-    """Not silently fp32: the program's pieces do not run under the caller's autocast."""
-    model = _FunctionalDropout()
-    x, y = _data()
-    c = tidal.compile(model, (x,), passes=["compression"], loss_fn=F.cross_entropy,
-                      optimizer=_sgd)
+class _Program:
+    """A rank program as the guard sees it (``recaptures_autocast`` or not)."""
+
+    def __init__(self, recaptures):
+        self.recaptures_autocast = recaptures
+
+
+def _guard(recaptures, plans=("round_robin",)):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    gm = torch.fx.symbolic_trace(model)
+    return model, CaptureGuard(model, gm, (torch.randn(2, 4),), plans,
+                               program=_Program(recaptures))
+
+
+def test_a_program_that_does_not_recapture_under_autocast_raises_naming_its_plans():
+    """Not silently fp32: a program that does not capture per autocast state (its pieces would
+    compute in the parameters' dtype) is refused inside autocast, from the first step."""
+    _, guard = _guard(recaptures=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(StepGuardError, match=r"autocast\(cpu, bfloat16\) is on.*compression"):
-            c.step((x,), y)
+        with pytest.raises(StepGuardError, match=r"autocast\(cpu, bfloat16\) is on, and the "
+                                                 r"program of round_robin does not run"):
+            guard.step_graph(lowered=False)
+    assert guard.step_graph(lowered=False) is None   # outside autocast: runs
+
+
+def test_an_autocast_change_is_no_change_for_a_program_that_recaptures_per_autocast_state():
+    model, guard = _guard(recaptures=True, plans=("compression",))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert guard.step_graph(lowered=False) is None
+    assert guard.step_graph(lowered=False) is None
+    model[0].bias.requires_grad_(False)   # any other change still raises, naming it
+    with pytest.raises(StepGuardError, match=r"requires_grad True -> False \(parameters "
+                                             r"'0\.bias'\)"):
+        guard.step_graph(lowered=False)
 
 
 def test_a_step_without_plans_under_autocast_equals_eager_autocast():

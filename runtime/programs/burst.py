@@ -34,13 +34,11 @@ The parts, one module each:
   a bucket is summed over its ranks by a subgroup all-reduce, or a ``GradSync`` when the
   ``compression`` pass wraps the sync (:meth:`BurstProgram.use_grad_sync`).
 
-The open step (``Compiled.backward``, :meth:`BurstProgram.bind_backward`) ends in ``grads``
-(``accumulate`` inside ``no_sync``): the rank's synced gradients of what it owns are added to
-``.grad``, the others get none (the user's optimizer skips them). :meth:`BurstProgram.
-clip_grad_norm_` clips by the norm over every rank, each parameter counted once, non-finite
-on every rank when any rank's is. fp16: ``ShardedGradScaler`` (its ``unscale_`` agrees on
-``found_inf`` across ranks; a plain ``GradScaler`` decides per rank), passed as
-``compiled.backward(x, y, scale=scaler)``.
+The open step (``Compiled.backward``, :meth:`BurstProgram.bind_backward`) adds the rank's
+synced gradients of what it owns to ``.grad`` (the others get none, so the user's optimizer
+skips them). :meth:`BurstProgram.clip_grad_norm_` counts each parameter once over the ranks,
+non-finite on every rank when any rank's is; fp16: ``ShardedGradScaler`` (``unscale_`` agrees
+on ``found_inf`` across ranks), as ``compiled.backward(x, y, scale=scaler)``.
 
 The comm stream is one FIFO in program order and every rank issues its buckets in the same
 order, so the collectives match; they run on process groups of their own (a world-wide copy and
@@ -130,6 +128,7 @@ class BurstProgram:
     ``groups`` holds the subgroups (created on the first distributed step, on every rank in
     the same order)."""
 
+    recaptures_autocast = True  # its eager pieces run under the binding thread's autocast
     def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, Ranks], ...],
                  layer_ranks: tuple[tuple[str, Ranks], ...] = (),
                  unit_members: tuple[tuple[str, tuple[str, ...]], ...] = (),

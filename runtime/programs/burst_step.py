@@ -15,7 +15,9 @@ piece sets the user's ``.grad`` aside, backward starts from ``scale * loss``, an
 is ``grads`` (this call's gradients of the parameters the rank owns, synced among their ranks
 together with what ``no_sync`` calls accumulated, *added* to the user's ``.grad``; parameters
 the rank does not own get none) or, inside ``no_sync``, ``accumulate`` (this call's gradients
-added to ``local``, unsynced). :func:`clip_by_global_norm_` is the open step's clipping: the
+added to ``local``, unsynced). The forward and backward pieces run under the autocast state of
+the thread that bound the step, on whichever thread runs them; the others (syncs, optimizer)
+with autocast off (``tidal.runtime.programs.piece_autocast``). :func:`clip_by_global_norm_` is the open step's clipping: the
 norm over every rank's gradients, each counted by one rank, one all-reduce.
 
 Example:
@@ -49,10 +51,12 @@ from tidal.ir.burst_ownership import StateBytes
 from tidal.ir.burst_sync import Bucket
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Piece, Program
+from tidal.ir.step_state import autocast_state
 from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.distributed import all_reduce_tensors, collective_device, is_distributed
 from tidal.runtime.programs.burst_layout import StepLayout
 from tidal.runtime.programs.optimizer_wiring import LocalGrads, add_grads, scaled, set_grads
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
 from tidal.runtime.programs.replica_sync import average_buffers
 from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
@@ -174,6 +178,8 @@ class BurstStep:
     _pairs: list = field(default_factory=list)
     _synced: dict = field(default_factory=dict)
     guard: FailFast = field(default_factory=lambda: FailFast(WHO))
+    autocast: AutocastState = field(default_factory=autocast_state)
+    """The binding thread's autocast state: the forward and backward pieces run under it."""
 
     @property
     def program(self) -> Program:
@@ -184,8 +190,9 @@ class BurstStep:
         it (``step_failures.FailFast``), so that no rank waits on a peer that will not come."""
         what, arg = self.layout.actions[index]
         method = getattr(self, f"_{what}")
-        return self.guard.wrap(piece.name, method if arg is None
-                               else functools.partial(method, arg))
+        autocast = self.autocast if what in ("forward", "backward") else NO_AUTOCAST
+        return self.guard.wrap(piece.name, under_autocast(
+            autocast, method if arg is None else functools.partial(method, arg)))
 
     def loss(self) -> torch.Tensor:
         if self._loss is None:

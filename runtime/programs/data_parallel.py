@@ -204,6 +204,10 @@ class DataParallelProgram:
     ``load_state_dict`` checkpoint the compressor and the Accordion controller; run it with
     ``tidal.runtime.program.ProgramExecutor`` (``step``, or the open step: ``backward``)."""
 
+    recaptures_autocast = True
+    """A step in another autocast state is captured again (``step_capture.shape_key`` holds
+    it); eager pieces run under the binding thread's autocast."""
+
     def __init__(self, compressor: Optional[Compressor] = None, *,
                  buckets: Optional[Sequence[Sequence[str]]] = None,
                  bucket_bytes: float = DDP_BUCKET_BYTES, accordion: Optional[Accordion] = None,

@@ -2,7 +2,10 @@
 piece of a rank's step does, for the closed step (``Compiled.step``: sync, optimizer, Accordion)
 and the open one (``Compiled.backward``: :func:`open_program`, the synchronized gradients added
 to ``.grad``, or accumulated locally under ``no_sync``). :class:`CapturedStep` runs the captured
-segments, :class:`EagerStep` the graph with autograd.
+segments, :class:`EagerStep` the graph with autograd. The eager ``forward`` and ``backward``
+run under the autocast state of the thread that bound the step, on whichever thread runs them;
+every other piece (captured segments, whose casts are in their graph; syncs; the optimizer)
+with autocast off (``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> from tidal.runtime.programs.data_parallel import eager_pieces, framed
@@ -21,8 +24,10 @@ import torch
 from tidal.ir.capture import step_inputs
 from tidal.ir.param_owners import trainable
 from tidal.ir.program import COMM, COMPUTE, OPTIMIZER, Piece, Program
+from tidal.ir.step_state import autocast_state
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
                                                      scaled, set_grads)
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
 from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss
 from tidal.runtime.programs.step_capture import StepCapture
 
@@ -99,8 +104,19 @@ class DataParallelStep:
         self._first = owner.steps == 0 and not owner.params_shared
         self._synced: dict[str, torch.Tensor] = {}
         self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
+        self.autocast: AutocastState = NO_AUTOCAST
+        """The autocast state the compute pieces run under (off; an eager step's: the
+        binding thread's)."""
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
+        framing = self._framing(piece)
+        if framing is not None:
+            return under_autocast(NO_AUTOCAST, framing)
+        return under_autocast(self.autocast, self.compute(
+            index if self._opened is None else self._opened.origin[index], piece))
+
+    def _framing(self, piece: Piece) -> Optional[Callable[[], Any]]:
+        """What a piece other than a compute piece does (None for a compute piece)."""
         if piece.name == BROADCAST:
             return self._broadcast
         if piece.stream == COMM:
@@ -111,8 +127,7 @@ class DataParallelStep:
             return functools.partial(self._owner.accordion_step, self._synced, self._optimizer)
         if self._opened is not None and piece.name in (GRADS, ACCUMULATE):
             return self._add if piece.name == GRADS else self._accumulate
-        return self.compute(index if self._opened is None else self._opened.origin[index],
-                            piece)
+        return None
 
     def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
         raise NotImplementedError
@@ -222,6 +237,7 @@ class EagerStep(DataParallelStep):
         super().__init__(owner, capture, model, optimizer, model, tuple(trainable(model)),
                          opened, weight)
         self._run = functools.partial(eager_loss, gm, inputs, targets, loss_fn)
+        self.autocast = autocast_state()  # the binding thread's
         self._loss: Optional[torch.Tensor] = None
         self._grads: tuple[Optional[torch.Tensor], ...] = ()
 

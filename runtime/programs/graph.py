@@ -11,7 +11,9 @@ read the model's state only when they run, so the next step's pieces may be boun
 one ends (``pipelined``: the stream runs them in order). The open step (``Compiled.backward``,
 :meth:`GraphProgram.bind_backward`) is ``forward``, ``backward`` (autograd of ``scale * loss``)
 and ``grads`` (added to the parameters' ``.grad``) or, inside ``no_sync``, ``accumulate`` (kept
-in the program until the next call outside it): one process, nothing to synchronize.
+in the program until the next call outside it): one process, nothing to synchronize. The
+``forward`` and ``backward`` pieces run under the autocast state of the thread that bound the
+step, on whichever thread runs them (``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> import torch
@@ -36,8 +38,10 @@ import torch.fx as fx
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.param_owners import trainable
 from tidal.ir.program import COMPUTE, Piece, Program
+from tidal.ir.step_state import autocast_state
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
                                                      accumulate_grad)
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, under_autocast
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -58,25 +62,35 @@ class GraphProgram:
 
     pipelined = True
 
-    def __init__(self, lowered: Optional[torch.nn.Module] = None):
+    def __init__(self, lowered: Optional[torch.nn.Module] = None,
+                 source: Optional[fx.GraphModule] = None):
         self.lowered = lowered
+        self.source = source   # the graph ``lowered`` was lowered from (None: any)
         self.local_grads = LocalGrads()
         """What the open step accumulated inside ``no_sync``, not yet in ``.grad``."""
 
+    def _run(self, gm: fx.GraphModule) -> Any:
+        """What runs ``gm``'s forward: its lowered form when ``gm`` is the graph that was
+        lowered, else ``gm`` itself (another graph: the model traced again in another mode, or
+        the uncaptured graph a guard asks for under another autocast)."""
+        if self.lowered is not None and (self.source is None or gm is self.source):
+            return self.lowered
+        return gm
+
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """The graph's forward (its lowered form when there is one)."""
-        return (self.lowered or gm)(*args, **kwargs)
+        return self._run(gm)(*args, **kwargs)
 
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "GraphStep":
         """One training step as :data:`STEP_PROGRAM`'s two pieces."""
-        return GraphStep(self.lowered or gm, inputs, targets, loss_fn, optimizer)
+        return GraphStep(self._run(gm), inputs, targets, loss_fn, optimizer)
 
     def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
                       targets: Any, loss_fn: Callable, scale: Any, sync: bool
                       ) -> "GraphBackward":
         """The open step as :data:`OPEN_PROGRAMS`' three pieces (see the module docstring)."""
-        return GraphBackward(self.lowered or gm, trainable(gm), inputs, targets, loss_fn,
+        return GraphBackward(self._run(gm), trainable(gm), inputs, targets, loss_fn,
                              scale, sync, self.local_grads)
 
     def uncaptured(self) -> list[tuple[str, str]]:
@@ -96,9 +110,11 @@ class GraphStep:
         self._run, self._inputs, self._targets = run, tuple(inputs), targets
         self._loss_fn, self._optimizer = loss_fn, optimizer
         self._loss: Optional[torch.Tensor] = None
+        self._autocast = autocast_state()  # the binding thread's: the pieces run under it
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
-        return self._forward if piece.name == FORWARD else self._backward
+        return under_autocast(self._autocast,
+                              self._forward if piece.name == FORWARD else self._backward)
 
     def _forward(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)
@@ -125,10 +141,13 @@ class GraphBackward:
         self._loss_fn, self._scale, self._params, self._local = loss_fn, scale, params, local
         self._loss: Optional[torch.Tensor] = None
         self._grads: dict[str, torch.Tensor] = {}
+        self._autocast = autocast_state()  # the binding thread's: forward, backward under it
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
-        return {FORWARD: self._forward, BACKWARD: self._backward, GRADS: self._add,
-                ACCUMULATE: self._accumulate}[piece.name]
+        compute = piece.name in (FORWARD, BACKWARD)
+        return under_autocast(self._autocast if compute else NO_AUTOCAST,
+                              {FORWARD: self._forward, BACKWARD: self._backward,
+                               GRADS: self._add, ACCUMULATE: self._accumulate}[piece.name])
 
     def _forward(self) -> None:
         self._loss = self._loss_fn(self._run(*self._inputs), self._targets)

@@ -83,6 +83,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from tidal.ir.step_state import autocast_state
 from tidal.ir.cost import example_batch
 from tidal.ir.program import Program
 from tidal.ir.rng import fork_rng_of
@@ -146,7 +147,7 @@ def _shape(batch: Any, target: Any) -> tuple:
     value)."""
     flat, spec = tree_flatten((batch, target))
     return (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
-                             else repr(v) for v in flat))
+                             else repr(v) for v in flat), autocast_state())
 
 
 class RoundRobinProgram:
@@ -165,6 +166,9 @@ class RoundRobinProgram:
     each partition's gradient sync once ``use_grad_sync`` set one and a step ran; ``graphs``
     each micro-batch shape's captured partitions (None: eager); ``fallback_reason`` names the
     partitions that run eagerly and why ('' when every partition runs as a captured graph)."""
+
+    recaptures_autocast = True
+    """A micro-batch in another autocast state is captured again (:func:`_shape` holds it)."""
 
     def __init__(self, split: fx.GraphModule, plan: Any,
                  model: Optional[torch.nn.Module] = None):

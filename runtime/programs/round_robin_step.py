@@ -9,7 +9,10 @@ buffers, ``loss`` all-reduces the loss, ``U`` steps the optimizer (on one partit
 parameters with a process group), ``restore`` loads every partition back. With no process
 group every rank of the schedule runs here: a transfer moves tensors between the ranks' states
 and the all-reduce is the shared ``.grad`` accumulation. A piece that fails makes the rest of
-the step fail at once, naming it (``tidal.runtime.programs.step_failures``).
+the step fail at once, naming it (``tidal.runtime.programs.step_failures``). An eager ``F``/``B``
+(a partition with no captured graph) runs under the autocast state of the thread that bound the
+step, on whichever thread runs it; every other piece (a captured partition holds its casts)
+with autocast off (``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> recv_buffer(torch.ones(2, 3).t()).is_contiguous()
@@ -27,8 +30,10 @@ import torch.distributed as dist
 
 from tidal.ir.program import Piece, Program
 from tidal.ir.round_robin_program import Slot
+from tidal.ir.step_state import autocast_state
 from tidal.runtime.distributed import all_reduce_tensors
 from tidal.runtime.programs.optimizer_wiring import step_only
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, under_autocast
 from tidal.runtime.programs.replica_sync import average_buffers, reduce_loss
 from tidal.runtime.programs.round_robin_capture import StageGraph
 from tidal.runtime.programs.round_robin_compute import Run, backward, forward
@@ -86,6 +91,7 @@ class RoundRobinStep:
         self.residency = (PartitionResidency(self.parts.named, optimizer, here[0])
                           if world > 1 else None)
         self.timing = {"switch_us": 0.0, "switch_bytes": 0, "update_us": 0.0}
+        self._autocast = autocast_state()  # the binding thread's: eager F/B run under it
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
         """What piece ``index`` does (after a piece of this step failed: fail at once, naming
@@ -94,7 +100,9 @@ class RoundRobinStep:
         do = {"S": self._switch, "F": self._forward, "B": self._backward, "X": self._exchange,
               "A": self._all_reduce, "L": self._all_reduce_loss, "U": self._update,
               "R": self._restore}[slot.kind]
-        return self.guard.wrap(piece.name, functools.partial(do, slot))
+        eager = slot.kind in "FB" and self.graphs[slot.partition] is None
+        return self.guard.wrap(piece.name, under_autocast(
+            self._autocast if eager else NO_AUTOCAST, functools.partial(do, slot)))
 
     def loss(self) -> torch.Tensor:
         """The global batch's loss (the sum of the micro-batch losses / N)."""

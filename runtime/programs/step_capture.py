@@ -10,7 +10,10 @@ reason the step runs with autograd instead and the node at fault. A :class:`Step
 outcome for one shape: the program and, when captured, the step and its lowered segments; its
 ``uncaptured`` lists what runs outside a captured segment, or why nothing does.
 :func:`agreed` makes every rank take the same road. :func:`shape_key` is the cache key of a
-shape.
+shape and of the thread's autocast state: a capture traced inside ``torch.autocast`` records
+its casts (``make_fx`` traces through autocast), so a step in another autocast state is
+captured again, never replayed from the old capture; the captured segments run with autocast
+off (their casts are in the graph: ``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> import torch
@@ -25,8 +28,12 @@ Example:
     ...                      backend_for(torch.device("cpu")))
     >>> capture.captured, capture.uncaptured
     (True, ())
-    >>> shape_key((x,), y)
+    >>> key = shape_key((x,), y)
+    >>> key[:2]
     (((2, 4), torch.float32), ((2,), torch.int64))
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):   # captured again under autocast
+    ...     shape_key((x,), y) == key
+    False
 """
 from __future__ import annotations
 
@@ -42,9 +49,11 @@ from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Program
 from tidal.ir.rng import fork_rng_of
+from tidal.ir.step_state import autocast_state
 from tidal.runtime.backend import Backend
 from tidal.runtime.distributed import collective_device, group_size
 from tidal.runtime.program import CapturedProgram, state_inputs
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, autocast_as
 
 FAILED_TO_RUN = "the captured step failed to run: "
 
@@ -101,8 +110,8 @@ def lower_step(step: TrainStep, program: Program, flats: Mapping[Hashable, Seque
     replica of ``flats`` (its flat inputs: ``step_inputs``), on copies, consuming no
     randomness; the replicas' captures have memory pools of their own, so they replay at
     once. Raises :class:`Fallback` naming the node at fault when the captured step cannot
-    run."""
-    with fork_rng_of(flats):
+    run. Autocast is off meanwhile: the step's casts are in its graph."""
+    with fork_rng_of(flats), autocast_as(NO_AUTOCAST):
         try:
             lowered = {key: CapturedProgram.build(program, step.gm, flat, backend,
                                                   state=state_inputs(step))
@@ -117,8 +126,10 @@ def lower_step(step: TrainStep, program: Program, flats: Mapping[Hashable, Seque
 
 
 def shape_key(*values: Any) -> tuple:
-    """``(shape, dtype)`` of every tensor in ``values``: a step's cache key."""
-    return tuple((tuple(t.shape), t.dtype) for t in flat_tensors(values))
+    """``(shape, dtype)`` of every tensor in ``values``, then this thread's autocast state
+    (``tidal.ir.step_state.autocast_state``): a step's cache key (a capture records the
+    autocast casts it was traced under)."""
+    return tuple((tuple(t.shape), t.dtype) for t in flat_tensors(values)) + (autocast_state(),)
 
 
 def agreed(reason: str, group: Optional[dist.ProcessGroup] = None) -> str:

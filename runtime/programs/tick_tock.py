@@ -31,7 +31,10 @@ first step, with a clone of the optimizer:
 
 By Lemma 1 the gradient a wave applies is the mean over the 2N shards of iterations m−1 and m.
 Once one piece failed, the later ones fail at once, naming it (no collective waits for a peer
-in vain: ``tidal.runtime.programs.step_failures``).
+in vain: ``tidal.runtime.programs.step_failures``). Under ``torch.autocast`` the step is captured
+with its casts, once per autocast state (``step_capture.shape_key``); eager ``F``/``B`` run
+under the autocast state of the thread that bound the step, every other piece with autocast
+off (``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> import torch, tidal
@@ -64,6 +67,7 @@ from tidal.ir.node_runner import flat_tensors
 from tidal.ir.param_owners import trainable
 from tidal.ir.program import Piece
 from tidal.ir.schedule import split_batch
+from tidal.ir.step_state import autocast_state
 from tidal.ir.tick_tock_program import (LOSS, STREAMS, WAVES, first_iteration,  # noqa: F401
                                         tick_tock, wave_stream)
 from tidal.runtime.backend import backend_for
@@ -72,6 +76,7 @@ from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory, plain_sync
 from tidal.runtime.distributed import rank_and_size
 from tidal.runtime.program import CapturedRun
 from tidal.runtime.programs.optimizer_wiring import clone_optimizer, set_grads
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, under_autocast
 from tidal.runtime.programs.replica_sync import average_buffers, reduce_loss
 from tidal.runtime.programs.step_capture import (Fallback, StepCapture, capture_step,
                                                  lower_step, shape_key)
@@ -144,6 +149,10 @@ class TickTockProgram:
     """Steps may overlap (``ProgramExecutor.job``): step m + 1 is bound and its pieces queued
     while step m runs; each wave's stream runs its pieces in order, so the tick's forward of
     step m + 1 overlaps the tock's backward of step m (persistent waves, Wavelet Fig. 9)."""
+
+    recaptures_autocast = True
+    """A step in another autocast state than the last is captured again (the capture key
+    holds it), its eager pieces run under it: ``compiler.guards`` lets autocast change."""
 
     def __init__(self, plan: Any):
         self.plan = plan
@@ -285,6 +294,7 @@ class _TickTockStep:
         self.guard = FailFast(WHO)
         self._loss: Optional[torch.Tensor] = None
         self._nodes = captured.nodes() if captured.captured else None
+        self._autocast = autocast_state()  # the binding thread's: eager F/B run under it
         # each wave's run of its captured segments, begun by its F: this step may be bound
         # while the previous one still runs (persistent waves), whose runs own the buffers
         self.runs: dict[str, CapturedRun] = {}
@@ -292,9 +302,10 @@ class _TickTockStep:
     def work(self, index: int, piece: Piece) -> Callable[[], None]:
         """What piece ``index`` does; once a piece failed, the later ones fail at once."""
         if piece.name == LOSS:
-            return self.guard.wrap(piece.name, self._average_loss)
+            return self.guard.wrap(piece.name, under_autocast(NO_AUTOCAST, self._average_loss))
         stream, kind = piece.name.split()
         wave = self.waves[WAVES[STREAMS.index(stream)]]
+        autocast = NO_AUTOCAST  # a captured segment holds its casts
         if kind == "U":
             action: Callable[[], Any] = wave.optimizer.step
         elif kind in "FB" and self.captured.captured:  # a captured segment
@@ -302,7 +313,8 @@ class _TickTockStep:
         else:
             action = functools.partial({"F": self._forward, "B": self._backward,
                                         "A": self._sync}[kind], wave)
-        return self.guard.wrap(piece.name, action)
+            autocast = self._autocast if kind in "FB" else NO_AUTOCAST
+        return self.guard.wrap(piece.name, under_autocast(autocast, action))
 
     def _segment(self, w: _Wave, index: int, kind: str) -> None:
         """Piece ``index``'s lowered steps in wave ``w``'s run (the ``F`` begins the run),
