@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_map
 
 from tidal.compiler.guards import CaptureGuard
 from tidal.compiler.pass_manager import PassRecord
+from tidal.ir.collectives import new_group
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
@@ -65,6 +66,7 @@ class Compiled:
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
         self._generation: Optional[torch.nn.Module] = None
         self._no_sync = False
+        self._batch_pg: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the compiled forward (as the executor's rank program runs it). In another
@@ -259,7 +261,17 @@ class Compiled:
         with collective_errors(what.split(" ")[0], f"the exchange of the ranks' batches "
                                f"(compile(batch={self.context.batch!r}))"):
             return global_batch(inputs, targets, self.context.batch,
-                                check=self.context.check_batch)
+                                check=self.context.check_batch, group=self._batch_group())
+
+    def _batch_group(self) -> Any:
+        """The process group of the batch exchange, a group of its own (made on first use;
+        every rank binds its steps in the same order): a scheduler job binds step ``i + 1``
+        while step ``i``'s collectives run on the default group, and two threads must never
+        issue collectives on one group. None in one process."""
+        if self._batch_pg is None and dist.is_available() and dist.is_initialized() and \
+                dist.get_world_size() > 1:
+            self._batch_pg = new_group()
+        return self._batch_pg
 
     def _step_graph(self, where: str = "Compiled.step") -> torch.fx.GraphModule:
         """The graph this step runs (the compiled one, or one the guard gives)."""
