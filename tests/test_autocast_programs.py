@@ -13,23 +13,18 @@ import torch
 import torch.nn.functional as F
 
 import tidal
-from tidal.passes.burst_parallel import BurstParallel
 from tidal.passes.compression import CompressionPass
-from tidal.passes.round_robin import RoundRobin
 from tidal.passes.tick_tock import TickTock
 from tidal.runtime.distributed import spawn
+
+from training_passes import TRAINING_PASSES
 
 LR = 0.5
 MIXED = (True, True, False)       # autocast on, on, off
 FP32 = (False, False, False)
 TOL = dict(rtol=1e-3, atol=1e-4)
 """bf16 against bf16 (the same kernels); fp32 against bf16 differs by ~1e-2 (asserted)."""
-PASSES = {
-    "none": lambda: [],
-    "compression": lambda: [CompressionPass("none")],
-    "burst_parallel": lambda: [BurstParallel()],
-    "round_robin": lambda: [RoundRobin(partitions=2)],
-}
+PASSES = {k: f for k, f in TRAINING_PASSES.items() if k != "tick_tock"}  # own test
 MICRO = {"round_robin": 2}
 """The eager reference's micro-batches (round_robin: the accumulation of N micro-batches)."""
 

@@ -12,19 +12,10 @@ import torch
 import torch.nn.functional as F
 
 import tidal
-from tidal.passes.burst_parallel import BurstParallel
-from tidal.passes.compression import CompressionPass
-from tidal.passes.round_robin import RoundRobin
-from tidal.passes.tick_tock import TickTock
+from training_passes import TRAINING_PASSES
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-PASSES = {
-    "none": lambda: [],
-    "compression": lambda: [CompressionPass("none")],
-    "burst_parallel": lambda: [BurstParallel()],
-    "tick_tock": lambda: [TickTock(ranks=1)],
-    "round_robin": lambda: [RoundRobin(partitions=2)],
-}
+PASSES = TRAINING_PASSES
 OPEN = ("none", "compression", "burst_parallel")
 """Passes with the open step (``compiled.backward``); the others raise OpenStepError."""
 PROGRAMS = ("compression", "burst_parallel", "tick_tock", "round_robin")
