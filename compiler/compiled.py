@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from tidal.compiler.guards import CaptureGuard
+from tidal.compiler.guards import CaptureGuard, StepGuardError
 from tidal.compiler.module_face import ModuleFace
 from tidal.compiler.pass_manager import PassRecord
 from tidal.ir.collectives import new_group
@@ -19,6 +20,7 @@ from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
 from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
+from tidal.ir.step_state import step_state
 from tidal.runtime import executors
 from tidal.runtime.batch_data import global_batch
 from tidal.runtime.program import chrome_trace, device_of
@@ -49,9 +51,9 @@ class Compiled(ModuleFace):
         self.records = tuple(records)
         self.context = ctx
         self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._plans = [r.plan for r in self.records if r.plan is not None]
         self.executor: Executor = executors.build(
-            gm, [r.plan for r in self.records if r.plan is not None],
-            lowered_graph(gm, ctx.example_inputs, lower))
+            gm, self._plans, lowered_graph(gm, ctx.example_inputs, lower))
         """The one executor every call, step and job runs through (a ``ProgramExecutor``:
         the rank program of the plans, or the graph as it is)."""
         rank_program = self.executor.rank_program
@@ -61,7 +63,7 @@ class Compiled(ModuleFace):
                                   else rank_program,
                                   traced=self.records[0].graph_after,
                                   refresh=getattr(rank_program, "refresh_state", None),
-                                  loss_fn=ctx.loss_fn)
+                                  loss_fn=ctx.loss_fn, recapture=self._recapture)
         """What runs when the state a capture depends on changed (``compiler.guards``)."""
         self.train_trace: list = []
         """The scheduler's records of every piece the latest ``train`` ran (every job's)."""
@@ -192,6 +194,46 @@ class Compiled(ModuleFace):
         """The graph this step runs (the compiled one, or one the guard gives)."""
         graph = self.guard.step_graph(self.lowered is not None, where)
         return self.graph_module if graph is None else graph
+
+    def _recapture(self, old: Any, kept: Optional[Any], where: str) -> Any:
+        """The rank program for a new step state (``compiler.guards``: freezing, unfreezing,
+        ``model.eval()``; ``old`` None: no program, the graph runs with autograd): ``kept``
+        (that state's program from before) or one built again from
+        the plans (a program whose ``recaptures_state`` is true keys its captures by the state
+        itself and stays), with what ``old`` held beside the model and the optimizer
+        (``runtime_state``) carried over, installed in the executor. A closed step
+        (``Compiled.step``) owns zeroing the gradients, as ``optimizer.zero_grad()`` before
+        eager backward: a parameter frozen now loses its ``.grad`` (its optimizer skips it).
+        Raises ``StepGuardError`` when the trainable set changed and ``old`` keeps state by
+        parameter position (its ``runtime_state_by_name`` is not true)."""
+        carried = getattr(old, "runtime_state", None)
+        state = {} if carried is None or getattr(old, "recaptures_state", False) else \
+            carried(self.graph_module)
+        if state and not getattr(old, "runtime_state_by_name", False) and \
+                self.guard.current.requires_grad != step_state(self.model).requires_grad:
+            raise StepGuardError(
+                f"{where}: requires_grad changed after the first step, and the program of "
+                f"{', '.join(self.guard.plans)} ({type(old).__name__}) keeps state by the "
+                f"position of each trainable parameter (e.g. tick_tock's tock gradient for "
+                f"Eq. 1): it cannot carry it to another set of trainable parameters yet; "
+                f"freeze before the first step, or compile the model again")
+        if where != "Compiled.backward":
+            for p in self.model.parameters():
+                if not p.requires_grad:
+                    p.grad = None
+        if old is None or getattr(old, "recaptures_state", False):
+            return old   # no program (autograd follows the state), or one that re-captures
+        new = kept if kept is not None else executors.build(self.graph_module,
+                                                            self._plans).rank_program
+        if state:
+            new.load_runtime_state(self.graph_module, self.optimizer if
+                                   self.context.optimizer is not None else None, state)
+        elif carried is None and any(r.name == "compression" for r in self.records):
+            print(f"tidal: {', '.join(self.guard.plans)}: the compressor state (error "
+                  f"feedback) starts afresh in the re-captured step: "
+                  f"{type(old).__name__} keeps no runtime state", file=sys.stderr)
+        self.executor.rank_program = new
+        return new
 
     def backward(self, inputs: Any, targets: Any, *, scale: Any = None) -> torch.Tensor:
         """The open step, as DDP's: forward, ``loss_fn(outputs, targets)`` and backward of one

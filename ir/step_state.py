@@ -11,7 +11,7 @@ Example:
     >>> import torch
     >>> from tidal.ir.step_state import state_changes, step_state
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
-    >>> before = step_state(model)
+    >>> before = step_state(model, named=True)
     >>> model.eval(); model[0].bias.requires_grad_(False)   # doctest: +ELLIPSIS
     Sequential(...)
     Parameter containing:...
@@ -19,10 +19,12 @@ Example:
     ...     print(line)
     training mode True -> False (modules '', '0', '1')
     requires_grad True -> False (parameters '0.bias')
+    >>> step_state(model) == before                       # compared by the flags alone
+    False
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -32,16 +34,19 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class StepState:
-    """The state a capture depends on: each module's ``training`` flag and each parameter's
-    ``requires_grad`` (in ``named_modules``/``named_parameters`` order, names alongside),
-    autocast (enabled and dtype per device type) and grad mode of the calling thread."""
+    """The state a capture depends on: each module's ``training`` flag (``model.modules()``
+    order) and each module's own parameters' ``requires_grad`` (module by module; a parameter
+    shared by two modules counted in each), autocast (enabled and dtype per device type) and
+    grad mode of the calling thread. Compared by ``==`` on those flags alone: cheap enough
+    for every step. ``module_names``/``param_names`` (aligned with the flags) are filled only
+    when asked for (``step_state(model, named=True)``), to say what changed."""
 
-    module_names: tuple[str, ...]
     training: tuple[bool, ...]
-    param_names: tuple[str, ...]
     requires_grad: tuple[bool, ...]
     autocast: tuple[tuple[str, bool, str], ...]
     grad_enabled: bool
+    module_names: tuple[str, ...] = field(default=(), compare=False)
+    param_names: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def mode_key(self) -> tuple[bool, ...]:
@@ -59,13 +64,19 @@ def autocast_state() -> tuple[tuple[str, bool, str], ...]:
     return tuple(out)
 
 
-def step_state(model: torch.nn.Module) -> StepState:
-    """The :class:`StepState` of ``model`` now, on this thread."""
-    modules = list(model.named_modules())
-    params = list(model.named_parameters())
-    return StepState(tuple(n for n, _ in modules), tuple(m.training for _, m in modules),
-                     tuple(n for n, _ in params), tuple(p.requires_grad for _, p in params),
-                     autocast_state(), torch.is_grad_enabled())
+def step_state(model: torch.nn.Module, named: bool = False) -> StepState:
+    """The :class:`StepState` of ``model`` now, on this thread: its flags read in one walk of
+    the modules (a guard calls it on every step); with ``named``, the names too."""
+    modules = list(model.named_modules()) if named else [("", m) for m in model.modules()]
+    own = [(prefix, m._parameters) for prefix, m in modules]  # each module's own parameters
+    requires_grad = tuple(p.requires_grad for _, ps in own for p in ps.values() if p is not None)
+    state = StepState(tuple(m.training for _, m in modules), requires_grad, autocast_state(),
+                      torch.is_grad_enabled())
+    if not named:
+        return state
+    params = tuple(f"{prefix}.{n}" if prefix else n for prefix, ps in own
+                   for n, p in ps.items() if p is not None)
+    return replace(state, module_names=tuple(n for n, _ in modules), param_names=params)
 
 
 def _flips(names: Sequence[str], before: Sequence[bool], after: Sequence[bool], what: str,
@@ -82,13 +93,18 @@ def _flips(names: Sequence[str], before: Sequence[bool], after: Sequence[bool], 
 
 
 def state_changes(before: StepState, after: StepState) -> list[str]:
-    """What differs from ``before`` to ``after``, one line each (empty: nothing)."""
-    if before.module_names != after.module_names or before.param_names != after.param_names:
+    """What differs from ``before`` to ``after``, one line each (empty: nothing); modules and
+    parameters are named from whichever state is named (by position when neither is)."""
+    if len(before.training) != len(after.training) or \
+            len(before.requires_grad) != len(after.requires_grad):
         return ["the model's modules or parameters were replaced"]
-    lines = _flips(before.module_names, before.training, after.training, "training mode",
-                   "modules")
-    lines += _flips(before.param_names, before.requires_grad, after.requires_grad,
-                    "requires_grad", "parameters")
+    modules = before.module_names or after.module_names or \
+        tuple(f"#{i}" for i in range(len(after.training)))
+    params = before.param_names or after.param_names or \
+        tuple(f"#{i}" for i in range(len(after.requires_grad)))
+    lines = _flips(modules, before.training, after.training, "training mode", "modules")
+    lines += _flips(params, before.requires_grad, after.requires_grad, "requires_grad",
+                    "parameters")
     for (device, on0, dt0), (_, on1, dt1) in zip(before.autocast, after.autocast):
         if (on0, dt0) != (on1, dt1):
             lines.append(f"autocast({device}) {dt0 if on0 else 'off'} -> {dt1 if on1 else 'off'}")

@@ -64,7 +64,9 @@ def test_a_step_without_plans_follows_the_mode_and_freezing():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
-def test_a_program_step_in_another_state_raises_naming_what_changed():
+def test_a_program_step_in_another_state_recaptures_or_raises_naming_what_changed():
+    """Freezing re-captures (tests/test_recapture.py compares it with eager); a training mode
+    whose trace differs from the compile's raises, naming the change and why."""
     torch.manual_seed(0)
     model = _FunctionalDropout()
     x, y = _data()
@@ -72,14 +74,15 @@ def test_a_program_step_in_another_state_raises_naming_what_changed():
                       optimizer=_sgd)
     c.step((x,), y)
     model.a.weight.requires_grad_(False)
-    with pytest.raises(StepGuardError, match=r"requires_grad True -> False \(parameters "
-                                             r"'a\.weight'\)"):
-        c.step((x,), y)
+    frozen = model.a.weight.detach().clone()
+    c.step((x,), y)
+    assert torch.equal(model.a.weight, frozen)
     model.a.weight.requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         c.step((x,), y)   # captured again under autocast (tests/test_autocast_programs.py)
     c.eval()
-    with pytest.raises(StepGuardError, match=r"training mode True -> False \(modules ''"):
+    with pytest.raises(StepGuardError, match=r"training mode True -> False \(modules ''.*"
+                                             r"the plan was made on the graph traced"):
         c.step((x,), y)
     c.train()
     c.step((x,), y)   # back in the captured state: runs

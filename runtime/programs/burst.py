@@ -129,6 +129,11 @@ class BurstProgram:
     the same order)."""
 
     recaptures_autocast = True  # its eager pieces run under the binding thread's autocast
+    recaptures_state = True
+    """A step after freezing or unfreezing gets a layout of its own (keyed by the trainable
+    set: its gradient buckets follow it); its stages run eagerly, reading the modules'
+    ``training`` flags: ``Compiled`` keeps this program over a change of state."""
+
     def __init__(self, world: int, batch: int, param_ranks: tuple[tuple[str, Ranks], ...],
                  layer_ranks: tuple[tuple[str, Ranks], ...] = (),
                  unit_members: tuple[tuple[str, tuple[str, ...]], ...] = (),
@@ -335,14 +340,15 @@ class BurstProgram:
 
     def _prepare(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
                  targets: Any, finish: str) -> tuple[StepLayout, fx.GraphModule]:
-        """This step's layout (built once per graph, rank, input shapes, bucket cap and last
-        piece) and the graph the rank runs; on several ranks, the stale copies it will hold
+        """This step's layout (built once per graph, rank, input shapes, bucket cap, trainable
+        set and last piece) and the graph the rank runs; on several ranks, the stale copies it will hold
         are watched (``model.state_dict()`` refuses them)."""
         distributed = is_distributed()
         if distributed:
             self._check(inputs)
         rank, size = rank_and_size()
-        key = (id(gm), rank, size, self.bucket_bytes, self.overlap, finish) + tuple(
+        key = (id(gm), rank, size, self.bucket_bytes, self.overlap, finish,
+               tuple(p.requires_grad for p in gm.parameters())) + tuple(
             (tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
         run = self.local_module(gm) if distributed else gm
         if key not in self._layouts:

@@ -66,7 +66,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from tidal.ir.capture import step_inputs
-from tidal.ir.comm_cost import DDP_BUCKET_BYTES
+from tidal.ir.comm_cost import DDP_BUCKET_BYTES, ddp_buckets
 from tidal.ir.cost import example_batch
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.param_owners import trainable
@@ -163,6 +163,26 @@ def local_shard(inputs: Any, targets: Any, rank: int, size: int) -> LocalShard:
                       shard(targets, rank, size, batch), weight)
 
 
+def trainable_buckets(buckets: Optional[Sequence[Sequence[str]]],
+                      grads: Mapping[str, torch.Tensor], bucket_bytes: float
+                      ) -> tuple[tuple[str, ...], ...]:
+    """The buckets of the gradients ``grads`` (the trainable parameters now): the explicit
+    ``buckets`` (a plan's, made at compile) without the names frozen since and with DDP's
+    buckets of the names they lack (unfrozen since) after them; DDP's buckets alone when
+    none are given. A compressor works per tensor: the grouping never changes the result.
+
+    Example:
+        >>> import torch
+        >>> grads = {"b": torch.zeros(2), "c": torch.zeros(2)}
+        >>> trainable_buckets((("a", "b"),), grads, 2**20)
+        (('b',), ('c',))
+    """
+    known = {n for b in buckets or () for n in b}
+    kept = tuple(t for t in (tuple(n for n in b if n in grads) for b in buckets or ()) if t)
+    rest = [(n, g.numel() * 4) for n, g in grads.items() if n not in known]
+    return kept + (tuple(ddp_buckets(rest, bucket_bytes)) if rest else ())
+
+
 def eager_pieces(buckets: Sequence[Sequence[int]]) -> list[Piece]:
     """The data-parallel pieces of a step that runs with autograd: ``forward``, ``backward``,
     a ``sync b`` comm piece per bucket of gradient indices after it, the ``optimizer`` last."""
@@ -207,6 +227,10 @@ class DataParallelProgram:
     recaptures_autocast = True
     """A step in another autocast state is captured again (``step_capture.shape_key`` holds
     it); eager pieces run under the binding thread's autocast."""
+
+    runtime_state_by_name = True
+    """Its runtime state (the compressor's, per tensor name) carries over to a program built
+    for another set of trainable parameters (``Compiled``'s re-capture after freezing)."""
 
     def __init__(self, compressor: Optional[Compressor] = None, *,
                  buckets: Optional[Sequence[Sequence[str]]] = None,
@@ -335,9 +359,10 @@ class DataParallelProgram:
             self._by_shard[local_key] = capture
             return capture
         self.fallback_reason = reason
-        index = {n: i for i, n in enumerate(trainable(model))}
+        names = trainable(model)
+        index = {n: i for i, n in enumerate(names)}
         buckets = [tuple(index[n] for n in bucket)
-                   for bucket in self.grad_sync.buckets(trainable(model))]
+                   for bucket in trainable_buckets(self.buckets, names, self.bucket_bytes)]
         program = framed(eager_pieces(buckets), world, self.accordion is not None)
         return StepCapture.eager(program, Fallback(reason))
 
