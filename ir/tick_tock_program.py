@@ -5,6 +5,7 @@ One piece per action of the first iteration of each wave (:func:`first_iteration
 the wave's all-reduce) on ``comm``, each after its lane's previous action; the tock's ``F``
 after the tick's ``F``, its ``A`` after the tick's ``B``; the ``loss`` last.
 ``tidal.runtime.programs.tick_tock`` runs it, the simulator runs the same object.
+:func:`open_step` makes the open step's program from it (``Compiled.backward``: no ``U``).
 
 Example:
     >>> from tidal.passes.tick_tock import tick_tock_schedule
@@ -14,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from tidal.ir.program import COMM, OPTIMIZER, Piece, Program
@@ -87,3 +89,41 @@ def tick_tock(schedule: Schedule, world: int, forward: Sequence[str] = (),
         index[(a.lane, a.kind)] = last[a.lane] = len(pieces) - 1
     pieces.append(Piece(LOSS, COMM, (index[("T", "F")], index[("K", "F")])))
     return Program(tuple(pieces), world)
+
+
+def open_step(program: Program, finish: str, sync: bool) -> tuple[Program, tuple[int, ...]]:
+    """The open step's program (``Compiled.backward``) made from a step's ``program``
+    (:func:`tick_tock`): each wave's ``U`` becomes ``<stream> <finish>`` on the wave's stream
+    (no optimizer piece: the loop steps its optimizers), and without ``sync`` the ``A`` pieces
+    (Eq. 1 and the waves' all-reduces) are left out, their dependencies passed on. Returns it
+    and, per piece, its index in ``program`` (where a captured segment's steps are found).
+
+    Example:
+        >>> from tidal.passes.tick_tock import tick_tock_schedule
+        >>> step = tick_tock(tick_tock_schedule(ranks=2, fwd_us=1.0, bwd_us=2.0, steps=2), 2)
+        >>> p, origin = open_step(step, "accumulate", sync=False)
+        >>> [(x.name, x.stream, x.deps) for x in p.pieces]  # doctest: +NORMALIZE_WHITESPACE
+        [('tick F', 'tick', ()), ('tick B', 'tick', (0,)), ('tock F', 'tock', (0,)),
+         ('tock B', 'tock', (2,)), ('tick accumulate', 'tick', (1,)),
+         ('tock accumulate', 'tock', (1, 3)), ('loss', 'comm', (0, 2))]
+        >>> origin
+        (0, 1, 2, 3, 5, 7, 8)
+        >>> [x.name for x in open_step(step, "grads", sync=True)[0].pieces][4:8]
+        ['tick A', 'tick grads', 'tock A', 'tock grads']
+    """
+    pieces = program.pieces
+    drop = {i for i, p in enumerate(pieces) if not sync and p.name.endswith(" A")}
+    index: dict[int, int] = {}
+    out: list[Piece] = []
+
+    def deps_of(deps: Sequence[int]) -> set[int]:
+        return {k for d in deps for k in (deps_of(pieces[d].deps) if d in drop else {index[d]})}
+
+    for i, p in enumerate(pieces):
+        if i in drop:
+            continue
+        if p.kind == OPTIMIZER:  # a segment of the wave's stream now
+            p = replace(p, name=f"{p.name.split()[0]} {finish}", kind="")
+        index[i] = len(out)
+        out.append(replace(p, deps=tuple(sorted(deps_of(p.deps)))))
+    return Program(tuple(out), program.world), tuple(index)

@@ -3,8 +3,8 @@
 One step of the global batch runs one tick iteration and one tock iteration: the global batch
 is cut into 2N shards (N ranks); rank i's tick wave trains on shard i with the model's own
 parameters, its tock wave on shard N + i with a second replica (made from the model at the
-first step, with a clone of the optimizer:
-``tidal.runtime.programs.optimizer_wiring.clone_optimizer``). The program
+first step, with a clone of the optimizer that takes its groups' hyper-parameters at every
+step: ``tidal.runtime.programs.optimizer_mirror.MirroredOptimizer``). The program
 (:func:`tick_tock`) follows the first iteration of each lane of the plan's schedule:
 
 - ``F`` forward and ``B`` backward (to the wave's raw local gradient ``g_m``) on the wave's own
@@ -34,7 +34,18 @@ Once one piece failed, the later ones fail at once, naming it (no collective wai
 in vain: ``tidal.runtime.programs.step_failures``). Under ``torch.autocast`` the step is captured
 with its casts, once per autocast state (``step_capture.shape_key``); eager ``F``/``B`` run
 under the autocast state of the thread that bound the step, every other piece with autocast
-off (``tidal.runtime.programs.piece_autocast``).
+off (``tidal.runtime.programs.piece_autocast``). The pieces' work is in
+``tidal.runtime.programs.tick_tock_step``.
+
+The open step (``Compiled.backward``, :meth:`TickTockProgram.bind_backward`, as DDP's) runs
+``F``, ``B`` and ``A`` with no ``U``: each wave's synchronized Eq. 1 gradient times ``scale``
+is added to its replica's ``.grad`` (inside ``no_sync``: accumulated, the sums averaged at the
+next synchronized call; ``tick_tock_step`` says how that equals Eq. 1 on the micro-batches'
+union); the loop clips (:meth:`TickTockProgram.clip_grad_norm_`: each wave by its own norm)
+and steps its optimizers, and after each of their steps the tock replica steps a clone of
+that optimizer (``optimizer_mirror.StepMirrors``, through a global ``torch.optim`` step hook),
+its groups following the user's. One compiled model trains one way, closed or open; a
+``GradScaler`` (a tensor ``scale``) is refused in the open step, naming why.
 
 Example:
     >>> import torch, tidal
@@ -52,8 +63,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -64,27 +73,21 @@ from tidal.ir.collectives import new_group
 from tidal.ir.cost import example_batch
 from tidal.ir.joint_segments import forward_backward
 from tidal.ir.node_runner import flat_tensors
-from tidal.ir.param_owners import trainable
-from tidal.ir.program import Piece
+from tidal.ir.program import Program
 from tidal.ir.schedule import split_batch
-from tidal.ir.step_state import autocast_state
-from tidal.ir.tick_tock_program import (LOSS, STREAMS, WAVES, first_iteration,  # noqa: F401
-                                        tick_tock, wave_stream)
+from tidal.ir.tick_tock_program import WAVES, open_step, tick_tock
 from tidal.runtime.backend import backend_for
 from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory, plain_sync
 from tidal.runtime.distributed import rank_and_size
-from tidal.runtime.program import CapturedRun
-from tidal.runtime.programs.optimizer_wiring import clone_optimizer, set_grads
-from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, under_autocast
-from tidal.runtime.programs.replica_sync import average_buffers, reduce_loss
+from tidal.runtime.program import OpenStepError
+from tidal.runtime.programs.optimizer_mirror import MirroredOptimizer, StepMirrors
+from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads
 from tidal.runtime.programs.step_capture import (Fallback, StepCapture, capture_step,
                                                  lower_step, shape_key)
-from tidal.runtime.programs.step_failures import FailFast, collective_errors
+from tidal.runtime.programs.tick_tock_step import WHO, TickTockBackward, TickTockStep, Wave
 
 PLAN_KIND = "TickTockPlan"
-
-WHO = "tick_tock"
 
 
 def check_wave_batch(inputs: Any, world: int) -> None:
@@ -113,37 +116,21 @@ def check_wave_batch(inputs: Any, world: int) -> None:
             f"(DataLoader(drop_last=True)) or pad it, or train it without tick_tock")
 
 
-@dataclass
-class _Wave:
-    """One wave of a bound step: its replica, optimizer, shard, group and sync, and what its
-    pieces leave (the loss, the raw gradients, the gradients it applied)."""
-
-    name: str
-    gm: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    inputs: tuple
-    targets: Any
-    group: Any = None
-    sync: Optional[GradSync] = None
-    loss: Optional[torch.Tensor] = None
-    raw: Optional[list[torch.Tensor]] = None
-    applied: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:  # no zero_grad: the sync sets every gradient it applies
-        self.params = trainable(self.gm)
-
-    @property
-    def stream(self) -> str:
-        return wave_stream(self.name)
+CLOSED, OPEN = "Compiled.step", "Compiled.backward"
+"""How a program trains (:attr:`TickTockProgram.mode`): the closed step, whose tock wave steps a
+clone of ``Compiled.optimizer``, or the open one, whose tock wave steps clones of the loop's
+optimizers (``tidal.runtime.programs.optimizer_mirror.StepMirrors``)."""
 
 
 class TickTockProgram:
     """This rank's side of a tick-tock plan (see the module docstring), run by
     ``tidal.runtime.program.ProgramExecutor``. ``tock`` is the tock replica (after the first
-    step); ``last_applied[wave][name]`` the gradient each wave applied in the last step;
+    step); ``prev_tock`` the tock gradient the next tick averages with (Eq. 1);
+    ``last_applied[wave][name]`` the gradient each wave applied in the last step;
     ``syncs[wave]`` the wave's gradient sync (after the first step); ``fallback_reason`` why
     the waves run ``F``/``B`` eagerly ('' when they run captured segments); :meth:`uncaptured`
-    what the latest step ran uncaptured."""
+    what the latest step ran uncaptured; ``mode`` :data:`CLOSED` or :data:`OPEN` once it
+    trained ('' before: one compiled model trains one way)."""
 
     pipelined = True
     """Steps may overlap (``ProgramExecutor.job``): step m + 1 is bound and its pieces queued
@@ -157,12 +144,16 @@ class TickTockProgram:
     def __init__(self, plan: Any):
         self.plan = plan
         self.tock: Optional[torch.nn.Module] = None
-        self._tock_opt: Optional[torch.optim.Optimizer] = None
-        self._group_of: tuple[int, ...] = ()
-        self._prev_tock: Optional[list[torch.Tensor]] = None  # what the next tick averages with
+        self.prev_tock: Optional[list[torch.Tensor]] = None
+        self.mode = ""
+        self._mirror: Optional[MirroredOptimizer] = None   # closed: Compiled.optimizer's clone
+        self._mirrors: Optional[StepMirrors] = None        # open: the loop's optimizers' clones
         self._groups: tuple[Any, Any] = (None, None)
         self._sync_factory: GradSyncFactory = plain_sync
         self._captured: dict[tuple, StepCapture] = {}
+        self._opened: dict[tuple[int, bool], tuple[Program, tuple[int, ...]]] = {}
+        self.local_grads = {w: LocalGrads() for w in WAVES}
+        """Each wave's sum accumulated inside ``no_sync`` on this rank, not yet synced."""
         self.syncs: dict[str, GradSync] = {}
         self.last_applied: dict[str, dict[str, torch.Tensor]] = {}
         self.fallback_reason = ""
@@ -180,60 +171,85 @@ class TickTockProgram:
         """Inference runs the tick replica (the model's own parameters)."""
         return gm(*args, **kwargs)
 
-    def _start(self, gm: fx.GraphModule, optimizer: torch.optim.Optimizer, world: int) -> None:
-        """The first step: the tock replica, its optimizer, the waves' groups and syncs."""
-        self.tock = copy.deepcopy(gm)
+    def tock_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The tock replica's optimizers: the clone of ``Compiled.optimizer`` (closed step),
+        or one clone per loop optimizer that stepped (open step, in the order they first
+        stepped)."""
+        if self._mirror is not None:
+            return [self._mirror.clone]
+        return self._mirrors.optimizers() if self._mirrors is not None else []
+
+    @property
+    def _tock_opt(self) -> Optional[torch.optim.Optimizer]:
+        # kept for benchmarks/wavelet.py, which reads it by name (use tock_optimizers())
+        return self._mirror.clone if self._mirror is not None else None
+
+    def _enter(self, mode: str, gm: fx.GraphModule, world: int,
+               optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Train the ``mode`` way (refused after the other): at the first step, the tock
+        replica, the waves' groups and syncs; the tock's optimizer clone (closed, of
+        ``optimizer``) or the loop's optimizers' mirrors (open)."""
+        if self.mode and self.mode != mode:
+            raise OpenStepError(
+                f"tick_tock: {mode} after {self.mode} on one compiled model: the open step's "
+                f"tock replica steps with clones of the loop's optimizers, the closed step's "
+                f"with a clone of Compiled.optimizer, and the two cannot take turns (the kept "
+                f"tock gradient of Eq. 1 and the clones' state would mix); train with one of "
+                f"them, or compile the model again")
+        if self.tock is None:
+            self.tock = copy.deepcopy(gm)
+            if world > 1:  # every rank, in the same order; the world's timeout
+                self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
+            self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
+        self.mode = mode
         tock_params = dict(self.tock.named_parameters())
         mapping = {id(p): tock_params[k] for k, p in gm.named_parameters()}
-        self._tock_opt = clone_optimizer(optimizer, mapping)
-        # which of the user's groups each of the clone's came from (a group with none of the
-        # graph's parameters has no clone)
-        self._group_of = tuple(i for i, g in enumerate(optimizer.param_groups)
-                               if any(id(p) in mapping for p in g["params"]))
-        if world > 1:  # every rank, in the same order; the world's timeout
-            self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
-        self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
+        if mode == CLOSED and self._mirror is None:
+            if optimizer is None:
+                raise ValueError("tick_tock: this checkpoint's runtime state is of Compiled.step "
+                                 "training, whose tock wave clones Compiled.optimizer: compile "
+                                 "with optimizer=... to load it")
+            self._mirror = MirroredOptimizer(optimizer, mapping)
+        if mode == OPEN and self._mirrors is None:
+            self._mirrors = StepMirrors(mapping, WHO)
 
     def runtime_state(self, gm: fx.GraphModule) -> dict[str, Any]:
-        """What this program holds beside the model and the user's optimizer, for a checkpoint
-        (``Compiled.runtime_state_dict``): the tock replica, its optimizer's state, the tock
-        gradient the next tick averages with (Eq. 1) and the waves' compressor states; empty
-        before the first step."""
+        """What this program holds beside the model and the user's optimizers, for a
+        checkpoint (``Compiled.runtime_state_dict``): how it trains, the tock replica, its
+        optimizers' states (:meth:`tock_optimizers`), the tock gradient the next tick averages
+        with (Eq. 1) and the waves' compressor states; empty before the first step."""
         if self.tock is None:
             return {}
-        prev = self._prev_tock
-        return {"tock": {k: v.detach().clone() for k, v in self.tock.state_dict().items()},
-                "tock_optimizer": self._tock_opt.state_dict(),
+        prev = self.prev_tock
+        states = [o.state_dict() for o in self.tock_optimizers()] if self._mirror is not None \
+            else self._mirrors.state_dict()
+        return {"mode": self.mode,
+                "tock": {k: v.detach().clone() for k, v in self.tock.state_dict().items()},
+                "tock_optimizers": states,
                 "prev_tock": None if prev is None else [g.detach().clone() for g in prev],
                 "syncs": {w: s.state_dict() for w, s in self.syncs.items()}}
 
-    def load_runtime_state(self, gm: fx.GraphModule, optimizer: torch.optim.Optimizer,
+    def load_runtime_state(self, gm: fx.GraphModule,
+                           optimizer: Optional[torch.optim.Optimizer],
                            state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`runtime_state` returned (after the model and ``optimizer``,
-        the user's, were restored): the next step continues the saved training bit for
-        bit."""
+        """Restore what :meth:`runtime_state` returned (after the model and the user's
+        optimizers were restored; ``optimizer``: ``Compiled.optimizer``, for the closed
+        step's): the next step continues the saved training bit for bit. In the open step the
+        loop's optimizers' clones take their states when those first step, in the order they
+        first stepped when saved."""
         if not state:
             return
-        if self.tock is None:
-            self._start(gm, optimizer, rank_and_size()[1])
+        self._enter(state.get("mode", CLOSED), gm, rank_and_size()[1], optimizer)
         self.tock.load_state_dict(state["tock"])
-        self._tock_opt.load_state_dict(state["tock_optimizer"])
+        states = state.get("tock_optimizers") or [state["tock_optimizer"]]
+        if self._mirror is not None:
+            self._mirror.clone.load_state_dict(states[0])
+        else:
+            self._mirrors.load_state_dict(states)
         prev = state["prev_tock"]
-        self._prev_tock = None if prev is None else [g.clone() for g in prev]
+        self.prev_tock = None if prev is None else [g.clone() for g in prev]
         for w, sync_state in state["syncs"].items():
             self.syncs[w].load_state_dict(sync_state)
-
-    def _follow(self, optimizer: torch.optim.Optimizer) -> None:
-        """The tock's optimizer takes the user's hyper-parameters (a learning-rate schedule,
-        a changed weight decay) group by group, at every step: the second wave trains as the
-        user's optimizer says, not as it said at the first step."""
-        groups = optimizer.param_groups
-        if len(groups) <= max(self._group_of, default=-1):
-            raise ValueError("tick_tock: the optimizer's param groups changed after the first "
-                             "step (the tock wave's optimizer follows them group by group): "
-                             "add param groups before the first step")
-        for mine, i in zip(self._tock_opt.param_groups, self._group_of):
-            mine.update({k: v for k, v in groups[i].items() if k != "params"})
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of what the latest step ran uncaptured: the nodes of the lowered
@@ -241,7 +257,7 @@ class TickTockProgram:
         ``(node or "-", fallback_reason)`` when the waves ran ``F``/``B`` eagerly."""
         return list(self._latest.uncaptured) if self._latest is not None else []
 
-    def _capture(self, waves: dict[str, _Wave], loss_fn: Callable, world: int) -> StepCapture:
+    def _capture(self, waves: dict[str, Wave], loss_fn: Callable, world: int) -> StepCapture:
         """The captured step and program for these shard shapes (once per shape; the waves'
         shards have the same shapes): each wave's segments lowered and captured on its own
         tensors, or the eager program (``fallback_reason`` says why)."""
@@ -262,110 +278,72 @@ class TickTockProgram:
                 self._fallback, self.fallback_reason = e, e.reason
                 eager = tick_tock(self.plan.schedule, world, grads=len(tick.params))
                 self._captured[key] = StepCapture.eager(eager, e)
-        return self._captured[key]
+        self._latest = self._captured[key]
+        return self._latest
 
-    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
-             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> "_TickTockStep":
-        """One tick iteration and one tock iteration on the global batch (2N shards; a
-        batch that does not cut into 2N equal shards is refused: :func:`check_wave_batch`)."""
+    def _waves(self, mode: str, gm: fx.GraphModule, inputs: tuple, targets: Any,
+               optimizer: Optional[torch.optim.Optimizer]) -> tuple[dict[str, Wave], int]:
+        """The two waves of a step on the global batch (2N shards; a batch that does not cut
+        into 2N equal shards is refused: :func:`check_wave_batch`) and the world size."""
         rank, world = rank_and_size()
         check_wave_batch(inputs, world)
         xs = split_batch(tuple(inputs), 2 * world, "tick_tock global batch")
         ys = split_batch(targets, 2 * world, "tick_tock targets")
-        if self.tock is None:
-            self._start(gm, optimizer, world)
-        self._follow(optimizer)
-        waves = {"T": _Wave("T", gm, optimizer, xs[rank], ys[rank], self._groups[0],
-                            self.syncs["T"]),
-                 "K": _Wave("K", self.tock, self._tock_opt, xs[world + rank], ys[world + rank],
-                            self._groups[1], self.syncs["K"])}
-        self._latest = captured = self._capture(waves, loss_fn, world)
-        return _TickTockStep(self, captured, waves, loss_fn, world)
+        self._enter(mode, gm, world, optimizer)
+        tock_opt = self._mirror.clone if mode == CLOSED else None
+        return {"T": Wave("T", gm, optimizer, xs[rank], ys[rank], self._groups[0],
+                          self.syncs["T"]),
+                "K": Wave("K", self.tock, tock_opt, xs[world + rank], ys[world + rank],
+                          self._groups[1], self.syncs["K"])}, world
 
+    def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> TickTockStep:
+        """One tick iteration and one tock iteration on the global batch, each wave's ``U``
+        its optimizer's step (the tock's clone takes ``optimizer``'s groups first)."""
+        waves, world = self._waves(CLOSED, gm, inputs, targets, optimizer)
+        self._mirror.follow(optimizer)
+        return TickTockStep(self, self._capture(waves, loss_fn, world), waves, loss_fn, world)
 
-class _TickTockStep:
-    """One step of :class:`TickTockProgram` bound to its tensors (a ``StepWork``)."""
+    def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool
+                      ) -> TickTockBackward:
+        """The open step (``Compiled.backward``; ``tidal.runtime.programs.tick_tock_step``):
+        both waves' ``F``/``B``/``A`` with no ``U``, each wave's synchronized Eq. 1 gradient
+        times ``scale`` added to its replica's ``.grad`` (``sync``) or kept in
+        :attr:`local_grads`. ``scale`` is a number: a tensor (a ``GradScaler``'s) is refused,
+        since ``GradScaler.unscale_(optimizer)`` unscales only the optimizer's parameters'
+        gradients, the tick wave's, and the tock replica would step on scaled ones."""
+        if isinstance(scale, torch.Tensor):
+            raise OpenStepError(
+                f"tick_tock: Compiled.backward(scale=<a tensor or a GradScaler>) is not "
+                f"available under {PLAN_KIND}: GradScaler.unscale_(optimizer) unscales only "
+                f"the gradients of the optimizer's "
+                f"parameters (the tick wave's), and the tock wave's replica would step on "
+                f"scaled gradients; pass a number (scale=1/k for accumulation), and train "
+                f"without loss scaling (bf16 autocast needs none) or without tick_tock")
+        waves, world = self._waves(OPEN, gm, inputs, targets, None)
+        captured = self._capture(waves, loss_fn, world)
+        key = (id(captured), sync)
+        if key not in self._opened:
+            self._opened[key] = open_step(captured.program, GRADS if sync else ACCUMULATE,
+                                          sync)
+        return TickTockBackward(self, captured, waves, loss_fn, world, self._opened[key],
+                                scale, self.local_grads)
 
-    def __init__(self, owner: TickTockProgram, captured: StepCapture, waves: dict[str, _Wave],
-                 loss_fn: Callable, world: int):
-        self.owner, self.captured, self.waves = owner, captured, waves
-        self.program = captured.program
-        self.loss_fn, self.world = loss_fn, world
-        self.guard = FailFast(WHO)
-        self._loss: Optional[torch.Tensor] = None
-        self._nodes = captured.nodes() if captured.captured else None
-        self._autocast = autocast_state()  # the binding thread's: eager F/B run under it
-        # each wave's run of its captured segments, begun by its F: this step may be bound
-        # while the previous one still runs (persistent waves), whose runs own the buffers
-        self.runs: dict[str, CapturedRun] = {}
-
-    def work(self, index: int, piece: Piece) -> Callable[[], None]:
-        """What piece ``index`` does; once a piece failed, the later ones fail at once."""
-        if piece.name == LOSS:
-            return self.guard.wrap(piece.name, under_autocast(NO_AUTOCAST, self._average_loss))
-        stream, kind = piece.name.split()
-        wave = self.waves[WAVES[STREAMS.index(stream)]]
-        autocast = NO_AUTOCAST  # a captured segment holds its casts
-        if kind == "U":
-            action: Callable[[], Any] = wave.optimizer.step
-        elif kind in "FB" and self.captured.captured:  # a captured segment
-            action = functools.partial(self._segment, wave, index, kind)
-        else:
-            action = functools.partial({"F": self._forward, "B": self._backward,
-                                        "A": self._sync}[kind], wave)
-            autocast = self._autocast if kind in "FB" else NO_AUTOCAST
-        return self.guard.wrap(piece.name, under_autocast(autocast, action))
-
-    def _segment(self, w: _Wave, index: int, kind: str) -> None:
-        """Piece ``index``'s lowered steps in wave ``w``'s run (the ``F`` begins the run),
-        then the loss (``F``) or the raw gradients (``B``) it computed."""
-        if w.name not in self.runs:
-            self.runs[w.name] = self.captured.lowered[w.name].run(
-                step_inputs(self.captured.step, w.gm, w.inputs, w.targets))
-        run = self.runs[w.name]
-        run.segment(index)()  # after B, the activations are freed after their last use
-        loss, grads = self._nodes
-        if kind == "F":
-            w.loss = run.value(loss)
-        else:
-            w.raw = [run.value(g) for g in grads]
-
-    def _forward(self, w: _Wave) -> None:
-        w.loss = self.loss_fn(w.gm(*w.inputs), w.targets)
-
-    def _backward(self, w: _Wave) -> None:
-        params = list(w.params.values())
-        grads = torch.autograd.grad(w.loss, params, allow_unused=True)
-        w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-
-    def _sync(self, w: _Wave) -> None:
-        # the tick averages with the previous step's tock gradient: the comm stream runs the
-        # tock's sync of step m before the tick's of step m + 1, which reads what it kept
-        other = self.waves["T"].raw if w.name == "K" else self.owner._prev_tock
-        if other is None:
-            avg = list(w.raw)  # the very first tick iteration has no predecessor
-        else:
-            avg = [(g + h) / 2 for g, h in zip(w.raw, other)]  # Eq. 1
-        with collective_errors(WHO, f"the {w.stream} wave's gradient sync"):
-            synced = w.sync(dict(zip(w.params, avg)))  # the wave's all-reduce (or compressor)
-            # running statistics (BatchNorm): the same on every rank of the wave
-            average_buffers(w.gm.buffers(), w.group)
-        set_grads(w.params, synced, copy=True)
-        # the optimizer reads a gradient, never writes it: no second copy
-        w.applied = {k: p.grad for k, p in w.params.items()}
-        if w.name == "K":  # a captured gradient is a static output buffer (CUDA): the next
-            # replay of the tock's segments overwrites it before the next tick average reads it
-            self.owner._prev_tock = [g.clone() for g in w.raw] if self.runs else w.raw
-
-    def _average_loss(self) -> None:
-        loss = (self.waves["T"].loss.detach() + self.waves["K"].loss.detach()) / 2
-        with collective_errors(WHO, "the loss all-reduce"):
-            self._loss = reduce_loss(loss)
-
-    def loss(self) -> torch.Tensor:
-        """The step's loss (both waves, all ranks); keeps the gradients the waves applied."""
-        self.owner.last_applied = {w.name: w.applied for w in self.waves.values()}
-        return self._loss
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip each wave's gradients by the wave's own global norm (each wave is a
+        data-parallel model of its own in Eq. 1's reference; every rank of a wave holds its
+        synchronized gradients): the model's (the tick wave's) and the tock replica's.
+        Returns the tick wave's norm before clipping."""
+        if self.mode == CLOSED:
+            raise OpenStepError("tick_tock: Compiled.clip_grad_norm_ after Compiled.step: the "
+                                "closed step applied its gradients already; clip in the open "
+                                "step (Compiled.backward, then clip, then optimizer.step())")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        if self.tock is not None:
+            torch.nn.utils.clip_grad_norm_(self.tock.parameters(), max_norm, norm_type)
+        return norm
 
 
 def from_plan(gm: fx.GraphModule, plan: Any) -> TickTockProgram:

@@ -1,0 +1,86 @@
+"""tick_tock's reference for a training loop, in plain PyTorch: Wavelet's Eq. 1 with two model
+copies and the user's optimizers on each.
+
+A global batch is cut in two halves: the tick copy trains on the first, the tock copy on the
+second (on N ranks each half is N equal shards, and the mean over a wave's ranks of its
+shards' mean-loss gradients is the gradient of the half's mean loss). ``backward(x, y, scale,
+sync)`` accumulates each copy's gradient of ``scale * loss``; at a synchronized call the tick's
+accumulated gradient is averaged with the tock's of the previous synchronized call, the tock's
+with the tick's of this one (Eq. 1; the very first tick alone), and each is *added* to its
+copy's ``.grad``, as ``Compiled.backward`` under tick_tock does. The loop builds its
+optimizers on both copies (:meth:`Eq1Reference.both`) and steps and zeroes all of them; it
+clips each copy by its own norm (:meth:`Eq1Reference.clip_grad_norm_`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class Eq1Reference:
+    """Eq. 1 over two copies of ``model`` (see the module docstring); ``tick`` is the one a
+    compiled model's parameters are compared with, ``tock`` its tock replica's."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        self.tick, self.tock = copy.deepcopy(model), copy.deepcopy(model)
+        self.loss_fn = loss_fn
+        self.prev_tock: Optional[list[torch.Tensor]] = None
+        self.acc: dict[str, Optional[list[torch.Tensor]]] = {"T": None, "K": None}
+        self._sync = True
+
+    def parameters(self):
+        return self.tick.parameters()
+
+    def both(self, make: Callable[[Any], list]) -> list:
+        """``make(parameters)`` (a list of optimizers) on the tick copy, then on the tock's."""
+        return make(self.tick.parameters()) + make(self.tock.parameters())
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _grads(self, model, x, y, scale) -> tuple[list[torch.Tensor], torch.Tensor]:
+        loss = self.loss_fn(model(x), y)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss if scale is None else loss * scale, params)
+        return list(grads), loss.detach()
+
+    def backward(self, x, y, scale=None, sync=None) -> torch.Tensor:
+        """One (micro-)batch; ``sync`` (default: outside :meth:`no_sync`) applies Eq. 1.
+        Returns the batch's loss (the mean of the halves')."""
+        half = x.shape[0] // 2
+        losses = []
+        for wave, model, rows in (("T", self.tick, slice(0, half)),
+                                  ("K", self.tock, slice(half, None))):
+            grads, loss = self._grads(model, x[rows], y[rows], scale)
+            kept = self.acc[wave]
+            self.acc[wave] = grads if kept is None else [a + g for a, g in zip(kept, grads)]
+            losses.append(loss)
+        if self._sync if sync is None else sync:
+            self._apply()
+        return sum(losses) / 2
+
+    def _apply(self) -> None:
+        tick, tock = self.acc["T"], self.acc["K"]
+        prev = self.prev_tock
+        g_tick = tick if prev is None else [(a + b) / 2 for a, b in zip(tick, prev)]
+        g_tock = [(a + b) / 2 for a, b in zip(tock, tick)]
+        for model, grads in ((self.tick, g_tick), (self.tock, g_tock)):
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p, g in zip(params, grads):
+                p.grad = g.clone() if p.grad is None else p.grad + g
+        self.prev_tock = tock
+        self.acc = {"T": None, "K": None}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Each copy clipped by its own norm; the tick's norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.tick.parameters(), max_norm, norm_type)
+        torch.nn.utils.clip_grad_norm_(self.tock.parameters(), max_norm, norm_type)
+        return norm
