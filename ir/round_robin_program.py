@@ -11,7 +11,11 @@ all-reduces the loss once the last forward ran. With a process group a switch mo
 in and out (:class:`Residency` says which and what it waits for), each partition is updated on
 its own (``U p``, on the ``update`` stream, after its all-reduce and before the switch that
 evicts it) and the step ends with the ``restore`` of every partition; in one process ``U``
-steps the optimizer once, after every all-reduce.
+steps the optimizer once, after every all-reduce. The open step (``Compiled.backward``:
+``finish``, the name of its last piece) has no ``U`` piece: it ends with ``finish`` (after the
+``restore`` with a process group; a partition is then kept only while its compute or its
+all-reduce needs it), and inside ``no_sync`` (``sync`` False) each ``A p`` is ``buffers p``,
+which averages the partition's buffers and syncs no gradient.
 
 Example:
     >>> from tidal.ir.schedule import Action, Schedule
@@ -23,6 +27,10 @@ Example:
      ('A0', 'comm', (2,)), ('U', 'compute', (2, 3))]
     >>> slots[-1]
     Slot(kind='U', rank=0, partition=-1, batch=0, backward=False, keep=())
+    >>> opened, _ = round_robin_program(Schedule("one", (acts,)), 1, (0,), 1, [("f",)],
+    ...                                 [("b",)], finish="accumulate", sync=False)
+    >>> [p.name for p in opened.pieces]
+    ['r0:S0', 'r0:F0,0', 'r0:B0,0', 'buffers 0', 'accumulate']
 """
 from __future__ import annotations
 
@@ -38,10 +46,11 @@ overlaps the backward of the next partition down, as Wavelet's Fig. 10 runs it).
 
 class Slot(NamedTuple):
     """What a piece does: the schedule action ``kind`` ('S', 'F', 'B', 'X', 'A', 'U', 'L' for
-    the loss all-reduce or 'R' for the end-of-step restore) of ``rank`` on (``partition``,
-    ``batch``); ``backward`` tells a backward transfer or switch from a forward one. With a
-    process group, ``keep`` is the partitions a switch leaves resident and 'U' updates
-    ``partition`` alone; without one, 'U' (``partition`` -1) updates them all."""
+    the loss all-reduce, 'R' for the end-of-step restore or 'G' for the open step's last piece)
+    of ``rank`` on (``partition``, ``batch``); ``backward`` tells a backward transfer or switch
+    from a forward one. With a process group, ``keep`` is the partitions a switch leaves
+    resident and 'U' updates ``partition`` alone; without one, 'U' (``partition`` -1) updates
+    them all."""
 
     kind: str
     rank: int
@@ -97,8 +106,10 @@ class _Layout:
     """The pieces and slots of :func:`round_robin_program`, laid out action by action."""
 
     def __init__(self, n: int, here: tuple[int, ...], world: int, switches: Sequence[int],
-                 forward: Sequence[Sequence[str]], backward: Sequence[Sequence[str]]):
+                 forward: Sequence[Sequence[str]], backward: Sequence[Sequence[str]],
+                 finish: str = "", sync: bool = True):
         self.n, self.here, self.one, self.world = n, here, world == 1, world
+        self.open, self.sync = finish, sync
         self.nodes = {"F": forward, "B": backward}
         self.pieces: list[Piece] = []
         self.slots: list[Slot] = []
@@ -169,12 +180,14 @@ class _Layout:
             self.res.use(p, self.ran[(tag, r, p)])
 
     def all_reduce(self, r: int, p: int) -> None:
-        self.ran[("A", r, p)] = self.add(f"A{p}", COMM, [self.ran[("B", q, p)] for q in self.here],
+        name = f"A{p}" if self.sync else f"buffers {p}"
+        self.ran[("A", r, p)] = self.add(name, COMM, [self.ran[("B", q, p)] for q in self.here],
                                          Slot("A", r, p))
         self.shared.append(self.ran[("A", r, p)])
         if self.res is not None:
             self.res.use(p, self.ran[("A", r, p)])
-            self.res.pending = p
+            if not self.open:  # kept resident until its update
+                self.res.pending = p
 
     def update(self, r: int) -> None:
         """``U p`` of the partition all-reduced last (a process group)."""
@@ -186,25 +199,36 @@ class _Layout:
 
     def finish(self, r: int) -> None:
         """The schedule's ``U``: in one process the one optimizer step; with a process group
-        the last partition's update, then the ``restore`` of every partition."""
+        the last partition's update, then the ``restore`` of every partition. The open step:
+        its ``finish`` piece in place of the updates (after the restore)."""
         if self.res is None:
-            self.add("U", COMPUTE, [*self.shared, *self.compute.values()], Slot("U", r, -1),
-                     kind=OPTIMIZER)
+            if self.open:
+                self.add(self.open, COMPUTE, [*self.shared, *self.compute.values()],
+                         Slot("G", r, -1))
+            else:
+                self.add("U", COMPUTE, [*self.shared, *self.compute.values()], Slot("U", r, -1),
+                         kind=OPTIMIZER)
             return
         self.update(r)
         used = [i for q in range(self.n) for i in self.res.users[q]]
-        self.add("restore", LOAD, [*self.updates, *used, self.compute[r]], Slot("R", r))
+        restore = self.add("restore", LOAD, [*self.updates, *used, self.compute[r]],
+                           Slot("R", r))
+        if self.open:
+            self.add(self.open, COMPUTE, [restore, *self.shared], Slot("G", r))
 
 
 def round_robin_program(schedule: Schedule, n: int, here: tuple[int, ...], world: int,
-                        forward: Sequence[Sequence[str]], backward: Sequence[Sequence[str]]
+                        forward: Sequence[Sequence[str]], backward: Sequence[Sequence[str]],
+                        finish: str = "", sync: bool = True
                         ) -> tuple[Program, tuple[Slot, ...]]:
     """The program of the ranks ``here`` (see the module docstring) on ``world`` ranks, and
     what each piece does. ``forward[p]``/``backward[p]``: the joint-graph nodes of partition
-    ``p``'s ``F`` and ``B`` segments (empty: the partition runs eagerly)."""
+    ``p``'s ``F`` and ``B`` segments (empty: the partition runs eagerly). ``finish``: the name
+    of the open step's last piece, in place of the updates ('': the closed step, with them);
+    ``sync`` False: the open step inside ``no_sync`` (no gradient all-reduce)."""
     actions = schedule.ranks
     switches = [a.partition for a in actions[here[0]] if a.kind == "S"]
-    layout = _Layout(n, here, world, switches, forward, backward)
+    layout = _Layout(n, here, world, switches, forward, backward, finish, sync)
     for k in transfer_first(actions[0]):
         for r in here:
             layout.action(r, actions[r][k])

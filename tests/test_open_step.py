@@ -3,8 +3,9 @@
 ``LambdaLR``, clipping by the global norm, accumulation of 4 micro-batches, two optimizers, a
 ``GradScaler``-style scale and unscale) equals the same loop in eager PyTorch on one process
 (max |Δparam| ≤ 1e-6) and DDP's on two gloo ranks (≤ 1e-6); with a compressor, one
-micro-batch per step equals ``Compiled.step`` and the ranks stay identical; a plan with no
-open step (``tick_tock``) and Accordion are refused by name."""
+micro-batch per step equals ``Compiled.step`` and the ranks stay identical; a rank program
+with no open step and Accordion are refused by name (tick_tock's open step:
+tests/test_open_step_tick_tock.py)."""
 import contextlib
 import copy
 
@@ -210,20 +211,25 @@ def test_frozen_parameters_are_left_untouched(passes):
 
 
 def test_a_plan_without_an_open_step_is_refused_by_name():
-    from tidal.passes.tick_tock import TickTock
+    """A rank program with no ``bind_backward`` (tick_tock has one now:
+    tests/test_open_step_tick_tock.py) is refused, naming its plan kind."""
+    from tidal.runtime.program import ProgramExecutor
 
+    class NoOpenStep:   # a rank program with only the closed step
+        def forward(self, gm, *args):
+            return gm(*args)
+
+    model = _model()
     x, y = _data(0)
-    c = tidal.compile(_model(), (x,), passes=[TickTock(ranks=1)], loss_fn=_loss,
-                      example_targets=y, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    ex = ProgramExecutor(NoOpenStep())
     with pytest.raises(OpenStepError, match=r"Compiled.backward \(the open step\) is not "
-                                            r"available under TickTockPlan yet: use "
+                                            r"available under NoOpenStep yet: use "
                                             r"Compiled.step"):
-        c.backward((x,), y)
+        ex.backward(model, model, (x,), y, _loss)
     with pytest.raises(OpenStepError, match="clip_grad_norm_ is not available under "
-                                            "TickTockPlan"):
-        c.clip_grad_norm_(1.0)
+                                            "NoOpenStep"):
+        ex.clip_grad_norm_(model, 1.0)
     assert isinstance(OpenStepError("x"), tidal.TidalError)
-    c.step((x,), y)                                 # the closed step still runs
 
 
 def test_accordion_is_refused_under_the_open_step():

@@ -55,10 +55,18 @@ in this process as one program (pieces named ``r<rank>:``, the transfers move te
 the ranks' states, the all-reduce is the shared ``.grad`` accumulation and no compressor runs),
 so the schedule runs anywhere.
 
+The open step (``Compiled.backward``, :meth:`RoundRobinProgram.bind_backward`) runs the same
+schedule with no ``U`` piece: the gradient of ``scale *`` the global batch's mean loss is added
+to every trainable parameter's ``.grad`` on every rank (after the ``restore``), or inside
+``no_sync`` kept in the program until the next synchronized call
+(``tidal.runtime.programs.round_robin_open``). Every rank then holds the whole synchronized
+gradient, so ``Compiled.clip_grad_norm_`` is torch's over all the parameters.
+
 The jobs live apart: the split graph's partitions and who owns what
 (``tidal.runtime.programs.round_robin_stages``), a partition's captured joint graph
 (``round_robin_capture``), the program's layout (``tidal.ir.round_robin_program``, pure), a
-partition's ``F``/``B`` (``round_robin_compute``) and a bound step (``round_robin_step``).
+partition's ``F``/``B`` (``round_robin_compute``), a bound step (``round_robin_step``) and a
+bound open step (``round_robin_open``).
 
 Example:
     >>> import torch, tidal
@@ -92,7 +100,9 @@ from tidal.ir.schedule import split_batch
 from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import rank_and_size
+from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads
 from tidal.runtime.programs.round_robin_capture import StageGraph, capture_partitions
+from tidal.runtime.programs.round_robin_open import RoundRobinBackward
 from tidal.runtime.programs.round_robin_stages import Partitions, check_all_owned
 from tidal.runtime.programs.round_robin_step import RoundRobinStep
 from tidal.runtime.weights.residency import PartitionResidency
@@ -189,6 +199,8 @@ class RoundRobinProgram:
         self._stopped: dict[tuple, list[tuple[str, str]]] = {}  # eager partitions, named
         self._latest: Optional[tuple] = None  # the shape of the latest bound step
         self._programs: dict[tuple, tuple[Program, tuple[Slot, ...]]] = {}
+        self.local_grads = LocalGrads()
+        """What the open step accumulated inside ``no_sync`` on this rank, not yet synced."""
 
     @property
     def owned(self) -> list[list[tuple[str, torch.nn.Parameter]]]:
@@ -264,6 +276,26 @@ class RoundRobinProgram:
         of this rank (all ranks without a process group), built once per micro-batch shape.
         A batch that does not cut into N equal micro-batches is refused
         (:func:`check_micro_batches`)."""
+        args = self._bound(inputs, targets, loss_fn, "")
+        optimizer.zero_grad(set_to_none=True)
+        return self._track(RoundRobinStep(self, *args, optimizer))
+
+    def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool
+                      ) -> RoundRobinBackward:
+        """The open step (``Compiled.backward``) of the global batch: the step's schedule with
+        no update, the gradient of ``scale *`` the global batch's mean loss added to ``.grad``
+        on every rank, or inside ``no_sync`` (``sync`` False) kept in ``local_grads`` until the
+        next synchronized call (``tidal.runtime.programs.round_robin_open``). Its program is
+        built once per micro-batch shape and ``sync``, apart from the closed step's."""
+        args = self._bound(inputs, targets, loss_fn, GRADS if sync else ACCUMULATE)
+        return self._track(RoundRobinBackward(self, *args, scale=scale, sync=sync,
+                                              local=self.local_grads))
+
+    def _bound(self, inputs: tuple, targets: Any, loss_fn: Callable, finish: str) -> tuple:
+        """What a step of the global batch binds: its program (the closed step's, or the open
+        step's whose last piece is ``finish``) and slots, the captured partitions, the ranks
+        here, the world size, the micro-batches, their targets and ``loss_fn``."""
         check_micro_batches(inputs, self.n)
         self.materialize()  # capture, zero_grad and a failed step's leftovers need them all
         rank, world = rank_and_size()
@@ -275,17 +307,19 @@ class RoundRobinProgram:
         tgts = split_batch(targets, self.n, "round_robin targets")
         shape = self._latest = _shape(batches[0], tgts[0])
         graphs = self._captured(shape, batches[0], tgts[0], loss_fn, here)
-        key = (shape, world, here)
+        key = (shape, world, here, finish)
         if key not in self._programs:
             self._programs[key] = round_robin_program(
                 self.plan.schedule, self.n, here, world,
                 [g.forward_nodes if g is not None else () for g in graphs],
-                [g.backward_nodes if g is not None else () for g in graphs])
+                [g.backward_nodes if g is not None else () for g in graphs],
+                finish, finish != ACCUMULATE)
         program, slots = self._programs[key]
-        optimizer.zero_grad(set_to_none=True)
-        step = RoundRobinStep(self, program, slots, graphs, here, world, batches, tgts,
-                              loss_fn, optimizer)
-        self._residency, self._rank = step.residency, here[0]
+        return program, slots, graphs, here, world, batches, tgts, loss_fn
+
+    def _track(self, step: RoundRobinStep) -> RoundRobinStep:
+        """``step``, whose residency is now the latest (:meth:`materialize`)."""
+        self._residency, self._rank = step.residency, step.here[0]
         return step
 
     def _captured(self, shape: tuple, batch: tuple, target: Any, loss_fn: Callable,

@@ -75,10 +75,13 @@ class RoundRobinStep:
     the ``program`` of the ranks ``here`` on ``world`` ranks with its ``slots``, the
     partitions' captured ``graphs`` (None: eager), the micro-batches and their targets."""
 
+    counts_step = True
+    """The restore counts the step in the owner's ``stats['steps']`` (an optimizer step)."""
+
     def __init__(self, owner: Any, program: Program, slots: tuple[Slot, ...],
                  graphs: Sequence[Optional[StageGraph]], here: tuple[int, ...], world: int,
                  batches: list, targets: list, loss_fn: Callable,
-                 optimizer: torch.optim.Optimizer):
+                 optimizer: Optional[torch.optim.Optimizer]):
         self.owner, self.parts = owner, owner.parts
         self.program, self.slots, self.graphs = program, slots, graphs
         self.here, self.world = here, world
@@ -97,12 +100,16 @@ class RoundRobinStep:
         """What piece ``index`` does (after a piece of this step failed: fail at once, naming
         it, so that no rank waits on a peer that will not come)."""
         slot = self.slots[index]
-        do = {"S": self._switch, "F": self._forward, "B": self._backward, "X": self._exchange,
-              "A": self._all_reduce, "L": self._all_reduce_loss, "U": self._update,
-              "R": self._restore}[slot.kind]
+        do = self.actions()[slot.kind]
         eager = slot.kind in "FB" and self.graphs[slot.partition] is None
         return self.guard.wrap(piece.name, under_autocast(
             self._autocast if eager else NO_AUTOCAST, functools.partial(do, slot)))
+
+    def actions(self) -> dict[str, Callable[[Slot], None]]:
+        """What a piece of each slot kind does (``tidal.ir.round_robin_program.Slot``)."""
+        return {"S": self._switch, "F": self._forward, "B": self._backward,
+                "X": self._exchange, "A": self._all_reduce, "L": self._all_reduce_loss,
+                "U": self._update, "R": self._restore}
 
     def loss(self) -> torch.Tensor:
         """The global batch's loss (the sum of the micro-batch losses / N)."""
@@ -138,7 +145,7 @@ class RoundRobinStep:
         t0 = time.perf_counter()
         loaded = res.load_all()
         restore_us = (time.perf_counter() - t0) * 1e6
-        stats.update(steps=stats["steps"] + 1, resident_peak_bytes=res.peak_bytes,
+        stats.update(steps=stats["steps"] + self.counts_step, resident_peak_bytes=res.peak_bytes,
                      resident_peak_partitions=res.peak_partitions,
                      whole_model_bytes=res.resident_bytes(),
                      switch_us=self.timing["switch_us"],
@@ -200,7 +207,12 @@ class RoundRobinStep:
         if self.world == 1:
             return
         p = slot.partition
-        named = [(k, prm) for k, prm in self.parts.owned[p] if prm.grad is not None]
+        self.sync_partition(p, [(k, prm) for k, prm in self.parts.owned[p]
+                                if prm.grad is not None])
+
+    def sync_partition(self, p: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Sum the ``.grad`` of partition ``p``'s parameters ``named`` over the ranks in place
+        (through the partition's gradient sync when it has one) and average its buffers."""
         sync = self.owner.partition_sync(p) if named else None
         if sync is None:
             all_reduce_tensors([prm.grad for _, prm in named])
