@@ -407,8 +407,9 @@ def _memory_bound(rank, world, width, depth, dp_batch, wave_batch, steps) -> dic
         tock = tt.executor.tock   # the tock replica and its optimizer (made at the first step)
 
         def state() -> int:
+            # the closed step's tock wave steps one clone of tt.optimizer
             return state_bytes(model, tt.optimizer) + state_bytes(
-                tock, getattr(tt.executor, "_tock_opt", None))
+                tock, *tt.executor.tock_optimizers()[:1])
 
         out["tick_tock"] = {"ms": 1e3 * secs / steps, "grad": None,
                             "sps": 2 * world * wave_batch * steps / secs,

@@ -7,9 +7,12 @@ accumulation of 2 micro-batches under no_sync, bf16 autocast; equal to the close
 ``Compiled.step`` for SGD; a checkpoint resumes bit for bit; the refusals (a GradScaler's
 tensor scale, open and closed steps mixed) name what they refuse. Tolerances: parameters and
 losses within 1e-6 absolute (+1e-5 relative) in fp32, 2e-2 under bf16 autocast. Then one
-spawned 2-rank job (gloo): open step + clip + AdamW equals the reference on both ranks."""
+spawned 2-rank job (gloo): open step + clip + AdamW equals the reference on both ranks.
+Freezing then unfreezing a weight between steps re-captures and equals the reference (both
+replicas keep a frozen weight's value), on one process and in the spawned job."""
 import contextlib
 import gc
+import io
 import weakref
 
 import pytest
@@ -239,6 +242,51 @@ def test_refusals_name_what_they_refuse():
         closed.clip_grad_norm_(1.0)
 
 
+def _first_weight(m):
+    """The first layer's weight of the model, a reference copy or the tock replica."""
+    return m.get_parameter("0.weight")
+
+
+def _freeze_then_unfreeze(world=1):
+    """Freeze the first layer's weight after step 1, unfreeze it after step 3 (AdamW, two
+    groups): the program re-captures, the tock replica follows (its copy frozen: no gradient,
+    no update, its clone skips it) and Eq. 1 carries the kept tock gradient by name
+    (tests/tick_tock_reference.py says how freezing is modelled). Asserts it equals the
+    reference."""
+    c = _compile(world)
+    ref = Eq1Reference(_model(), F.cross_entropy)
+    runs = [(c, _adamw(c.parameters())), (ref, ref.both(_adamw))]
+
+    def freeze(on):
+        for m in (c.model, ref.tick, ref.tock):   # the reference's copies alike
+            _first_weight(m).requires_grad_(not on)
+
+    for step in range(5):
+        if step in (1, 3):
+            freeze(step == 1)
+            kept = [_first_weight(m).detach().clone() for m in (c.model, c.executor.tock)]
+        losses = [net.backward(*_data(step)) for net, _ in runs]
+        torch.testing.assert_close(losses[0], losses[1], **TOL)
+        if step == 1:   # nothing for the frozen weight in either replica
+            assert [_first_weight(m).grad for m in (c.model, c.executor.tock)] == [None, None]
+            assert not _first_weight(c.executor.tock).requires_grad
+        for opt in (o for _, opts in runs for o in opts):
+            opt.step()
+            opt.zero_grad()
+        if step:   # the frozen weight kept its value in both replicas, and only then
+            frozen = step < 3
+            assert [torch.equal(_first_weight(m), k) for m, k in
+                    zip((c.model, c.executor.tock), kept)] == [frozen, frozen]
+    for name, model in (("tick", ref.tick), ("tock", ref.tock)):
+        mine = c.model if name == "tick" else c.executor.tock
+        for (k, a), b in zip(mine.state_dict().items(), model.state_dict().values()):
+            torch.testing.assert_close(a, b, **TOL, msg=f"{name} {k}")
+
+
+def test_freezing_then_unfreezing_in_the_open_step_equals_the_reference():
+    _freeze_then_unfreeze()
+
+
 def test_a_checkpoint_resumes_the_open_step_bit_for_bit():
     """model + the loop's optimizer + schedule + Compiled.runtime_state_dict() (the tock
     replica, its clone's state, the kept tock gradient) after 2 steps, loaded into a fresh
@@ -260,22 +308,32 @@ def test_a_checkpoint_resumes_the_open_step_bit_for_bit():
     saved = {"model": {k: v.clone() for k, v in c.state_dict().items()},
              "optim": opt.state_dict(), "sched": sched.state_dict(),
              "runtime": c.runtime_state_dict()}
-    saved = torch.load(_roundtrip(saved), weights_only=False)
+    blob = _roundtrip(saved).getvalue()
     train(c, opt, sched, range(2, 4))
-    c2, opt2, sched2 = fresh()
-    c2.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["optim"])
-    sched2.load_state_dict(saved["sched"])
-    c2.load_runtime_state_dict(saved["runtime"])
-    train(c2, opt2, sched2, range(2, 4))
-    for a, b in ((c.model, c2.model), (c.executor.tock, c2.executor.tock)):
-        for (k, p), q in zip(a.state_dict().items(), b.state_dict().values()):
-            assert torch.equal(p, q), k
+    # the kept tock gradient is saved by parameter name; an older checkpoint's list (in the
+    # trainable parameters' order) resumes alike, or is refused naming it
+    assert list(saved["runtime"]["prev_tock"]) == [n for n, _ in c.model.named_parameters()]
+    for older in (False, True):
+        saved = torch.load(io.BytesIO(blob), weights_only=False)   # loading shares tensors
+        runtime = saved["runtime"]
+        if older:
+            runtime["prev_tock"] = list(runtime["prev_tock"].values())
+        c2, opt2, sched2 = fresh()
+        c2.load_state_dict(saved["model"])
+        opt2.load_state_dict(saved["optim"])
+        sched2.load_state_dict(saved["sched"])
+        c2.load_runtime_state_dict(runtime)
+        train(c2, opt2, sched2, range(2, 4))
+        for a, b in ((c.model, c2.model), (c.executor.tock, c2.executor.tock)):
+            for (k, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+                assert torch.equal(p, q), (k, older)
+    c4 = _compile()
+    c4.model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="'prev_tock' holds 4 gradients by position"):
+        c4.load_runtime_state_dict(runtime)
 
 
 def _roundtrip(obj):
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     buf.seek(0)
@@ -303,11 +361,13 @@ def _ranks_open_step(rank, world):
     ref = Eq1Reference(_model(), F.cross_entropy)
     got = _loop(_Tidal(c), _adamw, clip=0.05)
     _check(c, ref, got, _loop(ref, _adamw, clip=0.05))
+    _freeze_then_unfreeze(world)
     return torch.cat([p.detach().reshape(-1) for p in c.parameters()]), \
         torch.cat([p.detach().reshape(-1) for p in c.executor.tock.parameters()])
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_open_step_with_clipping_and_adamw_equals_the_reference():
+    """And freezing then unfreezing (``_freeze_then_unfreeze``) on both ranks."""
     (tick0, tock0), (tick1, tock1) = spawn(_ranks_open_step, 2)
     assert torch.equal(tick0, tick1) and torch.equal(tock0, tock1)   # the ranks agree

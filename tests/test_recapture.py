@@ -10,14 +10,10 @@ import torch.nn.functional as F
 
 import tidal
 from tidal.compiler.guards import MAX_CAPTURES, CaptureGuard, StepGuardError
-from tidal.runtime.programs.tick_tock import TickTockProgram
 from training_passes import TRAINING_PASSES
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PASSES = list(TRAINING_PASSES)
-TICK_TOCK_FOLLOWS_FREEZING = getattr(TickTockProgram, "runtime_state_by_name", False)
-"""Whether tick_tock carries its tock gradient (Eq. 1) by parameter name to a new trainable
-set; until it does, freezing after its first step is refused by name."""
 
 
 class _Net(torch.nn.Module):
@@ -45,7 +41,11 @@ class _Reference:
     """Plain PyTorch from the compiled model's state after its first step: the eager step
     (round_robin's accumulation of 2 micro-batches is the same mean), or for tick_tock Eq. 1
     (tests/test_tick_tock.py): the tick wave on the first half, the tock replica on the second,
-    each applying the mean of its gradient and the other wave's latest, with its optimizer."""
+    each applying the mean of its gradient and the other wave's latest, with its optimizer.
+    Freezing (tests/tick_tock_reference.py): a frozen parameter keeps its value in both
+    replicas (no gradient, its optimizer skips it); the other wave's latest gradient is kept by
+    parameter name, so a parameter trained again takes its own gradient alone at its first
+    tick, as on the very first one."""
 
     def __init__(self, c, model, name):
         self.tick_tock = name == "tick_tock"
@@ -61,9 +61,7 @@ class _Reference:
             tock_opt = state["tock_optimizer"] if "tock_optimizer" in state else \
                 state["tock_optimizers"][0]
             self.opts[1].load_state_dict(copy.deepcopy(tock_opt))
-            names = [n for n, p in model.named_parameters() if p.requires_grad]
-            prev = state["prev_tock"]   # by name, or in trainable order
-            self.prev = dict(prev) if isinstance(prev, dict) else dict(zip(names, prev))
+            self.prev = dict(state["prev_tock"])   # by parameter name
 
     def change(self, what):
         for m in self.models:
@@ -105,9 +103,16 @@ def _compiled(name, p):
     return c, model
 
 
-def _same(model, ref, tol=TOL):
-    for (k, a), b in zip(model.state_dict().items(), ref.models[0].state_dict().values()):
+def _same(model, ref, tol=TOL, replica=0):
+    for (k, a), b in zip(model.state_dict().items(), ref.models[replica].state_dict().values()):
         torch.testing.assert_close(a, b, **tol, msg=k)
+
+
+def _same_replicas(c, model, ref):
+    """The model equals the reference's (tick) copy; under tick_tock the tock replica its."""
+    _same(model, ref)
+    if ref.tick_tock:
+        _same(c.executor.tock, ref, replica=1)
 
 
 def _freeze(m):
@@ -124,24 +129,27 @@ def test_freeze_after_the_first_step_then_unfreeze_trains_as_eager(name, capsys)
     c.step(*_batch(0))
     ref = _Reference(c, model, name)
     _freeze(model), ref.change(_freeze)
-    if name == "tick_tock" and not TICK_TOCK_FOLLOWS_FREEZING:
-        with pytest.raises(StepGuardError, match=r"requires_grad changed after the first "
-                                                 r"step, and the program of tick_tock"):
-            c.step(*_batch(1))
-        return
-    frozen = model.a.weight.detach().clone()
+    frozen = [m.a.weight.detach().clone() for m in _replicas(c, model, name)]
     for i in (1, 2):
         torch.testing.assert_close(c.step(*_batch(i)), ref.step(*_batch(i)), **TOL)
-    _same(model, ref)
-    assert torch.equal(model.a.weight, frozen) and model.a.weight.grad is None
+    _same_replicas(c, model, ref)
+    for m, before in zip(_replicas(c, model, name), frozen):   # tick_tock: the tock's too
+        assert torch.equal(m.a.weight, before) and m.a.weight.grad is None
+        assert not m.a.weight.requires_grad
     err = capsys.readouterr().err
     if name != "none":   # one line for the new state, not one per step
         assert err.count(f"tidal: {name}: re-capturing the step: requires_grad True -> "
                          f"False (parameters 'a.weight')") == 1, err
     _unfreeze(model), ref.change(_unfreeze)
     torch.testing.assert_close(c.step(*_batch(3)), ref.step(*_batch(3)), **TOL)
-    _same(model, ref)
-    assert not torch.equal(model.a.weight, frozen)
+    _same_replicas(c, model, ref)
+    for m, before in zip(_replicas(c, model, name), frozen):
+        assert not torch.equal(m.a.weight, before)
+
+
+def _replicas(c, model, name):
+    """The model, and under tick_tock the tock replica of the program running now."""
+    return [model, c.executor.tock] if name == "tick_tock" else [model]
 
 
 @pytest.mark.parametrize("name", PASSES)
@@ -153,7 +161,7 @@ def test_eval_then_step_has_no_dropout_and_train_again_uses_the_first_capture(na
     model.eval(), ref.change(lambda m: m.eval())
     for i in (1, 2):
         torch.testing.assert_close(c.step(*_batch(i)), ref.step(*_batch(i)), **TOL)
-    _same(model, ref)
+    _same_replicas(c, model, ref)
     model.train()
     losses = [float(c.step(*_batch(3))) for _ in range(2)]
     assert losses[0] != losses[1] or name == "tick_tock"   # dropout is on again

@@ -187,21 +187,41 @@ STATE_ROWS = {
 @pytest.mark.parametrize("row", list(STATE_ROWS))
 @pytest.mark.parametrize("name", list(PASSES))
 def test_a_change_of_state_after_the_first_step(name, row):
+    if name == "tick_tock":   # Eq. 1's reference (tests/tick_tock_reference.py)
+        return _tick_tock_change_of_state(row)
     c, model, ref = _pair(name, optimizer=_sgd)
     model.train(), ref.train()
     model.drop.p = ref.drop.p = 0.0  # training mode, without dropout's randomness
     ref._opt = _sgd(ref.parameters())
     _closed_steps(c, ref, steps=1)
     STATE_ROWS[row](model), STATE_ROWS[row](ref)
-    if name != "tick_tock":   # the programs re-capture (tests/test_recapture.py)
-        _closed_steps(c, ref, steps=2)
-        _same(model, ref)
-    elif row.startswith("freeze") and not getattr(c.executor.rank_program,
-                                                  "runtime_state_by_name", False):
-        with pytest.raises(tidal.StepGuardError, match="keeps state by the position"):
-            c.step(*_batch(1))
-    else:   # Eq. 1's reference: tests/test_recapture.py
-        assert torch.isfinite(c.step(*_batch(1)))
+    _closed_steps(c, ref, steps=2)   # the programs re-capture (tests/test_recapture.py)
+    _same(model, ref)
+
+
+def _tick_tock_change_of_state(row):
+    """tick_tock's cell of a row: closed steps (SGD) against Eq. 1's reference, the change
+    made after the first step to the model and to both reference copies (a frozen parameter
+    keeps its value in both replicas); the tock replica compared too."""
+    c, model, ref = _pair("tick_tock", optimizer=_sgd)
+    model.train(), ref.train()
+    model.drop.p = ref.drop.p = 0.0
+    ref = Eq1Reference(ref, F.cross_entropy)
+    opts = ref.both(lambda ps: [_sgd(ps)])
+    for step in range(3):
+        if step == 1:
+            STATE_ROWS[row](model), ref.change(STATE_ROWS[row])
+            kept = [m.a.weight.detach().clone() for m in (model, c.executor.tock)]
+        x, y = _batch(step)
+        torch.testing.assert_close(c.step((x,), y), ref.backward(x, y), **TOL)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    _same(model, ref.tick)
+    _same(c.executor.tock, ref.tock)
+    frozen = row.startswith("freeze")
+    assert [torch.equal(m.a.weight, k) for m, k in zip((model, c.executor.tock), kept)] == \
+        [frozen, frozen]
 
 
 @pytest.mark.parametrize("name", list(PASSES))

@@ -10,6 +10,14 @@ with the tick's of this one (Eq. 1; the very first tick alone), and each is *add
 copy's ``.grad``, as ``Compiled.backward`` under tick_tock does. The loop builds its
 optimizers on both copies (:meth:`Eq1Reference.both`) and steps and zeroes all of them; it
 clips each copy by its own norm (:meth:`Eq1Reference.clip_grad_norm_`).
+
+Freezing (:meth:`Eq1Reference.change`, applied to both copies, as tick_tock's tock replica
+follows the model's ``requires_grad``): a frozen parameter gets no gradient in either copy, so
+it keeps its value in both replicas (the optimizers skip a parameter whose ``.grad`` is None).
+Gradients are kept by parameter name: a wave averages a parameter with the other wave's kept
+gradient where that has one, and a parameter trained again after being frozen takes its own
+gradient alone at its first tick (the tock gradient kept from the frozen steps has none for
+it), as every parameter does on the very first tick.
 """
 from __future__ import annotations
 
@@ -27,12 +35,17 @@ class Eq1Reference:
     def __init__(self, model: torch.nn.Module, loss_fn: Callable):
         self.tick, self.tock = copy.deepcopy(model), copy.deepcopy(model)
         self.loss_fn = loss_fn
-        self.prev_tock: Optional[list[torch.Tensor]] = None
-        self.acc: dict[str, Optional[list[torch.Tensor]]] = {"T": None, "K": None}
+        self.prev_tock: Optional[dict[str, torch.Tensor]] = None
+        self.acc: dict[str, Optional[dict[str, torch.Tensor]]] = {"T": None, "K": None}
         self._sync = True
 
     def parameters(self):
         return self.tick.parameters()
+
+    def change(self, what: Callable[[torch.nn.Module], Any]) -> None:
+        """``what(copy)`` on both copies (freezing, unfreezing, ``eval()``)."""
+        for model in (self.tick, self.tock):
+            what(model)
 
     def both(self, make: Callable[[Any], list]) -> list:
         """``make(parameters)`` (a list of optimizers) on the tick copy, then on the tock's."""
@@ -46,11 +59,13 @@ class Eq1Reference:
         finally:
             self._sync = True
 
-    def _grads(self, model, x, y, scale) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _grads(self, model, x, y, scale) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The gradients of ``scale * loss`` by name (trainable parameters), and the loss."""
         loss = self.loss_fn(model(x), y)
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(loss if scale is None else loss * scale, params)
-        return list(grads), loss.detach()
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        grads = torch.autograd.grad(loss if scale is None else loss * scale,
+                                    list(named.values()))
+        return dict(zip(named, grads)), loss.detach()
 
     def backward(self, x, y, scale=None, sync=None) -> torch.Tensor:
         """One (micro-)batch; ``sync`` (default: outside :meth:`no_sync`) applies Eq. 1.
@@ -61,7 +76,7 @@ class Eq1Reference:
                                   ("K", self.tock, slice(half, None))):
             grads, loss = self._grads(model, x[rows], y[rows], scale)
             kept = self.acc[wave]
-            self.acc[wave] = grads if kept is None else [a + g for a, g in zip(kept, grads)]
+            self.acc[wave] = grads if kept is None else _mean_with(grads, kept, 1.0)
             losses.append(loss)
         if self._sync if sync is None else sync:
             self._apply()
@@ -70,12 +85,13 @@ class Eq1Reference:
     def _apply(self) -> None:
         tick, tock = self.acc["T"], self.acc["K"]
         prev = self.prev_tock
-        g_tick = tick if prev is None else [(a + b) / 2 for a, b in zip(tick, prev)]
-        g_tock = [(a + b) / 2 for a, b in zip(tock, tick)]
+        g_tick = _mean_with(tick, prev or {}, 0.5)
+        g_tock = _mean_with(tock, tick, 0.5)
         for model, grads in ((self.tick, g_tick), (self.tock, g_tock)):
-            params = [p for p in model.parameters() if p.requires_grad]
-            for p, g in zip(params, grads):
-                p.grad = g.clone() if p.grad is None else p.grad + g
+            for n, p in model.named_parameters():
+                if p.requires_grad and n in grads:
+                    g = grads[n]
+                    p.grad = g.clone() if p.grad is None else p.grad + g
         self.prev_tock = tock
         self.acc = {"T": None, "K": None}
 
@@ -84,3 +100,10 @@ class Eq1Reference:
         norm = torch.nn.utils.clip_grad_norm_(self.tick.parameters(), max_norm, norm_type)
         torch.nn.utils.clip_grad_norm_(self.tock.parameters(), max_norm, norm_type)
         return norm
+
+
+def _mean_with(grads: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
+               weight: float) -> dict[str, torch.Tensor]:
+    """``weight * (g + other[n])`` for each ``grads[n]`` that ``other`` has, ``g`` where it
+    has none (weight 0.5: Eq. 1's average; 1.0: a sum)."""
+    return {n: weight * (g + other[n]) if n in other else g for n, g in grads.items()}

@@ -30,6 +30,11 @@ step: ``tidal.runtime.programs.optimizer_mirror.MirroredOptimizer``). The progra
 - ``loss`` on ``comm``: the step's loss, the mean of the two waves' over all ranks.
 
 By Lemma 1 the gradient a wave applies is the mean over the 2N shards of iterations m−1 and m.
+Freezing or unfreezing between steps re-captures the program (``compiler.guards``), which
+takes this one's :meth:`TickTockProgram.runtime_state`: the tock replica's parameters require
+grad as the model's at every bind (a frozen parameter keeps its value in both replicas), and
+the kept tock gradient is by parameter name, so a parameter trained again takes its own
+gradient alone at its first tick, as on the very first one.
 Once one piece failed, the later ones fail at once, naming it (no collective waits for a peer
 in vain: ``tidal.runtime.programs.step_failures``). Under ``torch.autocast`` the step is captured
 with its casts, once per autocast state (``step_capture.shape_key``); eager ``F``/``B`` run
@@ -73,6 +78,7 @@ from tidal.ir.collectives import new_group
 from tidal.ir.cost import example_batch
 from tidal.ir.joint_segments import forward_backward
 from tidal.ir.node_runner import flat_tensors
+from tidal.ir.param_owners import trainable
 from tidal.ir.program import Program
 from tidal.ir.schedule import split_batch
 from tidal.ir.tick_tock_program import WAVES, open_step, tick_tock
@@ -116,6 +122,38 @@ def check_wave_batch(inputs: Any, world: int) -> None:
             f"(DataLoader(drop_last=True)) or pad it, or train it without tick_tock")
 
 
+def named_prev_tock(gm: fx.GraphModule, prev: Any) -> Optional[dict[str, torch.Tensor]]:
+    """A checkpoint's ``prev_tock`` (the tock gradient the next tick averages with) by
+    parameter name, copied: a dict as saved, or an older checkpoint's list, one gradient per
+    trainable parameter of ``gm`` in order (the trainable set then and now must agree: a
+    list of another length or shapes is refused, naming it).
+
+    Example:
+        >>> m = torch.nn.Linear(2, 1)
+        >>> sorted(named_prev_tock(m, [torch.ones(1, 2), torch.ones(1)]))
+        ['bias', 'weight']
+        >>> _ = m.bias.requires_grad_(False)
+        >>> try:
+        ...     named_prev_tock(m, [torch.ones(1, 2), torch.ones(1)])
+        ... except ValueError as e:
+        ...     print(str(e)[:66])
+        tick_tock: the checkpoint's runtime state 'prev_tock' holds 2 grad
+    """
+    if prev is None:
+        return None
+    if isinstance(prev, Mapping):
+        return {n: g.clone() for n, g in prev.items()}
+    params = trainable(gm)
+    if [tuple(g.shape) for g in prev] != [tuple(p.shape) for p in params.values()]:
+        raise ValueError(
+            f"tick_tock: the checkpoint's runtime state 'prev_tock' holds {len(prev)} "
+            f"gradients by position (an older checkpoint), which do not match the "
+            f"{len(params)} parameters the model trains now ({list(params)[:3]}, by count or "
+            f"shape): load it with the parameters frozen or trained as when it was saved, "
+            f"then change requires_grad")
+    return {n: g.clone() for n, g in zip(params, prev)}
+
+
 CLOSED, OPEN = "Compiled.step", "Compiled.backward"
 """How a program trains (:attr:`TickTockProgram.mode`): the closed step, whose tock wave steps a
 clone of ``Compiled.optimizer``, or the open one, whose tock wave steps clones of the loop's
@@ -125,7 +163,8 @@ optimizers (``tidal.runtime.programs.optimizer_mirror.StepMirrors``)."""
 class TickTockProgram:
     """This rank's side of a tick-tock plan (see the module docstring), run by
     ``tidal.runtime.program.ProgramExecutor``. ``tock`` is the tock replica (after the first
-    step); ``prev_tock`` the tock gradient the next tick averages with (Eq. 1);
+    step, whose parameters require grad as the model's do: :meth:`follow_freezing`);
+    ``prev_tock`` the tock gradient the next tick averages with (Eq. 1), by parameter name;
     ``last_applied[wave][name]`` the gradient each wave applied in the last step;
     ``syncs[wave]`` the wave's gradient sync (after the first step); ``fallback_reason`` why
     the waves run ``F``/``B`` eagerly ('' when they run captured segments); :meth:`uncaptured`
@@ -141,10 +180,15 @@ class TickTockProgram:
     """A step in another autocast state than the last is captured again (the capture key
     holds it), its eager pieces run under it: ``compiler.guards`` lets autocast change."""
 
+    runtime_state_by_name = True
+    """:meth:`runtime_state` keeps what it holds per parameter by name (the tock replica,
+    its optimizers' states by the user's groups, ``prev_tock``): ``Compiled`` carries it to a
+    program re-captured for another set of trainable parameters (freezing, unfreezing)."""
+
     def __init__(self, plan: Any):
         self.plan = plan
         self.tock: Optional[torch.nn.Module] = None
-        self.prev_tock: Optional[list[torch.Tensor]] = None
+        self.prev_tock: Optional[dict[str, torch.Tensor]] = None
         self.mode = ""
         self._mirror: Optional[MirroredOptimizer] = None   # closed: Compiled.optimizer's clone
         self._mirrors: Optional[StepMirrors] = None        # open: the loop's optimizers' clones
@@ -179,10 +223,20 @@ class TickTockProgram:
             return [self._mirror.clone]
         return self._mirrors.optimizers() if self._mirrors is not None else []
 
-    @property
-    def _tock_opt(self) -> Optional[torch.optim.Optimizer]:
-        # kept for benchmarks/wavelet.py, which reads it by name (use tock_optimizers())
-        return self._mirror.clone if self._mirror is not None else None
+    def follow_freezing(self, gm: fx.GraphModule) -> None:
+        """Make the tock replica's parameters require grad as ``gm``'s do (each bind): a
+        frozen tick parameter's replica copy is frozen too, so the tock wave computes no
+        gradient for it and its optimizer clone skips it (as torch optimizers skip a parameter
+        whose ``.grad`` is None). In the closed step, which owns zeroing the gradients, a frozen
+        copy's ``.grad`` is dropped, as ``Compiled`` drops the model's; in the open step the
+        loop owns them (the clones set the replica's to None after each step)."""
+        tock = dict(self.tock.named_parameters())
+        for name, p in gm.named_parameters():
+            replica = tock[name]
+            if replica.requires_grad != p.requires_grad:
+                replica.requires_grad_(p.requires_grad)
+            if self.mode == CLOSED and not p.requires_grad:
+                replica.grad = None
 
     def _enter(self, mode: str, gm: fx.GraphModule, world: int,
                optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -202,6 +256,7 @@ class TickTockProgram:
                 self._groups = (new_group(backend="gloo"), new_group(backend="gloo"))
             self.syncs = {w: self._sync_factory(g) for w, g in zip(WAVES, self._groups)}
         self.mode = mode
+        self.follow_freezing(gm)
         tock_params = dict(self.tock.named_parameters())
         mapping = {id(p): tock_params[k] for k, p in gm.named_parameters()}
         if mode == CLOSED and self._mirror is None:
@@ -226,7 +281,8 @@ class TickTockProgram:
         return {"mode": self.mode,
                 "tock": {k: v.detach().clone() for k, v in self.tock.state_dict().items()},
                 "tock_optimizers": states,
-                "prev_tock": None if prev is None else [g.detach().clone() for g in prev],
+                "prev_tock": None if prev is None else {n: g.detach().clone()
+                                                        for n, g in prev.items()},
                 "syncs": {w: s.state_dict() for w, s in self.syncs.items()}}
 
     def load_runtime_state(self, gm: fx.GraphModule,
@@ -246,8 +302,7 @@ class TickTockProgram:
             self._mirror.clone.load_state_dict(states[0])
         else:
             self._mirrors.load_state_dict(states)
-        prev = state["prev_tock"]
-        self.prev_tock = None if prev is None else [g.clone() for g in prev]
+        self.prev_tock = named_prev_tock(gm, state["prev_tock"])
         for w, sync_state in state["syncs"].items():
             self.syncs[w].load_state_dict(sync_state)
 

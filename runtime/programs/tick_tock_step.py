@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -81,11 +81,15 @@ class Wave:
     def stream(self) -> str:
         return wave_stream(self.name)
 
+    def named(self, grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``grads`` (one per trainable parameter of this wave, in order) by parameter name."""
+        return dict(zip(self.params, grads))
+
 
 class TickTockStep:
     """One closed step of ``TickTockProgram`` bound to its tensors (a ``StepWork``). ``owner``
-    is the program: its ``prev_tock`` (the tock gradient the next tick averages with) is read
-    by the tick's ``A`` and written by the tock's."""
+    is the program: its ``prev_tock`` (the tock gradient the next tick averages with, by
+    parameter name) is read by the tick's ``A`` and written by the tock's."""
 
     def __init__(self, owner: Any, captured: StepCapture, waves: dict[str, Wave],
                  loss_fn: Callable, world: int):
@@ -143,33 +147,40 @@ class TickTockStep:
         grads = torch.autograd.grad(w.loss, params, allow_unused=True)
         w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
-    def eq1(self, w: Wave, own: list[torch.Tensor], other: Optional[list[torch.Tensor]]
+    def eq1(self, w: Wave, own: list[torch.Tensor], other: Optional[Mapping[str, torch.Tensor]]
             ) -> dict[str, torch.Tensor]:
-        """Eq. 1, ``(own + other) / 2`` (``own`` alone when there is no ``other``: the very
-        first tick iteration), synchronized over wave ``w``'s ranks (its all-reduce or
+        """Eq. 1, ``(own + other) / 2`` parameter by parameter (``own`` alone where ``other``
+        has none: the very first tick iteration, or a parameter trained again since the other
+        wave's gradient was kept), synchronized over wave ``w``'s ranks (its all-reduce or
         compressor), and the wave's floating-point buffers (BatchNorm's running statistics)
-        averaged over them: the gradients by parameter name."""
-        avg = list(own) if other is None else [(g + h) / 2 for g, h in zip(own, other)]
+        averaged over them: the gradients by parameter name. ``other``: the other wave's
+        gradients by parameter name (a frozen parameter has none and gets none)."""
+        other = other or {}
+        avg = [(g + other[n].reshape(g.shape)) / 2 if n in other else g
+               for n, g in zip(w.params, own)]
         with collective_errors(WHO, f"the {w.stream} wave's gradient sync"):
             synced = w.sync(dict(zip(w.params, avg)))
             average_buffers(w.gm.buffers(), w.group)
         return synced
 
-    def keep_tock(self, grads: list[torch.Tensor]) -> None:
-        """Keep the tock's ``grads`` for the next tick's Eq. 1: a captured gradient is a static
-        output buffer (CUDA), which the next replay of the tock's segments overwrites before
-        the next tick average reads it."""
-        self.owner.prev_tock = [g.clone() for g in grads] if self.runs else grads
+    def keep_tock(self, w: Wave, grads: list[torch.Tensor]) -> None:
+        """Keep the tock wave ``w``'s ``grads`` by parameter name for the next tick's Eq. 1 (by
+        name: the next tick may train another set of parameters, after freezing or
+        unfreezing): a captured gradient is a static output buffer (CUDA), which the next
+        replay of the tock's segments overwrites before the next tick average reads it."""
+        self.owner.prev_tock = {n: g.clone() if self.runs else g
+                                for n, g in zip(w.params, grads)}
 
     def _sync(self, w: Wave) -> None:
         # the tick averages with the previous step's tock gradient: the comm stream runs the
         # tock's sync of step m before the tick's of step m + 1, which reads what it kept
-        other = self.waves["T"].raw if w.name == "K" else self.owner.prev_tock
+        other = self.waves["T"].named(self.waves["T"].raw) if w.name == "K" else \
+            self.owner.prev_tock
         set_grads(w.params, self.eq1(w, w.raw, other), copy=True)
         # the optimizer reads a gradient, never writes it: no second copy
         w.applied = {k: p.grad for k, p in w.params.items()}
         if w.name == "K":
-            self.keep_tock(w.raw)
+            self.keep_tock(w, w.raw)
 
     def _average_loss(self) -> None:
         loss = (self.waves["T"].loss.detach() + self.waves["K"].loss.detach()) / 2
@@ -225,11 +236,11 @@ class TickTockBackward(TickTockStep):
     def _sync(self, w: Wave) -> None:
         # Eq. 1 on the waves' sums: the tick's with the tock's of the previous synchronized
         # call, the tock's with the tick's of this one (the comm stream runs the tick's A first)
-        own = self._total(w)
-        other = self._total(self.waves["T"]) if w.name == "K" else self.owner.prev_tock
+        own, tick = self._total(w), self.waves["T"]
+        other = tick.named(self._total(tick)) if w.name == "K" else self.owner.prev_tock
         w.applied = self.eq1(w, own, other)
         if w.name == "K":
-            self.keep_tock(own)
+            self.keep_tock(w, own)
 
     def _add(self, w: Wave) -> None:
         """The wave's ``grads`` piece: its synchronized Eq. 1 gradient added to ``.grad``."""
