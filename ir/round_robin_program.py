@@ -15,7 +15,9 @@ steps the optimizer once, after every all-reduce. The open step (``Compiled.back
 ``finish``, the name of its last piece) has no ``U`` piece: it ends with ``finish`` (after the
 ``restore`` with a process group; a partition is then kept only while its compute or its
 all-reduce needs it), and inside ``no_sync`` (``sync`` False) each ``A p`` is ``buffers p``,
-which averages the partition's buffers and syncs no gradient.
+which averages the partition's buffers and syncs no gradient. When the micro-batches differ
+in shape (a global batch that does not cut into N equal ones), ``batch_nodes`` gives each
+micro-batch's own segments (their captures differ; one may run eagerly).
 
 Example:
     >>> from tidal.ir.schedule import Action, Schedule
@@ -107,10 +109,13 @@ class _Layout:
 
     def __init__(self, n: int, here: tuple[int, ...], world: int, switches: Sequence[int],
                  forward: Sequence[Sequence[str]], backward: Sequence[Sequence[str]],
-                 finish: str = "", sync: bool = True):
+                 finish: str = "", sync: bool = True,
+                 batch_nodes: Optional[Sequence[tuple[Sequence[Sequence[str]],
+                                                      Sequence[Sequence[str]]]]] = None):
         self.n, self.here, self.one, self.world = n, here, world == 1, world
         self.open, self.sync = finish, sync
-        self.nodes = {"F": forward, "B": backward}
+        # per micro-batch, per kind, per partition: the segment's joint-graph nodes
+        self.nodes = [{"F": f, "B": b} for f, b in (batch_nodes or [(forward, backward)] * n)]
         self.pieces: list[Piece] = []
         self.slots: list[Slot] = []
         self.compute: dict[int, Optional[int]] = dict.fromkeys(here)
@@ -164,7 +169,7 @@ class _Layout:
             deps = [self.load[r], self.compute[r], self.ran[("F", r, p)],
                     self.ran.get(("Xb", src, p + 1))]
         self.compute[r] = self.ran[(kind, r, p)] = self.add(
-            f"{pre}{kind}{p},{b}", COMPUTE, deps, Slot(kind, r, p, b), self.nodes[kind][p])
+            f"{pre}{kind}{p},{b}", COMPUTE, deps, Slot(kind, r, p, b), self.nodes[b][kind][p])
         if self.res is not None:
             self.res.use(p, self.compute[r], compute=True)
         if kind == "F" and p == n - 1 and not self.one:
@@ -219,16 +224,20 @@ class _Layout:
 
 def round_robin_program(schedule: Schedule, n: int, here: tuple[int, ...], world: int,
                         forward: Sequence[Sequence[str]], backward: Sequence[Sequence[str]],
-                        finish: str = "", sync: bool = True
+                        finish: str = "", sync: bool = True,
+                        batch_nodes: Optional[Sequence[tuple[Sequence[Sequence[str]],
+                                                             Sequence[Sequence[str]]]]] = None
                         ) -> tuple[Program, tuple[Slot, ...]]:
     """The program of the ranks ``here`` (see the module docstring) on ``world`` ranks, and
     what each piece does. ``forward[p]``/``backward[p]``: the joint-graph nodes of partition
     ``p``'s ``F`` and ``B`` segments (empty: the partition runs eagerly). ``finish``: the name
     of the open step's last piece, in place of the updates ('': the closed step, with them);
-    ``sync`` False: the open step inside ``no_sync`` (no gradient all-reduce)."""
+    ``sync`` False: the open step inside ``no_sync`` (no gradient all-reduce).
+    ``batch_nodes``: per micro-batch b, its own ``(forward, backward)`` in their place (the
+    micro-batches of an uneven global batch differ in shape and so in capture)."""
     actions = schedule.ranks
     switches = [a.partition for a in actions[here[0]] if a.kind == "S"]
-    layout = _Layout(n, here, world, switches, forward, backward, finish, sync)
+    layout = _Layout(n, here, world, switches, forward, backward, finish, sync, batch_nodes)
     for k in transfer_first(actions[0]):
         for r in here:
             layout.action(r, actions[r][k])

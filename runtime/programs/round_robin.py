@@ -14,7 +14,9 @@ into a :class:`~tidal.runtime.program.Program` that
   partition it evicts (``S p+1`` for ``F p−1`` and its transfer; in the backward ``S p−1`` for
   ``U p+1``), so it overlaps the compute of the partition it keeps. ``F``/``B`` of p wait for
   it. In one process it only counts the switch and the weight bytes it would load;
-- ``F p,b`` (``compute``) runs partition p on batch b with the activations received from the
+- ``F p,b`` (``compute``) runs partition p on micro-batch b (cut from the global batch as
+  ``torch.tensor_split`` cuts: two shapes when it does not cut evenly, each captured for
+  itself; no eager fallback for the odd one) with the activations received from the
   previous rank; ``B p,b`` (``compute``) runs its backward with the gradients received from the
   next rank. Both are segments of one captured joint graph of the partition (``make_fx`` of its
   forward, the loss on the last partition, and ``torch.autograd.grad`` with respect to its
@@ -27,9 +29,13 @@ into a :class:`~tidal.runtime.program.Program` that
   and ``uncaptured()`` names it. A partition that cannot be captured at all (data-dependent
   code) runs eagerly with autograd, and ``fallback_reason`` says which and why;
 - ``X`` (``comm``) moves activations to the next rank (forward) or their gradients to the
-  previous rank (backward) with ``torch.distributed`` point-to-point ops;
+  previous rank (backward) with ``torch.distributed`` point-to-point ops, each receive sized
+  for the micro-batch its sender ran (from a probe of that micro-batch's shape, the same on
+  every rank) and each send checked against it first, so no rank posts a mismatched size;
 - ``A p`` (``comm``) all-reduces partition p's gradients (the sum over the N batches: each
-  micro-batch loss is divided by N, so the result is the global-batch mean gradient) and
+  micro-batch loss is divided by N, and weighted by its rows * N / B when the global batch of
+  B rows does not cut into N equal micro-batches (:func:`micro_batches`), so the result is the
+  global-batch mean gradient) and
   averages its floating-point buffers; after the ``compression`` pass each partition's
   gradients go through a compressor of their own instead (``use_grad_sync``);
 - ``loss`` (``comm``) all-reduces the step's loss as soon as the last forward ran;
@@ -82,6 +88,9 @@ Example:
     ... # doctest: +NORMALIZE_WHITESPACE
     [('r0:S0', 'load'), ('r1:S0', 'load'), ('r0:F0,0', 'compute'), ('r1:F0,1', 'compute'),
      ('r0:X0 fwd', 'comm'), ('r1:X0 fwd', 'comm')]
+    >>> _ = c.step((torch.randn(5, 4),), torch.tensor([0, 1, 1, 0, 1]))  # micro-batches 3 + 2
+    >>> sorted(shape[1][0][0][0] for shape in c.executor.graphs)        # rows of each capture
+    [2, 3]
 """
 from __future__ import annotations
 
@@ -96,18 +105,19 @@ from tidal.ir.cost import example_batch
 from tidal.ir.program import Program
 from tidal.ir.rng import fork_rng_of
 from tidal.ir.round_robin_program import UPDATE, Slot, round_robin_program
-from tidal.ir.schedule import split_batch
 from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import rank_and_size
+from tidal.runtime.programs.data_parallel import LocalShard, local_shard
 from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads
 from tidal.runtime.programs.round_robin_capture import StageGraph, capture_partitions
 from tidal.runtime.programs.round_robin_open import RoundRobinBackward
 from tidal.runtime.programs.round_robin_stages import Partitions, check_all_owned
-from tidal.runtime.programs.round_robin_step import RoundRobinStep
+from tidal.runtime.programs.round_robin_step import MicroBatch, RoundRobinStep
 from tidal.runtime.weights.residency import PartitionResidency
 
-__all__ = ["PLAN_KIND", "UPDATE", "RoundRobinProgram", "check_all_owned", "from_plan"]
+__all__ = ["PLAN_KIND", "UPDATE", "RoundRobinProgram", "check_all_owned", "from_plan",
+           "micro_batches"]
 
 PLAN_KIND = "RoundRobinPlan"
 
@@ -118,29 +128,40 @@ def from_plan(gm: fx.GraphModule, plan: Any) -> "RoundRobinProgram":
     return RoundRobinProgram(gm, plan)
 
 
-def check_micro_batches(inputs: Any, n: int) -> None:
-    """Raise :class:`~tidal.runtime.batch_data.BatchError` naming round_robin, the batch and
-    what it needs unless the global batch ``inputs`` cuts into ``n`` equal micro-batches: the
-    schedule sends every micro-batch's activations through each of the N ranks, each
-    partition's joint graph is captured (with the loss / N) for one micro-batch shape and
-    its transfers are sized for it. No collective: every rank raises alike.
+def micro_batches(inputs: Any, targets: Any, n: int, buffers: bool = False) -> list[LocalShard]:
+    """The ``n`` micro-batches of the global batch ``inputs``/``targets``, cut as
+    ``torch.tensor_split`` cuts (sizes differing by one row; ``local_shard`` of data
+    parallelism, as if each were a rank's shard), each with the ``weight`` of its loss,
+    rows * n / B (None when the batch cuts evenly: 1). The micro-batch losses are divided by
+    ``n`` and weighted, so their sum is the global batch's mean loss and the accumulated
+    gradient its gradient. A micro-batch with no rows (B < n) runs the batch's first row as a
+    stand-in with weight 0; that is refused by a :class:`~tidal.runtime.batch_data.BatchError`
+    when the partitions have floating-point buffers (``buffers``: BatchNorm statistics the
+    stand-in would update), and a batch with no rows always. No collective: every rank
+    raises alike.
 
     Example:
         >>> import torch
+        >>> [(len(m.targets), m.weight) for m in micro_batches((torch.zeros(5, 3),),
+        ...                                                    torch.arange(5), 2)]
+        [(3, 1.2), (2, 0.8)]
         >>> try:
-        ...     check_micro_batches((torch.zeros(5, 3),), 2)
+        ...     micro_batches((torch.zeros(1, 3),), torch.arange(1), 2, buffers=True)
         ... except BatchError as e:
-        ...     print(str(e).split(" (")[0])
-        round_robin: the global batch size 5 is not divisible by 2
+        ...     print(str(e).split(":")[0])
+        round_robin
     """
     batch = example_batch(inputs)
-    if batch % n:
+    if batch == 0:
+        raise BatchError("round_robin: the global batch has no rows; pass at least one")
+    if batch < n and buffers:
         raise BatchError(
-            f"round_robin: the global batch size {batch} is not divisible by {n} (the "
-            f"partitions, one micro-batch each per cycle): each partition's gradient is the "
-            f"accumulation of {n} equal micro-batches (loss / {n} each), captured for one "
-            f"micro-batch shape; pass a multiple of {n} rows: drop the last, smaller batch "
-            f"(DataLoader(drop_last=True)) or pad it, or train it without round_robin")
+            f"round_robin: the global batch has {batch} rows, fewer than the {n} partitions "
+            f"(one micro-batch each per cycle), and the model has floating-point buffers "
+            f"(BatchNorm running statistics): a micro-batch with no rows would run a stand-in "
+            f"row that updates them; pass at least {n} rows or train this batch without "
+            f"round_robin")
+    return [local_shard(inputs, targets, b, n) for b in range(n)]
 
 
 def _size(n: float) -> str:
@@ -174,8 +195,9 @@ class RoundRobinProgram:
     ``step_switch_bytes``: the switches' time and bytes; ``update_us``: the per-partition
     updates'; ``restore_us``/``restore_bytes``: the end-of-step restore's). ``syncs`` holds
     each partition's gradient sync once ``use_grad_sync`` set one and a step ran; ``graphs``
-    each micro-batch shape's captured partitions (None: eager); ``fallback_reason`` names the
-    partitions that run eagerly and why ('' when every partition runs as a captured graph)."""
+    each micro-batch shape's captured partitions (None: eager; an uneven global batch's two
+    shapes are both captured); ``fallback_reason`` names the partitions of the latest step
+    that run eagerly and why ('' when every partition runs as a captured graph)."""
 
     recaptures_autocast = True
     """A micro-batch in another autocast state is captured again (:func:`_shape` holds it)."""
@@ -197,7 +219,8 @@ class RoundRobinProgram:
         self._rank = 0
         self.graphs: dict[tuple, list[Optional[StageGraph]]] = {}
         self._stopped: dict[tuple, list[tuple[str, str]]] = {}  # eager partitions, named
-        self._latest: Optional[tuple] = None  # the shape of the latest bound step
+        self._sizes: dict[tuple, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self._latest: tuple = ()  # the micro-batch shapes of the latest bound step, each once
         self._programs: dict[tuple, tuple[Program, tuple[Slot, ...]]] = {}
         self.local_grads = LocalGrads()
         """What the open step accumulated inside ``no_sync`` on this rank, not yet synced."""
@@ -230,12 +253,13 @@ class RoundRobinProgram:
         (an in-place update of a buffer, a host sync...), and for a partition that runs eagerly
         the node that stopped its capture ('-' when unknown) with ``fallback_reason``'s part
         for it. Empty when every compute piece is captured (or before the first step)."""
-        if self._latest is None:
-            return []
-        out = list(self._stopped[self._latest])
-        for p, graph in enumerate(self.graphs[self._latest]):
-            if graph is not None:
-                out += [(node, f"partition {p}: {why}") for node, why in graph.uncaptured()]
+        out: list[tuple[str, str]] = []
+        for shape in self._latest:
+            out += [x for x in self._stopped[shape] if x not in out]
+            for p, graph in enumerate(self.graphs[shape]):
+                if graph is not None:
+                    out += [(node, f"partition {p}: {why}") for node, why in graph.uncaptured()
+                            if (node, f"partition {p}: {why}") not in out]
         return out
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
@@ -273,9 +297,10 @@ class RoundRobinProgram:
     def bind(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> RoundRobinStep:
         """One training step of the global batch under the round-robin schedule: the program
-        of this rank (all ranks without a process group), built once per micro-batch shape.
-        A batch that does not cut into N equal micro-batches is refused
-        (:func:`check_micro_batches`)."""
+        of this rank (all ranks without a process group), built once per set of micro-batch
+        shapes. A batch that does not cut into N equal micro-batches is cut as
+        ``torch.tensor_split`` cuts, each micro-batch's loss weighted by its rows
+        (:func:`micro_batches`): the step equals one on the global batch's mean loss."""
         args = self._bound(inputs, targets, loss_fn, "")
         optimizer.zero_grad(set_to_none=True)
         return self._track(RoundRobinStep(self, *args, optimizer))
@@ -287,35 +312,42 @@ class RoundRobinProgram:
         no update, the gradient of ``scale *`` the global batch's mean loss added to ``.grad``
         on every rank, or inside ``no_sync`` (``sync`` False) kept in ``local_grads`` until the
         next synchronized call (``tidal.runtime.programs.round_robin_open``). Its program is
-        built once per micro-batch shape and ``sync``, apart from the closed step's."""
+        built once per set of micro-batch shapes and ``sync``, apart from the closed step's."""
         args = self._bound(inputs, targets, loss_fn, GRADS if sync else ACCUMULATE)
         return self._track(RoundRobinBackward(self, *args, scale=scale, sync=sync,
                                               local=self.local_grads))
 
     def _bound(self, inputs: tuple, targets: Any, loss_fn: Callable, finish: str) -> tuple:
         """What a step of the global batch binds: its program (the closed step's, or the open
-        step's whose last piece is ``finish``) and slots, the captured partitions, the ranks
-        here, the world size, the micro-batches, their targets and ``loss_fn``."""
-        check_micro_batches(inputs, self.n)
+        step's whose last piece is ``finish``) and slots, the ranks here, the world size, the
+        :class:`~tidal.runtime.programs.round_robin_step.MicroBatch` es and ``loss_fn``.
+        Micro-batches of two shapes (an uneven batch) each get their shape's captures."""
+        shards = micro_batches(tuple(inputs), targets, self.n, any(self.parts.buffers))
         self.materialize()  # capture, zero_grad and a failed step's leftovers need them all
         rank, world = rank_and_size()
         if world > 1 and world != self.n:
             raise ValueError(f"round_robin: planned for {self.n} ranks but the world size is "
                              f"{world}; compile with partitions={world}")
         here = (rank,) if world > 1 else tuple(range(self.n))
-        batches = split_batch(tuple(inputs), self.n, "round_robin global batch")
-        tgts = split_batch(targets, self.n, "round_robin targets")
-        shape = self._latest = _shape(batches[0], tgts[0])
-        graphs = self._captured(shape, batches[0], tgts[0], loss_fn, here)
-        key = (shape, world, here, finish)
+        shapes = [_shape(m.inputs, m.targets) for m in shards]
+        self._latest = tuple(dict.fromkeys(shapes))
+        for shape in self._latest:
+            m = shards[shapes.index(shape)]
+            self._captured(shape, m.inputs, m.targets, loss_fn, here)
+        self.fallback_reason = "; ".join(dict.fromkeys(
+            why for shape in self._latest for _, why in self._stopped[shape]))
+        micro = [MicroBatch(m.inputs, m.targets, m.weight, self.graphs[k], self._sizes[k])
+                 for m, k in zip(shards, shapes)]
+        key = (tuple(shapes), world, here, finish)
         if key not in self._programs:
+            nodes = [([g.forward_nodes if g is not None else () for g in m.graphs],
+                      [g.backward_nodes if g is not None else () for g in m.graphs])
+                     for m in micro]
             self._programs[key] = round_robin_program(
-                self.plan.schedule, self.n, here, world,
-                [g.forward_nodes if g is not None else () for g in graphs],
-                [g.backward_nodes if g is not None else () for g in graphs],
-                finish, finish != ACCUMULATE)
+                self.plan.schedule, self.n, here, world, *nodes[0], finish,
+                finish != ACCUMULATE, batch_nodes=nodes)
         program, slots = self._programs[key]
-        return program, slots, graphs, here, world, batches, tgts, loss_fn
+        return program, slots, here, world, micro, loss_fn
 
     def _track(self, step: RoundRobinStep) -> RoundRobinStep:
         """``step``, whose residency is now the latest (:meth:`materialize`)."""
@@ -324,15 +356,19 @@ class RoundRobinProgram:
 
     def _captured(self, shape: tuple, batch: tuple, target: Any, loss_fn: Callable,
                   here: tuple[int, ...]) -> list[Optional[StageGraph]]:
-        """The partitions captured for micro-batches of ``shape`` (once per shape;
-        ``fallback_reason`` names those that run eagerly), with a captured copy per rank
-        ``here``: in one process their runs are alive at once. Capturing draws no random
-        numbers: a step draws as it would eagerly."""
+        """The partitions captured for micro-batches of ``shape`` (once per shape; ``_stopped``
+        names those that run eagerly) and the sizes of what crosses each cut on such a
+        micro-batch (``_sizes``), with a captured copy per rank ``here``: in one process
+        their runs are alive at once. Capturing draws no random numbers: a step draws as it
+        would eagerly."""
         with fork_rng_of(self.split, batch, target):
             if shape not in self.graphs:
+                values = self.parts.micro_values(batch)
+                self._sizes[shape] = {k: (v.shape, v.dtype) for k, v in values.items()
+                                      if isinstance(v, torch.Tensor)}
                 self.graphs[shape], self._stopped[shape] = capture_partitions(
-                    self.parts, batch, target, loss_fn, here[0], self.plan.first_layers)
-                self.fallback_reason = "; ".join(why for _, why in self._stopped[shape])
+                    self.parts, batch, target, loss_fn, here[0], self.plan.first_layers,
+                    values)
             for g in self.graphs[shape]:
                 for r in here:
                     if g is not None and r not in g.copies:

@@ -257,13 +257,15 @@ def capture_partition(parts: Partitions, p: int, values: dict[str, Any], inputs:
 
 
 def capture_partitions(parts: Partitions, inputs: tuple, target: Any, loss_fn: Callable,
-                       rank: int, first_layers: Sequence[str] = ()
+                       rank: int, first_layers: Sequence[str] = (),
+                       values: Optional[dict[str, Any]] = None
                        ) -> tuple[list[Optional[StageGraph]], list[tuple[str, str]]]:
     """Every partition's :class:`StageGraph` for micro-batches shaped like ``inputs``/
     ``target``, captured for ``rank`` (None for a partition that runs eagerly), and (node that
     stopped the capture or '-', reason) per such partition (named by its first layer, from
-    ``first_layers``, when given)."""
-    values = parts.micro_values(inputs)
+    ``first_layers``, when given). ``values``: ``parts.micro_values(inputs)`` when the caller
+    has it already."""
+    values = parts.micro_values(inputs) if values is None else values
     stopped: list[tuple[str, str]] = []
     graphs: list[Optional[StageGraph]] = []
     for p in range(parts.n):

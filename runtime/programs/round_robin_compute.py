@@ -3,11 +3,16 @@ joint graph, or eager autograd.
 
 :func:`forward` runs partition p on batch b's activations (received from the previous rank) and
 returns the :class:`Run` that lives until ``B``: what it sends on (or the micro-batch loss / N
-on the last partition) and what ``B`` goes on with (a captured run and the buffers the output
-gradients go into; eagerly, the input activations as autograd leaves). :func:`backward` runs
-its backward on the gradients of its outputs (received from the next rank), accumulates the
-parameters' gradients (``.grad``, as autograd does) and leaves the input activations'
-gradients in ``Run.leaf_grads``, to send back.
+on the last partition, times the micro-batch's ``weight`` rows * N / B when the global batch of
+B rows does not cut into N equal micro-batches) and what ``B`` goes on with (a captured run and
+the buffers the output gradients go into; eagerly, the input activations as autograd leaves).
+:func:`backward` runs its backward on the gradients of its outputs (received from the next
+rank), accumulates the parameters' gradients (``.grad``, as autograd does) and leaves the input
+activations' gradients in ``Run.leaf_grads``, to send back. A weight scales the last partition's
+loss (eagerly, before its backward; a captured graph, made for the unweighted loss / N and
+shared by every batch of its shape, gets its loss and gradient outputs scaled), and so every
+gradient sent back and made upstream: the sum over the micro-batches is the global batch's mean
+loss.
 
 Example:
     >>> import torch, torch.fx as fx
@@ -44,6 +49,7 @@ class Run:
 
     sent: dict[str, torch.Tensor] = field(default_factory=dict)  # to the next rank
     loss: Optional[torch.Tensor] = None        # the last partition's micro-batch loss / N
+    weight: Optional[float] = None             # rows * N / B of an uneven micro-batch
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)   # eager: input leaves
     captured: Optional[CapturedRun] = None     # captured: the run B goes on with
     grads_in: list[torch.Tensor] = field(default_factory=list)  # captured: B's output grads
@@ -52,11 +58,12 @@ class Run:
 
 def forward(graph: Optional[StageGraph], parts: Partitions, rank: int, p: int,
             values: dict[str, torch.Tensor], inputs: tuple, target: Any,
-            loss_fn: Callable) -> Run:
+            loss_fn: Callable, weight: Optional[float] = None) -> Run:
     """``F`` of partition ``p`` on the activations ``values`` (by name), the micro-batch
-    ``inputs``/``target``: ``rank``'s captured copy of ``graph``, or eagerly without one."""
+    ``inputs``/``target``: ``rank``'s captured copy of ``graph``, or eagerly without one.
+    ``weight`` (None: 1) scales the last partition's loss and so its gradients."""
     if graph is None:
-        return _forward_eager(parts, p, values, inputs, target, loss_fn)
+        return _forward_eager(parts, p, values, inputs, target, loss_fn, weight)
     trainable = parts.trainable[p]
     consts = [v for v in tree_flatten(parts.constants(p, values, inputs, target))[0]
               if isinstance(v, torch.Tensor)]
@@ -65,12 +72,13 @@ def forward(graph: Optional[StageGraph], parts: Partitions, rank: int, p: int,
     graph.segment(run, 0)  # the run stays alive (on a GPU the copy's static buffers) until B
     out = graph.outputs(run, 0, graph.n_forward)
     if p == parts.n - 1:
-        return Run(loss=out[0], captured=run, grads_in=grads_in)
+        return Run(loss=out[0] if weight is None else out[0] * weight, weight=weight,
+                   captured=run, grads_in=grads_in)
     return Run(sent=dict(zip(parts.stages[p].sends, out)), captured=run, grads_in=grads_in)
 
 
 def _forward_eager(parts: Partitions, p: int, values: dict[str, torch.Tensor], inputs: tuple,
-                   target: Any, loss_fn: Callable) -> Run:
+                   target: Any, loss_fn: Callable, weight: Optional[float]) -> Run:
     stage = parts.stages[p]
     leaves = {nm: t.detach().requires_grad_(True) if t.is_floating_point() else t
               for nm, t in values.items()}
@@ -85,7 +93,8 @@ def _forward_eager(parts: Partitions, p: int, values: dict[str, torch.Tensor], i
     result = fx.node.map_arg(parts.output.args[0], lambda x: env[x.name]
                              if x.op not in ("placeholder", "get_attr")
                              else parts.input(x, inputs))
-    return Run(loss=loss_fn(result, target) / parts.n, leaves=leaves)
+    loss = loss_fn(result, target) / parts.n
+    return Run(loss=loss if weight is None else loss * weight, leaves=leaves)
 
 
 def backward(graph: Optional[StageGraph], parts: Partitions, p: int, run: Run,
@@ -102,6 +111,8 @@ def backward(graph: Optional[StageGraph], parts: Partitions, p: int, run: Run,
     graph.segment(run.captured, 1)
     out = graph.outputs(run.captured, graph.n_forward, None)
     run.captured, run.grads_in = None, []
+    if run.weight is not None:  # the last partition's: the graph made those of loss / N
+        out = [g * run.weight for g in out]
     run.leaf_grads = [g.contiguous() for g in out[:graph.n_leaves]]
     param_grads = iter(out[graph.n_leaves:])
     for param, has in zip(parts.trainable[p], graph.has_grad):

@@ -1,18 +1,21 @@
 """One step of a round-robin program bound to its tensors: what each piece does.
 
 The program and its slots come from ``tidal.ir.round_robin_program``; :class:`RoundRobinStep`
-binds them to one global batch: ``S`` switches partitions in and out
-(``tidal.runtime.weights.residency``), ``F``/``B`` run a partition's segments
-(``tidal.runtime.programs.round_robin_compute``), ``X`` moves activations or their gradients
-to the next or previous rank, ``A`` all-reduces a partition's gradients and averages its
-buffers, ``loss`` all-reduces the loss, ``U`` steps the optimizer (on one partition's
-parameters with a process group), ``restore`` loads every partition back. With no process
-group every rank of the schedule runs here: a transfer moves tensors between the ranks' states
-and the all-reduce is the shared ``.grad`` accumulation. A piece that fails makes the rest of
-the step fail at once, naming it (``tidal.runtime.programs.step_failures``). An eager ``F``/``B``
-(a partition with no captured graph) runs under the autocast state of the thread that bound the
-step, on whichever thread runs it; every other piece (a captured partition holds its casts)
-with autocast off (``tidal.runtime.programs.piece_autocast``).
+binds them to one global batch cut into N :class:`MicroBatch` es: ``S`` switches partitions in
+and out (``tidal.runtime.weights.residency``), ``F``/``B`` run a partition's segments
+(``tidal.runtime.programs.round_robin_compute``), ``X`` moves activations or their gradients to
+the next or previous rank (a forward transfer receives into buffers sized for the micro-batch
+the sender ran, which differs from the receiver's own when the global batch does not cut into
+equal micro-batches; the sender first checks that what it sends has those sizes, so that no rank
+posts a mismatched size, which would abort gloo), ``A`` all-reduces a partition's gradients and
+averages its buffers, ``loss`` all-reduces the loss, ``U`` steps the optimizer (on one
+partition's parameters with a process group), ``restore`` loads every partition back. With no
+process group every rank of the schedule runs here: a transfer moves tensors between the ranks'
+states and the all-reduce is the shared ``.grad`` accumulation. A piece that fails makes the
+rest of the step fail at once, naming it (``tidal.runtime.programs.step_failures``). An eager
+``F``/``B`` (a partition with no captured graph) runs under the autocast state of the thread
+that bound the step, on whichever thread runs it; every other piece (a captured partition holds
+its casts) with autocast off (``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> recv_buffer(torch.ones(2, 3).t()).is_contiguous()
@@ -60,6 +63,20 @@ def send_recv(send: list[torch.Tensor], recv: list[torch.Tensor], dest: int,
     return recv
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step: its ``inputs`` and ``targets``, the ``weight`` of its loss
+    (rows * N / B; None: 1, an even split), each partition's captured ``graphs`` for its shape
+    (None: eager) and ``sizes``, the shape and dtype of every tensor that crosses a cut
+    between partitions on it (what a forward transfer of it receives)."""
+
+    inputs: Any
+    targets: Any
+    weight: Optional[float]
+    graphs: Sequence[Optional[StageGraph]]
+    sizes: dict[str, tuple[torch.Size, torch.dtype]]
+
+
 @dataclass
 class RankState:
     """What one rank of a step holds between its pieces."""
@@ -72,21 +89,21 @@ class RankState:
 
 class RoundRobinStep:
     """One step of a ``RoundRobinProgram`` (``owner``) bound to its tensors (a ``StepWork``):
-    the ``program`` of the ranks ``here`` on ``world`` ranks with its ``slots``, the
-    partitions' captured ``graphs`` (None: eager), the micro-batches and their targets."""
+    the ``program`` of the ranks ``here`` on ``world`` ranks with its ``slots`` and the N
+    :class:`MicroBatch` es ``micro``."""
 
     counts_step = True
     """The restore counts the step in the owner's ``stats['steps']`` (an optimizer step)."""
 
     def __init__(self, owner: Any, program: Program, slots: tuple[Slot, ...],
-                 graphs: Sequence[Optional[StageGraph]], here: tuple[int, ...], world: int,
-                 batches: list, targets: list, loss_fn: Callable,
-                 optimizer: Optional[torch.optim.Optimizer]):
+                 here: tuple[int, ...], world: int, micro: Sequence[MicroBatch],
+                 loss_fn: Callable, optimizer: Optional[torch.optim.Optimizer]):
         self.owner, self.parts = owner, owner.parts
-        self.program, self.slots, self.graphs = program, slots, graphs
+        self.program, self.slots, self.micro = program, slots, micro
         self.here, self.world = here, world
-        self.batches, self.targets, self.loss_fn, self.optimizer = (batches, targets, loss_fn,
-                                                                    optimizer)
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        # (rank, partition) -> the micro-batch its F runs: what a forward transfer brings it
+        self.runs_batch = {(s.rank, s.partition): s.batch for s in slots if s.kind == "F"}
         self.states = {r: RankState() for r in here}
         self.guard = FailFast("round_robin")
         self._loss: Optional[torch.Tensor] = None
@@ -101,7 +118,7 @@ class RoundRobinStep:
         it, so that no rank waits on a peer that will not come)."""
         slot = self.slots[index]
         do = self.actions()[slot.kind]
-        eager = slot.kind in "FB" and self.graphs[slot.partition] is None
+        eager = slot.kind in "FB" and self.micro[slot.batch].graphs[slot.partition] is None
         return self.guard.wrap(piece.name, under_autocast(
             self._autocast if eager else NO_AUTOCAST, functools.partial(do, slot)))
 
@@ -112,7 +129,7 @@ class RoundRobinStep:
                 "U": self._update, "R": self._restore}
 
     def loss(self) -> torch.Tensor:
-        """The global batch's loss (the sum of the micro-batch losses / N)."""
+        """The global batch's loss (the sum of the micro-batch losses / N, each weighted)."""
         if self._loss is not None:
             return self._loss
         return torch.tensor(sum(s.loss for s in self.states.values()))
@@ -162,8 +179,9 @@ class RoundRobinStep:
                                f"activations, received {len(received)}")
         if self.residency is not None:
             self.residency.require(p, f"F{p},{b}")
-        run = forward(self.graphs[p], self.parts, slot.rank, p, dict(zip(names, received)),
-                      self.batches[b], self.targets[b], self.loss_fn)
+        micro = self.micro[b]
+        run = forward(micro.graphs[p], self.parts, slot.rank, p, dict(zip(names, received)),
+                      micro.inputs, micro.targets, self.loss_fn, micro.weight)
         if run.loss is not None:
             st.loss += float(run.loss.detach())
         st.runs[(p, b)] = run
@@ -173,7 +191,7 @@ class RoundRobinStep:
         grads = [] if p == self.parts.n - 1 else st.grad_out.pop((p, b))
         if self.residency is not None:
             self.residency.require(p, f"B{p},{b}")
-        backward(self.graphs[p], self.parts, p, st.runs[(p, b)], grads)
+        backward(self.micro[b].graphs[p], self.parts, p, st.runs[(p, b)], grads)
         if self.residency is not None:  # the gradients it made are resident now
             self.residency.observe()
 
@@ -189,8 +207,12 @@ class RoundRobinStep:
             if self.world == 1:
                 self.states[(r + 1) % n].inbox[p + 1] = send
                 return
-            st.inbox[p + 1] = send_recv(send, [recv_buffer(t) for t in send],
-                                        (r + 1) % n, (r - 1) % n)
+            self._check_sizes(p, b, run.sent)
+            # the input of F p+1 here: the micro-batch rank r-1 ran p on, sized for it
+            sizes = self.micro[self.runs_batch[(r, p + 1)]].sizes
+            recv = [torch.empty(sizes[k][0], dtype=sizes[k][1], device=t.device)
+                    for k, t in run.sent.items()]
+            st.inbox[p + 1] = send_recv(send, recv, (r + 1) % n, (r - 1) % n)
         else:
             if self.world == 1:
                 self.states[(r - 1) % n].grad_out[(p - 1, b)] = run.leaf_grads
@@ -200,6 +222,20 @@ class RoundRobinStep:
             recv = (prev.grads_in if prev.captured is not None
                     else [recv_buffer(prev.sent[k]) for k in floats(prev.sent)])
             st.grad_out[mine] = send_recv(run.leaf_grads, recv, (r - 1) % n, (r + 1) % n)
+
+    def _check_sizes(self, p: int, b: int, sent: dict[str, torch.Tensor]) -> None:
+        """Raise naming the value unless what ``F p,b`` sends has the shape and dtype that the
+        next rank sized its receive for (from micro-batch ``b``'s probe: the same on every
+        rank, whose global batches agree): a mismatched size would abort gloo."""
+        sizes = self.micro[b].sizes
+        for k, t in sent.items():
+            if (t.shape, t.dtype) != sizes[k]:
+                raise RuntimeError(
+                    f"round_robin: value {k!r} that partition {p} sends on micro-batch {b} is "
+                    f"{tuple(t.shape)} {t.dtype} but the next rank expects "
+                    f"{tuple(sizes[k][0])} {sizes[k][1]} (its shape on this micro-batch's "
+                    f"probe): a shape that depends on the data, not only on the rows, cannot "
+                    f"cross between ranks; keep it inside one partition")
 
     def _all_reduce(self, slot: Slot) -> None:
         """Sum partition ``p``'s gradients over the ranks and average its floating-point
