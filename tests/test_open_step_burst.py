@@ -7,19 +7,27 @@ rank owns; ``compiled.state_dict()`` equal to the reference's on both ranks; the
 equal on both ranks and to the reference's). Non-owned parameters get no gradient and are
 never stepped by the user's optimizer. Non-finite gradients on one rank only (rank 0's ``c1``)
 make the clip norm non-finite on both, and a ``ShardedGradScaler`` skips that step on both
-ranks and keeps their scales equal. One spawned job for every case."""
+ranks and keeps their scales equal. Under bf16 autocast (float32 model, each step in its own
+``torch.autocast``), the closed step and the open step equal DDP under the same autocast
+(max |Δparam| ≤ 1e-4 after 2 SGD steps, and
+> 1e-5 from a float32 run): a rank that skips c1 hands the transfers bf16 rows as
+c1's rank does; ranks under different autocast states get ``TransferMismatchError`` on both
+before any transfer, not a process abort. One spawned job for every case."""
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tidal
 from tidal.ir import cost
 from tidal.passes.burst_parallel import BurstParallel, build_problem
 from tidal.passes.burst_planner import plan_from_counts
+from tidal.runtime.programs.burst_transfers import TransferMismatchError
 
 from rank_parts import part, spawn_parts
 from test_burst_parallel import BATCH, Chain, owned_names
@@ -27,6 +35,9 @@ from test_burst_parallel import BATCH, Chain, owned_names
 STEPS, MICRO = 3, 2
 MAX_NORM = 0.2                  # below the gradients' norm here: clipping changes them
 PARAM_TOL = 1e-9                # float64
+AUTOCAST_TOL = 1e-4             # bf16 autocast against DDP: the same casts (each step in its own
+                                # autocast: no cast cache across steps), other sums (seen: 3e-6)
+BF16_EFFECT = 1e-5              # bf16 against a float32 run (seen: 8e-5): autocast really ran
 CLUSTER = tidal.Cluster(gpus=2, bandwidth_gbps=100, latency_us=5, peak_tflops=1e-4)
 
 
@@ -48,15 +59,16 @@ def _model():
         torch.set_default_dtype(before)
 
 
-def _compile(model):
-    """``model`` under a burst plan with c1 on rank 0 only, every other layer on both ranks."""
-    x, _ = _data(0, 0)
+def _compile(model, x=None, **options):
+    """``model`` under a burst plan with c1 on rank 0 only, every other layer on both ranks
+    (traced on ``x``, default: the float64 batch of step 0)."""
+    x = _data(0, 0)[0] if x is None else x
     gm = tidal.trace(model, (x,))
     cost.annotate(gm, (x,))
     problem = build_problem(gm, CLUSTER, BATCH)
     plan = plan_from_counts(problem, {n: 1 if n == "c1" else 2 for n in problem.names})
     return tidal.compile(model, (x,), passes=[BurstParallel(plan=plan.to_json())],
-                         cluster=CLUSTER, loss_fn=F.cross_entropy)
+                         cluster=CLUSTER, loss_fn=F.cross_entropy, **options)
 
 
 def _adamw(model):
@@ -160,10 +172,101 @@ def _non_finite_on_one_rank(rank, size):
         n: p.detach().clone() for n, p in model.named_parameters() if n in mine}
 
 
+def _bf16():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _float32_data(step):
+    x, y = _data(step, 0)
+    return x.float(), y
+
+
+def _under_autocast(rank, size):
+    """2 SGD steps of a float32 Chain, each under bf16 autocast: the closed step
+    (``compiled.step``) and the open step (``compiled.backward``, the optimizer outside
+    autocast), each beside DDP on the rank's half batch under the same autocast; returns per
+    kind this rank's parameters and DDP's (the whole model: ``compiled.state_dict()``)."""
+    out = {}
+    for kind in ("closed", "open"):
+        torch.manual_seed(0)
+        model = Chain()
+        ref = copy.deepcopy(model)
+        ddp, ref_opt = DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.1)
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        compiled = (_compile(model, _float32_data(0)[0], optimizer=sgd) if kind == "closed"
+                    else _compile(model, _float32_data(0)[0]))
+        opt = None if kind == "closed" else sgd(model.parameters())
+        for step in range(2):
+            x, y = _float32_data(step)
+            with _bf16():
+                if kind == "closed":
+                    compiled.step((x,), y)
+                else:
+                    compiled.backward((x,), y)
+                ref_loss = F.cross_entropy(ddp(x.tensor_split(size)[rank]),
+                                           y.tensor_split(size)[rank])
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+        state = {k: v.clone() for k, v in compiled.state_dict().items()}
+        out[kind] = (state, {k: v.detach().clone() for k, v in ref.state_dict().items()})
+    return out
+
+
+def _autocast_on_one_rank(rank, size):
+    """Rank 0 steps under bf16 autocast, rank 1 without: the error each rank raises (type,
+    message), before any transfer."""
+    torch.manual_seed(0)
+    compiled = _compile(Chain(), _float32_data(0)[0],
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    x, y = _float32_data(0)
+    try:
+        with _bf16() if rank == 0 else contextlib.nullcontext():
+            compiled.step((x,), y)
+    except TransferMismatchError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
 @pytest.fixture(scope="module")
 def two_rank_job():
-    return spawn_parts(2, [part(_accumulating_loop), part(_non_finite_on_one_rank)],
+    return spawn_parts(2, [part(_accumulating_loop), part(_non_finite_on_one_rank),
+                           part(_under_autocast), part(_autocast_on_one_rank)],
                        timeout_s=600)
+
+
+def _float32_one_process():
+    """The 2 SGD steps of ``_under_autocast`` in float32, one process, the global batch."""
+    torch.manual_seed(0)
+    model = Chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        F.cross_entropy(model(_float32_data(step)[0]), _float32_data(step)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def test_bf16_autocast_steps_equal_ddp_under_the_same_autocast(two_rank_job):
+    float32 = _float32_one_process()
+    for rank, result in enumerate(two_rank_job["_under_autocast"]):
+        for kind, (state, ddp) in result.items():
+            assert state.keys() == ddp.keys()
+            worst = max((state[k] - ddp[k]).abs().max().item() for k in ddp)
+            assert worst <= AUTOCAST_TOL, f"rank {rank}, {kind} step: off DDP by {worst:.2e}"
+            # bf16 really ran: far from the float32 run, as DDP under autocast is
+            cast = max((state[k] - float32[k]).abs().max().item() for k in ddp)
+            assert cast > BF16_EFFECT, f"rank {rank}, {kind} step: {cast:.2e} off float32"
+
+
+def test_ranks_under_different_autocast_states_raise_not_abort(two_rank_job):
+    for rank, (kind, message) in enumerate(two_rank_job["_autocast_on_one_rank"]):
+        assert kind == "TransferMismatchError", (rank, kind)
+        assert "differ in input shapes or autocast state" in message
+        assert f"rank {rank}" in message and "torch.autocast" in message
 
 
 def test_accumulating_loop_equals_one_process_pytorch(two_rank_job):

@@ -6,8 +6,10 @@ Every rank passes the same global batch. Each layer runs on its ranks' sample ra
 outside a layer's set skips it: on its first distributed step the program specialises the graph
 for its rank (``tidal.runtime.programs.burst_graph``). The model output is gathered to every
 rank, so every rank computes the same global loss, and backward sends each row's gradient back
-to the rank that computed the row. Without a process group (one process) the ops are the
-identity and a step is plain training.
+to the rank that computed the row. A skipped layer gives an empty tensor of the dtype the layer
+gives under the step's autocast state, so every rank hands each transfer the same kind of
+tensor (checked before it moves: ``tidal.runtime.programs.burst_transfers``). Without a process
+group (one process) the ops are the identity and a step is plain training.
 
 The parts, one module each:
 
@@ -76,19 +78,20 @@ from tidal.ir.burst_ownership import (StateBytes, buffer_sets, foreign_params, o
 from tidal.ir.burst_sync import Bucket, sync_buckets
 from tidal.ir.collectives import SubgroupCache, check_layer_ranks, new_group
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
-from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Program
 from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import is_distributed, rank_and_size
 from tidal.runtime.program import OpenStepError
-from tidal.runtime.programs.burst_graph import specialise
+from tidal.runtime.programs.burst_graph import RankGraph, rank_graph
 from tidal.runtime.programs.burst_refresh import (StaleGuard, refresh_replicas,
                                                   replicated_elsewhere)
 from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from_plan, step_layout
 from tidal.runtime.programs.burst_state import load_rank_state, rank_state_dict, saved_tensors
 from tidal.runtime.programs.burst_step import BurstStep, clip_by_global_norm_
+from tidal.runtime.programs.burst_transfers import TransferChecker, agree
 from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads, remove_params
+from tidal.runtime.programs.step_capture import shape_key
 
 __all__ = ["PLAN_KIND", "BurstProgram", "BurstStep", "Bucket", "StateBytes", "StepLayout",
            "build_program", "from_plan", "state_table", "sync_buckets"]
@@ -151,7 +154,7 @@ class BurstProgram:
         self.comm_group: Optional[dist.ProcessGroup] = None
         self.fallback_reason = ""
         self._ready = False
-        self._local: Optional[tuple[fx.GraphModule, fx.GraphModule]] = None
+        self._local: Optional[tuple[fx.GraphModule, dict[tuple, RankGraph]]] = None
         self._layouts: dict[tuple, StepLayout] = {}
         self._sync_factory: Optional[GradSyncFactory] = None
         self._syncs: dict[Ranks, GradSync] = {}
@@ -191,19 +194,32 @@ class BurstProgram:
             self.comm_group = new_group()  # the comm stream's world-wide collectives
             self._ready = True
 
-    def local_module(self, gm: fx.GraphModule) -> fx.GraphModule:
-        """``gm`` specialised for this rank (``burst_graph.specialise``), built once per
-        graph."""
+    def local_graph(self, gm: fx.GraphModule, inputs: tuple) -> RankGraph:
+        """``gm`` specialised for this rank, its skipped layers of the dtype they give on
+        ``inputs`` under this thread's autocast state, and what each transfer must carry
+        (``burst_graph.rank_graph``): built once per graph, input shapes and dtypes and
+        autocast state, when the ranks check that they bind the same kind of step
+        (``burst_transfers.agree``, a collective)."""
         if self._local is None or self._local[0] is not gm:
-            self._local = (gm, specialise(gm, self.layer_ranks, dist.get_rank(),
-                                          self.unit_members))
-        return self._local[1]
+            self._local = (gm, {})
+        key = shape_key(inputs)
+        graphs = self._local[1]
+        if key not in graphs:
+            local = rank_graph(gm, self.layer_ranks, dist.get_rank(), self.unit_members,
+                               inputs, key[-1])
+            agree(key, self.comm_group)
+            graphs[key] = local
+        return graphs[key]
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        """The global output on every rank (each layer's rows from the ranks that own it)."""
+        """The global output on every rank (each layer's rows from the ranks that own it);
+        each transfer's input is checked first (``burst_transfers.TransferChecker``)."""
         if is_distributed():
             self._check(args)
-            return self.local_module(gm)(*args, **kwargs)
+            local = self.local_graph(gm, args)
+            if kwargs:
+                return local.module(*args, **kwargs)
+            return TransferChecker(local.module, local.expected, dist.get_rank()).run(*args)
         return gm(*args, **kwargs)
 
     # -- owner-only state ------------------------------------------------------------------
@@ -311,10 +327,11 @@ class BurstProgram:
         """One training step on the global batch (see the module docstring); its program is
         built once per graph, rank, input shapes and bucket cap. On several ranks, the
         optimizer is made owner-only first (as :meth:`own_optimizer` does)."""
-        layout, run = self._prepare(gm, model, inputs, targets, "optimizer")
+        layout, local = self._prepare(gm, model, inputs, targets, "optimizer")
         if is_distributed():
             remove_params(optimizer, gm, layout.foreign)
-        return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, optimizer)
+        return BurstStep(self, layout, gm, local.module, inputs, targets, loss_fn, optimizer,
+                         expected=local.expected)
 
     def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
                       targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> BurstStep:
@@ -334,25 +351,26 @@ class BurstProgram:
         >>> [p.name for p in step.program.pieces], model[0].bias.grad is not None
         (['forward', 'backward 0', 'grads'], True)
         """
-        layout, run = self._prepare(gm, model, inputs, targets, GRADS if sync else ACCUMULATE)
-        return BurstStep(self, layout, gm, run, inputs, targets, loss_fn, None, scale=scale,
-                         local=self.local_grads)
+        layout, local = self._prepare(gm, model, inputs, targets,
+                                      GRADS if sync else ACCUMULATE)
+        return BurstStep(self, layout, gm, local.module, inputs, targets, loss_fn, None,
+                         scale=scale, local=self.local_grads, expected=local.expected)
 
     def _prepare(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
-                 targets: Any, finish: str) -> tuple[StepLayout, fx.GraphModule]:
-        """This step's layout (built once per graph, rank, input shapes, bucket cap, trainable
-        set and last piece) and the graph the rank runs; on several ranks, the stale copies it will hold
-        are watched (``model.state_dict()`` refuses them)."""
+                 targets: Any, finish: str) -> tuple[StepLayout, RankGraph]:
+        """This step's layout (built once per graph, rank, input shapes, autocast state, bucket
+        cap, trainable set and last piece) and the graph the rank runs (:meth:`local_graph`;
+        one process: ``gm``); on several ranks, the stale copies it will hold are watched
+        (``model.state_dict()`` refuses them)."""
         distributed = is_distributed()
         if distributed:
             self._check(inputs)
         rank, size = rank_and_size()
         key = (id(gm), rank, size, self.bucket_bytes, self.overlap, finish,
-               tuple(p.requires_grad for p in gm.parameters())) + tuple(
-            (tuple(t.shape), t.dtype) for t in flat_tensors((inputs, targets)))
-        run = self.local_module(gm) if distributed else gm
+               tuple(p.requires_grad for p in gm.parameters())) + shape_key(inputs, targets)
+        local = self.local_graph(gm, inputs) if distributed else RankGraph(gm, {})
         if key not in self._layouts:
-            self._layouts[key] = step_layout(gm, self.spec, rank, size, run, finish)
+            self._layouts[key] = step_layout(gm, self.spec, rank, size, local.module, finish)
         layout = self._layouts[key]
         self.fallback_reason = layout.reason
         self._graph = gm
@@ -360,7 +378,7 @@ class BurstProgram:
             self._stale_guard.watch(model)
             self._stale = [n for n, src in replicated_elsewhere(gm, self.param_ranks, size)
                            if rank not in self.param_ranks[n]]
-        return layout, run
+        return layout, local
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

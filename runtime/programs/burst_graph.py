@@ -19,13 +19,15 @@ Example:
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
 
 from tidal.ir import meta
 from tidal.ir.param_owners import trainable
+from tidal.runtime.programs.burst_transfers import Produced, expected_inputs, produced
+from tidal.runtime.programs.piece_autocast import AutocastState
 
 Ranks = tuple[int, ...]
 
@@ -58,14 +60,18 @@ def skipped_layer(tail: tuple[int, ...], dtype: torch.dtype, grad: bool, *inputs
 
 
 def specialise(gm: fx.GraphModule, layer_ranks: Mapping[str, Ranks], rank: int,
-               unit_members: Optional[Mapping[str, tuple[str, ...]]] = None) -> fx.GraphModule:
+               unit_members: Optional[Mapping[str, tuple[str, ...]]] = None,
+               produced: Optional[Mapping[str, Produced]] = None) -> fx.GraphModule:
     """A copy of ``gm`` for ``rank`` in which every layer whose ranks exclude ``rank`` is
     replaced by :func:`skipped_layer` (sharing ``gm``'s modules and parameters). A layer may be
     a unit of several nodes (``unit_members``, by layer name; default: the layer node alone):
     each member whose value a node outside the unit reads is replaced, tied to the unit's
     inputs that come before it (an input after every such member feeds only members whose
     values nothing reads, on any rank), and the members nothing reads any more are dropped.
-    A member whose output is not one tensor keeps running (on zero rows).
+    A member whose output is not one tensor keeps running (on zero rows). The empty tensor has
+    the dtype and trailing shape the member gives on the step's inputs under its autocast
+    state (``produced``, by node name: ``burst_transfers.produced``; a bf16 ``Linear`` gives
+    bfloat16), else those recorded on the node (``tidal.ir.meta.get_tensors``).
 
     >>> from tidal.ir import cost
     >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()))
@@ -96,11 +102,12 @@ def specialise(gm: fx.GraphModule, layer_ranks: Mapping[str, Ranks], rank: int,
             tensors = meta.get_tensors(old)
             if len(tensors) != 1 or any(u.target is operator.getitem for u in old.users):
                 continue
+            kind = (produced or {}).get(m, Produced(tuple(tensors[0].shape[1:]),
+                                                    tensors[0].dtype))
             before = [a for a in inputs if position(a) < position(node)]
             with graph.inserting_before(node):
-                new = graph.call_function(skipped_layer, (tuple(tensors[0].shape[1:]),
-                                                          tensors[0].dtype) + _grad_args(
-                                                              gm, node, inside, before))
+                new = graph.call_function(skipped_layer, (kind.tail, kind.dtype) + _grad_args(
+                    gm, node, inside, before))
             new.meta = dict(node.meta)
             outside = [u for u in node.users if u not in inside]
             for u in outside:
@@ -127,3 +134,32 @@ def _grad_args(gm: fx.GraphModule, node: fx.Node, inside: set, inputs: list) -> 
                for n in inside)
     return (grad,) + tuple(inputs)
 
+
+
+class RankGraph(NamedTuple):
+    """A rank's graph for the steps of one kind (input shapes and dtypes, autocast state): the
+    graph :func:`specialise` made (``module``) and, per transfer node, the dtype and trailing
+    shape its input must have on every rank (``expected``; ``burst_transfers``)."""
+
+    module: fx.GraphModule
+    expected: Mapping[str, Produced]
+
+
+def rank_graph(gm: fx.GraphModule, layer_ranks: Mapping[str, Ranks], rank: int,
+               unit_members: Optional[Mapping[str, tuple[str, ...]]], inputs: tuple,
+               autocast: AutocastState) -> RankGraph:
+    """``gm`` specialised for ``rank`` (:func:`specialise`) with each skipped layer of the kind
+    it gives on ``inputs`` (the global batch) under ``autocast``, and what each transfer's input
+    must be (``burst_transfers.produced``, the same on every rank).
+
+    >>> from tidal.ir import cost
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()))
+    >>> cost.annotate(gm, (torch.randn(4, 3),))
+    >>> bf16 = (("cpu", True, "bfloat16"),)
+    >>> local = rank_graph(gm, {"_0": (0,)}, 1, None, (torch.randn(4, 3),), bf16).module
+    >>> local(torch.randn(4, 3)).dtype          # what the bf16 Linear gives on rank 0
+    torch.bfloat16
+    """
+    facts = produced(gm, inputs, autocast)
+    module = specialise(gm, layer_ranks, rank, unit_members, facts.nodes)
+    return RankGraph(module, expected_inputs(module, facts, autocast))

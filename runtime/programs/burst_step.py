@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from tidal.ir.step_state import autocast_state
 from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.distributed import all_reduce_tensors, collective_device, is_distributed
 from tidal.runtime.programs.burst_layout import StepLayout
+from tidal.runtime.programs.burst_transfers import Produced, TransferChecker
 from tidal.runtime.programs.optimizer_wiring import LocalGrads, add_grads, scaled, set_grads
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
 from tidal.runtime.programs.replica_sync import average_buffers
@@ -78,16 +79,18 @@ class StepOwner(Protocol):
                     rank: Optional[int] = None) -> StateBytes: ...
 
 
-class _CutRunner(fx.Interpreter):
+class _CutRunner(TransferChecker):
     """Runs a graph in consecutive ranges of nodes (:meth:`start`, then :meth:`advance`; the
     forward pieces), detaching every value that lives across a cut (before a node named in
     ``cuts``): each tensor that requires grad and is not a leaf becomes a new leaf (cloned, so
     later in-place ops keep working, unless it shares storage with another such value: then
     only detached, keeping the aliasing). ``pairs[k]``: (original, leaf) at cut k;
-    ``result``: the graph's output once its output node ran."""
+    ``result``: the graph's output once its output node ran. Each transfer's input is checked
+    against ``expected`` first (``burst_transfers.TransferChecker``)."""
 
-    def __init__(self, module: fx.GraphModule, cuts: tuple[str, ...]):
-        super().__init__(module)
+    def __init__(self, module: fx.GraphModule, cuts: tuple[str, ...],
+                 expected: Optional[Mapping[str, Produced]] = None):
+        super().__init__(module, expected or {}, dist.get_rank() if is_distributed() else None)
         self.cuts = set(cuts)
         order = {n: i for i, n in enumerate(module.graph.nodes)}
         missing = self.cuts - {n.name for n in order}
@@ -172,6 +175,9 @@ class BurstStep:
     optimizer: Optional[torch.optim.Optimizer]
     scale: Any = None
     local: Optional[LocalGrads] = None
+    expected: Mapping[str, Produced] = field(default_factory=dict)
+    """Per transfer node, the dtype and trailing shape its input must have on every rank
+    (``burst_graph.RankGraph.expected``), checked before it moves."""
     _kept: dict = field(default_factory=dict)
     _loss: Optional[torch.Tensor] = None
     _runner: Optional[_CutRunner] = None
@@ -209,7 +215,7 @@ class BurstStep:
             return
         if self._runner is None:
             self._begin()
-            self._runner = _CutRunner(self.run, self.layout.stages.cuts)
+            self._runner = _CutRunner(self.run, self.layout.stages.cuts, self.expected)
             self._runner.start(*self.inputs)
         self._runner.advance(stop)
         if last:
