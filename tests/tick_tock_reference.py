@@ -32,9 +32,13 @@ class Eq1Reference:
     """Eq. 1 over two copies of ``model`` (see the module docstring); ``tick`` is the one a
     compiled model's parameters are compared with, ``tock`` its tock replica's."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, shards: int = 1):
         self.tick, self.tock = copy.deepcopy(model), copy.deepcopy(model)
         self.loss_fn = loss_fn
+        self.shards = shards
+        """The ranks: each half is cut into this many shards, each shard's mean-loss gradient
+        computed alone and the shards' averaged, as the wave's ranks do (equal in exact
+        arithmetic to the half's; in bf16 the rounding is the ranks')."""
         self.prev_tock: Optional[dict[str, torch.Tensor]] = None
         self.acc: dict[str, Optional[dict[str, torch.Tensor]]] = {"T": None, "K": None}
         self._sync = True
@@ -60,12 +64,18 @@ class Eq1Reference:
             self._sync = True
 
     def _grads(self, model, x, y, scale) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The gradients of ``scale * loss`` by name (trainable parameters), and the loss."""
-        loss = self.loss_fn(model(x), y)
+        """The gradients of ``scale * loss`` by name (trainable parameters), and the loss (the
+        mean over :attr:`shards`)."""
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        grads = torch.autograd.grad(loss if scale is None else loss * scale,
-                                    list(named.values()))
-        return dict(zip(named, grads)), loss.detach()
+        sums, losses = None, []
+        for xs, ys in zip(x.tensor_split(self.shards), y.tensor_split(self.shards)):
+            loss = self.loss_fn(model(xs), ys)
+            grads = torch.autograd.grad(loss if scale is None else loss * scale,
+                                        list(named.values()))
+            sums = list(grads) if sums is None else [a + g for a, g in zip(sums, grads)]
+            losses.append(loss.detach())
+        return ({n: g / self.shards for n, g in zip(named, sums)},
+                sum(losses) / self.shards)
 
     def backward(self, x, y, scale=None, sync=None) -> torch.Tensor:
         """One (micro-)batch; ``sync`` (default: outside :meth:`no_sync`) applies Eq. 1.
