@@ -1,8 +1,7 @@
 """Issue 34's table: what a real training loop does, under every training pass and no pass, on
 one process, against plain PyTorch. Every cell is equal (stated tolerance) or a refusal that
-names what it refuses (README: Training loops); none is silently different. The multi-rank
-cells run in tests/test_open_step.py (DDP), tests/test_batch_data.py (each rank its own batch),
-tests/test_burst_parallel.py (current state on every rank) and tests/test_train_loop_example.py.
+names what it refuses (README: Training loops); none is silently different. The same table
+on two gloo ranks, against DDP, is tests/test_training_loop_ranks.py (one spawned job).
 """
 import contextlib
 import copy
