@@ -5,7 +5,9 @@ the eager micro-batch accumulation under autocast, ≤ 1e-3): one SGD/AdamW step
 of 2 micro-batches with ``no_sync`` and ``scale=1/2``, clipping by the global norm, two
 optimizers and two param groups with a ``LambdaLR``, open and closed steps alternating. On two
 gloo ranks (one spawned job): the same step, accumulation and clipping against eager PyTorch
-on the global batch, every rank holding the same parameters and the whole gradient."""
+on the global batch, every rank holding the same parameters and the whole gradient, and a
+checkpoint taken inside ``no_sync`` under Top-K (compressor state and the kept gradient)
+resumed bit for bit."""
 import contextlib
 import copy
 
@@ -228,7 +230,49 @@ def _ranks(rank, world):
         out[name] = _params(model)
         if name == "step":
             out["grad"] = _no_sync_then_sync(c, model, ref)
+    out["resumed inside no_sync"] = _resume_inside_no_sync()
     return out
+
+
+def _checkpointed_no_sync(saved=None, load_runtime=True):
+    """Under Top-K 30 %: a synchronized call and an SGD step, a call inside ``no_sync`` and a
+    checkpoint (model, optimizer, ``runtime_state_dict``) when ``saved`` is None, else a fresh
+    compile loading ``saved`` (the runtime state if ``load_runtime``); then a synchronized
+    call and a step. Returns (the checkpoint, the parameters)."""
+    from tidal.passes.compression import CompressionPass
+
+    c, model, _ = _pair(extra=[CompressionPass("topk:0.3")])
+    opt = _sgd(model.parameters())
+    if saved is None:
+        c.backward(*_batch(0))
+        opt.step()
+        opt.zero_grad()
+        with c.no_sync():
+            c.backward(*_batch(1))
+        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                 c.runtime_state_dict())
+    else:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(copy.deepcopy(saved[1]))   # it would share the momenta
+        if load_runtime:
+            c.load_runtime_state_dict(saved[2])
+    c.backward(*_batch(2))
+    opt.step()
+    return saved, _params(model)
+
+
+def _resume_inside_no_sync():
+    """A checkpoint taken inside a ``no_sync`` accumulation holds each partition's compressor
+    state and the gradient kept for the next synchronized call, by parameter name: a fresh
+    compile that loads it continues bit for bit; without it, it differs."""
+    saved, want = _checkpointed_no_sync()
+    assert sorted(saved[2]) == ["local_grads", "syncs"], sorted(saved[2])
+    assert len(saved[2]["local_grads"]) == 6 and sorted(saved[2]["syncs"]) == [0, 1]
+    _, resumed = _checkpointed_no_sync(saved)
+    assert torch.equal(resumed, want)
+    _, fresh = _checkpointed_no_sync(saved, load_runtime=False)
+    assert float((fresh - want).abs().max()) > 1e-4
+    return resumed
 
 
 def _no_sync_then_sync(c, model, ref):

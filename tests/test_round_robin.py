@@ -1,7 +1,9 @@
 """round_robin: the exact partition DP against brute force, Figure 10's schedule, each
 partition's gradient after a step equal to N-micro-batch accumulation (in one process and on
-2 and 4 gloo ranks), and the per-rank programs (captured F/B segments, transfers and
-all-reduces on the comm stream) replayed by the simulator in the order the runtime ran them."""
+2 and 4 gloo ranks), the per-rank programs (captured F/B segments, transfers and
+all-reduces on the comm stream) replayed by the simulator in the order the runtime ran them,
+and each partition's compressor state (Top-K error feedback) carried bit for bit through a
+checkpoint and a re-capture after freezing."""
 import copy
 import random
 
@@ -211,6 +213,129 @@ def test_compression_wraps_each_partitions_sync(two_rank_job):
         torch.testing.assert_close(results[1]["psgd1"][0][k], g, rtol=0, atol=0)
 
 
+# -- compressor state: checkpoint and re-capture -------------------------------------------
+def _topk(model, world, x):
+    """``model`` under round_robin and Top-K 30 % (error feedback: state across steps)."""
+    from tidal.passes.compression import CompressionPass
+
+    return tidal.compile(model, x, passes=[RoundRobin(partitions=world),
+                                           CompressionPass(compressor="topk:0.3")],
+                         loss_fn=torch.nn.functional.cross_entropy,
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+
+
+def _batches(world, n):
+    g = torch.Generator().manual_seed(11)
+    return [((torch.randn(2 * world, 8, generator=g),), torch.randint(0, 3, (2 * world,),
+                                                                       generator=g))
+            for _ in range(n)]
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _resumed(world, saved, batches, runtime=None, change=None):
+    """A fresh compile that loads the saved model and optimizer state, then ``runtime`` (a
+    callable taking the compiled model) and ``change`` (taking the model), and steps
+    ``batches``: its parameters."""
+    torch.manual_seed(1)
+    model = _mlp()
+    c = _topk(model, world, batches[0][0])
+    model.load_state_dict(saved[0])
+    c.optimizer.load_state_dict(copy.deepcopy(saved[1]))   # it would share the momenta
+    if runtime is not None:
+        runtime(c)
+    if change is not None:
+        change(model)
+    for b in batches:
+        c.step(*b)
+    return _flat(model)
+
+
+def _saved(model, c):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(c.optimizer.state_dict()), \
+        c.runtime_state_dict()
+
+
+def _resume_topk(rank, world):
+    """2 steps, a checkpoint (``runtime_state_dict``, and the DCP dict of
+    ``tidal.checkpoint.get_runtime_state_dict``), 2 more; a fresh compile resumed from it with
+    and without the runtime state."""
+    from tidal.compiler import checkpoint
+
+    batches = _batches(world, 4)
+    model = _mlp()
+    c = _topk(model, world, batches[0][0])
+    for b in batches[:2]:
+        c.step(*b)
+    saved = _saved(model, c)
+    dcp_dict = checkpoint.get_runtime_state_dict(c)   # a collective: every rank
+    for b in batches[2:]:
+        c.step(*b)
+    out = {"uninterrupted": _flat(model), "sections": sorted(saved[2]),
+           "partitions": sorted(saved[2]["syncs"]),
+           "residuals": [sorted(s["errors"]) for s in saved[2]["syncs"].values()]}
+    out["runtime"] = _resumed(world, saved, batches[2:],
+                              lambda c2: c2.load_runtime_state_dict(saved[2]))
+    out["dcp_dict"] = _resumed(world, saved, batches[2:],
+                               lambda c2: checkpoint.set_runtime_state_dict(c2, dcp_dict))
+    out["fresh"] = _resumed(world, saved, batches[2:])
+    return out
+
+
+def _freeze_b(m):
+    m[2].weight.requires_grad_(False)
+
+
+def _freeze_topk(rank, world):
+    """A step, then ``model[2].weight`` frozen and 2 more steps (a re-capture carrying the
+    compressor state), with stderr; the same resumed by a fresh compile frozen before its
+    first step, with and without the runtime state saved after step 1."""
+    import contextlib
+    import io
+
+    batches = _batches(world, 3)
+    model = _mlp()
+    c = _topk(model, world, batches[0][0])
+    c.step(*batches[0])
+    saved = _saved(model, c)
+    _freeze_b(model)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        for b in batches[1:]:
+            c.step(*b)
+    return {"recaptured": _flat(model), "stderr": err.getvalue(),
+            "carried": _resumed(world, saved, batches[1:],
+                                lambda c2: c2.load_runtime_state_dict(saved[2]), _freeze_b),
+            "fresh": _resumed(world, saved, batches[1:], change=_freeze_b)}
+
+
+def test_a_checkpoint_resumes_each_partitions_compressor_bit_for_bit(two_rank_job):
+    """Top-K's error feedback is per partition and per rank: a fresh compile loading the
+    model, the optimizer and the runtime state (directly, or through the DCP dict) continues
+    the uninterrupted run bit for bit; without the runtime state it differs."""
+    ranks = two_rank_job["_resume_topk"]
+    for r in ranks:
+        assert r["sections"] == ["syncs"] and r["partitions"] == [0, 1]
+        assert all(r["residuals"]), r["residuals"]   # each partition's residuals, by name
+        assert torch.equal(r["runtime"], r["uninterrupted"])
+        assert torch.equal(r["dcp_dict"], r["uninterrupted"])
+        assert float((r["fresh"] - r["uninterrupted"]).abs().max()) > 1e-4
+    assert torch.equal(ranks[0]["uninterrupted"], ranks[1]["uninterrupted"])
+
+
+def test_freezing_after_a_step_keeps_each_partitions_compressor_state(two_rank_job):
+    """The re-capture after freezing carries every partition's compressor state to the new
+    program (no 'starts afresh' line): it equals a fresh compile that loads the state and is
+    frozen before its first step, and differs from one that starts the compressors afresh."""
+    for r in two_rank_job["_freeze_topk"]:
+        assert "re-capturing the step" in r["stderr"], r["stderr"]
+        assert "starts afresh" not in r["stderr"], r["stderr"]
+        assert torch.equal(r["recaptured"], r["carried"])
+        assert float((r["fresh"] - r["recaptured"]).abs().max()) > 1e-4
+
+
 # -- parameters used through get_attr, non-contiguous boundaries ---------------------------
 class _TokenModel(torch.nn.Module):
     """Parameters used directly by the graph (a positional embedding added to the input, a
@@ -263,7 +388,7 @@ def _run_token_model(rank, world):
 def two_rank_job():
     """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
     return spawn_parts(2, [part(_run_rr), part(_bn_buffers), part(_composed),
-                           part(_run_token_model)])
+                           part(_run_token_model), part(_resume_topk), part(_freeze_topk)])
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ into a :class:`~tidal.runtime.program.Program` that
   B rows does not cut into N equal micro-batches (:func:`micro_batches`), so the result is the
   global-batch mean gradient) and
   averages its floating-point buffers; after the ``compression`` pass each partition's
-  gradients go through a compressor of their own instead (``use_grad_sync``);
+  gradients go through a compressor of their own instead (``use_grad_sync``), whose state
+  :meth:`RoundRobinProgram.runtime_state` keeps for a checkpoint and a re-capture;
 - ``loss`` (``comm``) all-reduces the step's loss as soon as the last forward ran;
 - ``U`` steps the optimizer. With a process group each partition is updated on its own, ``U p``
   (on its own compute stream, ``update``) after ``A p`` and while p is still resident (its
@@ -72,7 +73,8 @@ The jobs live apart: the split graph's partitions and who owns what
 (``tidal.runtime.programs.round_robin_stages``), a partition's captured joint graph
 (``round_robin_capture``), the program's layout (``tidal.ir.round_robin_program``, pure), a
 partition's ``F``/``B`` (``round_robin_compute``), a bound step (``round_robin_step``) and a
-bound open step (``round_robin_open``).
+bound open step (``round_robin_open``) and what a program keeps across steps
+(``round_robin_state``).
 
 Example:
     >>> import torch, tidal
@@ -94,7 +96,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -113,6 +115,7 @@ from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrad
 from tidal.runtime.programs.round_robin_capture import StageGraph, capture_partitions
 from tidal.runtime.programs.round_robin_open import RoundRobinBackward
 from tidal.runtime.programs.round_robin_stages import Partitions, check_all_owned
+from tidal.runtime.programs.round_robin_state import load_saved_state, saved_state
 from tidal.runtime.programs.round_robin_step import MicroBatch, RoundRobinStep
 from tidal.runtime.weights.residency import PartitionResidency
 
@@ -202,6 +205,11 @@ class RoundRobinProgram:
     recaptures_autocast = True
     """A micro-batch in another autocast state is captured again (:func:`_shape` holds it)."""
 
+    runtime_state_by_name = True
+    """:meth:`runtime_state` keeps each partition's compressor state and the ``no_sync``
+    gradients by parameter name: ``Compiled`` carries it to a program re-captured for another
+    set of trainable parameters (freezing, unfreezing)."""
+
     def __init__(self, split: fx.GraphModule, plan: Any,
                  model: Optional[torch.nn.Module] = None):
         self.split = split
@@ -246,6 +254,21 @@ class RoundRobinProgram:
         if p not in self.syncs:
             self.syncs[p] = self._sync_factory(None)
         return self.syncs[p]
+
+    def runtime_state(self, gm: fx.GraphModule) -> dict[str, Any]:
+        """What this program holds beside the model and the optimizer that changes the next
+        steps, for a checkpoint (``Compiled.runtime_state_dict``) and a re-capture: each
+        partition's gradient-sync state (the compression pass's compressor: error feedback,
+        warm starts) and the gradients the open step keeps inside ``no_sync``
+        (``tidal.runtime.programs.round_robin_state``); ``{}`` when it holds neither (in one
+        process no compressor runs)."""
+        return saved_state(self.syncs, self.local_grads)
+
+    def load_runtime_state(self, gm: fx.GraphModule, optimizer: Any,
+                           state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`runtime_state` returned (after the model and the optimizer):
+        the next step continues the saved training bit for bit."""
+        load_saved_state(state, self.partition_sync, self.local_grads, self.parts.owned)
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of the nodes of the latest bound step's program that run uncaptured:
