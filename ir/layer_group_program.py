@@ -28,6 +28,9 @@ from tidal.ir.program import COMPUTE, LOAD, OPTIMIZER, Piece, Program
 OPTIMIZER_PIECE = "optimizer"
 """The name of the tail piece that steps the optimizer (its kind is ``optimizer``)."""
 
+BACKWARD_PIECE = "backward"
+"""The name of the tail piece that runs an eager step's loss and backward."""
+
 
 @dataclass(frozen=True)
 class Pipelined:

@@ -1,4 +1,7 @@
-"""The layer_groups pass, the grouped weight store and the pipelined loader."""
+"""The layer_groups pass, the grouped weight store and the pipelined loader; training from a
+store: the closed step, the open step (``Compiled.backward``, ``no_sync``, ``clip_grad_norm_``,
+a ``GradScaler``) and steps inside ``torch.autocast`` against eager PyTorch."""
+import contextlib
 import copy
 import os
 
@@ -11,7 +14,7 @@ from tidal.ir import ops
 from tidal.ir.plan import Plan
 from tidal.ir.plans.layer_groups import LayerGroupPlan
 from tidal.passes.layer_groups import LayerGroups
-from tidal.runtime.programs.layer_groups import LayerGroupsProgram, run_pipelined
+from tidal.runtime.programs.layer_groups import LOADING_STEP, LayerGroupsProgram, run_pipelined
 from tidal.runtime.weights.loader import group_tensors, write_groups
 from tidal.runtime.weights.store import WeightStoreError, write_store
 
@@ -374,3 +377,291 @@ def test_training_segments_are_captured_and_name_what_runs_uncaptured(tmp_path):
         for k, v in reference.state_dict().items():  # the counter too: 2 steps of 5 rows
             torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=k)
     assert int(model[0].seen) == 10
+
+
+# ------------------------------------------- the open step and autocast (issue 34, item 1)
+OPEN_TOL = dict(rtol=1e-6, atol=1e-6)
+"""Tidal's step against eager PyTorch's, float32 parameters (the same kernels)."""
+
+
+def _open_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _open_batch(step, k=0):
+    g = torch.Generator().manual_seed(100 + 10 * step + k)
+    return torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def _from_store(tmp_path, optimizer=None):
+    """(compiled, model, eager twin): the model's weights live only in a weight store in
+    ``tmp_path`` (scrambled in the model), so the first call streams them in."""
+    model = _open_net()
+    twin = copy.deepcopy(model)
+    x, y = _open_batch(0)
+    path = tmp_path / "open.safetensors"
+    write_groups(tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer")])
+                 .graph_module, path)
+    c = tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer",
+                                                       weight_store=str(path))],
+                      loss_fn=torch.nn.functional.cross_entropy, example_targets=y,
+                      optimizer=optimizer)
+    _scramble(model)
+    return c, model, twin
+
+
+def _sgd_plain(model):
+    return torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), None
+
+
+def _adamw_two_groups(model):
+    """AdamW with two param groups (no decay on the first layer) and a warm-up LambdaLR."""
+    first = list(model[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt = torch.optim.AdamW([{"params": first, "weight_decay": 0.0},
+                             {"params": rest, "weight_decay": 0.1}], lr=2e-2)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+
+
+class _EagerLoop:
+    """The eager side of an open-step loop: ``backward`` adds the gradient of ``scale * loss``
+    to ``.grad`` as ``Compiled.backward`` does (a ``GradScaler``: ``scaler.scale(loss)``)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def backward(self, x, y, scale):
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        if isinstance(scale, torch.amp.GradScaler):
+            scale.scale(loss).backward()
+        else:
+            (loss if scale is None else loss * scale).backward()
+        return loss.detach()
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def clip(self, max_norm):
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+class _CompiledLoop:
+    def __init__(self, c):
+        self.c = c
+
+    def backward(self, x, y, scale):
+        return self.c.backward((x,), y, scale=scale)
+
+    def no_sync(self):
+        return self.c.no_sync()
+
+    def clip(self, max_norm):
+        return self.c.clip_grad_norm_(max_norm)
+
+
+def _open_loop(loop, model, optimizer, steps=3, micro=1, scale=None, clip=None, scaler=False):
+    """A DDP-style loop: per step ``micro`` micro-batches (all but the last inside
+    ``no_sync``), optionally a ``GradScaler``'s unscale_/step/update and clipping, the user's
+    optimizer and schedule. Returns the losses and the clipped norms."""
+    opt, schedule = optimizer(model)
+    gs = torch.amp.GradScaler("cpu") if scaler else None
+    losses, norms = [], []
+    for step in range(steps):
+        for k in range(micro):
+            x, y = _open_batch(step, k)
+            with loop.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                losses.append(float(loop.backward(x, y, gs if scaler else scale)))
+        if gs is not None:
+            gs.unscale_(opt)
+        if clip is not None:
+            norms.append(float(loop.clip(clip)))
+        if gs is not None:
+            gs.step(opt)
+            gs.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
+    return losses, norms
+
+
+def _same_params(got, want, tol=OPEN_TOL):
+    for (name, a), b in zip(got.named_parameters(), want.parameters()):
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+OPEN_CASES = {
+    "SGD": (_sgd_plain, {}),
+    "AdamW, two groups, LambdaLR": (_adamw_two_groups, {}),
+    "accumulation of 2, scale 1/2": (_adamw_two_groups, dict(micro=2, scale=0.5)),
+    "clipping": (_sgd_plain, dict(clip=0.05)),
+    "float scale": (_sgd_plain, dict(scale=0.3)),
+    "GradScaler": (_adamw_two_groups, dict(scaler=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(OPEN_CASES))
+def test_open_step_equals_the_eager_loop(tmp_path, case):
+    """``Compiled.backward`` under layer_groups (the first call streams the weights in), then
+    the user's optimizer: the same parameters and losses as the eager loop."""
+    optimizer, options = OPEN_CASES[case]
+    c, model, twin = _from_store(tmp_path)
+    got_losses, got_norms = _open_loop(_CompiledLoop(c), model, optimizer, **options)
+    first = [p.name for p in c.executor.last_program.pieces]
+    want_losses, want_norms = _open_loop(_EagerLoop(twin), twin, optimizer, **options)
+    assert got_losses == pytest.approx(want_losses, rel=1e-6, abs=1e-7)
+    assert got_norms == pytest.approx(want_norms, rel=1e-6)
+    if options.get("clip"):
+        assert min(want_norms) > options["clip"]   # the clip did change the gradients
+    _same_params(model, twin)
+    assert first[-1] == "grads" and not any(n.startswith("load") for n in first), first
+    assert c.executor.fallback_reason == "" and c.executor.uncaptured() == []
+
+
+def test_the_first_open_step_streams_the_weights_in(tmp_path):
+    c, model, twin = _from_store(tmp_path)
+    x, y = _open_batch(0)
+    loss = c.backward((x,), y, scale=0.5)
+    names = [p.name for p in c.executor.last_program.pieces]
+    assert [n for n in names if n.startswith("load")] == [f"load group {k}"
+                                                          for k in range(5)], names
+    assert names[-2:] == ["backward", "grads"]
+    assert c.executor.uncaptured() == [("-", LOADING_STEP)]
+    want = torch.nn.functional.cross_entropy(twin(x), y)
+    (want * 0.5).backward()
+    assert float(loss) == pytest.approx(float(want.detach()), rel=1e-6)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)   # the stored weights
+        torch.testing.assert_close(p.grad, q.grad, **OPEN_TOL, msg=name)
+
+
+def test_open_and_closed_steps_alternate(tmp_path):
+    """Open (first: streams the weights in), closed, open with accumulation, closed: one
+    optimizer (the compile's, SGD with momentum), the eager loop's twin steps."""
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+    c, model, twin = _from_store(tmp_path, optimizer=sgd)
+    opt, twin_opt = c.optimizer, sgd(twin.parameters())
+    eager = _EagerLoop(twin)
+    for step, kind in enumerate(("open", "closed", "open", "closed")):
+        x, y = _open_batch(step)
+        if kind == "closed":
+            got = c.step((x,), y)
+            twin_opt.zero_grad()
+            want = eager.backward(x, y, None)
+            twin_opt.step()
+        else:
+            with c.no_sync():
+                c.backward((x[:3],), y[:3], scale=0.5)
+            got = c.backward((x[3:],), y[3:], scale=0.5)
+            eager.backward(x[:3], y[:3], 0.5)
+            want = eager.backward(x[3:], y[3:], 0.5)
+            opt.step()
+            twin_opt.step()
+            opt.zero_grad()
+            twin_opt.zero_grad()
+        assert float(got) == pytest.approx(float(want), rel=1e-6), (step, kind)
+        _same_params(model, twin)
+
+
+def _bf16(on):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
+AUTOCAST_STEPS = (True, True, False, True)
+"""Inside autocast (the loading step, then captured), outside (captured again), inside (the
+first capture, kept)."""
+
+
+def _autocast_run(step_fn, model, steps):
+    """``step_fn(x, y)`` for each step, inside bf16 autocast where ``steps`` says; the
+    losses."""
+    losses = []
+    for i, on in enumerate(steps):
+        with _bf16(on):
+            losses.append(float(step_fn(*_open_batch(i))))
+    return losses
+
+
+def _eager_autocast(steps):
+    """Eager SGD steps of a fresh net with autocast where ``steps`` says; (losses, model)."""
+    model = _open_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return _autocast_run(step, model, steps), model
+
+
+@pytest.mark.parametrize("open_step", [False, True], ids=["closed", "open"])
+def test_steps_under_autocast_equal_eager_autocast(tmp_path, open_step):
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.5)
+
+    c, model, _ = _from_store(tmp_path, optimizer=sgd)
+
+    def step(x, y):
+        if not open_step:
+            return c.step((x,), y)
+        loss = c.backward((x,), y)
+        c.optimizer.step()
+        c.optimizer.zero_grad()
+        return loss
+
+    losses = _autocast_run(step, model, AUTOCAST_STEPS)
+    want_losses, want = _eager_autocast(AUTOCAST_STEPS)
+    assert losses == pytest.approx(want_losses, rel=1e-6, abs=1e-6)
+    _same_params(model, want)
+    fp32 = _eager_autocast((False,) * len(AUTOCAST_STEPS))[1]
+    with pytest.raises(AssertionError):   # autocast made a difference the test can see
+        _same_params(model, fp32, tol=dict(rtol=1e-4, atol=1e-4))
+    assert c.executor.fallback_reason == "" and c.executor.uncaptured() == []
+
+
+def test_freezing_and_eval_recapture_on_the_resident_weights(tmp_path):
+    """A change of ``requires_grad`` or ``training`` after the first step is captured again by
+    the same program, which does not stream the stored weights in again over the trained
+    ones."""
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.3)
+
+    c, model, twin = _from_store(tmp_path, optimizer=sgd)
+    program = c.executor.rank_program
+    twin_opt = sgd(twin.parameters())
+    for step in range(4):
+        if step == 1:
+            model[0].weight.requires_grad_(False)
+            twin[0].weight.requires_grad_(False)
+        if step == 3:
+            model.eval()
+            twin.eval()
+        x, y = _open_batch(step)
+        got = c.step((x,), y)
+        twin_opt.zero_grad()
+        want = torch.nn.functional.cross_entropy(twin(x), y)
+        want.backward()
+        twin_opt.step()
+        assert float(got) == pytest.approx(float(want.detach()), rel=1e-6), step
+        _same_params(model, twin)
+    assert c.executor.rank_program is program
+
+
+def test_the_cold_start_forward_runs_under_the_callers_autocast(tmp_path):
+    """The forward that streams the weights in runs its groups on stream workers, under the
+    autocast of the thread that called it (autocast is thread-local)."""
+    c, model, twin = _from_store(tmp_path)
+    x, _ = _open_batch(0)
+    with torch.no_grad(), _bf16(True):
+        out, want = c(x), twin(x)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert c.executor.last_timeline is not None   # it was the streaming forward

@@ -6,7 +6,13 @@ segment first checks that its weights are in, the tail pieces run the functions 
 :class:`InterpretedSegments` runs segments node by node through one ``fx.Interpreter`` (with
 autograd when training: the cold-start forward and the eager step, :func:`bind_training`);
 :class:`ReplayedSegments` runs them as the lowered, captured segments of a captured step
-(:func:`bind_captured`).
+(:func:`bind_captured`). The open step (``Compiled.backward``) has a ``grads`` piece in place of
+the ``optimizer`` piece: the gradient of ``scale * loss`` added to each trainable parameter's
+``.grad`` (:func:`bind_open_training`, :func:`bind_open_captured`; one process, so ``no_sync``
+changes nothing). Interpreted segments and the eager ``backward`` piece run under the autocast
+state of the thread that bound the run, on whichever thread runs them; the captured segments
+(whose casts are in their graph), the loads, ``optimizer`` and ``grads`` with autocast off
+(``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> import torch, torch.fx as fx
@@ -28,12 +34,14 @@ import torch
 import torch.fx as fx
 
 from tidal.ir.capture import step_inputs
-from tidal.ir.layer_group_program import OPTIMIZER_PIECE, Pipelined
+from tidal.ir.layer_group_program import BACKWARD_PIECE, OPTIMIZER_PIECE, Pipelined
 from tidal.ir.param_owners import trainable
 from tidal.ir.program import LOAD, Piece
+from tidal.ir.step_state import autocast_state
 from tidal.runtime.program import CapturedRun
 from tidal.runtime.programs.layer_group_loads import GroupLoads
-from tidal.runtime.programs.optimizer_wiring import set_grads
+from tidal.runtime.programs.optimizer_wiring import GRADS, add_grads, scaled, set_grads
+from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
 from tidal.runtime.programs.step_capture import StepCapture
 
 
@@ -48,14 +56,17 @@ class BoundGroups:
     """A pipelined program bound to one run's tensors (a ``StepWork``): load pieces go to
     ``loads``, the pieces named in ``calls`` run those functions and every other piece is a
     segment (``compute``, after ``loads.ready`` for a group's piece); ``loss()`` gives the
-    step's loss once every piece ran."""
+    step's loss once every piece ran. The segments and the ``backward`` call run under
+    ``autocast`` (an autocast state), every other piece with autocast off."""
 
     def __init__(self, run: Pipelined, loads: Optional[GroupLoads],
                  calls: Optional[Mapping[str, Callable[[], Any]]] = None,
-                 loss: Optional[Callable[[], torch.Tensor]] = None):
+                 loss: Optional[Callable[[], torch.Tensor]] = None,
+                 autocast: AutocastState = NO_AUTOCAST):
         self.program, self.groups = run.program, run.groups
         self.loads = loads
         self.calls = dict(calls or {})
+        self.autocast = autocast
         self._loss = loss
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
@@ -65,8 +76,9 @@ class BoundGroups:
                 raise ValueError(f"piece {piece.name!r}: this run loads no weights")
             return functools.partial(self.loads.load, group)
         if piece.name in self.calls:
-            return self.calls[piece.name]
-        return functools.partial(self._segment, group, index, piece)
+            eager = piece.name == BACKWARD_PIECE
+            return under_autocast(self.autocast if eager else NO_AUTOCAST, self.calls[piece.name])
+        return under_autocast(self.autocast, functools.partial(self._segment, group, index, piece))
 
     def _segment(self, group: Optional[int], index: int, piece: Piece) -> None:
         if group is not None and self.loads is not None:
@@ -85,12 +97,13 @@ class BoundGroups:
 
 class InterpretedSegments(BoundGroups):
     """Segments run node by node through one interpreter (with autograd when ``grad``): the
-    cold-start forward and the eager fallback of a step."""
+    cold-start forward and the eager fallback of a step, under the autocast state of the
+    thread that made it (as the eager model would run there)."""
 
     def __init__(self, run: Pipelined, interp: fx.Interpreter, loads: Optional[GroupLoads],
                  grad: bool = False, calls: Optional[Mapping[str, Callable[[], Any]]] = None,
                  loss: Optional[Callable[[], torch.Tensor]] = None):
-        super().__init__(run, loads, calls, loss)
+        super().__init__(run, loads, calls, loss, autocast_state())
         self.interp, self.grad = interp, grad
         self.nodes = {n.name: n for n in interp.graph.nodes}
 
@@ -112,7 +125,7 @@ class InterpretedSegments(BoundGroups):
 
 class ReplayedSegments(BoundGroups):
     """Segments of a captured step: piece ``index`` runs its lowered, captured steps in the
-    run ``replay``."""
+    run ``replay`` (with autocast off: a capture made under autocast has its casts)."""
 
     def __init__(self, run: Pipelined, replay: CapturedRun,
                  calls: Mapping[str, Callable[[], Any]], loss: Callable[[], torch.Tensor]):
@@ -123,6 +136,20 @@ class ReplayedSegments(BoundGroups):
         self.replay.segment(index)()
 
 
+def _replayed(capture: StepCapture, gm: fx.GraphModule, inputs: tuple, targets: Any
+              ) -> tuple[CapturedRun, Callable[[], torch.Tensor],
+                         Callable[[], dict[str, torch.Tensor]]]:
+    """A run of ``capture``'s lowered segments on these tensors, and what reads its loss (a
+    detached copy) and its gradients by parameter name once it ran."""
+    replay = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
+    loss, grads = capture.nodes()
+
+    def values() -> dict[str, torch.Tensor]:
+        return {name: replay.value(g) for name, g in zip(capture.step.param_names, grads)}
+
+    return replay, lambda: replay.value(loss).detach().clone(), values
+
+
 def bind_captured(run: Pipelined, capture: StepCapture, gm: fx.GraphModule, inputs: tuple,
                   targets: Any, optimizer: torch.optim.Optimizer) -> ReplayedSegments:
     """A step of the captured joint graph (``run`` is ``capture``'s program): its segments
@@ -130,17 +157,30 @@ def bind_captured(run: Pipelined, capture: StepCapture, gm: fx.GraphModule, inpu
     them. What outlives the step is copied out of a CUDA graph's static outputs, which the
     next step's replay overwrites."""
     params = trainable(gm)
-    replay = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
-    loss, grads = capture.nodes()
+    replay, loss, grads = _replayed(capture, gm, inputs, targets)
 
     def apply() -> None:
         optimizer.zero_grad(set_to_none=True)
-        values = {name: replay.value(g) for name, g in zip(capture.step.param_names, grads)}
+        values = grads()
         set_grads(params, values, copy=any(g.device.type != "cpu" for g in values.values()))
         optimizer.step()
 
-    return ReplayedSegments(run, replay, calls={OPTIMIZER_PIECE: apply},
-                            loss=lambda: replay.value(loss).detach().clone())
+    return ReplayedSegments(run, replay, calls={OPTIMIZER_PIECE: apply}, loss=loss)
+
+
+def bind_open_captured(run: Pipelined, capture: StepCapture, gm: fx.GraphModule,
+                       inputs: tuple, targets: Any, scale: Any) -> ReplayedSegments:
+    """The open step of the captured joint graph (``run``: ``capture``'s segments, then a
+    ``grads`` piece): the gradients of the loss times ``scale`` (None, a number or a tensor)
+    are added to the trainable parameters' ``.grad`` (copies: a CUDA graph's static outputs
+    are overwritten by the next replay)."""
+    params = trainable(gm)
+    replay, loss, grads = _replayed(capture, gm, inputs, targets)
+
+    def add() -> None:
+        add_grads(params, {name: scaled(g, scale) for name, g in grads().items()})
+
+    return ReplayedSegments(run, replay, calls={GRADS: add}, loss=loss)
 
 
 def bind_training(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
@@ -156,6 +196,30 @@ def bind_training(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: An
         done["loss"] = loss.detach()
 
     bound = InterpretedSegments(run, graph_interpreter(gm, *inputs), loads, grad=True,
-                                calls={"backward": backward, OPTIMIZER_PIECE: optimizer.step},
+                                calls={BACKWARD_PIECE: backward, OPTIMIZER_PIECE: optimizer.step},
+                                loss=lambda: done["loss"])
+    return bound
+
+
+def bind_open_training(run: Pipelined, gm: fx.GraphModule, inputs: tuple, targets: Any,
+                       loss_fn: Callable, scale: Any, loads: Optional[GroupLoads]
+                       ) -> InterpretedSegments:
+    """The open step whose groups run ``gm``'s segments with autograd (``run``: the groups,
+    ``backward``, ``grads``): ``backward`` takes the gradients of ``scale * loss`` (``scale``
+    None, a number or a tensor), ``grads`` adds them to the trainable parameters' ``.grad``."""
+    params = trainable(gm)
+    done: dict[str, Any] = {}
+
+    def backward() -> None:
+        loss = loss_fn(bound.output(), targets)
+        done["loss"] = loss.detach()
+        if params:
+            grads = torch.autograd.grad(scaled(loss, scale), list(params.values()),
+                                        allow_unused=True)
+            done["grads"] = {n: g for n, g in zip(params, grads) if g is not None}
+
+    bound = InterpretedSegments(run, graph_interpreter(gm, *inputs), loads, grad=True,
+                                calls={BACKWARD_PIECE: backward,
+                                       GRADS: lambda: add_grads(params, done.get("grads", {}))},
                                 loss=lambda: done["loss"])
     return bound

@@ -38,7 +38,16 @@ CUDA graphs in a memory pool of their own on a GPU, the straight-line replay on 
 node that cannot run captured (an in-place update of a buffer, a host sync) runs uncaptured in
 its piece and :meth:`~LayerGroupsProgram.uncaptured` names it. A step that cannot be captured
 runs the groups' segments of the graph module with autograd, then an eager ``backward`` piece
-(``fallback_reason`` says why). :func:`run_pipelined` and :func:`cold_start` are the cold-start
+(``fallback_reason`` says why). The steps are captured once per input shape, autocast state,
+set of modules' ``training`` flags and of parameters' ``requires_grad`` (freezing or
+``model.eval()`` re-captures in this program, on the resident weights), and the pieces that run
+eagerly (interpreted segments, ``backward``) run under the autocast of the thread that bound the
+step, on whichever thread runs them (``tidal.runtime.programs.piece_autocast``); the captured
+segments' casts are in their graph. The open step (``Compiled.backward``,
+:meth:`~LayerGroupsProgram.bind_backward`) is the same program with a ``grads`` piece in place of
+``optimizer``: the gradient of ``scale * loss`` added to each trainable parameter's ``.grad``
+(one process: ``no_sync`` changes nothing; ``torch.nn.utils.clip_grad_norm_`` clips the global
+norm). :func:`run_pipelined` and :func:`cold_start` are the cold-start
 forward of a graph module and of a compiled model, on any device (run node by node, not
 captured: see :meth:`~LayerGroupsProgram.run`).
 
@@ -75,14 +84,18 @@ from tidal.ir import ops
 from tidal.ir.capture import step_inputs
 from tidal.ir.inputs import as_kwargs, bind_inputs
 from tidal.ir.joint_segments import cut_at_markers, group_segments
-from tidal.ir.layer_group_program import OPTIMIZER_PIECE, Pipelined, pipelined
+from tidal.ir.layer_group_program import (BACKWARD_PIECE, OPTIMIZER_PIECE, Pipelined,
+                                          pipelined)
 from tidal.ir.node_runner import flat_tensors
+from tidal.ir.step_state import step_state
 from tidal.runtime.backend import Backend, backend_for, used_here
 from tidal.runtime.program import ProgramRunner, device_of, runner_backend
 from tidal.runtime.programs.layer_group_loads import GroupLoads, LoadTimeline
 from tidal.runtime.programs.layer_group_steps import (BoundGroups, InterpretedSegments,
-                                                      bind_captured, bind_training,
+                                                      bind_captured, bind_open_captured,
+                                                      bind_open_training, bind_training,
                                                       graph_interpreter)
+from tidal.runtime.programs.optimizer_wiring import GRADS
 from tidal.runtime.programs.step_capture import (Fallback, StepCapture, capture_step,
                                                  lower_step, shape_key)
 from tidal.runtime.weights.loader import expected_specs, group_tensors
@@ -98,8 +111,11 @@ LOADING_STEP = ("the step that loads the weights runs the groups with autograd a
                 "loads put them)")
 """Why the training step that loads the weights runs uncaptured."""
 
-EAGER_TAIL = (("backward", ()), (OPTIMIZER_PIECE, ()))
+EAGER_TAIL = ((BACKWARD_PIECE, ()), (OPTIMIZER_PIECE, ()))
 """The pieces after the groups' forward in a step that runs with autograd."""
+
+OPEN_TAIL = ((BACKWARD_PIECE, ()), (GRADS, ()))
+"""The pieces after the groups' forward in an open step that runs with autograd."""
 
 
 def from_plan(gm: fx.GraphModule, plan: Any, device: Optional[torch.device] = None
@@ -128,11 +144,20 @@ def _positional(gm: fx.GraphModule, args: Sequence[Any], kwargs: Optional[dict])
 
 @dataclass(frozen=True)
 class _Step:
-    """A training step for one input shape on the resident weights: its pipelined program
-    and the step captured for it (or why it runs with autograd)."""
+    """A training step for one input shape on the resident weights: its pipelined program,
+    the open step's (``grads`` in place of ``optimizer``) and the step captured for them (or
+    why they run with autograd)."""
 
     run: Pipelined
+    open_run: Pipelined
     capture: StepCapture
+
+    @classmethod
+    def eager(cls, forward: Sequence[Sequence[str]], why: Fallback, loads: bool) -> "_Step":
+        """The step whose groups run ``forward`` (node names per group) with autograd."""
+        run = pipelined(forward, EAGER_TAIL, loads=loads)
+        return cls(run, pipelined(forward, OPEN_TAIL, loads=loads),
+                   StepCapture.eager(run.program, why))
 
 
 class LayerGroupsProgram:
@@ -145,6 +170,16 @@ class LayerGroupsProgram:
     slower link (each load takes at least ``overhead + bytes / bandwidth``), for tests and
     benchmarks. The program's host copy of the store (:class:`HostCopy`, for a device other
     than the CPU) is filled by its first load and serves every later one."""
+
+    recaptures_autocast = True
+    """A step in another autocast state is captured again (``step_capture.shape_key`` holds
+    it); the eager pieces run under the binding thread's autocast."""
+
+    recaptures_state = True
+    """A step after freezing, unfreezing or ``model.eval()`` is captured again by this
+    program (its captures are keyed by the modules' ``training`` flags and the parameters'
+    ``requires_grad``): a new program would stream the stored weights in again over the
+    trained ones."""
 
     def __init__(self, path: PathLike, device: Optional[torch.device] = None,
                  link_bytes_per_us: Optional[float] = None, link_overhead_us: float = 0.0,
@@ -220,21 +255,74 @@ class LayerGroupsProgram:
         step loads them: its groups run ``gm``'s segments with autograd as the weights stream
         in, then an eager ``backward`` (the captures read the parameters in place, from where
         the loads put them, so they are made once the weights are resident). Afterwards the
-        step's program is built and captured once per input shape. One step of a shape runs
-        at a time (a program job binds a step once the previous one ended): its captured
-        segments have one set of static buffers."""
+        step's program is built and captured once per input shape and autocast state. One
+        step of a shape runs at a time (a program job binds a step once the previous one
+        ended): its captured segments have one set of static buffers."""
         inputs = tuple(inputs)
         if not self.loaded:
-            run = pipelined(cut_at_markers(gm.graph.nodes), EAGER_TAIL)
-            self._latest = _Step(run, StepCapture.eager(run.program, Fallback(LOADING_STEP)))
-            return bind_training(run, gm, inputs, targets, loss_fn, optimizer, self._open(gm))
-        key = shape_key(inputs, targets)
-        if key not in self._steps:
-            self._steps[key] = self._capture(gm, inputs, targets, loss_fn)
-        step = self._latest = self._steps[key]
+            step = self._loading(gm)
+            return bind_training(step.run, gm, inputs, targets, loss_fn, optimizer,
+                                 self._open(gm))
+        step = self._step(gm, model, inputs, targets, loss_fn)
         if not step.capture.captured:
             return bind_training(step.run, gm, inputs, targets, loss_fn, optimizer, None)
         return bind_captured(step.run, step.capture, gm, inputs, targets, optimizer)
+
+    def bind_backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple,
+                      targets: Any, loss_fn: Callable, scale: Any, sync: bool) -> BoundGroups:
+        """The open step (``Compiled.backward``): :meth:`bind`'s program with a ``grads``
+        piece in place of the ``optimizer`` piece, which adds the gradients of ``scale *
+        loss`` (``scale`` None, a number or a tensor: a ``GradScaler``'s) to each trainable
+        parameter's ``.grad``; the loss it returns is unscaled. The first step (open or not)
+        streams the weights in. One process: ``sync`` (False inside ``no_sync``) changes
+        nothing, the gradients are added to ``.grad`` as DDP's ``no_sync`` leaves them there.
+
+        Example:
+            >>> import os, tempfile, torch, tidal
+            >>> from tidal.passes.layer_groups import LayerGroups
+            >>> from tidal.runtime.weights.loader import write_groups
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+            ...                             torch.nn.Linear(4, 2))
+            >>> x, y = torch.randn(3, 4), torch.tensor([0, 1, 1])
+            >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+            >>> write_groups(tidal.compile(model, (x,), passes=[LayerGroups(
+            ...     grouping="per_layer")]).graph_module, path)
+            >>> c = tidal.compile(model, (x,), passes=[LayerGroups(grouping="per_layer",
+            ...     weight_store=path)], loss_fn=torch.nn.functional.cross_entropy)
+            >>> loss = c.backward((x,), y, scale=0.5)          # streams the weights in
+            >>> [p.name for p in c.executor.last_program.pieces][2:]
+            ['load group 2', 'group 0', 'group 1', 'group 2', 'backward', 'grads']
+            >>> loss = c.backward((x,), y, scale=0.5)          # captured, added to .grad
+            >>> [p.name for p in c.executor.last_program.pieces]
+            ['group 0', 'group 1', 'group 2', 'backward 2', 'backward 0', 'grads']
+        """
+        inputs = tuple(inputs)
+        if not self.loaded:
+            step = self._loading(gm)
+            return bind_open_training(step.open_run, gm, inputs, targets, loss_fn, scale,
+                                      self._open(gm))
+        step = self._step(gm, model, inputs, targets, loss_fn)
+        if not step.capture.captured:
+            return bind_open_training(step.open_run, gm, inputs, targets, loss_fn, scale, None)
+        return bind_open_captured(step.open_run, step.capture, gm, inputs, targets, scale)
+
+    def _loading(self, gm: fx.GraphModule) -> _Step:
+        """The step that streams the weights in (the latest one)."""
+        self._latest = _Step.eager(cut_at_markers(gm.graph.nodes), Fallback(LOADING_STEP),
+                                   loads=True)
+        return self._latest
+
+    def _step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
+              loss_fn: Callable) -> _Step:
+        """The step on the resident weights for these shapes, this thread's autocast state
+        and ``model``'s training flags and ``requires_grad`` (captured on first use; the
+        latest one)."""
+        state = step_state(model)
+        key = (id(gm), state.training, state.requires_grad) + shape_key(inputs, targets)
+        if key not in self._steps:
+            self._steps[key] = self._capture(gm, inputs, targets, loss_fn)
+        self._latest = self._steps[key]
+        return self._latest
 
     def uncaptured(self) -> list[tuple[str, str]]:
         """(node, reason) of each node the latest step's program runs uncaptured (the
@@ -255,17 +343,17 @@ class LayerGroupsProgram:
             except ValueError as e:
                 raise Fallback(str(e)) from e
             run = pipelined(forward, [*tail, (OPTIMIZER_PIECE, ())], loads=False)
+            open_run = pipelined(forward, [*tail, (GRADS, ())], loads=False)
             flat = step_inputs(train, gm, inputs, targets)
             capture = lower_step(train, run.program, {0: flat}, self._backend(flat))
         except Fallback as why:
             self.fallback_reason = (f"the training step runs the groups with autograd and an "
                                     f"eager backward: {why.reason}")
-            run = pipelined(cut_at_markers(gm.graph.nodes), EAGER_TAIL, loads=False)
-            return _Step(run, StepCapture.eager(run.program,
-                                                Fallback(self.fallback_reason, why.node)))
+            return _Step.eager(cut_at_markers(gm.graph.nodes),
+                               Fallback(self.fallback_reason, why.node), loads=False)
         markers = {n.name for n in train.gm.graph.nodes if n.target is ops.GROUP_BOUNDARY}
         kept = tuple((node, why) for node, why in capture.uncaptured if node not in markers)
-        return _Step(run, replace(capture, uncaptured=kept))
+        return _Step(run, open_run, replace(capture, uncaptured=kept))
 
     def _backend(self, flat: Sequence[Any]) -> Backend:
         """The capture backend of the device of ``flat``'s tensors: this program's
