@@ -32,8 +32,8 @@ now with those, and never runs a capture made in another state:
   pieces under the autocast of the thread that bound the step
   (``tidal.runtime.programs.piece_autocast``), so a step inside ``torch.autocast`` computes as
   the eager step would, and an autocast change between steps is no change of state for it;
-  any other program (``layer_groups``') raises inside ``torch.autocast``, naming its plans (its pieces would
-  silently compute in the parameters' dtype). The values ``loss_fn`` reads besides its
+  a program whose ``recaptures_autocast`` is not true raises inside ``torch.autocast``,
+  naming its plans (its pieces would silently compute in the parameters' dtype). The values ``loss_fn`` reads besides its
   arguments (globals, closure variables, its object's attributes) are watched too: the
   program traced ``loss_fn`` at the first step, so a later change raises naming the variable
   (``tidal.compiler.loss_watch``).
