@@ -37,13 +37,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
 import torch.fx as fx
 
 from tidal.ir import batch_dim, cost, meta
+from tidal.ir.burst_rows import ALL, Share, TransferRows, placement_shares
 from tidal.ir.cluster import Cluster
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.collectives import GATHER, SCATTER, check_layer_ranks, layout, rows_like
@@ -187,9 +188,18 @@ Rows = tuple[tuple[int, int], ...]
 """Per rank of the world, the ``[lo, hi)`` samples it holds (``(0, 0)``: none)."""
 
 
-def _rows(placement: LayerPlacement, world: int) -> Rows:
+class Placed(NamedTuple):
+    """Which samples each rank of the world holds of a value: at the plan's batch (``rows``,
+    the plan's ranges) and as parts of any batch (``shares``, ``tidal.ir.burst_rows``)."""
+
+    rows: Rows
+    shares: tuple[Share, ...]
+
+
+def _placed(placement: LayerPlacement, world: int) -> Placed:
     held = dict(zip(placement.ranks, placement.ranges))
-    return tuple(held.get(r, (0, 0)) for r in range(world))
+    return Placed(tuple(held.get(r, (0, 0)) for r in range(world)),
+                  placement_shares(placement.ranks, placement.ranges, world))
 
 
 def _holders(flat: list[int]) -> int:
@@ -207,36 +217,48 @@ class _Rewriter:
     def __init__(self, gm: fx.GraphModule, plan: BurstPlan, units: burst_units.Units):
         self.gm, self.units = gm, units
         self.world, self.batch = plan.world, plan.batch
-        self.everyone: Rows = ((0, plan.batch),) * plan.world
-        self.unit_rows = {l.layer: _rows(l, plan.world) for l in plan.layers}
-        self.held: dict[str, Rows] = {}   # cut value -> the samples each rank holds of it
+        self.everyone = Placed(((0, plan.batch),) * plan.world, (ALL,) * plan.world)
+        self.unit_rows = {l.layer: _placed(l, plan.world) for l in plan.layers}
+        self.held: dict[str, Placed] = {}   # cut value -> the samples each rank holds of it
         for u in units.units:
             for m in u.members:
                 self.held[m] = self.unit_rows[u.name]
         self.made: dict[tuple, fx.Node] = {}
 
+    def whole(self, node: fx.Node) -> int:
+        """Dim 0 of a value with no sample dim 0 (the output of a unit pinned to one GPU),
+        which moves whole; 0 for a value split by samples."""
+        if node.op != "placeholder" and not burst_units.splits_rows(node):
+            return meta.get_tensors(node)[0].shape[0]
+        return 0
+
     def layout(self, node: fx.Node, rows: Rows) -> list[int]:
         """The rows of ``node``'s dim 0 each rank holds when it holds samples ``rows``. A value
         with no sample dim 0 (the output of a unit pinned to one GPU) moves whole."""
-        fact = meta.get_batch_dim(node)
-        if node.op != "placeholder" and not burst_units.splits_rows(node):
-            n = meta.get_tensors(node)[0].shape[0]
+        n = self.whole(node)
+        if n:
             if any(r not in ((0, 0), (0, self.batch)) for r in rows):
                 raise PlanError(f"burst_parallel: {node.name!r} has no sample dimension 0 "
-                                f"({fact}) but would be split by samples")
+                                f"({meta.get_batch_dim(node)}) but would be split by samples")
             return layout((0, n) if hi > lo else (0, 0) for lo, hi in rows)
         f = _factor(node)
         return layout((lo * f, hi * f) for lo, hi in rows)
 
-    def source(self, arg: fx.Node) -> Optional[Rows]:
+    def mark(self, made: fx.Node, arg: fx.Node, src: Placed, dst: Placed) -> None:
+        """Record on ``made`` (a transfer or stand-in of ``arg``) what it moves for any batch
+        (``tidal.ir.burst_rows.TransferRows``: the runtime re-lays it out for another one)."""
+        meta.set_pass_meta(made, PASS_NAME, TransferRows(src.shares, dst.shares,
+                                                         _factor(arg), self.whole(arg)))
+
+    def source(self, arg: fx.Node) -> Optional[Placed]:
         if arg.name in self.held:
             return self.held[arg.name]
         if arg.op == "placeholder" and burst_units.splits_rows(arg):
             return self.everyone
         return None
 
-    def value(self, arg: fx.Node, dst: Rows, before: fx.Node) -> fx.Node:
-        """``arg`` as seen by a node whose rank ``r`` holds samples ``dst[r]``."""
+    def value(self, arg: fx.Node, dst: Placed, before: fx.Node) -> fx.Node:
+        """``arg`` as seen by a node whose rank ``r`` holds samples ``dst.rows[r]``."""
         src = self.source(arg)
         role = self.units.roles.get(arg.name)
         if src is None:
@@ -248,7 +270,7 @@ class _Rewriter:
         # a value written in place moves anew for each reader, after the writes before it
         key = (arg.name, dst, before.name if arg.name in self.units.mutated else "")
         if key not in self.made:
-            s, d = self.layout(arg, src), self.layout(arg, dst)
+            s, d = self.layout(arg, src.rows), self.layout(arg, dst.rows)
             if dst == self.everyone or src == self.everyone:
                 op = GATHER if dst == self.everyone else SCATTER
             else:
@@ -256,6 +278,7 @@ class _Rewriter:
             with self.gm.graph.inserting_before(before):
                 self.made[key] = self.gm.graph.call_function(op, (arg, s, d))
             meta.set_tensors(self.made[key], meta.get_tensors(arg))
+            self.mark(self.made[key], arg, src, dst)
         return self.made[key]
 
     def _recompute(self, arg: fx.Node, dst: Rows, before: fx.Node, shape_only: bool) -> fx.Node:
@@ -269,7 +292,8 @@ class _Rewriter:
                 if shape_only and src is not None and src != dst:
                     with self.gm.graph.inserting_before(before):
                         inputs[a] = self.gm.graph.call_function(
-                            rows_like, (a, self.layout(a, src), self.layout(a, dst)))
+                            rows_like, (a, self.layout(a, src.rows), self.layout(a, dst.rows)))
+                    self.mark(inputs[a], a, src, dst)
                 else:
                     inputs[a] = self.value(a, dst, before)
             if all(v is a for a, v in inputs.items()):

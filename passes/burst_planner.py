@@ -81,13 +81,14 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from tidal.ir.burst_rows import split_rows as split_batch
 from tidal.ir.plans.burst import BurstPlan, LayerPlacement
 from tidal.passes.burst_evaluate import (PlanEval, amplification, assign_ranks, evaluate,
                                          evaluate_plan)
 from tidal.passes.burst_overlap import plan_overlap
 from tidal.passes.burst_problem import (BurstProblem, OverlapSync, all_blocks, allreduce_us,
                                         candidate_counts, chain_members, check_structure,
-                                        per_gpu_batch, split_batch)
+                                        per_gpu_batch)
 from tidal.passes.burst_search import search_plan
 
 __all__ = ["BurstProblem", "OverlapSync", "allreduce_us", "candidate_counts", "check_structure",

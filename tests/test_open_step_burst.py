@@ -12,7 +12,17 @@ ranks and keeps their scales equal. Under bf16 autocast (float32 model, each ste
 (max |Δparam| ≤ 1e-4 after 2 SGD steps, and
 > 1e-5 from a float32 run): a rank that skips c1 hands the transfers bf16 rows as
 c1's rank does; ranks under different autocast states get ``TransferMismatchError`` on both
-before any transfer, not a process abort. One spawned job for every case."""
+before any transfer, not a process abort. A last, smaller batch: steps on 8, 7, 5 and 1 rows
+under the plan for 8 (each layer's ranks split the batch as ``torch.tensor_split``; with 1 row
+rank 1 skips the layers on both ranks) equal plain SGD on each batch's mean loss, closed and
+open, on two ranks and in one process (≤ 1e-9), and the forward on 5 rows equals the model's;
+such a batch on a BatchNorm layer is refused by name (``BatchError``) on both ranks. Under
+``compile(batch="local")`` the forward (``BurstProgram.forward_local``) returns this rank's
+rows of the output on the joined batch (4 + 4 and 4 + 3 rows), equal to the model on them; a
+forward given different global batches on the ranks raises ``BatchError`` on both. With
+``CompressionPass("topk:0.3")`` the runtime state (each set's compressor) saved after 2 steps
+through ``tidal.checkpoint`` and loaded into a fresh compile resumes bit for bit; without it
+the run differs. One spawned job for every case."""
 import contextlib
 import copy
 import functools
@@ -59,15 +69,17 @@ def _model():
         torch.set_default_dtype(before)
 
 
-def _compile(model, x=None, **options):
+def _compile(model, x=None, example=None, passes=(), **options):
     """``model`` under a burst plan with c1 on rank 0 only, every other layer on both ranks
-    (traced on ``x``, default: the float64 batch of step 0)."""
+    (traced on ``x``, default: the float64 batch of step 0; compiled on ``example``, default
+    ``x``), then ``passes``."""
     x = _data(0, 0)[0] if x is None else x
     gm = tidal.trace(model, (x,))
     cost.annotate(gm, (x,))
     problem = build_problem(gm, CLUSTER, BATCH)
     plan = plan_from_counts(problem, {n: 1 if n == "c1" else 2 for n in problem.names})
-    return tidal.compile(model, (x,), passes=[BurstParallel(plan=plan.to_json())],
+    return tidal.compile(model, (x if example is None else example,),
+                         passes=[BurstParallel(plan=plan.to_json()), *passes],
                          cluster=CLUSTER, loss_fn=F.cross_entropy, **options)
 
 
@@ -231,10 +243,151 @@ def _autocast_on_one_rank(rank, size):
     return "no error", ""
 
 
+UNEVEN = (8, 7, 5, 1)       # global batches: the plan's, then smaller; 1 row leaves rank 1 no
+                            # rows of the layers on both ranks (it skips them for that batch)
+UNEVEN_TOL = 1e-9           # float64
+
+
+def _rows_data(rows, seed):
+    g = torch.Generator().manual_seed(300 + seed)
+    return (torch.randn(rows, 3, 6, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 10, (rows,), generator=g))
+
+
+def _uneven_batches(rank, size):
+    """SGD steps on global batches of ``UNEVEN`` rows under the plan for 8 (one process too:
+    rank 0 of 1): per kind (the closed step, the open step with the user's optimizer), the
+    losses, ``compiled.state_dict()`` after them and the forward on the last batch of 5+ rows
+    (``compiled(x)``: the whole output on every rank)."""
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for kind in ("closed", "open"):
+        model = _model()
+        sgd = functools.partial(torch.optim.SGD, lr=0.1)
+        compiled = _compile(model, optimizer=sgd) if kind == "closed" else _compile(model)
+        opt = None if kind == "closed" else sgd(model.parameters())
+        losses = []
+        for i, rows in enumerate(UNEVEN):
+            x, y = _rows_data(rows, i)
+            if opt is None:
+                losses.append(compiled.step((x,), y))
+            else:
+                losses.append(compiled.backward((x,), y))
+                opt.step()
+                opt.zero_grad()
+        state = {k: v.clone() for k, v in compiled.state_dict().items()}
+        out[kind] = (torch.stack(losses), state, compiled(_rows_data(5, 9)[0]).detach())
+    return out
+
+
+def _uneven_reference():
+    """``_uneven_batches``' steps in plain PyTorch on one process (float64)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i, rows in enumerate(UNEVEN):
+        x, y = _rows_data(rows, i)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), model.state_dict(), model(_rows_data(5, 9)[0]).detach()
+
+
+def _batch_norm_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
+                               torch.nn.Linear(8, 3))
+
+
+def _too_few_rows_for_batch_norm(rank, size):
+    """A BatchNorm layer on both ranks and a global batch of 1 row (rank 1 would hold none of
+    it, and its running statistics count in the layer's average): the error each rank
+    raises (type, message); then a step on 4 rows runs."""
+    model = _batch_norm_model()
+    x = torch.randn(BATCH, 6)
+    gm = tidal.trace(model, (x,))
+    cost.annotate(gm, (x,))
+    problem = build_problem(gm, CLUSTER, BATCH)
+    plan = plan_from_counts(problem, {n: 2 for n in problem.names})
+    compiled = tidal.compile(model, (x,), passes=[BurstParallel(plan=plan.to_json())],
+                             cluster=CLUSTER, loss_fn=F.cross_entropy,
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    try:
+        compiled.step((x[:1],), torch.zeros(1, dtype=torch.long))
+        raised = ("no error", "")
+    except tidal.TidalError as e:
+        raised = (type(e).__name__, str(e))
+    loss = compiled.step((x[:4],), torch.zeros(4, dtype=torch.long))  # 2 rows per rank
+    return raised, bool(torch.isfinite(loss))
+
+
+def _ranks_own_rows():
+    """Each rank's own rows under ``compile(batch="local")``: 4 + 4 (the plan's global 8),
+    then 4 + 3 (a global 7)."""
+    x = _rows_data(8, 20)[0]
+    return [(x[:4], x[4:]), (x[:4], x[4:7])]
+
+
+def _local_forward(rank, size):
+    """``compile(batch="local")`` (each rank passes its own 4 rows; the plan for the global
+    8): the forward on this rank's rows (``BurstProgram.forward_local``, which
+    ``Compiled.__call__`` runs under ``batch="local"``) for each of ``_ranks_own_rows``; and a
+    forward under the global convention given different batches on the ranks: the error each
+    rank raises."""
+    torch.set_default_dtype(torch.float64)
+    x = _rows_data(8, 20)[0]
+    compiled = _compile(_model(), x, example=x.tensor_split(size)[rank], batch="local")
+    program = compiled.executor.rank_program
+    outs = [program.forward_local(compiled.graph_module, (pair[rank],), {}).detach()
+            for pair in _ranks_own_rows()]
+    try:
+        program.forward(compiled.graph_module, x + rank)
+        raised = ("no error", "")
+    except tidal.TidalError as e:
+        raised = (type(e).__name__, str(e))
+    return outs, raised
+
+
+def _topk_run(rank, resume):
+    """4 SGD steps of the burst plan + Top-K 30 % (error feedback): uninterrupted
+    (``resume=None``), or 2 steps, then a fresh model and compile given the model's state and
+    (``resume="runtime"``) the runtime state through ``tidal.checkpoint``, then 2 more.
+    Returns ``compiled.state_dict()`` after the 4 steps and the runtime state's sections."""
+    from tidal.passes.compression import CompressionPass
+
+    def fresh():
+        return _compile(_model(), passes=[CompressionPass("topk:0.3")],
+                        optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+    compiled = fresh()
+    saved = {}
+    for step in range(4):
+        if step == 2 and resume is not None:
+            model_state = {k: v.clone() for k, v in compiled.state_dict().items()}
+            runtime = copy.deepcopy(tidal.checkpoint.get_runtime_state_dict(compiled))
+            saved = compiled.runtime_state_dict()
+            compiled = fresh()
+            compiled.load_state_dict(model_state)
+            if resume == "runtime":
+                tidal.checkpoint.set_runtime_state_dict(compiled, runtime)
+        x, y = _data(step, 0)
+        compiled.step((x,), y)
+    return {k: v.clone() for k, v in compiled.state_dict().items()}, sorted(saved)
+
+
+def _topk_runtime_state(rank, size):
+    torch.set_default_dtype(torch.float64)
+    return {resume: _topk_run(rank, resume) for resume in (None, "runtime", "model only")}
+
+
 @pytest.fixture(scope="module")
 def two_rank_job():
     return spawn_parts(2, [part(_accumulating_loop), part(_non_finite_on_one_rank),
-                           part(_under_autocast), part(_autocast_on_one_rank)],
+                           part(_under_autocast), part(_autocast_on_one_rank),
+                           part(_uneven_batches), part(_too_few_rows_for_batch_norm),
+                           part(_local_forward), part(_topk_runtime_state)],
                        timeout_s=600)
 
 
@@ -314,3 +467,62 @@ def test_non_finite_gradients_on_one_rank_skip_the_step_on_both(two_rank_job):
             torch.testing.assert_close(params[name], want[name], rtol=0, atol=PARAM_TOL)
     for name in set(mine0) & set(mine1):                # the owners' copies stay identical
         assert torch.equal(params0[name], params1[name]), name
+
+
+def _assert_uneven_equal(result, where):
+    ref_losses, ref_state, ref_out = _uneven_reference()
+    for kind, (losses, state, out) in result.items():
+        torch.testing.assert_close(losses, ref_losses, rtol=0, atol=UNEVEN_TOL,
+                                   msg=f"{where}, {kind} step: losses")
+        assert state.keys() == ref_state.keys()
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=UNEVEN_TOL,
+                                       msg=f"{where}, {kind} step: {k}")
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=UNEVEN_TOL,
+                                   msg=f"{where}, {kind} step: forward on 5 rows")
+
+
+def test_smaller_batches_equal_eager_on_two_ranks(two_rank_job):
+    """Steps on 8, 7, 5, 1 rows under the plan for 8 equal plain SGD on each batch's mean
+    loss (≤ 1e-9, float64), closed and open, on both ranks; so does the forward on 5 rows."""
+    for rank, result in enumerate(two_rank_job["_uneven_batches"]):
+        _assert_uneven_equal(result, f"rank {rank}")
+
+
+def test_smaller_batches_equal_eager_in_one_process():
+    before = torch.get_default_dtype()
+    try:
+        _assert_uneven_equal(_uneven_batches(0, 1), "one process")
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_a_batch_leaving_a_rank_no_rows_of_a_batch_norm_layer_is_refused(two_rank_job):
+    for rank, ((kind, message), finite) in enumerate(
+            two_rank_job["_too_few_rows_for_batch_norm"]):
+        assert kind == "BatchError", (rank, kind, message)
+        assert "1 rows leaves rank 1 no rows of layer" in message and "'1.running_mean'" in \
+            message, message
+        assert finite, f"rank {rank}: the step on 4 rows after the refusal"
+
+
+def test_local_forward_gives_this_ranks_rows(two_rank_job):
+    model = _model()
+    for rank, (outs, (kind, message)) in enumerate(two_rank_job["_local_forward"]):
+        for pair, out in zip(_ranks_own_rows(), outs):
+            want = model(pair[rank]).detach()
+            assert out.shape == want.shape, (rank, out.shape, want.shape)
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        assert kind == "BatchError" and "ranks" in message, (rank, kind, message)
+
+
+def test_topk_runtime_state_resumes_bit_for_bit(two_rank_job):
+    for rank, runs in enumerate(two_rank_job["_topk_runtime_state"]):
+        whole, _ = runs[None]
+        resumed, sections = runs["runtime"]
+        fresh, _ = runs["model only"]
+        assert "grad_sync" in sections, (rank, sections)
+        for k, v in whole.items():
+            assert torch.equal(resumed[k], v), f"rank {rank}: {k} after resuming"
+        assert any(not torch.equal(fresh[k], v) for k, v in whole.items()), \
+            f"rank {rank}: the compressor state made no difference"

@@ -11,6 +11,16 @@ gives under the step's autocast state, so every rank hands each transfer the sam
 tensor (checked before it moves: ``tidal.runtime.programs.burst_transfers``). Without a process
 group (one process) the ops are the identity and a step is plain training.
 
+A step (or forward) on another global batch than the plan's — a last, smaller batch — runs the
+plan's structure, each layer on the same ranks, with that batch's samples split among each
+layer's ranks as ``torch.tensor_split`` splits them; a rank left no rows of a layer skips it
+for that batch (``tidal.runtime.programs.burst_batch``). The rank graphs and step layouts are
+keyed by the input shapes, so each batch size is laid out once. Under
+``compile(batch="local")`` the forward joins the ranks' rows and returns this rank's
+(:meth:`BurstProgram.forward_local`). :meth:`BurstProgram.runtime_state` keeps what changes
+the next steps beside the model and the optimizer (the compressors' state after the
+``compression`` pass, the ``no_sync`` gradients), by parameter name.
+
 The parts, one module each:
 
 * the rank's Program, built from the graph, the plan and the rank alone (:func:`build_program`;
@@ -72,6 +82,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
 from tidal.ir.burst_ownership import (StateBytes, buffer_sets, foreign_params, owned_tensors,
                                       state_bytes, state_note, state_table)
@@ -79,15 +90,17 @@ from tidal.ir.burst_sync import Bucket, sync_buckets
 from tidal.ir.collectives import SubgroupCache, check_layer_ranks, new_group
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
 from tidal.ir.program import Program
-from tidal.runtime.batch_data import BatchError
+from tidal.runtime.batch_data import global_batch
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import is_distributed, rank_and_size
 from tidal.runtime.program import OpenStepError
+from tidal.runtime.programs.burst_batch import batch_graph, layer_ranks_at
 from tidal.runtime.programs.burst_graph import RankGraph, rank_graph
 from tidal.runtime.programs.burst_refresh import (StaleGuard, refresh_replicas,
                                                   replicated_elsewhere)
 from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from_plan, step_layout
-from tidal.runtime.programs.burst_state import load_rank_state, rank_state_dict, saved_tensors
+from tidal.runtime.programs.burst_state import (load_rank_state, load_runtime_state,
+                                                rank_state_dict, runtime_state, saved_tensors)
 from tidal.runtime.programs.burst_step import BurstStep, clip_by_global_norm_
 from tidal.runtime.programs.burst_transfers import TransferChecker, agree
 from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads, remove_params
@@ -132,6 +145,9 @@ class BurstProgram:
     the same order)."""
 
     recaptures_autocast = True  # its eager pieces run under the binding thread's autocast
+    runtime_state_by_name = True
+    """:meth:`runtime_state` keeps each set's compressor state and the ``no_sync`` gradients
+    by parameter name: it carries over to another set of trainable parameters."""
     recaptures_state = True
     """A step after freezing or unfreezing gets a layout of its own (keyed by the trainable
     set: its gradient buckets follow it); its stages run eagerly, reading the modules'
@@ -178,49 +194,91 @@ class BurstProgram:
         self._sync_factory = factory
         self._syncs = {}
 
-    def _check(self, inputs: tuple) -> None:
+    def _check(self) -> None:
+        """The job's world against the plan's; on the first distributed call, the plan's
+        layers against the world and the process groups (a collective: every rank calls it
+        in the same order)."""
         size = dist.get_world_size()
         if size != self.world:
             raise ValueError(f"burst_parallel: the plan is for {self.world} GPUs but the job has "
                              f"{size} ranks; compile with tidal.Cluster(gpus={size})")
-        first = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
-        if first is not None and first.shape[0] != self.batch:
-            raise BatchError(f"burst_parallel: the plan is for a global batch of {self.batch}, "
-                             f"got {first.shape[0]} rows: compile for that batch, or drop the "
-                             f"last, smaller batch (DataLoader(drop_last=True))")
         if not self._ready:  # the plan is fixed: its ranks are checked against the world once
             check_layer_ranks(self.layer_ranks.items(), size)
             self.groups.create(r for r in self.param_ranks.values() if 1 < len(r) < size)
             self.comm_group = new_group()  # the comm stream's world-wide collectives
             self._ready = True
 
+    def batch_rows(self, inputs: tuple) -> int:
+        """The global batch of ``inputs``: dim 0 of the first tensor (the plan's batch when
+        there is none)."""
+        first = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
+        return self.batch if first is None or first.dim() == 0 else int(first.shape[0])
+
     def local_graph(self, gm: fx.GraphModule, inputs: tuple) -> RankGraph:
         """``gm`` specialised for this rank, its skipped layers of the dtype they give on
         ``inputs`` under this thread's autocast state, and what each transfer must carry
         (``burst_graph.rank_graph``): built once per graph, input shapes and dtypes and
         autocast state, when the ranks check that they bind the same kind of step
-        (``burst_transfers.agree``, a collective)."""
+        (``burst_transfers.agree``, a collective). On another global batch than the plan's,
+        the transfers move that batch's rows, each layer's ranks splitting it as
+        ``torch.tensor_split`` does (``burst_batch``; a rank with no rows of a layer skips
+        it)."""
         if self._local is None or self._local[0] is not gm:
             self._local = (gm, {})
         key = shape_key(inputs)
         graphs = self._local[1]
         if key not in graphs:
-            local = rank_graph(gm, self.layer_ranks, dist.get_rank(), self.unit_members,
-                               inputs, key[-1])
+            rows, source, ranks = self.batch_rows(inputs), gm, self.layer_ranks
+            if rows != self.batch:
+                source = batch_graph(gm, rows)
+                ranks = layer_ranks_at(gm, self.layer_ranks, self.world, rows)
+            local = rank_graph(source, ranks, dist.get_rank(), self.unit_members, inputs,
+                               key[-1])
             agree(key, self.comm_group)
             graphs[key] = local
         return graphs[key]
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-        """The global output on every rank (each layer's rows from the ranks that own it);
-        each transfer's input is checked first (``burst_transfers.TransferChecker``)."""
+        """The global output on every rank (each layer's rows from the ranks that own it),
+        from the same global batch on every rank: on several ranks one small all-gather
+        checks that first (``tidal.runtime.batch_data.global_batch``, a ``BatchError`` naming
+        the input and the ranks that differ; under ``compile(batch="local")`` each rank passes
+        its own rows: :meth:`forward_local`); each transfer's input is checked too
+        (``burst_transfers.TransferChecker``)."""
         if is_distributed():
-            self._check(args)
-            local = self.local_graph(gm, args)
-            if kwargs:
-                return local.module(*args, **kwargs)
-            return TransferChecker(local.module, local.expected, dist.get_rank()).run(*args)
-        return gm(*args, **kwargs)
+            global_batch((args, kwargs), None, "global", check=True)
+        return self._run(gm, args, kwargs)
+
+    def forward_local(self, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any],
+                      group: Optional[dist.ProcessGroup] = None, check: bool = True) -> Any:
+        """The forward under ``compile(batch="local")`` (each rank passes its own rows): the
+        ranks' inputs joined along dim 0 in rank order into the global batch
+        (``tidal.runtime.batch_data.global_batch`` on ``group``; ``check`` as there), the plan
+        run on it, and this rank's rows of each output tensor whose dim 0 is the global
+        batch's (any other output comes back whole, the same on every rank). One process:
+        the forward on the inputs as they are."""
+        if not is_distributed():
+            return self._run(gm, args, kwargs)
+        mine = self.batch_rows(tuple(args) + tuple(kwargs.values()))
+        # a row per input row naming its rank: joined with the inputs, it says where ours are
+        rank = dist.get_rank()
+        (args, kwargs), owners = global_batch((tuple(args), dict(kwargs)),
+                                              torch.full((mine,), rank), "local",
+                                              check=check, group=group)
+        total, lo = owners.shape[0], int((owners < rank).sum())
+        out = self._run(gm, args, kwargs)
+        return tree_map(lambda t: t[lo:lo + mine] if isinstance(t, torch.Tensor) and t.dim()
+                        and t.shape[0] == total else t, out)
+
+    def _run(self, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        """The plan's forward on the global batch ``args``/``kwargs`` (one process: ``gm``)."""
+        if not is_distributed():
+            return gm(*args, **kwargs)
+        self._check()
+        local = self.local_graph(gm, args)
+        if kwargs:
+            return local.module(*args, **kwargs)
+        return TransferChecker(local.module, local.expected, dist.get_rank()).run(*args)
 
     # -- owner-only state ------------------------------------------------------------------
     def _rank(self, rank: Optional[int]) -> Optional[int]:
@@ -284,6 +342,26 @@ class BurstProgram:
         own = (lambda opt: self.own_optimizer(opt, gm)) if is_distributed() else None
         load_rank_state(state, 0 if rank is None else rank, self.world,
                         saved_tensors(gm, self.owned(gm)), optimizer, own, self.sync_of)
+
+    def runtime_state(self, gm: fx.GraphModule) -> dict[str, Any]:
+        """What this rank's program holds beside the model and the optimizer that changes the
+        next steps, for a checkpoint (``Compiled.runtime_state_dict``) and a re-capture: each
+        set's compressor state after the ``compression`` pass (error feedback, warm starts)
+        and the open step's ``no_sync`` gradients, by parameter name
+        (``burst_state.runtime_state``); ``{}`` when it holds neither (one process: no
+        compressor runs)."""
+        return runtime_state(self._syncs, self.local_grads)
+
+    def load_runtime_state(self, gm: fx.GraphModule, optimizer: Any,
+                           state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`runtime_state` returned (after the model and the optimizer):
+        the next step continues the saved training bit for bit. On several ranks, a
+        collective the first time (the sets' process groups are made)."""
+        if state and is_distributed():
+            self._check()
+        foreign = set(self.foreign(gm))
+        params = {n: p for n, p in gm.named_parameters() if p.requires_grad and n not in foreign}
+        load_runtime_state(state, self.sync_of, self.local_grads, params)
 
     def refresh_state(self, gm: fx.GraphModule) -> None:
         """Bring this rank's stale copies (of layers it does not run) up to date from their
@@ -364,7 +442,7 @@ class BurstProgram:
         (``model.state_dict()`` refuses them)."""
         distributed = is_distributed()
         if distributed:
-            self._check(inputs)
+            self._check()
         rank, size = rank_and_size()
         key = (id(gm), rank, size, self.bucket_bytes, self.overlap, finish,
                tuple(p.requires_grad for p in gm.parameters())) + shape_key(inputs, targets)

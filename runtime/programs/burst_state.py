@@ -5,7 +5,9 @@ On its distributed steps the rank removes every parameter it does not own (and i
 the optimizer's param groups (``tidal.runtime.programs.optimizer_wiring.remove_params``). A
 rank's checkpoint (:func:`rank_state_dict`) holds its share: its tensors by name, the
 optimizer, the compressors' state; :func:`load_rank_state` restores it on the same rank of a job
-of the same world, naming what does not fit.
+of the same world, naming what does not fit. What the program holds beside the model and the
+optimizer (``Compiled.runtime_state_dict``, a DCP checkpoint's runtime state) is
+:func:`runtime_state`: the compressors and the ``no_sync`` gradients, by parameter name.
 
 Example:
     >>> import torch
@@ -24,8 +26,11 @@ import torch.fx as fx
 
 from tidal.ir.burst_sync import ranks_label
 from tidal.runtime.comm.grad_sync import GradSync
+from tidal.runtime.programs.optimizer_wiring import LocalGrads
 
 Ranks = tuple[int, ...]
+GRAD_SYNC, LOCAL_GRADS = "grad_sync", "local_grads"
+"""The sections of the saved state: each set's compressor, the ``no_sync`` gradients."""
 
 
 def saved_tensors(gm: fx.GraphModule, owned: Mapping[str, torch.Tensor]
@@ -52,7 +57,7 @@ def rank_state_dict(rank: int, world: int, saved: Mapping[str, torch.Tensor],
     return {"rank": rank, "world": world,
             "model": {n: t.detach().clone() for n, t in saved.items()},
             "optimizer": None if optimizer is None else optimizer.state_dict(),
-            "grad_sync": {ranks_label(r): s.state_dict() for r, s in sorted(syncs.items())}}
+            GRAD_SYNC: {ranks_label(r): s.state_dict() for r, s in sorted(syncs.items())}}
 
 
 def load_rank_state(state: Mapping[str, Any], rank: int, world: int,
@@ -81,12 +86,73 @@ def load_rank_state(state: Mapping[str, Any], rank: int, world: int,
         if own_optimizer is not None:
             own_optimizer(optimizer)
         optimizer.load_state_dict(state["optimizer"])
-    for label, s in state.get("grad_sync", {}).items():
+    load_syncs(state.get(GRAD_SYNC, {}), sync_of)
+
+
+def load_syncs(states: Mapping[str, Any], sync_of: Callable[[Ranks], Optional[GradSync]]
+               ) -> None:
+    """Load each set's compressor state (``states``, by ranks label, as
+    :func:`rank_state_dict` and :func:`runtime_state` save them) into ``sync_of(ranks)``.
+    Raises ``ValueError`` naming a set this program syncs without a compressor."""
+    for label, s in states.items():
         sync = sync_of(tuple(int(r) for r in label.split(",")))
         if sync is None:
             raise ValueError(f"burst_parallel: the checkpoint holds compressor state for "
-                             f"ranks {label}, but this program syncs without one")
+                             f"ranks {label}, but this program syncs without one: compile with "
+                             f"the same plan and compression pass as the run that saved it")
         sync.load_state_dict(s)
+
+
+def runtime_state(syncs: Mapping[Ranks, GradSync], local: LocalGrads) -> dict[str, Any]:
+    """What a rank program holds beside the model and the optimizer that changes the next
+    steps (``Compiled.runtime_state_dict``): each set's compressor state by its ranks
+    (``grad_sync``; error feedback, warm starts, keyed by parameter name inside) and the
+    gradients the open step accumulated inside ``no_sync``, not yet synced, by parameter
+    name (``local_grads``); copies, each section only when it holds something.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> local = LocalGrads()
+    >>> local.add("w", w, torch.ones(2))
+    >>> runtime_state({}, local)
+    {'local_grads': {'w': tensor([1., 1.])}}
+    >>> len(local)                     # kept
+    1
+    """
+    state: dict[str, Any] = {}
+    if syncs:
+        state[GRAD_SYNC] = {ranks_label(r): s.state_dict() for r, s in sorted(syncs.items())}
+    held = local.drain()
+    for name, param, grad in held:
+        local.add(name, param, grad)
+    if held:
+        state[LOCAL_GRADS] = {name: grad.detach().clone() for name, _, grad in held}
+    return state
+
+
+def load_runtime_state(state: Mapping[str, Any],
+                       sync_of: Callable[[Ranks], Optional[GradSync]], local: LocalGrads,
+                       params: Mapping[str, torch.Tensor]) -> None:
+    """Restore :func:`runtime_state`'s ``state``: the compressors (:func:`load_syncs`) and the
+    ``no_sync`` gradients into ``local`` for the trainable parameters ``params`` (by name, the
+    ones this rank owns). Raises ``ValueError`` naming a gradient for a parameter this rank
+    does not own or train.
+
+    >>> w = torch.nn.Parameter(torch.zeros(2))
+    >>> local = LocalGrads()
+    >>> load_runtime_state({"local_grads": {"w": torch.ones(2)}}, lambda r: None, local,
+    ...                    {"w": w})
+    >>> local.plus(w, torch.ones(2)).tolist()
+    [2.0, 2.0]
+    """
+    load_syncs(state.get(GRAD_SYNC, {}), sync_of)
+    pending = state.get(LOCAL_GRADS, {})
+    unknown = [n for n in pending if n not in params]
+    if unknown:
+        raise ValueError(f"burst_parallel: the runtime state holds gradients accumulated "
+                         f"inside no_sync() for {unknown[:3]}, which this rank does not own "
+                         f"or train: load it on the rank, plan and model it was saved from")
+    for name, grad in pending.items():
+        local.add(name, params[name], grad)
 
 
 def _copy_tensors(given: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor],
