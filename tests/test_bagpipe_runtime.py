@@ -164,7 +164,7 @@ def test_killed_trainer_raises_and_leaves_checkpoint(tmp_path):
     ck = str(tmp_path / "ck")
     with pytest.raises(BagpipeError, match=r"trainer 1 died at iteration 3") as err:
         train(compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR,
-              loss_fn=click_loss, checkpoint_every=2, checkpoint_dir=ck, timeout_s=30,
+              loss_fn=click_loss, checkpoint_every=2, checkpoint_dir=ck, timeout_s=90,
               fail_at=(1, 3))
     assert err.value.trainer == 1 and err.value.iteration == 3 and err.value.checkpoint == ck
     assert ck in str(err.value)

@@ -11,11 +11,13 @@ import torch.nn.functional as F
 
 import tidal
 from tidal.ir import cost
+from tidal.ir.export_capture import reusing_exports
 from tidal.ir.inputs import bind_inputs
 from tidal.passes.burst_parallel import BurstParallel, analyse, build_problem
 from tidal.passes.burst_planner import plan_burst, plan_from_counts
 
-from rank_parts import part, spawn_parts
+from rank_parts import part, run_parts
+from background_jobs import Job
 
 HF = importlib.util.find_spec("transformers") is not None
 needs_hf = pytest.mark.skipif(not HF, reason="needs the hf extra")
@@ -72,14 +74,33 @@ def _centred_step(rank, size):
         dict(ref.named_parameters())
 
 
-@pytest.fixture(scope="module")
-def two_rank_job():
-    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results} (the
-    hand plans of Hugging Face models only with the hf extra)."""
+def _two_rank_parts() -> list:
+    """Every 2-rank case of this module (the hand plans of Hugging Face models only with the
+    hf extra), as ``rank_parts`` parts."""
     parts = [part(_centred_step), part(_written_step)]
     if HF:
         parts.append(part(_hand_plans, ("gpt2", "swin")))
-    return spawn_parts(2, parts, timeout_s=540)
+    return parts
+
+
+def _job() -> Job:
+    return Job(run_parts, 2, (_two_rank_parts(),), {"timeout_s": 540})
+
+
+def background_job(items):
+    """The module's one 2-rank job, run in the background while other modules run
+    (``tests/conftest.py``) when a collected test reads it."""
+    if any("two_rank_job" in getattr(i, "fixturenames", ()) for i in items):
+        return _job()
+    return None
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(request, background_jobs):
+    """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
+    job = _job()
+    results = background_jobs.result(request.module.__name__, job)
+    return {name: [r[name] for r in results] for name, _, _ in job.args[0]}
 
 
 def test_a_pinned_unit_sees_the_whole_batch_on_two_ranks(two_rank_job):
@@ -119,13 +140,15 @@ def _hand_plans(rank, size, names):
     for name in names:
         case = BUILDERS[name]()
         want_loss, ref = eager_step(case)
-        gm = tidal.trace(case.model, case.inputs)
-        inputs = bind_inputs(gm, case.inputs)
-        cost.annotate(gm, inputs)
-        problem = build_problem(gm, cluster(size), 4, example_inputs=inputs)
-        plan = plan_from_counts(problem, [1 + i % 2 for i in range(len(problem.names))])
-        c = tidal.compile(case.model, case.inputs, passes=[BurstParallel(plan=plan.to_json())],
-                          cluster=cluster(size), loss_fn=case.loss_fn, optimizer=sgd)
+        with reusing_exports():  # the plan's trace and the compile: one export of the model
+            gm = tidal.trace(case.model, case.inputs)
+            inputs = bind_inputs(gm, case.inputs)
+            cost.annotate(gm, inputs)
+            problem = build_problem(gm, cluster(size), 4, example_inputs=inputs)
+            plan = plan_from_counts(problem, [1 + i % 2 for i in range(len(problem.names))])
+            c = tidal.compile(case.model, case.inputs,
+                              passes=[BurstParallel(plan=plan.to_json())],
+                              cluster=cluster(size), loss_fn=case.loss_fn, optimizer=sgd)
         moves = sum(1 for n in c.graph_module.graph.nodes if "tidal" in str(n.target))
         loss = float(c.step(case.inputs, case.targets))
         w = dict(ref.named_parameters())

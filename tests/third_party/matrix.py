@@ -258,15 +258,20 @@ def run_ranks(rank: int, world: int, model_name: str) -> dict:
     |parameter error| against one eager step on the global batch, the flat parameters)``.
     Under ``burst_parallel`` (owner-only state) the parameters are the rank's own copies of
     those it owns and its owners' mean for the others (:func:`_owners_view`). The model is
-    exported once, by its first cell; the others rebuild that export on their fresh model."""
+    exported once, by its first cell; the others rebuild that export on their fresh model.
+    The eager reference step is computed once (every cell's fresh model is the same)."""
     exports = ExportCache()
-    return {kind: _rank_cell_result(model_name, kind, world, exports) for kind in MULTI_RANK}
+    reference = eager_step(BUILDERS[model_name]())
+    return {kind: _rank_cell_result(model_name, kind, world, exports, reference)
+            for kind in MULTI_RANK}
 
 
-def _rank_cell_result(model_name: str, kind: str, world: int, exports: ExportCache) -> tuple:
-    """One cell of :func:`run_ranks` on a fresh model (its capture reusing ``exports``)."""
+def _rank_cell_result(model_name: str, kind: str, world: int, exports: ExportCache,
+                      reference: tuple) -> tuple:
+    """One cell of :func:`run_ranks` on a fresh model (its capture reusing ``exports``),
+    compared with ``reference``: (loss, model) of one eager step (:func:`eager_step`)."""
     case = BUILDERS[model_name]()
-    want_loss, ref = eager_step(case)
+    want_loss, ref = reference
     try:
         with reusing_exports(exports):
             c = _compile(case, **_rank_cell(case, kind, world))

@@ -8,12 +8,12 @@ of those it owns and, for the others, its owners' copies (``matrix.burst_owned``
 ``matrix._owners_view``): owners that disagree still differ between the ranks."""
 import importlib.util
 import re
+from typing import Optional
 
 import numpy as np
 import pytest
 
-from tidal.runtime.distributed import spawn
-
+from background_jobs import Job
 from .matrix import MULTI_RANK, Bug, Refuse, expected, run_models
 from .models import BUILDERS
 
@@ -64,23 +64,33 @@ def _params():
 TEST_NAME = "test_two_ranks_step_equals_one_process_step"
 
 
-@pytest.fixture(scope="module")
-def rank_results(request):
-    """Every multi-rank cell of the models this session runs (not skipped), from one spawned
-    2-rank job: {model name: per-rank results}, or the job's ``RankError`` (raised by each
-    model's test, so that every one of them fails, inside its test)."""
+def background_job(items) -> Optional[Job]:
+    """The 2-rank job of the models among ``items`` (this module's collected tests, not
+    skipped), one spawned job for all of them; run in the background while the other test
+    modules run (``tests/conftest.py``)."""
     names = []
-    for item in request.session.items:
-        if (getattr(item, "originalname", None) == TEST_NAME and item.module is request.module
-                and item.get_closest_marker("skip") is None):
+    for item in items:
+        if getattr(item, "originalname", None) == TEST_NAME and \
+                item.get_closest_marker("skip") is None:
             name = item.callspec.params["model_name"]
             if name not in names:
                 names.append(name)
+    return Job(run_models, 2, (names,), {"timeout_s": 120 + 60 * len(names)}) if names else None
+
+
+@pytest.fixture(scope="module")
+def rank_results(request, background_jobs):
+    """Every multi-rank cell of the models this session runs (not skipped), from one spawned
+    2-rank job (:func:`background_job`): {model name: per-rank results}, or the job's
+    ``RankError`` (raised by each model's test, so that every one of them fails, inside its
+    test)."""
+    job = background_job([i for i in request.session.items
+                          if getattr(i, "module", None) is request.module])
     try:
-        results = spawn(run_models, 2, names, timeout_s=120 + 60 * len(names))
+        results = background_jobs.result(request.module.__name__, job)
     except Exception as e:  # noqa: BLE001 - re-raised by every test below
         return e
-    return {name: [r[name] for r in results] for name in names}
+    return {name: [r[name] for r in results] for name in job.args[0]}
 
 
 @pytest.mark.parametrize("model_name", _params())
