@@ -78,6 +78,10 @@ class Compiled(ModuleFace):
         graph = self.guard.forward_graph(self.lowered is not None)
         if graph is not None:
             return graph(*args, **kwargs)
+        local = getattr(self.executor.rank_program, "forward_local", None)
+        if self.context.batch == "local" and local is not None:   # this rank's rows back
+            return local(self.graph_module, args, kwargs, group=self._batch_group(),
+                         check=self.context.check_batch)
         return self.executor.forward(self.graph_module, *args, **kwargs)
 
     @property

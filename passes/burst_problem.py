@@ -50,18 +50,6 @@ def per_gpu_batch(batch: int, gpus: int) -> int:
     return -(-batch // gpus)
 
 
-def split_batch(batch: int, gpus: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous sample ranges ``[lo, hi)`` of ``batch`` over ``gpus`` GPUs (the first
-    ``batch % gpus`` get one more)."""
-    q, r = divmod(batch, gpus)
-    out, lo = [], 0
-    for k in range(gpus):
-        hi = lo + q + (1 if k < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return tuple(out)
-
-
 def allreduce_us(nbytes: float, gpus: int, bytes_per_us: float, latency_us: float) -> float:
     """sync(i, g): ring all-reduce of a layer's gradients on ``gpus`` GPUs
     (``tidal.ir.comm_cost.ring_allreduce_us``); 0 on one GPU or no bytes."""

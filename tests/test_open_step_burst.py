@@ -340,8 +340,7 @@ def _local_forward(rank, size):
     x = _rows_data(8, 20)[0]
     compiled = _compile(_model(), x, example=x.tensor_split(size)[rank], batch="local")
     program = compiled.executor.rank_program
-    outs = [program.forward_local(compiled.graph_module, (pair[rank],), {}).detach()
-            for pair in _ranks_own_rows()]
+    outs = [compiled(pair[rank]).detach() for pair in _ranks_own_rows()]
     try:
         program.forward(compiled.graph_module, x + rank)
         raised = ("no error", "")

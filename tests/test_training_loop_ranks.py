@@ -52,7 +52,6 @@ REFUSALS = {
     **{(p, "loss_fn reads a changing value"): r"StepGuardError: .*loss_fn reads global 'W'"
        for p in PROGRAMS},
     ("tick_tock", "last smaller batch"): r"BatchError: .*tick_tock",
-    ("burst_parallel", "last smaller batch"): r"BatchError: .*burst",
     ("tick_tock", "buffer updated in place"): r"BufferUpdateError: .*'(count|ema)'",
     ("round_robin", "buffer updated in place"): r"BufferUpdateError: .*'(count|ema)'",
 }
