@@ -68,8 +68,8 @@ def test_store_round_trip_records_format_and_checksums(tmp_path):
     path = tmp_path / "w.safetensors"
     write_groups(compiled.graph_module, path)
     meta = _header(path)[0]["__metadata__"]
-    assert meta["tidal.format"] == "tidal-layer-groups-2"
-    assert sorted(json.loads(meta["tidal.sum64"])) == sorted(model.state_dict())
+    assert meta["tidal.format"] == "tidal-layer-groups-3"
+    assert sorted(json.loads(meta["tidal.crc32"])) == sorted(model.state_dict())
     with torch.no_grad():
         expected = model(x)
         for p in model.parameters():
@@ -134,13 +134,17 @@ def test_store_of_another_model_names_the_first_differing_tensor(tmp_path):
         run_pipelined(compiled.graph_module, path, (x,))
 
 
-def test_store_of_an_older_tidal_must_be_rewritten(tmp_path):
+@pytest.mark.parametrize("old, lacks", [("1", "without checksums"),
+                                        ("2", "with 64-bit word-sum checksums")])
+def test_store_of_an_older_tidal_must_be_rewritten(tmp_path, old, lacks):
     _, x, compiled = _grouped(4, 8, 2)
     path = tmp_path / "old.safetensors"
     write_groups(compiled.graph_module, path)
     raw = path.read_bytes()
-    path.write_bytes(raw.replace(b"tidal-layer-groups-2", b"tidal-layer-groups-1", 1))
-    with pytest.raises(WeightStoreError, match="written by an older tidal.*rewrite it"):
+    path.write_bytes(raw.replace(b"tidal-layer-groups-3", f"tidal-layer-groups-{old}".encode(),
+                                 1))
+    with pytest.raises(WeightStoreError, match=f"written by an older tidal \\(format "
+                                               f"'tidal-layer-groups-{old}', {lacks}.*rewrite it"):
         run_pipelined(compiled.graph_module, path, (x,))
 
 
@@ -327,7 +331,7 @@ def test_a_burst_checkpoint_loads_only_on_the_rank_that_owns_it(two_rank_job):
     assert "tensor '0.bias' is not owned by this rank" in m1[2]
 
 
-def test_checksum_sees_every_byte_including_a_partial_last_word():
+def test_checksum_sees_every_byte_and_swapped_words():
     from tidal.runtime.weights.store import checksum
 
     data = bytearray(torch.arange(13, dtype=torch.uint8).numpy().tobytes())
@@ -337,4 +341,7 @@ def test_checksum_sees_every_byte_including_a_partial_last_word():
         changed = bytearray(data)
         changed[i] ^= 0x10
         assert checksum(bytes(changed)) != base, i
+    words = torch.arange(16, dtype=torch.uint8).numpy().tobytes()
+    swapped = words[8:] + words[:8]  # the same two words, swapped: a word sum misses it
+    assert checksum(swapped) != checksum(words)
     assert checksum(b"") == 0

@@ -5,8 +5,9 @@ the ``load group k`` piece copies group ``k``'s contiguous buffer onto the devic
 it runs on (the backend's ``load`` stream: low priority, not occupying the device) and points
 the group's parameters and buffers at views of the copy; the ``group k`` piece first checks it
 (on a GPU its stream waits for the copy's event, and the copy is marked used there). The bytes
-are checked against the store's checksums as they are read from the file: on the CPU into the
-copy itself, on any other device into the program's host copy
+are checked against the store's checksums (CRC-32) as they are read from the file (plain reads,
+never a memory map: a file truncated meanwhile raises ``WeightStoreError``, not ``SIGBUS``): on
+the CPU into the copy itself, on any other device into the program's host copy
 (``tidal.runtime.weights.store.HostCopy``: one buffer, pinned on a GPU, allocated once and
 reused), from which a GPU copies by DMA. A :class:`LoadTimeline` is read from a run's piece
 trace: device-side times on the backend's one clock (CUDA event times on a GPU).
@@ -113,8 +114,7 @@ class GroupLoads:
         checked; elsewhere the verified host copy is copied on the current stream (on a GPU
         asynchronously, from pinned memory, an event recorded after it)."""
         if self.device.type == "cpu":
-            dst = torch.empty(self.store.group_nbytes(k), dtype=torch.uint8)
-            dst.copy_(self.store.group_region(k))  # the read from the file
+            dst = self.store.read_group(k)  # the read from the file
             self.store.verify(k, dst)
             return dst
         src = self.host.group(self.store, k)
