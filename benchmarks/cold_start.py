@@ -4,7 +4,7 @@ PipeSwitch's optimal grouping, on a device (the CPU by default).
 For ResNet-152 and the BERT-base encoder (batch 1) the script
 1. calibrates the planner to this machine: the forward throughput (annotated FLOPs / a warm
    forward's time on the device) gives ``peak_tflops``; the link bandwidth is, on the CPU, a
-   cold read of a store file (the "link" is the disk read of the memory-mapped safetensors file
+   cold read of a store file (the "link" is the disk read of the safetensors file (checked reads)
    plus the copy into the model's memory), on a GPU a copy from pinned host memory;
 2. compiles the model three times with the ``layer_groups`` pass (``grouping`` = ``single``,
    ``per_layer``, ``optimal``) and writes each grouping's store file;
