@@ -3,23 +3,17 @@ the compute stream, each gradient bucket's sync on the comm stream as soon as ba
 finished its layers, and on every rank only the state of the layers it runs.
 
 Every rank passes the same global batch. Each layer runs on its ranks' sample ranges; a rank
-outside a layer's set skips it: on its first distributed step the program specialises the graph
-for its rank (``tidal.runtime.programs.burst_graph``). The model output is gathered to every
-rank, so every rank computes the same global loss, and backward sends each row's gradient back
-to the rank that computed the row. A skipped layer gives an empty tensor of the dtype the layer
-gives under the step's autocast state, so every rank hands each transfer the same kind of
-tensor (checked before it moves: ``tidal.runtime.programs.burst_transfers``). Without a process
-group (one process) the ops are the identity and a step is plain training.
+outside a layer's set skips it, running the graph specialised for its rank. The model output is
+gathered to every rank, so every rank computes the same global loss, and backward sends each
+row's gradient back to the rank that computed the row. A skipped layer gives an empty tensor of
+the dtype the layer gives under the step's autocast state, so every rank hands each transfer the
+same kind of tensor (checked before it moves: ``tidal.runtime.programs.burst_transfers``).
+Without a process group (one process) the ops are the identity and a step is plain training.
 
-A step (or forward) on another global batch than the plan's — a last, smaller batch — runs the
-plan's structure, each layer on the same ranks, with that batch's samples split among each
-layer's ranks as ``torch.tensor_split`` splits them; a rank left no rows of a layer skips it
-for that batch (``tidal.runtime.programs.burst_batch``). The rank graphs and step layouts are
-keyed by the input shapes, so each batch size is laid out once. Under
-``compile(batch="local")`` the forward joins the ranks' rows and returns this rank's
-(:meth:`BurstProgram.forward_local`). :meth:`BurstProgram.runtime_state` keeps what changes
-the next steps beside the model and the optimizer (the compressors' state after the
-``compression`` pass, the ``no_sync`` gradients), by parameter name.
+The rank graphs and step layouts are keyed by the input shapes, so each batch size is laid out
+once. :meth:`BurstProgram.runtime_state` keeps what changes the next steps beside the model and
+the optimizer (the compressors' state after the ``compression`` pass, the ``no_sync``
+gradients), by parameter name.
 
 The parts, one module each:
 
@@ -29,19 +23,18 @@ The parts, one module each:
   (``tidal.runtime.programs.burst_stages``), each bucket's all-reduce on its ranks only
   (the buckets: ``tidal.ir.burst_sync``, by the one bucket rule the planner and the simulator
   use), buffer syncs, the optimizer;
-* **owner-only state**: a parameter or buffer belongs to the ranks of the one layer that uses
-  it, or to every rank (``tidal.ir.burst_ownership``). A rank holds, updates and checkpoints
-  only what it owns: on its distributed steps the program removes every other parameter (and
-  its state) from the optimizer (:meth:`BurstProgram.own_optimizer`,
-  ``tidal.runtime.programs.optimizer_wiring.remove_params``), the rank never receives
-  the gradients of the others (their ``.grad`` stays ``None``), and buffers a layer updates in
-  training (BatchNorm's running statistics) are averaged over the layer's ranks only. A rank's
-  copy of a layer it does not run is stale after the first step and never read.
+* the forward on a batch (``tidal.runtime.programs.burst_forward``): this rank's graph per input
+  shapes, a last, smaller batch's rows split among each layer's ranks, and
+  ``compile(batch="local")``'s forward (:meth:`BurstProgram.forward_local`);
+* **owner-only state**: a rank holds, updates and checkpoints only what it owns, the parameters
+  and buffers of the layers it runs and those of every rank (the base class ``RankShare``,
+  ``tidal.runtime.programs.burst_share``: :meth:`BurstProgram.own_optimizer`,
+  :meth:`BurstProgram.state_bytes`; :func:`state_table` for the ranks' rows); the others'
+  ``.grad`` stays ``None``. A rank's copy of a layer it does not run is stale after the first
+  step and never read (``tidal.runtime.programs.burst_refresh``).
   :meth:`BurstProgram.state_dict` checkpoints the rank's share
-  (``tidal.runtime.programs.burst_state``); :meth:`BurstProgram.state_bytes` counts what the
-  rank holds against data parallelism (:func:`state_table` for the ranks' rows). BatchNorm
-  normalizes each rank's rows with their own statistics, as data parallelism without
-  ``SyncBatchNorm`` does;
+  (``tidal.runtime.programs.burst_state``). BatchNorm normalizes each rank's rows with their
+  own statistics, as data parallelism without ``SyncBatchNorm`` does;
 * the binding that runs the pieces (:class:`BurstStep`, ``tidal.runtime.programs.burst_step``):
   a bucket is summed over its ranks by a subgroup all-reduce, or a ``GradSync`` when the
   ``compression`` pass wraps the sync (:meth:`BurstProgram.use_grad_sync`).
@@ -82,10 +75,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
-from tidal.ir.burst_ownership import (StateBytes, buffer_sets, foreign_params, owned_tensors,
-                                      state_bytes, state_note, state_table)
+from tidal.ir.burst_ownership import StateBytes, state_note, state_table
 from tidal.ir.burst_sync import Bucket, sync_buckets
 from tidal.ir.collectives import SubgroupCache, check_layer_ranks, new_group
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
@@ -94,15 +85,15 @@ from tidal.runtime.batch_data import global_batch
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import is_distributed, rank_and_size
 from tidal.runtime.program import OpenStepError
-from tidal.runtime.programs.burst_batch import batch_graph, layer_ranks_at
-from tidal.runtime.programs.burst_graph import RankGraph, rank_graph
+from tidal.runtime.programs.burst_forward import RankForward
+from tidal.runtime.programs.burst_graph import RankGraph
 from tidal.runtime.programs.burst_refresh import (StaleGuard, refresh_replicas,
                                                   replicated_elsewhere)
 from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from_plan, step_layout
+from tidal.runtime.programs.burst_share import RankShare
 from tidal.runtime.programs.burst_state import (load_rank_state, load_runtime_state,
                                                 rank_state_dict, runtime_state, saved_tensors)
 from tidal.runtime.programs.burst_step import BurstStep, clip_by_global_norm_
-from tidal.runtime.programs.burst_transfers import TransferChecker, agree
 from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads, remove_params
 from tidal.runtime.programs.step_capture import shape_key
 
@@ -134,7 +125,7 @@ def from_plan(gm: fx.GraphModule, plan: Any,
                         bucket_bytes=bucket_bytes)
 
 
-class BurstProgram:
+class BurstProgram(RankShare):
     """The rank program of ``burst_parallel`` (see the module docstring): ``world`` ranks, the
     plan's global ``batch``, per parameter (and buffer) name of the graph module the ranks of
     the layer that owns it (``param_ranks``), per layer name its ranks (``layer_ranks``; ranks
@@ -142,7 +133,7 @@ class BurstProgram:
     (``unit_members``). Gradient buckets hold at most ``bucket_bytes`` (read when a step's
     layout is built). ``overlap=False`` runs backward as one stage, every sync after it.
     ``groups`` holds the subgroups (created on the first distributed step, on every rank in
-    the same order)."""
+    the same order). What the rank owns: the base class (``burst_share.RankShare``)."""
 
     recaptures_autocast = True  # its eager pieces run under the binding thread's autocast
     runtime_state_by_name = True
@@ -159,9 +150,8 @@ class BurstProgram:
                  overlap: bool = True, bucket_bytes: float = DDP_BUCKET_BYTES):
         if not bucket_bytes > 0:
             raise ValueError(f"BurstProgram(bucket_bytes={bucket_bytes!r}): must be > 0")
-        self.world = world
+        super().__init__(world, dict(param_ranks))
         self.batch = batch
-        self.param_ranks = dict(param_ranks)
         self.layer_ranks = dict(layer_ranks)
         self.unit_members = dict(unit_members)
         self.overlap = overlap
@@ -170,7 +160,8 @@ class BurstProgram:
         self.comm_group: Optional[dist.ProcessGroup] = None
         self.fallback_reason = ""
         self._ready = False
-        self._local: Optional[tuple[fx.GraphModule, dict[tuple, RankGraph]]] = None
+        self.forwards = RankForward(self.spec, self._check)
+        """The forward on a batch: this rank's graphs (:meth:`local_graph`)."""
         self._layouts: dict[tuple, StepLayout] = {}
         self._sync_factory: Optional[GradSyncFactory] = None
         self._syncs: dict[Ranks, GradSync] = {}
@@ -194,10 +185,10 @@ class BurstProgram:
         self._sync_factory = factory
         self._syncs = {}
 
-    def _check(self) -> None:
+    def _check(self) -> Optional[dist.ProcessGroup]:
         """The job's world against the plan's; on the first distributed call, the plan's
         layers against the world and the process groups (a collective: every rank calls it
-        in the same order)."""
+        in the same order). Returns the comm stream's world-wide group."""
         size = dist.get_world_size()
         if size != self.world:
             raise ValueError(f"burst_parallel: the plan is for {self.world} GPUs but the job has "
@@ -207,36 +198,16 @@ class BurstProgram:
             self.groups.create(r for r in self.param_ranks.values() if 1 < len(r) < size)
             self.comm_group = new_group()  # the comm stream's world-wide collectives
             self._ready = True
+        return self.comm_group
 
     def batch_rows(self, inputs: tuple) -> int:
-        """The global batch of ``inputs``: dim 0 of the first tensor (the plan's batch when
-        there is none)."""
-        first = next((v for v in inputs if isinstance(v, torch.Tensor)), None)
-        return self.batch if first is None or first.dim() == 0 else int(first.shape[0])
+        """The global batch of ``inputs`` (``RankForward.batch_rows``)."""
+        return self.forwards.batch_rows(inputs)
 
     def local_graph(self, gm: fx.GraphModule, inputs: tuple) -> RankGraph:
-        """``gm`` specialised for this rank, its skipped layers of the dtype they give on
-        ``inputs`` under this thread's autocast state, and what each transfer must carry
-        (``burst_graph.rank_graph``): built once per graph, input shapes and dtypes and
-        autocast state, when the ranks check that they bind the same kind of step
-        (``burst_transfers.agree``, a collective). On another global batch than the plan's,
-        the transfers move that batch's rows, each layer's ranks splitting it as
-        ``torch.tensor_split`` does (``burst_batch``; a rank with no rows of a layer skips
-        it)."""
-        if self._local is None or self._local[0] is not gm:
-            self._local = (gm, {})
-        key = shape_key(inputs)
-        graphs = self._local[1]
-        if key not in graphs:
-            rows, source, ranks = self.batch_rows(inputs), gm, self.layer_ranks
-            if rows != self.batch:
-                source = batch_graph(gm, rows)
-                ranks = layer_ranks_at(gm, self.layer_ranks, self.world, rows)
-            local = rank_graph(source, ranks, dist.get_rank(), self.unit_members, inputs,
-                               key[-1])
-            agree(key, self.comm_group)
-            graphs[key] = local
-        return graphs[key]
+        """``gm`` specialised for this rank on ``inputs`` (``RankForward.local_graph``: built
+        once per graph, input keys and autocast state; a collective then)."""
+        return self.forwards.local_graph(gm, inputs, self.comm_group)
 
     def forward(self, gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         """The global output on every rank (each layer's rows from the ranks that own it),
@@ -247,88 +218,23 @@ class BurstProgram:
         (``burst_transfers.TransferChecker``)."""
         if is_distributed():
             global_batch((args, kwargs), None, "global", check=True)
-        return self._run(gm, args, kwargs)
+        return self.forwards.run(gm, args, kwargs)
 
     def forward_local(self, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any],
                       group: Optional[dist.ProcessGroup] = None, check: bool = True) -> Any:
-        """The forward under ``compile(batch="local")`` (each rank passes its own rows): the
-        ranks' inputs joined along dim 0 in rank order into the global batch
-        (``tidal.runtime.batch_data.global_batch`` on ``group``; ``check`` as there), the plan
-        run on it, and this rank's rows of each output tensor whose dim 0 is the global
-        batch's (any other output comes back whole, the same on every rank). One process:
-        the forward on the inputs as they are."""
-        if not is_distributed():
-            return self._run(gm, args, kwargs)
-        mine = self.batch_rows(tuple(args) + tuple(kwargs.values()))
-        # a row per input row naming its rank: joined with the inputs, it says where ours are
-        rank = dist.get_rank()
-        (args, kwargs), owners = global_batch((tuple(args), dict(kwargs)),
-                                              torch.full((mine,), rank), "local",
-                                              check=check, group=group)
-        total, lo = owners.shape[0], int((owners < rank).sum())
-        out = self._run(gm, args, kwargs)
-        return tree_map(lambda t: t[lo:lo + mine] if isinstance(t, torch.Tensor) and t.dim()
-                        and t.shape[0] == total else t, out)
+        """The forward under ``compile(batch="local")``: each rank passes its own rows and gets
+        its rows of the outputs back (``RankForward.run_local``; ``group`` and ``check`` as
+        ``tidal.runtime.batch_data.global_batch`` takes them)."""
+        return self.forwards.run_local(gm, args, kwargs, group, check)
 
-    def _run(self, gm: fx.GraphModule, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        """The plan's forward on the global batch ``args``/``kwargs`` (one process: ``gm``)."""
-        if not is_distributed():
-            return gm(*args, **kwargs)
-        self._check()
-        local = self.local_graph(gm, args)
-        if kwargs:
-            return local.module(*args, **kwargs)
-        return TransferChecker(local.module, local.expected, dist.get_rank()).run(*args)
-
-    # -- owner-only state ------------------------------------------------------------------
-    def _rank(self, rank: Optional[int]) -> Optional[int]:
-        """``rank``, else this process's rank when distributed (None: one process, which
-        holds everything)."""
-        if rank is None and is_distributed():
-            return dist.get_rank()
-        return rank
-
-    def owned(self, gm: fx.GraphModule, rank: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """The parameters and buffers of ``gm`` that ``rank`` (default: this rank; in one
-        process, all of them) holds, by name (a shared tensor under its first name)."""
-        return owned_tensors(gm, self.param_ranks, self.world, self._rank(rank))
-
-    def foreign(self, gm: fx.GraphModule, rank: Optional[int] = None) -> list[str]:
-        """The trainable parameters of ``gm`` that ``rank`` (default: this rank) does not own,
-        by name: it neither receives their gradients nor updates them."""
-        return foreign_params(gm, self.param_ranks, self.world, self._rank(rank))
-
-    def own_optimizer(self, optimizer: torch.optim.Optimizer, gm: fx.GraphModule,
-                      rank: Optional[int] = None) -> list[str]:
-        """Remove from ``optimizer`` (in place: its param groups' lists and its state) every
-        parameter of ``gm`` that ``rank`` (default: this rank) does not own; returns their
-        names. A group left empty stays (a scheduler indexes groups); parameters the graph
-        does not use stay. Idempotent: the program calls it on every distributed step.
-
-        >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2),
-        ...                                            torch.nn.Linear(2, 2)))
-        >>> program = BurstProgram(2, 4, (("0.weight", (0,)), ("0.bias", (0,)),
-        ...                               ("1.weight", (0, 1)), ("1.bias", (0, 1))))
-        >>> opt = torch.optim.SGD(gm.parameters(), lr=0.1)
-        >>> program.own_optimizer(opt, gm, rank=1), [len(g["params"]) for g in opt.param_groups]
-        (['0.weight', '0.bias'], [2])
-        >>> sorted(program.owned(gm, rank=1))
-        ['1.bias', '1.weight']
-        >>> program.state_bytes(gm, opt, rank=1)  # doctest: +NORMALIZE_WHITESPACE
-        StateBytes(rank=1, params=24, grads=24, optimizer=0, dp_params=56, dp_grads=56,
-                   dp_optimizer=0)
-        """
-        names = self.foreign(gm, rank)
-        remove_params(optimizer, gm, names)
-        return names
-
+    # -- owner-only state (what the rank owns: ``RankShare``) -------------------------------
     def state_dict(self, gm: fx.GraphModule,
                    optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
         """This rank's checkpoint (``burst_state.rank_state_dict``): its ``rank`` and
         ``world``, the entries of ``gm``'s ``state_dict`` it owns (``model``, copies), the
         state of ``optimizer`` (owner-only once a step has run, or after
         :meth:`own_optimizer`) and each gradient sync's compressor state by its ranks."""
-        rank = self._rank(None)
+        rank = self.this_rank(None)
         return rank_state_dict(0 if rank is None else rank, self.world,
                                saved_tensors(gm, self.owned(gm)), optimizer, self._syncs)
 
@@ -338,7 +244,7 @@ class BurstProgram:
         world: the owned tensors in place, ``optimizer`` (made owner-only first) and the
         compressors. Raises ``ValueError`` naming the checkpoint's rank, world or tensor that
         does not fit."""
-        rank = self._rank(None)
+        rank = self.this_rank(None)
         own = (lambda opt: self.own_optimizer(opt, gm)) if is_distributed() else None
         load_rank_state(state, 0 if rank is None else rank, self.world,
                         saved_tensors(gm, self.owned(gm)), optimizer, own, self.sync_of)
@@ -372,17 +278,7 @@ class BurstProgram:
             refresh_replicas(gm, self.param_ranks, self.world, self.comm_group)
             self._stale = []
 
-    def state_bytes(self, gm: fx.GraphModule, optimizer: Optional[torch.optim.Optimizer] = None,
-                    rank: Optional[int] = None) -> StateBytes:
-        """The bytes of training state ``rank`` (default: this rank) holds, beside data
-        parallelism (:class:`StateBytes`)."""
-        return state_bytes(gm, self.param_ranks, self.world, self._rank(rank), optimizer)
-
     # -- the step --------------------------------------------------------------------------
-    def buffer_sets(self, gm: fx.GraphModule, size: int) -> dict[Ranks, list[str]]:
-        """Buffer names of ``gm`` by the ranks of the layer that updates them (sorted)."""
-        return buffer_sets(gm, self.param_ranks, size)
-
     def layout(self, gm: fx.GraphModule, rank: int, size: int,
                run: Optional[fx.GraphModule] = None) -> StepLayout:
         """This rank's step on ``size`` ranks (``burst_layout.step_layout``): its Program and
@@ -480,10 +376,7 @@ class BurstProgram:
             raise OpenStepError(f"Compiled.clip_grad_norm_ under burst_parallel on rank "
                                 f"{dist.get_rank()} before any Compiled.backward: which rank "
                                 f"counts each gradient is known once a step has run")
-        rank, everyone = dist.get_rank(), tuple(range(self.world))
-        first = {id(t): min(self.param_ranks.get(n, everyone))
-                 for n, t in self._graph.named_parameters()}
-        counted = [p.grad for p in held if first.get(id(p), 0) == rank]
+        counted = self.counted(self._graph, held, dist.get_rank())
         return clip_by_global_norm_(counted, grads, max_norm, norm_type, self.comm_group)
 
     def sync_of(self, ranks: Ranks) -> Optional[GradSync]:

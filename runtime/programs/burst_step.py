@@ -17,8 +17,9 @@ together with what ``no_sync`` calls accumulated, *added* to the user's ``.grad`
 the rank does not own get none) or, inside ``no_sync``, ``accumulate`` (this call's gradients
 added to ``local``, unsynced). The forward and backward pieces run under the autocast state of
 the thread that bound the step, on whichever thread runs them; the others (syncs, optimizer)
-with autocast off (``tidal.runtime.programs.piece_autocast``). :func:`clip_by_global_norm_` is the open step's clipping: the
-norm over every rank's gradients, each counted by one rank, one all-reduce.
+with autocast off (``tidal.runtime.programs.piece_autocast``). :func:`clip_by_global_norm_` is
+the open step's clipping: the norm over every rank's gradients, each counted by one rank
+(``burst_share.RankShare.counted``), one all-reduce.
 
 Example:
     >>> import torch, torch.fx as fx
