@@ -9,7 +9,11 @@
 
 MODEL is ``module:factory``, ``path/to/file.py:factory`` or, from a checkout of the
 repository, a zoo model name such as ``resnet50_small``. Bad input is one line on stderr and
-exit status 2 (set TIDAL_DEBUG=1 for the full traceback).
+exit status 2 (set TIDAL_DEBUG=1 for the full traceback): argparse's own errors, and any
+``TidalError`` a subcommand raises. The argument types of ``cli_args`` refuse nonsense (nan, inf,
+zero or negative sizes and times, huge counts and shapes) while parsing; Python errors raised
+while the inputs are built are turned into a ``UsageError`` there (``cli_errors.bad_input``);
+any other exception, from deep inside a pass, is a bug and stays a traceback.
 
 Building the parser imports neither torch nor the subcommand modules: ``simulate``, ``run`` and
 ``whatif`` are imported (for their ``add_arguments``, ``run`` and user-facing ``DESCRIPTION``)
@@ -27,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 from tidal.compiler.cli_args import add_model_args, compile_from_args, steps_table, write_dump
 from tidal.compiler.cli_bagpipe import add_bagpipe_args
+from tidal.compiler.cli_errors import clip, one_line
 from tidal.ir.errors import TidalError
 
 EXIT_USAGE = 2
@@ -52,7 +57,8 @@ class _Parser(argparse.ArgumentParser):
         self._module = module
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        message = " | ".join(line.strip() for line in message.splitlines() if line.strip())
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {clip(message)} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         """Load the subcommand's module, then parse."""
@@ -189,14 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "dump":
             return _cmd_dump(args)
         return args.run(args)
-    except (TidalError, ValueError, TypeError) as e:
+    except TidalError as e:  # typed errors that name what is at fault
         if os.environ.get("TIDAL_DEBUG"):
             raise
         print(f"tidal {args.command}: error: {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
-
-
-def one_line(error: BaseException) -> str:
-    """The error's message on one line (a multi-line message's lines joined with ' | ')."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return " | ".join(lines) or type(error).__name__

@@ -8,12 +8,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tidal.compiler.cli_args import (UsageError, add_model_args, cluster_from_args,
-                                     model_and_inputs, pass_options, positive_float,
-                                     positive_int, steps_table, training_options, write_dump,
-                                     write_text)
+from tidal.compiler.cli_args import (UsageError, add_model_args, check_pass_options,
+                                     cluster_from_args, model_and_inputs, pass_options,
+                                     positive_float, positive_int, steps_table,
+                                     training_options, write_dump, write_text)
+from tidal.compiler.cli_errors import bad_input
 
 PLANS = ("dp", "burst", "burst+bg", "tick_tock", "round_robin")
+PLAN_PASSES = {"dp": "", "burst": "burst_parallel", "burst+bg": "burst_parallel",
+               "tick_tock": "tick_tock", "round_robin": "round_robin"}
+"""The pass each ``--plan`` compiles with: the one its pass options (``-o``) go to."""
 
 DESCRIPTION = """Simulate one training iteration of MODEL on a model of a GPU cluster and print
 the iteration time, throughput, GPU-seconds and busy fraction. These are simulated figures, not
@@ -75,9 +79,10 @@ def _load_profile(path: str):
     f = Path(path)
     if not f.is_file():
         raise UsageError(f"--profile {path}: no such file")
-    if f.suffix in (".prof", ".txt"):
-        return DeviceProfile.from_deeppool(f)
-    return DeviceProfile.load(f)
+    with bad_input(f"--profile {path}"):
+        if f.suffix in (".prof", ".txt"):
+            return DeviceProfile.from_deeppool(f)
+        return DeviceProfile.load(f)
 
 
 GENERIC_LINK = (100.0, 10.0, 100.0)
@@ -100,11 +105,15 @@ def run(args: argparse.Namespace) -> int:
     import tidal
     from tidal.sim.programs import data_parallel, layer_times, summarize
 
+    if args.passes:
+        raise UsageError(f"--passes {args.passes}: simulate takes no --passes; --plan picks the "
+                         f"pass it plans with ({', '.join(p for p in PLAN_PASSES.values() if p)})")
     _link_defaults(args)
     global_batch = args.global_batch or args.batch
     gpus = args.gpus or 1
     if global_batch % gpus:
         raise UsageError(f"--global-batch {global_batch} is not divisible by --gpus {gpus}")
+    check_pass_options(args, PLAN_PASSES[args.plan])
     table = steps_table(args)  # a bad --scaling file fails before any simulation
     profile = _load_profile(args.profile) if args.profile else None
     model, inputs = model_and_inputs(args, global_batch)

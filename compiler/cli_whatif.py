@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from tidal.compiler.cli_args import positive_int
+from tidal.compiler.cli_args import (bandwidth, bandwidths, non_empty, non_negative_float,
+                                     percent, positive_float, positive_int, positive_ints)
+from tidal.compiler.cli_errors import UsageError, bad_input, one_line
 from tidal.ir import perf_model
 from tidal.ir.cluster import Cluster
 if TYPE_CHECKING:  # imported where used: ``tidal whatif --help`` must not import torch
@@ -69,21 +70,8 @@ TABLE_4_1_PARAMS = 25_557_032
 _TABLE_4_1_KEY = {"powersgd": "PowerSGD-Rank4", "topk": "TopK-1%", "randomk": "RandomK-1%",
                   "signsgd": "SignSGD", "qsgd": "QSGD-2bit"}
 
-_UNITS = {"gbps": 1.0, "gb/s": 1.0, "gbit/s": 1.0, "mbps": 1e-3, "mb/s": 1e-3,
-          "mbit/s": 1e-3, "tbps": 1e3, "": 1.0}
-
-
-def parse_bandwidth(text: str) -> float:
-    """``"10Gbps"``, ``"100 Mbps"``, ``"25Gb/s"`` or ``"10"`` (Gb/s) -> Gb/s."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: expected a number with "
-                                          "Gbps/Mbps (e.g. 10Gbps)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"bandwidth {text!r}: must be > 0")
-    return value
+parse_bandwidth = bandwidth
+"""``"10Gbps"``, ``"100 Mbps"``, ``"25Gb/s"`` or ``"10"`` (Gb/s) -> Gb/s (finite, > 0)."""
 
 
 def _compressor(text: str) -> Compressor:
@@ -124,8 +112,13 @@ def model_stats(name: str) -> ModelStats:
     from tidal.ir import cost
     from tidal.ir.param_owners import trainable
 
+    from tidal.compiler.model_spec import ModelSpecError, build_model
+
     with torch.device("meta"):
-        model = model_factory(name)()
+        model = build_model(name)
+    if not callable(getattr(model, "example_inputs", None)):
+        raise ModelSpecError(f"--model {name!r} has no example_inputs(batch) method to size "
+                             "its FLOPs with (zoo models have one)")
     inputs = model.example_inputs(2)
     gm = trace(model, inputs)
     cost.annotate(gm, inputs)
@@ -208,57 +201,36 @@ def what_if(stats: ModelStats, batch: int, cluster: Cluster, compressor: Compres
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``whatif`` options."""
-    p.add_argument("--model", default="resnet101",
+    p.add_argument("--model", type=non_empty, default="resnet101",
                    help="resnet101 or a zoo model name (default resnet101)")
     p.add_argument("--batch", type=positive_int, default=64, help="batch per GPU (default 64)")
     p.add_argument("--gpus", type=positive_int, default=64, help="GPUs (default 64)")
-    p.add_argument("--bandwidth", type=parse_bandwidth, default=10.0,
+    p.add_argument("--bandwidth", type=bandwidth, default=10.0,
                    help="per-GPU bandwidth, e.g. 10Gbps or 800Mbps (default 10Gbps)")
-    p.add_argument("--latency-us", type=float, default=10.0,
+    p.add_argument("--latency-us", type=non_negative_float, default=10.0,
                    help="latency alpha per collective step, microseconds (default 10)")
     p.add_argument("--compressor", type=_compressor, default="powersgd:4",
                    help="powersgd:RANK, topk:FRACTION, randomk:FRACTION, signsgd, qsgd:LEVELS")
-    p.add_argument("--encode-ms", type=float, default=None,
+    p.add_argument("--encode-ms", type=non_negative_float, default=None,
                    help="encode+decode ms per step (default: Table 4.1 scaled)")
-    p.add_argument("--tflops", type=float, default=V100_FP32_TFLOPS,
+    p.add_argument("--tflops", type=positive_float, default=V100_FP32_TFLOPS,
                    help=f"effective training TFLOPS per GPU (default {V100_FP32_TFLOPS}, V100)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket MiB (default 25)")
-    p.add_argument("--gamma", type=float, default=perf_model.DEFAULT_GAMMA,
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
+                   help="DDP bucket MiB (default 25)")
+    p.add_argument("--gamma", type=positive_float, default=perf_model.DEFAULT_GAMMA,
                    help=f"backward slowdown under overlap (default {perf_model.DEFAULT_GAMMA})")
-    p.add_argument("--sweep", default=None, metavar="G1,G2,..",
+    p.add_argument("--sweep", type=bandwidths, default=(), metavar="G1,G2,..",
                    help="also print speedups at these bandwidths (Gb/s)")
-    p.add_argument("--near-linear", type=_percent, default=perf_model.NEAR_LINEAR_TOLERANCE,
+    p.add_argument("--near-linear", type=percent, default=perf_model.NEAR_LINEAR_TOLERANCE,
                    metavar="PERCENT",
                    help="near-linear scaling: a step at most this much longer than the step on "
                         "one GPU (default 10%%); the compression ratio needed for it is the "
                         "smallest ratio by which an ideal compressor (all-reduce, bucketed and "
                         "overlapped like sync SGD, free to encode) must shrink the gradient")
-    p.add_argument("--ratio-batches", type=_batches, default=(8, 16, 32, 64), metavar="B1,B2,..",
+    p.add_argument("--ratio-batches", type=positive_ints, default=(8, 16, 32, 64),
+                   metavar="B1,B2,..",
                    help="per-GPU batch sizes to print that ratio for (Fig. 4.8; default "
                         "8,16,32,64)")
-
-
-def _percent(text: str) -> float:
-    value = text.strip().rstrip("%")
-    try:
-        frac = float(value) / 100
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"near-linear tolerance {text!r}: expected a "
-                                         "percentage such as 10%") from None
-    if not frac >= 0:
-        raise argparse.ArgumentTypeError(f"near-linear tolerance {text!r}: must be >= 0")
-    return frac
-
-
-def _batches(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(b) for b in text.split(",") if b.strip())
-    except ValueError:
-        out = ()
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes {text!r}: expected positive integers "
-                                         "such as 16,32,64")
-    return out
 
 
 def _ratio(r: Optional[float]) -> str:
@@ -304,31 +276,52 @@ def report(w: WhatIf, stats: ModelStats, batch: int, tflops: float, encode_given
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``tidal whatif``; bad input is one line on stderr and status 2."""
-    try:
-        stats = model_stats(args.model)
+def _inputs(args: argparse.Namespace) -> tuple[ModelStats, Cluster, Compressor]:
+    """The model's stats, the cluster and the compressor the options name: a ``UsageError``
+    naming the option at fault."""
+    stats = model_stats(args.model)
+    with bad_input():  # Cluster's ValueError names the field
         cluster = Cluster(gpus=args.gpus, bandwidth_gbps=args.bandwidth,
                           latency_us=args.latency_us)
-        compressor = args.compressor if not isinstance(args.compressor, str) \
-            else _compressor(args.compressor)
+    compressor = args.compressor
+    if isinstance(compressor, str):
+        from tidal.runtime.comm.compressors import make_compressor
+
+        with bad_input(f"--compressor {compressor}"):
+            compressor = make_compressor(compressor)
+    return stats, cluster, compressor
+
+
+def _check_finite(w: WhatIf, args: argparse.Namespace) -> None:
+    """A ``UsageError`` when the options are so extreme that a predicted time is not finite."""
+    if not all(math.isfinite(t) for t in (w.sync.total_s, w.compressed.total_s)):
+        raise UsageError(f"--tflops {args.tflops:g}, --bandwidth {args.bandwidth:g}, "
+                         f"--latency-us {args.latency_us:g}, --batch {args.batch}: the predicted "
+                         "step time is not a finite number; give values nearer a real cluster")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tidal whatif``; bad input is one line on stderr and status 2 (a ``UsageError``
+    or ``ModelSpecError``; an error in the model's arithmetic itself is a traceback)."""
+    try:
+        stats, cluster, compressor = _inputs(args)
         common = dict(tflops=args.tflops,
                       encode_s=None if args.encode_ms is None else args.encode_ms * 1e-3,
                       bucket_bytes=args.bucket_mb * perf_model.MIB, gamma=args.gamma,
                       tolerance=args.near_linear)
         w = what_if(stats, args.batch, cluster, compressor, **common)
-        by_batch = required_by_batch(stats, args.ratio_batches, cluster, tflops=args.tflops,
-                                     bucket_bytes=common["bucket_bytes"], gamma=args.gamma,
-                                     tolerance=args.near_linear)
-        sweep = [parse_bandwidth(s) for s in args.sweep.split(",")] if args.sweep else []
-    except (ValueError, argparse.ArgumentTypeError) as e:
-        print(f"tidal whatif: error: {e}", file=sys.stderr)
+        _check_finite(w, args)
+    except UsageError as e:
+        print(f"tidal whatif: error: {one_line(e)}", file=sys.stderr)
         return 2
+    by_batch = required_by_batch(stats, args.ratio_batches, cluster, tflops=args.tflops,
+                                 bucket_bytes=common["bucket_bytes"], gamma=args.gamma,
+                                 tolerance=args.near_linear)
     print(report(w, stats, args.batch, args.tflops, args.encode_ms is not None,
                  args.near_linear, by_batch))
-    if sweep:
+    if args.sweep:
         print(f"\n{'Gb/s':>8}{'sync ms':>10}{compressor.spec() + ' ms':>18}{'speedup':>9}")
-        for g in sweep:
+        for g in args.sweep:
             c = Cluster(gpus=args.gpus, bandwidth_gbps=g, latency_us=args.latency_us)
             s = what_if(stats, args.batch, c, compressor, **common)
             print(f"{g:>8g}{_ms(s.sync.total_s):>10}{_ms(s.compressed.total_s):>18}"

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from tidal.compiler.cli_errors import UsageError
+from tidal.compiler.cli_errors import ShapeSpec, UsageError, check_input_size, parse_shape
 
 
 class ModelSpecError(UsageError):
@@ -140,43 +140,64 @@ def build_model(spec: str) -> torch.nn.Module:
 
 def parse_input_shape(text: str, batch: int) -> torch.Tensor:
     """A random example input from ``3,224,224`` (float) or ``long:16`` / ``long[1000]:16``
-    (token ids below 1000, default 100); the batch dimension is prepended."""
-    dtype_part, sep, dims = text.rpartition(":")
-    if not dims.strip():
-        raise ModelSpecError(f"--input-shape {text!r}: give an input's dims without the batch, "
-                             "e.g. 3,224,224 or long[30522]:128")
-    high = 100
-    if sep and dtype_part.startswith("long"):
-        if dtype_part != "long":
-            try:
-                high = int(dtype_part[len("long["):-1])
-            except ValueError:
-                raise ModelSpecError(f"--input-shape {text!r}: expected long[N]:dims") from None
-        dtype = torch.long
-    elif sep:
-        raise ModelSpecError(f"--input-shape {text!r}: the only dtype prefix is long")
-    else:
-        dtype = torch.float32
-    try:
-        shape = [int(d) for d in dims.replace("x", ",").split(",") if d]
-    except ValueError:
-        raise ModelSpecError(f"--input-shape {text!r}: dims must be integers like 3,224,224") from None
-    if any(d <= 0 for d in shape):
-        raise ModelSpecError(f"--input-shape {text!r}: dims must be positive")
+    (token ids below 1000, default 100); the batch dimension is prepended. A
+    ``ModelSpecError`` for a shape :func:`~tidal.compiler.cli_errors.parse_shape` refuses or
+    inputs over ``MAX_INPUT_ELEMENTS``, before anything is allocated.
+
+    Example:
+        >>> parse_input_shape("long[7]:3", 2).shape
+        torch.Size([2, 3])
+    """
+    shape = _shape(text)
+    check_input_size(f"--input-shape {text} at batch {batch}", batch * shape.elements)
     gen = torch.Generator().manual_seed(0)
-    if dtype == torch.long:
-        return torch.randint(0, high, (batch, *shape), generator=gen)
-    return torch.randn(batch, *shape, generator=gen)
+    if shape.dtype == "long":
+        return torch.randint(0, shape.high, (batch, *shape.dims), generator=gen)
+    return torch.randn(batch, *shape.dims, generator=gen)
+
+
+def _shape(text: str) -> ShapeSpec:
+    try:
+        return parse_shape(text)
+    except ValueError as e:
+        raise ModelSpecError(f"--input-shape {e}") from None
+
+
+def _per_sample_elements(example_inputs: Callable[[int], Any]) -> int:
+    """Elements of the model's example inputs at batch 1 (0 when it cannot make them), the RNG
+    left as it was, so the inputs at the real batch are the ones they were without the probe."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return _elements(example_inputs(1))
+        except Exception:  # only a size guard: the real call below reports its own failure
+            return 0
+
+
+def _elements(value: Any) -> int:
+    """Elements of the tensors in ``value`` (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_elements(v) for v in value)
+    return 0
 
 
 def example_inputs_for(model: torch.nn.Module, spec: str, batch: int,
                        input_shapes: list[str] | None) -> tuple:
     """Example inputs from ``--input-shape`` options, else from the model's own
-    ``example_inputs(batch)`` method (zoo models have one)."""
+    ``example_inputs(batch)`` method (zoo models have one). Inputs of more than
+    ``MAX_INPUT_ELEMENTS`` elements in all are a ``UsageError`` before they are allocated
+    (the model's own are sized from its inputs at batch 1)."""
     if input_shapes:
+        total = sum(batch * _shape(s).elements for s in input_shapes)
+        check_input_size(f"--batch {batch} with " + " ".join(f"--input-shape {s}"
+                                                              for s in input_shapes), total)
         return tuple(parse_input_shape(s, batch) for s in input_shapes)
     fn = getattr(model, "example_inputs", None)
     if callable(fn):
+        check_input_size(f"--batch {batch} for MODEL {spec!r}", batch * _per_sample_elements(fn))
         return tuple(fn(batch))
     raise ModelSpecError(f"MODEL {spec!r} has no example_inputs(batch) method: "
                          "give --input-shape (e.g. --input-shape 3,224,224)")

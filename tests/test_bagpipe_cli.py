@@ -146,3 +146,46 @@ def test_inspect_help_shows_the_bagpipe_options(capsys):
     for text in ("--bagpipe N", "--trainers T", "--lookahead L", "--zipf-alpha A",
                  "cache hit rate", "Zipf skew"):
         assert text in out, text
+
+
+def _record_that_it_ran(path: str) -> str:
+    """What a tampered checkpoint's pickle calls: writes ``path`` (so the test can tell)."""
+    Path(path).write_text("the checkpoint ran code")
+    return "ran"
+
+
+class _RunsCodeWhenUnpickled:
+    """An object whose unpickling calls :func:`_record_that_it_ran`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return _record_that_it_ran, (self.path,)
+
+
+def test_a_resume_checkpoint_that_would_run_code_is_refused(tmp_path):
+    """Issue 35 item 10: ``resume=`` loads with ``weights_only=True``, so a checkpoint holding a
+    pickled callable is a ``BagpipeError`` naming the file and nothing in it runs; a real
+    checkpoint (tensors, dicts and an int) still loads."""
+    import torch
+
+    from tidal.runtime.bagpipe import BagpipeError, load_checkpoint
+    from tidal.runtime.bagpipe.trainer import CHECKPOINT_FILE
+
+    good = {"tables": {"t0": torch.arange(6.0).reshape(3, 2)},
+            "dense": {"fc.weight": torch.ones(2, 2)}, "next": 3}
+    (tmp_path / "good").mkdir()
+    torch.save(good, tmp_path / "good" / CHECKPOINT_FILE)
+    loaded = load_checkpoint(str(tmp_path / "good"))
+    assert loaded["next"] == 3 and torch.equal(loaded["tables"]["t0"], good["tables"]["t0"])
+
+    marker = tmp_path / "ran.txt"
+    for name, payload in (("reduce", {**good, "hook": _RunsCodeWhenUnpickled(str(marker))}),
+                          ("callable", {**good, "hook": print})):
+        (tmp_path / name).mkdir()
+        torch.save(payload, tmp_path / name / CHECKPOINT_FILE)
+        with pytest.raises(BagpipeError, match="not a Bagpipe checkpoint") as e:
+            load_checkpoint(str(tmp_path / name))
+        assert CHECKPOINT_FILE in str(e.value)
+    assert not marker.exists(), "loading the tampered checkpoint ran its code"

@@ -61,7 +61,7 @@ def test_inspect_file_factory_with_input_shape(tmp_path, cli):
     (["inspect", "resnet50_small", "-o", "amp_limit=2"], "amp_limit"),
     (["inspect", "torch.nn:Linear"], "factory raised"),
     (["inspect", "resnet50_small", "--input-shape", "3,a"], "--input-shape"),
-    (["inspect", "resnet50_small", "--input-shape", ""], "--input-shape ''"),
+    (["inspect", "resnet50_small", "--input-shape", ""], "argument --input-shape: ''"),
     (["inspect", "resnet50_small", "--input-shape", "1,32,32"],
      "--input-shape 1,32,32 does not fit MODEL 'resnet50_small'"),
     (["inspect", "resnet50_small", "--leaf", "no.such.module"], "no.such.module"),

@@ -75,13 +75,27 @@ class Result:
 
 
 def load_checkpoint(path: str) -> dict:
-    """The checkpoint saved in directory ``path`` (``tables``, ``dense``, ``next``)."""
+    """The checkpoint saved in directory ``path`` (``tables``, ``dense``, ``next``), loaded
+    with ``weights_only=True``: a checkpoint holds tensors, dicts and ints only, so one that
+    would unpickle anything else (a callable, an object that runs code) is a ``BagpipeError``
+    naming the file, and nothing in it runs."""
+    import pickle
+
     from tidal.runtime.bagpipe.trainer import CHECKPOINT_FILE
 
     f = Path(path) / CHECKPOINT_FILE
     if not f.exists():
         raise BagpipeError(f"bagpipe: no checkpoint in {path!r} (expected {CHECKPOINT_FILE})")
-    return torch.load(f, weights_only=False)
+    try:
+        ck = torch.load(f, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BagpipeError(f"bagpipe: resume checkpoint {str(f)!r} is not a Bagpipe checkpoint "
+                           f"of tensors, dicts and ints (refused to load it: {first})") from e
+    if not isinstance(ck, dict) or not {"tables", "dense", "next"} <= set(ck):
+        raise BagpipeError(f"bagpipe: resume checkpoint {str(f)!r} lacks tables, dense and "
+                           "next; write it with checkpoint_dir=")
+    return ck
 
 
 def _unpack(model: Any) -> tuple:
