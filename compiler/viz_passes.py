@@ -76,7 +76,7 @@ def _burst(plan: Any, before: Optional[fx.Graph], after: fx.Graph) -> viz.Overla
     node_fills: dict[str, str] = {}
     for n in after.nodes:
         placed = meta.get_pass_meta(n, "burst_parallel")
-        if placed is not None:
+        if isinstance(placed, meta.BurstPlacement):    # a layer (a transfer holds its rows)
             unit = "GPU" if placed.gpus == 1 else "GPUs"
             lines[n.name] = (f"{placed.gpus} {unit} · {_ranks_text(placed.ranks)}",)
             node_fills[n.name] = fills.get(placed.gpus, _GPU_FILLS[0])
