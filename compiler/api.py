@@ -8,16 +8,19 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from tidal.ir.capture import LeafSpec, trace
 from tidal.compiler.compiled import Compiled, OptimizerSpec
 from tidal.compiler.pass_manager import PassRecord, run_passes, snapshot
 from tidal.ir import cost, meta
 from tidal.ir.cluster import Cluster
-from tidal.ir.errors import PassError
+from tidal.ir.errors import PassError, PlanError
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.input_check import check_input_dtypes
 from tidal.ir.pass_api import BATCH_CONVENTIONS, Pass, PassContext
+from tidal.ir.plan import CompiledPlan
+from tidal.ir.trace_lock import tracing
 from tidal.passes import registry
 from tidal.runtime.batch_data import global_batch
 from tidal.runtime.comm.compressors.modeling import encode_decode_s
@@ -84,7 +87,7 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
             optimizer: OptimizerSpec = None, example_targets: Any = None,
             leaf_modules: Iterable[LeafSpec] = (), verbose: bool = False,
             lower: Optional[str] = None, batch: str = "global", check_batch: bool = True,
-            **options: Any) -> Compiled:
+            check_finite: bool = False, **options: Any) -> Compiled:
     """Trace ``model``, annotate per-node costs and run ``passes`` on the graph.
 
     ``example_inputs``: a tuple of inputs (a single tensor is accepted; a dict for Hugging Face
@@ -108,7 +111,12 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     same (a ``BatchError`` names the input and the ranks that differ), under ``"local"`` that
     what is not split by rows (Python values, 0-dim tensors) is equal on every rank. Under
     both, a tensor input or target whose dim 0 is not the batch's is an error, never
-    replicated (``tidal.runtime.batch_data.global_batch``).
+    replicated (``tidal.runtime.batch_data.global_batch``). A step on an empty global batch (0
+    rows) is a ``BatchError``. ``check_finite`` (default False, as in PyTorch): a NaN or
+    infinite loss raises ``NonFiniteLossError`` naming the step, on every rank, from
+    ``Compiled.step`` with the parameters, buffers and optimizer state put back (it keeps a
+    copy of them each step) and from ``Compiled.backward`` before the loop's optimizer steps
+    (``tidal.compiler.step_checks``).
 
     Example:
         >>> import torch, tidal
@@ -123,10 +131,28 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     check_batch_options(batch, check_batch)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"compile(check_finite={check_finite!r}): check_finite is True or False "
+                        "(whether a non-finite loss stops the step)")
     if batch == "local":
         example_inputs, example_targets = global_batch(example_inputs, example_targets, batch,
                                                        check=check_batch)
     log = _stderr_log if verbose else (lambda msg: None)
+    with tracing():     # one compile traces at a time in a process (tidal.ir.trace_lock)
+        gm, records, ctx = _build(model, example_inputs, passes, options, leaf_modules, dict(
+            cluster=cluster or Cluster(), model=model, loss_fn=loss_fn, optimizer=optimizer,
+            example_targets=example_targets, log=log, encode_decode_s=_measurer(model),
+            batch=batch, check_batch=check_batch))
+        check_world(records)
+        return Compiled(model, gm, records, ctx, lower=lower, check_finite=check_finite)
+
+
+def _build(model: torch.nn.Module, example_inputs: Any, passes: Union[str, Sequence[PassSpec]],
+           options: Mapping[str, Any], leaf_modules: Iterable[LeafSpec],
+           context: Mapping[str, Any]) -> tuple[Any, list[PassRecord], PassContext]:
+    """``compile``'s graph work: trace, annotate costs, select and run the passes. Returns the
+    graph, the report's records and the ``PassContext`` (``context``: its fields beside the
+    example inputs and batch size)."""
     records: list[PassRecord] = []
     t0 = time.perf_counter()
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
@@ -141,21 +167,34 @@ def compile(model: torch.nn.Module, example_inputs: Any, *,
     records.append(PassRecord("annotate", t2 - t1, n, n, graph_after=snapshot(gm.graph),
                               notes=(_cost_note(gm, cost.example_batch(positional)),)))
     ctx = PassContext(example_inputs=positional, batch_size=cost.example_batch(positional),
-                      cluster=cluster or Cluster(), model=model, loss_fn=loss_fn,
-                      optimizer=optimizer, example_targets=example_targets, log=log,
-                      encode_decode_s=_measurer(model), batch=batch,
-                      check_batch=check_batch)
+                      **context)
     selected = resolve_passes(passes, options, ctx)
     if isinstance(passes, str) and passes == "auto":
         selected, skipped = auto_select(selected, gm, ctx)
         records.append(PassRecord("auto", 0.0, n, n, notes=skipped or ("selected every pass",)))
-    if loss_fn is None:
+    if ctx.loss_fn is None:
         needs = [p.name for p in selected if p.training_only]
         if needs:
             raise PassError(f"pass {needs[0]!r} transforms training: give loss_fn and optimizer")
     _check_exclusive(selected)
     gm, pass_records = run_passes(gm, selected, ctx)
-    return Compiled(model, gm, records + pass_records, ctx, lower=lower)
+    return gm, records + pass_records, ctx
+
+
+def check_world(records: Sequence[PassRecord]) -> None:
+    """Raise ``PlanError`` naming the pass and both sizes when a plan of ``records`` is for
+    another number of GPUs than the ranks of the job (``torch.distributed`` initialized), so a
+    plan for 4 GPUs on 2 ranks fails at compile, not inside the first step.
+
+    Example:
+        >>> check_world([])    # no plans (or no process group): nothing to check
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    plans = CompiledPlan(tuple((r.name, r.plan) for r in records if r.plan is not None))
+    why = plans.world_mismatch(dist.get_world_size())
+    if why:
+        raise PlanError(f"tidal.compile: {why}")
 
 
 def check_batch_options(batch: Any, check_batch: Any) -> None:

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 from tidal.compiler.guards import CaptureGuard, StepGuardError
 from tidal.compiler.module_face import ModuleFace
 from tidal.compiler.pass_manager import PassRecord
+from tidal.compiler.step_checks import StateSnapshot, check_loss, check_rows
 from tidal.ir.collectives import new_group
 from tidal.ir.inputs import bind_inputs
 from tidal.ir.table import format_table
@@ -45,8 +46,12 @@ class Compiled(ModuleFace):
     """
 
     def __init__(self, model: torch.nn.Module, gm: fx.GraphModule, records: Sequence[PassRecord],
-                 ctx: PassContext, lower: Optional[str] = None):
+                 ctx: PassContext, lower: Optional[str] = None, check_finite: bool = False):
         self.model = model
+        self.check_finite = check_finite
+        """Whether a non-finite loss stops ``step``/``backward`` (``compiler.step_checks``)."""
+        self.calls = 0
+        """How many ``step``/``backward`` calls were made (the step number errors name)."""
         self.graph_module = gm
         self.records = tuple(records)
         self.context = ctx
@@ -171,8 +176,17 @@ class Compiled(ModuleFace):
             raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
                              "fn(outputs, targets) -> scalar tensor")
         inputs, targets = self._global_batch(inputs, targets, "Compiled.step inputs")
-        return self.executor.step(self._step_graph(), self.model, inputs, targets,
+        check_rows(inputs, targets, "Compiled.step")
+        self.calls += 1
+        kept = StateSnapshot(self.model, self.optimizer, self) if self.check_finite else None
+        loss = self.executor.step(self._step_graph(), self.model, inputs, targets,
                                   self.context.loss_fn, self.optimizer)
+        if kept is not None and not bool(torch.isfinite(loss).all()):
+            left = kept.restore()
+            check_loss(loss, self.calls, "Compiled.step", "the parameters, buffers and "
+                       "optimizer state are put back as they were before it" +
+                       (f", {left}" if left else ""))
+        return loss
 
     def _global_batch(self, inputs: Any, targets: Any, what: str) -> tuple[tuple, Any]:
         """The step's global batch from what this rank passed (``compile(batch=...)``:
@@ -266,11 +280,17 @@ class Compiled(ModuleFace):
             raise ValueError("Compiled.backward needs a loss: tidal.compile(..., loss_fn=fn) "
                              "with fn(outputs, targets) -> scalar tensor")
         inputs, targets = self._global_batch(inputs, targets, "Compiled.backward inputs")
+        check_rows(inputs, targets, "Compiled.backward")
+        self.calls += 1
         if isinstance(scale, torch.amp.GradScaler):   # its scale, as scaler.scale(loss) reads it
             scale = scale.scale(torch.ones((), device=device_of(self.model)))
-        return self.executor.backward(self._step_graph("Compiled.backward"), self.model,
+        loss = self.executor.backward(self._step_graph("Compiled.backward"), self.model,
                                       inputs, targets, self.context.loss_fn, scale=scale,
                                       sync=not self._no_sync)
+        if self.check_finite:
+            check_loss(loss, self.calls, "Compiled.backward", "no optimizer has stepped, but "
+                       "its gradients were added to .grad: zero them before the next step")
+        return loss
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -47,6 +47,7 @@ from tidal.ir.flop_free import (FLOP_FREE_ATEN, FLOP_FREE_FUNCTIONS,  # noqa: F4
                                 flop_free_kind)
 from tidal.ir.meta import BATCH
 from tidal.ir.node_runner import COMPUTE_OPS, flat_tensors, map_tensors, op_name, run_isolated
+from tidal.ir.trace_lock import tracing
 
 def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -313,7 +314,8 @@ def annotate(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_dim: int =
     for b in (b0, b1):
         interp = _MetaCostInterpreter(meta_root, shared, gm)
         inputs = map_tensors(tuple(example_inputs), lambda v: _rebatch(v, b, batch_dim))
-        interp.run(*inputs)
+        with tracing():     # runs modules: not while another thread's tracer patches them
+            interp.run(*inputs)
         runs[b] = interp
     expressions: dict = {}
 

@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 
 from tidal.ir import meta
 from tidal.ir.errors import TraceError
+from tidal.ir.trace_lock import tracing
 
 LeafSpec = Union[str, type]
 """A leaf module given by qualified path (``"layer1.0"``) or by class (``Bottleneck``)."""
@@ -804,15 +805,16 @@ def export_trace(model: torch.nn.Module,
     as described in this module's docstring. ``example_inputs``: a dict of keyword inputs or a
     tuple of positional inputs. Raises ``TraceError`` naming the module and source line when
     the export fails."""
-    inputs = _export_inputs(model, example_inputs)
-    leaves = leaf_paths(model, leaf_modules)
-    cache, reuse = _REUSE.get()
-    key = _key(model, inputs, leaves) if cache is not None else None
-    ep = cache.get(key) if key is not None and reuse else None
-    if ep is None:
-        ep = _export(model, inputs, leaves)
-        if key is not None:
-            cache.put(key, ep)
-    gm = _Rebuilder(model, ep, leaves, inputs).build()
+    with tracing():     # torch.export patches torch.nn.Module process-wide (ir.trace_lock)
+        inputs = _export_inputs(model, example_inputs)
+        leaves = leaf_paths(model, leaf_modules)
+        cache, reuse = _REUSE.get()
+        key = _key(model, inputs, leaves) if cache is not None else None
+        ep = cache.get(key) if key is not None and reuse else None
+        if ep is None:
+            ep = _export(model, inputs, leaves)
+            if key is not None:
+                cache.put(key, ep)
+        gm = _Rebuilder(model, ep, leaves, inputs).build()
     meta.set_trace_notes(gm, (f"traced with {NAME}",) + inputs.notes)
     return gm

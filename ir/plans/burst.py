@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tidal.ir.plan import Plan
 from tidal.ir.plot import Axis, Column, Key, bar_chart, color
@@ -51,6 +52,8 @@ class BurstPlan(Plan):
     data-parallel baseline under the same cost model. ``parallel_branches`` lists the
     ``(join layer, branch index)`` of branches run on GPUs of their own."""
 
+    pass_name: ClassVar[str] = "burst_parallel"
+
     world: int
     batch: int
     amp_limit: float
@@ -66,6 +69,10 @@ class BurstPlan(Plan):
     composites: tuple[tuple[str, str], ...] = ()
     """``(layer, what)`` for each layer that is several graph nodes planned as one: what was
     collapsed into it (a region that is not series-parallel) or why it runs on one GPU."""
+
+    def world_size(self) -> int:
+        """The ranks the plan runs on: its ``world``."""
+        return self.world
 
     @property
     def is_data_parallel(self) -> bool:

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from tidal.ir.head_clusters import FIRST_TOKENS, check_count, kv_head_map
 from tidal.ir.plan import Plan
@@ -54,6 +54,8 @@ class ChaiPlan(Plan):
     each sequence's first ``first_tokens`` tokens) or "static" (the offline membership);
     ``clustering`` how heads are clustered online (``tidal.ir.head_clusters.CLUSTERINGS``:
     "kmeans" for ``calibrate(mode="paper")``)."""
+
+    pass_name: ClassVar[str] = "clustered_attention"
 
     layers: tuple[LayerChoice, ...]
     mode: str = "online"

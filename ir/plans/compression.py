@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from tidal.ir import compression_model
 from tidal.ir.plan import Plan
@@ -40,6 +40,8 @@ class CompressionPlan(Plan):
     next window lies within the first ``accordion_lr_horizon`` optimizer steps (0: no schedule
     was given; beyond the horizon the runtime sees a decay one window late). ``wraps``: the
     parallelism pass whose gradient sync this plan replaces, or None."""
+
+    pass_name: ClassVar[str] = "compression"
 
     compressor: str
     mode: str

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.fx as fx
@@ -80,6 +80,8 @@ class EmbeddingCachePlan(Plan):
     """What the ``embedding_cache`` pass chose: the cached ``tables`` (in graph order) and the
     Oracle Cacher's ``lookahead`` (how many batches ahead it reads ids to cache and prefetch;
     0: only the current batch)."""
+
+    pass_name: ClassVar[str] = "embedding_cache"
 
     tables: tuple[CachedTable, ...]
     lookahead: int = 1

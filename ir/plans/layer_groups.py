@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from tidal.ir.plan import Plan
 from tidal.ir.table import format_table
@@ -107,6 +107,8 @@ class LayerGroupPlan(Plan):
     """What the ``layer_groups`` pass chose: the layer groups, their bytes and the predicted
     pipeline (microseconds from the start of the first transfer), beside the per-layer and
     single-group pipelines."""
+
+    pass_name: ClassVar[str] = "layer_groups"
 
     layers: tuple[str, ...]
     layer_bytes: tuple[int, ...]

@@ -4,6 +4,7 @@ and weight bytes, the cut bytes and the round-robin schedule. The pass is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from tidal.ir.plan import Plan
 from tidal.ir.schedule import Schedule
@@ -13,6 +14,8 @@ from tidal.ir.schedule import Schedule
 class RoundRobinPlan(Plan):
     """The partitions (layer names, first layer of each), their predicted times and weight
     bytes, the cut bytes and the schedule."""
+
+    pass_name: ClassVar[str] = "round_robin"
 
     partitions: int
     micro_batch: int

@@ -4,7 +4,7 @@ the runtime's program builder (``tidal.runtime.programs.tick_tock``) runs the pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from tidal.ir.memory_fit import MemoryFit, StepBytes
 from tidal.ir.plan import Plan
@@ -18,6 +18,8 @@ class TickTockPlan(Plan):
     started together) and the schedule; under a memory budget (``Cluster(memory_gb=...)``) the
     batches it allows (``memory``) and one wave step's memory predicted beside measured
     (``step_bytes``)."""
+
+    pass_name: ClassVar[str] = "tick_tock"
 
     ranks: int
     wave_batch: int
