@@ -80,6 +80,7 @@ from tidal.ir.burst_ownership import StateBytes, state_note, state_table
 from tidal.ir.burst_sync import Bucket, sync_buckets
 from tidal.ir.collectives import SubgroupCache, check_layer_ranks, new_group
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES
+from tidal.ir.errors import PlanError
 from tidal.ir.program import Program
 from tidal.runtime.batch_data import global_batch
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
@@ -191,8 +192,8 @@ class BurstProgram(RankShare):
         in the same order). Returns the comm stream's world-wide group."""
         size = dist.get_world_size()
         if size != self.world:
-            raise ValueError(f"burst_parallel: the plan is for {self.world} GPUs but the job has "
-                             f"{size} ranks; compile with tidal.Cluster(gpus={size})")
+            raise PlanError(f"burst_parallel: the plan is for {self.world} GPUs but the job has "
+                            f"{size} ranks; compile with tidal.Cluster(gpus={size})")
         if not self._ready:  # the plan is fixed: its ranks are checked against the world once
             check_layer_ranks(self.layer_ranks.items(), size)
             self.groups.create(r for r in self.param_ranks.values() if 1 < len(r) < size)
