@@ -16,6 +16,9 @@ Example:
     >>> loss, grads = step.run(model, (x,), y)
     >>> sorted(grads)
     ['0.bias', '0.weight']
+    >>> _, scaled = step.run(model, (x,), y, seed=2.0 ** 16)   # the gradients of 2^16 * loss
+    >>> torch.equal(scaled["0.weight"], grads["0.weight"] * 2.0 ** 16)
+    True
 """
 from __future__ import annotations
 
@@ -26,12 +29,13 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import _pytree as fx_pytree
+from torch.utils._pytree import tree_leaves
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tidal.ir import meta
@@ -41,6 +45,7 @@ from tidal.ir.export_capture import LeafSpec, export_trace, user_leaf
 from tidal.ir.node_runner import (alias_root, fetch_attr, is_inplace_method, op_name,
                                   written_nodes)
 from tidal.ir.param_owners import trainable
+from tidal.ir.trace_lock import tracing
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -211,12 +216,13 @@ def trace(model: torch.nn.Module, example_inputs: Union[Sequence[Any], Mapping[s
         raise TypeError(f"tidal can only trace torch.nn.Module instances, got {type(model).__name__}")
     leaf_modules = tuple(leaf_modules)
     _check_leaf_paths(model, leaf_modules)
-    saved = _plain_attributes(model)
-    try:
-        with _buffers_kept(model):
-            return _trace_any(model, example_inputs, leaf_modules)
-    finally:
-        _restore_traced_attributes(model, saved)
+    with tracing():     # fx patches torch.nn.Module process-wide while it traces
+        saved = _plain_attributes(model)
+        try:
+            with _buffers_kept(model):
+                return _trace_any(model, example_inputs, leaf_modules)
+        finally:
+            _restore_traced_attributes(model, saved)
 
 
 def _plain_attributes(model: torch.nn.Module) -> dict[int, dict[str, Any]]:
@@ -390,9 +396,13 @@ def _trace_keeping_failures_whole(model: torch.nn.Module,
 class TrainStep:
     """A whole training step as one aten graph.
 
-    ``gm(params, buffers, inputs, targets)`` returns ``(loss, grads)`` where ``params`` and
-    ``buffers`` are dicts keyed by ``param_names``/``buffer_names`` and ``grads`` a tuple in
-    ``param_names`` order. Buffer updates (BatchNorm running statistics, a forward's
+    ``gm(params, buffers, inputs, targets, seed)`` returns ``(loss, grads)`` where ``params``
+    and ``buffers`` are dicts keyed by ``param_names``/``buffer_names``, ``seed`` is the
+    backward's seed (:func:`loss_seed`: a 0-dim float32 tensor, 1.0 for the plain gradients)
+    and ``grads`` a tuple in ``param_names`` order: the gradients of ``seed * loss``, computed
+    as eager ``(loss * seed).backward()`` computes them (the seed is the loss's gradient), so
+    that a loss scale (``GradScaler``'s) keeps fp16 intermediate gradients from underflowing
+    as in eager; ``loss`` stays unscaled. Buffer updates (BatchNorm running statistics, a forward's
     ``self.count.add_(1)``: :func:`buffer_writes`) happen in place on the buffers passed in,
     as in eager training.
     """
@@ -404,17 +414,14 @@ class TrainStep:
     """The buffers that are a normalization layer's running statistics (BatchNorm's)."""
 
     def run(self, model: torch.nn.Module, inputs: Union[Sequence[Any], Mapping[str, Any]],
-            targets: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            targets: Any, seed: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the captured step on ``model``'s own parameters and buffers; return the loss and
-        the gradients by parameter name (the model's ``.grad`` fields are not touched). The
-        graph computes the gradients itself, so it runs without autograd: a buffer it updates
-        takes no autograd history, as under the forward's ``torch.no_grad()``."""
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+        the gradients of ``seed * loss`` (``seed``: None for 1, a number or a 0-dim tensor) by
+        parameter name (the model's ``.grad`` fields are not touched). The graph computes the
+        gradients itself, so it runs without autograd: a buffer it updates takes no autograd
+        history, as under the forward's ``torch.no_grad()``."""
         with torch.no_grad():
-            loss, grads = self.gm({k: params[k] for k in self.param_names},
-                                  {k: buffers[k] for k in self.buffer_names},
-                                  as_inputs(inputs), targets)
+            loss, grads = self.gm(*step_inputs(self, model, inputs, targets, seed, flat=False))
         return loss, dict(zip(self.param_names, grads))
 
 
@@ -440,17 +447,19 @@ def capture_train_step(model: torch.nn.Module,
     buffers = dict(model.named_buffers())
     names = tuple(params)
 
-    def step(params, buffers, inputs, targets):
+    def step(params, buffers, inputs, targets, seed):
         args, kwargs = _call_args(inputs)
         out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
         loss = loss_fn(out, targets)
-        grads = torch.autograd.grad(loss, [params[k] for k in names], allow_unused=True)
+        grads = torch.autograd.grad(loss, [params[k] for k in names],
+                                    grad_outputs=seed_for(loss, seed), allow_unused=True)
         grads = tuple(torch.zeros_like(params[k]) if g is None else g for k, g in zip(names, grads))
         return loss, grads
 
+    seed = loss_seed(None, device_of_step(params, buffers, example_inputs))
     try:
         gm = make_fx(step, tracing_mode="fake")(params, buffers, as_inputs(example_inputs),
-                                                 example_targets)
+                                                 example_targets, seed)
     except Exception as e:
         frame = _user_frame(e)
         where = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
@@ -470,13 +479,63 @@ def grad_nodes(step: TrainStep) -> tuple[fx.Node, list[fx.Node]]:
     return flat[0], flat[1:1 + len(step.param_names)]
 
 
-def step_inputs(step: TrainStep, module: torch.nn.Module, inputs: Any, targets: Any) -> list[Any]:
+def step_inputs(step: TrainStep, module: torch.nn.Module, inputs: Any, targets: Any,
+                seed: Any = None, *, flat: bool = True) -> list[Any]:
     """The captured step's flat inputs: ``module``'s parameters and buffers, the inputs, the
-    targets."""
+    targets and the backward's seed (:func:`loss_seed` of ``seed``: None for 1, a number or
+    a 0-dim tensor such as a ``GradScaler``'s scale), last. With ``flat`` False, the five
+    arguments ``step.gm`` takes, unflattened.
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> x, y = torch.randn(3, 2), torch.tensor([0, 1, 1])
+    >>> step = capture_train_step(model, (x,), y, torch.nn.functional.cross_entropy)
+    >>> flat = step_inputs(step, model, (x,), y, seed=0.25)
+    >>> len(flat), flat[-1]
+    (5, tensor(0.2500))
+    """
     params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
-    return fx_pytree.tree_flatten_spec(
-        ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names},
-         as_inputs(inputs), targets), step.gm.graph._codegen.pytree_info.in_spec)
+    chosen = ({k: params[k] for k in step.param_names}, {k: buffers[k] for k in step.buffer_names})
+    device = device_of_step(*chosen, inputs)
+    args = (*chosen, as_inputs(inputs), targets, loss_seed(seed, device))
+    if not flat:
+        return list(args)
+    return fx_pytree.tree_flatten_spec(args, step.gm.graph._codegen.pytree_info.in_spec)
+
+
+def loss_seed(scale: Any = None, device: Union[torch.device, str, None] = None,
+              weight: Optional[float] = None) -> torch.Tensor:
+    """The backward's seed of a captured step for the loss times ``scale`` (None: 1; a number,
+    ``1 / k`` for accumulation, or a 0-dim tensor, a ``GradScaler``'s scale) times ``weight``
+    (None: 1; a shard's row weight): a 0-dim float32 tensor on ``device`` (``scale``'s when
+    it is a tensor and ``device`` is None; else the CPU).
+
+    >>> loss_seed(), loss_seed(0.5, weight=0.5), loss_seed(torch.tensor(2.0 ** 16)).item()
+    (tensor(1.), tensor(0.2500), 65536.0)
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"a loss scale must be one number (a 0-dim tensor, a GradScaler's "
+                             f"scale), got a tensor of shape {tuple(scale.shape)}")
+        seed = scale.detach().reshape(()).to(
+            dtype=torch.float32, device=scale.device if device is None else device)
+        return seed if weight is None else seed * weight
+    value = (1.0 if scale is None else float(scale)) * (1.0 if weight is None else weight)
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def seed_for(loss: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """``seed`` as the gradient of ``loss`` (its dtype and shape), what eager
+    ``(loss * seed).backward()`` hands to ``loss``'s backward."""
+    if seed.dtype != loss.dtype:
+        seed = seed.to(loss.dtype)
+    return seed if seed.shape == loss.shape else seed.expand(loss.shape)
+
+
+def device_of_step(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                   inputs: Any) -> torch.device:
+    """The device of a step's first parameter, buffer or input tensor (the CPU when none)."""
+    leaves = [*params.values(), *buffers.values(), *tree_leaves(inputs)]
+    return next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def failing_node(step: TrainStep, flat: Sequence[Any]) -> str:

@@ -42,7 +42,7 @@ from tidal.ir.plot import Axis, Guide, Series, color, line_chart
 DEFAULT_MEM_GBPS = 1555.0
 """Default device-memory bandwidth in GB/s for the bytes term of a node's time (A100 40 GB)."""
 
-_CONSTANT_PREFIXES = ("params", "buffers")
+_CONSTANT_PREFIXES = ("params", "buffers", "seed")
 
 
 @dataclass(frozen=True)

@@ -151,15 +151,14 @@ def test_batch_norm_statistics_written_by_a_joint_graph_run_uncaptured():
 
 
 def test_an_input_written_in_place_does_not_make_later_nodes_uncaptured():
-    from tidal.ir.capture import capture_train_step
+    from tidal.ir.capture import capture_train_step, step_inputs
     from tidal.runtime.lower import lower
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.ReLU(), torch.nn.Linear(8, 3))
     x, y = torch.randn(6, 4), torch.randn(6, 3)
     step = capture_train_step(model, (x,), y, torch.nn.functional.mse_loss)
-    flat = [*dict(model.named_parameters()).values(), *dict(model.named_buffers()).values(),
-            x, y]
+    flat = step_inputs(step, model, (x,), y)
     kinds = [info.kind for info in lower(step.gm, flat).report.steps]
     assert kinds.count("eager") == 2 and kinds.count("captured") >= 2, kinds  # bn, its counter
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import tidal
-from tidal.ir.capture import capture_train_step
+from tidal.ir.capture import capture_train_step, step_inputs
 from tidal.runtime.backend import CpuBackend, backend_for
 from tidal.runtime.lower import lower
 from tidal.runtime.program import (COMPUTE, CapturedProgram, Piece, Program, ProgramExecutor,
@@ -96,10 +96,8 @@ def test_captures_read_parameters_in_place_and_get_a_pool_per_program():
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
     step = capture_train_step(model, (x,), y, F.cross_entropy)
     program = data_parallel(step, world=1)
-    params = {k: p for k, p in model.named_parameters()}
-    buffers = dict(model.named_buffers())
-    flat = [params[k] for k in step.param_names] + [buffers[k] for k in step.buffer_names] + \
-        [x, y]
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    flat = step_inputs(step, model, (x,), y)
     be = _Recording()
     first = CapturedProgram.build(program, step.gm, flat, be, state=state_inputs(step))
     CapturedProgram.build(program, step.gm, flat, be, state=state_inputs(step))

@@ -77,7 +77,7 @@ from tidal.runtime.comm.compressors import Comm, Compressor, NoCompression
 from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.program import OpenStepError, data_parallel
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
-                                                     scaled, set_grads)
+                                                     set_grads)
 from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss
 from tidal.runtime.programs.data_parallel_steps import (ACCORDION, BROADCAST, SYNC,
                                                        CapturedStep, DataParallelStep,

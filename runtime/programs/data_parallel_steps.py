@@ -2,10 +2,14 @@
 piece of a rank's step does, for the closed step (``Compiled.step``: sync, optimizer, Accordion)
 and the open one (``Compiled.backward``: :func:`open_program`, the synchronized gradients added
 to ``.grad``, or accumulated locally under ``no_sync``). :class:`CapturedStep` runs the captured
-segments, :class:`EagerStep` the graph with autograd. The eager ``forward`` and ``backward``
-run under the autocast state of the thread that bound the step, on whichever thread runs them;
-every other piece (captured segments, whose casts are in their graph; syncs; the optimizer)
-with autocast off (``tidal.runtime.programs.piece_autocast``).
+segments, :class:`EagerStep` the graph with autograd. Either computes the gradients of
+``seed * loss``, the seed being the open step's ``scale`` times the shard's row ``weight``:
+the captured step takes it as its backward's seed (``tidal.ir.capture.loss_seed``), the eager
+one multiplies the loss by it before backward; as eager ``scaler.scale(loss).backward()``,
+fp16 intermediate gradients are scaled before they can underflow, never after. The eager
+``forward`` and ``backward`` run under the autocast state of the thread that bound the step,
+on whichever thread runs them; every other piece (captured segments, whose casts are in their
+graph; syncs; the optimizer) with autocast off (``tidal.runtime.programs.piece_autocast``).
 
 Example:
     >>> from tidal.runtime.programs.data_parallel import eager_pieces, framed
@@ -21,7 +25,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from tidal.ir.capture import step_inputs
+from tidal.ir.capture import loss_seed, step_inputs
 from tidal.ir.param_owners import trainable
 from tidal.ir.program import COMM, COMPUTE, OPTIMIZER, Piece, Program
 from tidal.ir.step_state import autocast_state
@@ -84,10 +88,11 @@ class DataParallelStep:
     """One bound step (``tidal.runtime.program.StepWork``): the broadcast, sync, optimizer and
     Accordion pieces, or with ``opened`` (:class:`OpenStep`) its program's ``grads`` or
     ``accumulate`` piece; subclasses run the compute pieces and give the gradients and the
-    loss. ``weight`` (``LocalShard.weight``, None for 1) multiplies this rank's gradients
-    before they are synced or kept under ``no_sync`` (before a compressor, whose error
-    feedback stays per rank) and its loss before the loss is averaged: the ranks' shards may
-    differ in rows."""
+    loss. ``weight`` (``LocalShard.weight``, None for 1) multiplies this rank's loss before
+    backward (so its gradients, before they are synced or kept under ``no_sync``: before a
+    compressor, whose error feedback stays per rank) and before the loss is averaged: the
+    ranks' shards may differ in rows. The open step's ``scale`` multiplies the loss before
+    backward too (:attr:`seed`)."""
 
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -132,18 +137,18 @@ class DataParallelStep:
     def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
         raise NotImplementedError
 
+    @property
+    def seed(self) -> torch.Tensor:
+        """What the loss is multiplied by before backward: the open step's ``scale`` (None,
+        a number or a ``GradScaler``'s scale tensor) times the row ``weight``, a 0-dim float32
+        tensor (``tidal.ir.capture.loss_seed``)."""
+        return loss_seed(None if self._opened is None else self._opened.scale,
+                         weight=self._weight)
+
     def grad(self, index: int) -> torch.Tensor:
+        """Gradient ``index`` of ``seed * loss``, as this rank hands it to the sync (or keeps
+        it under ``no_sync``)."""
         raise NotImplementedError
-
-    def open_grad(self, index: int) -> torch.Tensor:
-        """Gradient ``index`` of ``scale * loss`` (the open step's)."""
-        return scaled(self.grad(index), self._opened.scale)
-
-    def shared_grad(self, index: int) -> torch.Tensor:
-        """Gradient ``index`` as this rank hands it to the sync (or keeps it under
-        ``no_sync``): of the loss (``scale * loss`` in the open step), times the weight."""
-        grad = self.grad(index) if self._opened is None else self.open_grad(index)
-        return scaled(grad, self._weight)
 
     def local_loss(self) -> torch.Tensor:
         raise NotImplementedError
@@ -156,11 +161,10 @@ class DataParallelStep:
         """Issue the sync of one bucket (the ``optimizer`` or ``grads`` piece waits for it):
         in the open step, of this call's gradients plus what ``no_sync`` calls accumulated."""
         if self._opened is None:
-            grads = {self._names[i]: self.shared_grad(i) for i in indices}
+            grads = {self._names[i]: self.grad(i) for i in indices}
         else:
             local = self._owner.local_grads
-            grads = {self._names[i]: local.plus(self._params[self._names[i]],
-                                                self.shared_grad(i))
+            grads = {self._names[i]: local.plus(self._params[self._names[i]], self.grad(i))
                      for i in indices}
         self._pending.append(self._owner.grad_sync.bucket_async(grads))
 
@@ -195,7 +199,7 @@ class DataParallelStep:
         """The open step's ``accumulate`` piece (inside ``no_sync``): gradients kept here."""
         local = self._owner.local_grads
         for i, name in enumerate(self._names):
-            local.add(name, self._params[name], self.shared_grad(i))
+            local.add(name, self._params[name], self.grad(i))
 
     def loss(self) -> torch.Tensor:
         """The global batch's loss: the mean of the ranks' shard losses (weighted: each
@@ -213,7 +217,8 @@ class CapturedStep(DataParallelStep):
                  opened: Optional[OpenStep] = None, weight: Optional[float] = None):
         super().__init__(owner, capture, model, optimizer, gm, capture.step.param_names,
                          opened, weight)
-        self._run = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
+        self._run = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets,
+                                                       self.seed))
         self._loss_node, self._grad_nodes = capture.nodes()
 
     def compute(self, index: int, piece: Piece) -> Callable[[], Any]:
@@ -227,8 +232,8 @@ class CapturedStep(DataParallelStep):
 
 
 class EagerStep(DataParallelStep):
-    """Eager ``forward`` and ``backward`` pieces (autograd fills the parameters' ``.grad``; in
-    the open step, the gradients of ``scale * loss`` are kept here instead)."""
+    """Eager ``forward`` and ``backward`` pieces, backward on ``seed * loss`` (autograd fills
+    the parameters' ``.grad``; in the open step, the gradients are kept here instead)."""
 
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -250,21 +255,20 @@ class EagerStep(DataParallelStep):
         self._loss = self._run()
 
     def _backward(self) -> None:
+        scale = None if self._opened is None else self._opened.scale
+        loss = self._loss
+        if scale is not None or self._weight is not None:
+            loss = loss * self.seed.to(loss.device)
         if self._opened is None:
-            self._loss.backward()
+            loss.backward()
         elif self._names:
-            scale = self._opened.scale
-            loss = self._loss if scale is None else self._loss * scale
             self._grads = torch.autograd.grad(loss, [self._params[n] for n in self._names],
                                               allow_unused=True)
 
     def grad(self, index: int) -> torch.Tensor:
         p = self._params[self._names[index]]
-        return p.grad if p.grad is not None else torch.zeros_like(p)
-
-    def open_grad(self, index: int) -> torch.Tensor:
-        g = self._grads[index]
-        return g if g is not None else torch.zeros_like(self._params[self._names[index]])
+        g = p.grad if self._opened is None else self._grads[index]
+        return g if g is not None else torch.zeros_like(p)
 
     def local_loss(self) -> torch.Tensor:
         return self._loss

@@ -63,8 +63,10 @@ the ranks' states, the all-reduce is the shared ``.grad`` accumulation and no co
 so the schedule runs anywhere.
 
 The open step (``Compiled.backward``, :meth:`RoundRobinProgram.bind_backward`) runs the same
-schedule with no ``U`` piece: the gradient of ``scale *`` the global batch's mean loss is added
-to every trainable parameter's ``.grad`` on every rank (after the ``restore``), or inside
+schedule with no ``U`` piece: the gradient of ``scale *`` the global batch's mean loss (the last
+partition's backward seeded with ``scale``, as eager ``(loss * scale).backward()`` seeds it, so
+fp16 gradients are scaled before they can underflow) is added to every trainable parameter's
+``.grad`` on every rank (after the ``restore``), or inside
 ``no_sync`` kept in the program until the next synchronized call
 (``tidal.runtime.programs.round_robin_open``). Every rank then holds the whole synchronized
 gradient, so ``Compiled.clip_grad_norm_`` is torch's over all the parameters.

@@ -5,7 +5,10 @@ shape.
 (:class:`~tidal.runtime.programs.round_robin_stages.Partitions`) for micro-batches of one shape:
 ``make_fx`` of the partition's forward (the loss on the last partition) and
 ``torch.autograd.grad`` with respect to its parameters and its float input activations, the
-gradients of its outputs as inputs (:class:`StageGraph`). ``F`` runs the nodes the outputs need
+gradients of its outputs as inputs (:class:`StageGraph`; on the last partition, the gradient of
+its loss: the backward's seed, ``tidal.ir.capture.loss_seed`` of the micro-batch's weight times
+the open step's loss scale, so that a ``GradScaler``'s scale enters the backward as in eager
+``scaler.scale(loss).backward()``). ``F`` runs the nodes the outputs need
 (and the buffer updates), ``B`` the rest, on the values ``F`` left (:func:`split_joint`). A
 partition that cannot be captured, or whose captured graph cannot run, runs eagerly with
 autograd, named with the reason.
@@ -32,11 +35,12 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
+from tidal.ir.capture import loss_seed, seed_for
 from tidal.ir.errors import TraceError
 from tidal.ir.node_runner import fetch_attr
 from tidal.ir.program import COMPUTE, Piece, Program
 from tidal.runtime.backend import backend_for
-from tidal.runtime.program import CapturedProgram, CapturedRun
+from tidal.runtime.program import CapturedProgram, CapturedRun, device_of
 from tidal.runtime.programs.round_robin_stages import Partitions, floats
 from tidal.runtime.programs.step_failures import failure, graph_line
 
@@ -48,7 +52,9 @@ class StageGraph:
     forward outputs need, and the buffer updates) comes before the ``B`` segment
     (``backward_nodes``: the rest). Its inputs: the trainable parameters, the float input
     activations and the constants (buffers, model inputs, integer activations, targets), bound
-    at ``F``, then the gradients of the float outputs (``n_grads`` of them), filled in at ``B``;
+    at ``F``, then the gradients of the float outputs (``n_grads`` of them; on the last
+    partition one, the loss's: the backward's seed, a 0-dim float32 tensor), filled in at
+    ``B``;
     its outputs: the forward values (``n_forward``; the micro-batch loss on the last
     partition), the gradients of the float input activations (``n_leaves``), then those of the
     parameters that get one (``has_grad``).
@@ -202,7 +208,8 @@ class _StageStep:
         if last:
             forward = [self.loss_fn(fx.node.map_arg(parts.output.args[0], value), target)
                        / parts.n]
-            pairs = [(forward[0], None)] if forward[0].requires_grad else []
+            pairs = ([(forward[0], seed_for(forward[0], grads_out[0]))]
+                     if forward[0].requires_grad else [])
         else:
             forward = [parts.sent(p, nm, env[nm]) for nm in st.sends]
             fl = [v for v in forward if v.is_floating_point()]
@@ -230,11 +237,12 @@ def capture_partition(parts: Partitions, p: int, values: dict[str, Any], inputs:
     paths, spec = tree_flatten_with_path(parts.constants(p, example, inputs, target))
     traced = _StageStep(parts, p, [v for _, v in paths], spec, float_names, loss_fn)
     wrt = parts.trainable[p] + [example[nm].requires_grad_(True) for nm in float_names]
-    # the output gradients as they arrive: contiguous (a channels-last output's too)
-    grads_out = [] if last else [torch.zeros_like(values[nm],
-                                                  memory_format=torch.contiguous_format)
-                                 for nm in st.sends if isinstance(values[nm], torch.Tensor)
-                                 and values[nm].is_floating_point()]
+    # the output gradients as they arrive: contiguous (a channels-last output's too); the
+    # last partition's: its loss's (the backward's seed)
+    grads_out = [loss_seed(None, device_of(wrt, inputs))] if last else [
+        torch.zeros_like(values[nm], memory_format=torch.contiguous_format)
+        for nm in st.sends if isinstance(values[nm], torch.Tensor)
+        and values[nm].is_floating_point()]
     tensors = [traced.consts[i] for i in traced.tensor_at]
     gm = make_fx(traced, tracing_mode="fake")(wrt, tensors, grads_out)
     n_forward = 1 if last else len(st.sends)

@@ -9,10 +9,14 @@ the buffers the output gradients go into; eagerly, the input activations as auto
 :func:`backward` runs its backward on the gradients of its outputs (received from the next
 rank), accumulates the parameters' gradients (``.grad``, as autograd does) and leaves the input
 activations' gradients in ``Run.leaf_grads``, to send back. A weight scales the last partition's
-loss (eagerly, before its backward; a captured graph, made for the unweighted loss / N and
-shared by every batch of its shape, gets its loss and gradient outputs scaled), and so every
-gradient sent back and made upstream: the sum over the micro-batches is the global batch's mean
-loss.
+loss, and the open step's loss ``scale`` (a number or a ``GradScaler``'s scale tensor) its
+backward: eagerly, the loss times both before backward; a captured graph, made for the
+unweighted loss / N and shared by every batch of its shape, gets its loss output weighted and
+their product as its backward's seed (``tidal.ir.capture.loss_seed``), as eager
+``(loss * seed).backward()`` seeds it. So every gradient sent back and made upstream is of the
+scaled, weighted loss (fp16 intermediate gradients are scaled before they can underflow, as in
+eager ``scaler.scale(loss).backward()``), and the sum over the micro-batches is the global
+batch's mean loss.
 
 Example:
     >>> import torch, torch.fx as fx
@@ -37,6 +41,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from tidal.ir.capture import loss_seed
 from tidal.runtime.program import CapturedRun
 from tidal.runtime.programs.optimizer_wiring import accumulate_grad
 from tidal.runtime.programs.round_robin_capture import StageGraph
@@ -50,6 +55,7 @@ class Run:
     sent: dict[str, torch.Tensor] = field(default_factory=dict)  # to the next rank
     loss: Optional[torch.Tensor] = None        # the last partition's micro-batch loss / N
     weight: Optional[float] = None             # rows * N / B of an uneven micro-batch
+    scale: Any = None                          # the last partition's loss scale (backward)
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)   # eager: input leaves
     captured: Optional[CapturedRun] = None     # captured: the run B goes on with
     grads_in: list[torch.Tensor] = field(default_factory=list)  # captured: B's output grads
@@ -58,12 +64,15 @@ class Run:
 
 def forward(graph: Optional[StageGraph], parts: Partitions, rank: int, p: int,
             values: dict[str, torch.Tensor], inputs: tuple, target: Any,
-            loss_fn: Callable, weight: Optional[float] = None) -> Run:
+            loss_fn: Callable, weight: Optional[float] = None, scale: Any = None) -> Run:
     """``F`` of partition ``p`` on the activations ``values`` (by name), the micro-batch
     ``inputs``/``target``: ``rank``'s captured copy of ``graph``, or eagerly without one.
-    ``weight`` (None: 1) scales the last partition's loss and so its gradients."""
+    ``weight`` (None: 1) scales the last partition's loss and so its gradients; ``scale``
+    (None: 1) its gradients alone (the loss it reports stays unscaled)."""
     if graph is None:
-        return _forward_eager(parts, p, values, inputs, target, loss_fn, weight)
+        run = _forward_eager(parts, p, values, inputs, target, loss_fn, weight)
+        run.scale = scale
+        return run
     trainable = parts.trainable[p]
     consts = [v for v in tree_flatten(parts.constants(p, values, inputs, target))[0]
               if isinstance(v, torch.Tensor)]
@@ -73,7 +82,7 @@ def forward(graph: Optional[StageGraph], parts: Partitions, rank: int, p: int,
     out = graph.outputs(run, 0, graph.n_forward)
     if p == parts.n - 1:
         return Run(loss=out[0] if weight is None else out[0] * weight, weight=weight,
-                   captured=run, grads_in=grads_in)
+                   scale=scale, captured=run, grads_in=grads_in)
     return Run(sent=dict(zip(parts.stages[p].sends, out)), captured=run, grads_in=grads_in)
 
 
@@ -101,18 +110,19 @@ def backward(graph: Optional[StageGraph], parts: Partitions, p: int, run: Run,
              grads: list[torch.Tensor]) -> None:
     """``B`` of partition ``p`` for the ``run`` its ``F`` left, on the gradients ``grads`` of
     its float outputs (none on the last partition): the captured ``B`` segment (the gradients
-    copied into the run's gradient inputs unless received there), or eager autograd."""
+    copied into the run's gradient inputs unless received there; on the last partition the
+    backward's seed, ``run.scale`` times ``run.weight``), or eager autograd."""
     if graph is None:
         _backward_eager(parts, p, run, grads)
         return
+    if run.loss is not None:
+        grads = [loss_seed(run.scale, run.grads_in[0].device, run.weight)]
     for buf, g in zip(run.grads_in, grads):
         if buf is not g:
             buf.copy_(g)
     graph.segment(run.captured, 1)
     out = graph.outputs(run.captured, graph.n_forward, None)
     run.captured, run.grads_in = None, []
-    if run.weight is not None:  # the last partition's: the graph made those of loss / N
-        out = [g * run.weight for g in out]
     run.leaf_grads = [g.contiguous() for g in out[:graph.n_leaves]]
     param_grads = iter(out[graph.n_leaves:])
     for param, has in zip(parts.trainable[p], graph.has_grad):
@@ -122,7 +132,7 @@ def backward(graph: Optional[StageGraph], parts: Partitions, p: int, run: Run,
 
 def _backward_eager(parts: Partitions, p: int, run: Run, grads: list[torch.Tensor]) -> None:
     if run.loss is not None:
-        run.loss.backward()
+        (run.loss if run.scale is None else run.loss * run.scale).backward()
     else:
         produced = set(parts.stages[p].produced)
         tensors, gts = [], []

@@ -5,18 +5,20 @@ with no update, the gradients added to ``.grad``.
 open step (``finish``: no ``U`` piece; with a process group a partition is kept resident only
 while its compute or its all-reduce needs it). When it is bound, the ``.grad`` the loop holds
 (what earlier calls added) is set aside, so that ``F``/``B`` accumulate this call's gradient
-alone in ``.grad``, as the closed step does after ``zero_grad``. Then:
+alone in ``.grad``, as the closed step does after ``zero_grad``. ``F``/``B`` compute the
+gradients of ``scale *`` the loss (``scale``: a number, a ``GradScaler``'s scale tensor or
+None): the last partition's backward is seeded with it (``round_robin_compute``), as eager
+``scaler.scale(loss).backward()`` does, so fp16 intermediate gradients do not underflow. Then:
 
-- with ``sync``, ``A p`` multiplies partition p's gradient by ``scale`` (a number, a
-  ``GradScaler``'s scale tensor or None; ``optimizer_wiring.scaled``), adds what calls inside
-  ``no_sync`` accumulated for it (the program's ``LocalGrads``) and all-reduces the sum over
+- with ``sync``, ``A p`` adds to partition p's gradient what calls inside ``no_sync``
+  accumulated for it (the program's ``LocalGrads``) and all-reduces the sum over
   the ranks (the N micro-batches' sum: the gradient of ``scale *`` the global batch's mean
   loss); the last piece, ``grads``, runs after the ``restore`` (every partition, gradients
   included, loaded back) and adds what was set aside: ``.grad`` is what it was plus this
   call's synchronized gradient, whole on every rank, as after DDP's backward;
 - inside ``no_sync`` (``sync`` False) nothing is all-reduced: ``buffers p`` only averages the
   partition's floating-point buffers (every rank ran it on its own batch) and the last piece,
-  ``accumulate``, moves this call's gradient (times ``scale``) into the program's
+  ``accumulate``, moves this call's gradient (of ``scale *`` the loss) into the program's
   ``LocalGrads`` and gives ``.grad`` back what was set aside.
 
 In one process (every rank's pieces here) there is no all-reduce: ``.grad`` accumulates the N
@@ -47,14 +49,14 @@ from typing import Any, Callable
 import torch
 
 from tidal.ir.round_robin_program import Slot
-from tidal.runtime.programs.optimizer_wiring import LocalGrads, accumulate_grad, scaled
+from tidal.runtime.programs.optimizer_wiring import LocalGrads, accumulate_grad
 from tidal.runtime.programs.replica_sync import average_buffers
 from tidal.runtime.programs.round_robin_step import RoundRobinStep
 
 
 class RoundRobinBackward(RoundRobinStep):
     """One open step of a ``RoundRobinProgram`` bound to its tensors (see the module
-    docstring): ``scale`` multiplies the loss's gradient, ``sync`` False keeps it in
+    docstring): ``scale`` seeds the loss's backward, ``sync`` False keeps the gradient in
     ``local`` (the program's :class:`~tidal.runtime.programs.optimizer_wiring.LocalGrads`)."""
 
     counts_step = False  # no optimizer step: the loop takes it
@@ -73,8 +75,8 @@ class RoundRobinBackward(RoundRobinStep):
         return {**super().actions(), "G": self._finish}
 
     def _all_reduce(self, slot: Slot) -> None:
-        """Partition p's gradient of ``scale * loss`` plus what ``no_sync`` calls kept for it,
-        summed over the ranks; inside ``no_sync`` only its buffers are averaged."""
+        """Partition p's gradient (of ``scale * loss``) plus what ``no_sync`` calls kept for
+        it, summed over the ranks; inside ``no_sync`` only its buffers are averaged."""
         p = slot.partition
         if not self.sync:
             if self.world > 1:
@@ -82,7 +84,7 @@ class RoundRobinBackward(RoundRobinStep):
             return
         named = [(k, prm) for k, prm in self.parts.owned[p] if prm.grad is not None]
         for _, prm in named:
-            prm.grad = self.local.plus(prm, scaled(prm.grad, self.scale))
+            prm.grad = self.local.plus(prm, prm.grad)
         if self.world > 1:
             self.sync_partition(p, named)
 
@@ -97,7 +99,7 @@ class RoundRobinBackward(RoundRobinStep):
             if self.sync:
                 accumulate_grad(param, fresh)
             else:
-                self.local.add(name, param, scaled(fresh, self.scale))
+                self.local.add(name, param, fresh)
         if self.sync:
             self._add_left()
 

@@ -94,6 +94,8 @@ class RoundRobinStep:
 
     counts_step = True
     """The restore counts the step in the owner's ``stats['steps']`` (an optimizer step)."""
+    scale: Any = None
+    """What the loss's backward is seeded with (None: 1; the open step's loss scale)."""
 
     def __init__(self, owner: Any, program: Program, slots: tuple[Slot, ...],
                  here: tuple[int, ...], world: int, micro: Sequence[MicroBatch],
@@ -181,7 +183,7 @@ class RoundRobinStep:
             self.residency.require(p, f"F{p},{b}")
         micro = self.micro[b]
         run = forward(micro.graphs[p], self.parts, slot.rank, p, dict(zip(names, received)),
-                      micro.inputs, micro.targets, self.loss_fn, micro.weight)
+                      micro.inputs, micro.targets, self.loss_fn, micro.weight, self.scale)
         if run.loss is not None:
             st.loss += float(run.loss.detach())
         st.runs[(p, b)] = run

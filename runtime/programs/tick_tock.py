@@ -43,9 +43,10 @@ off (``tidal.runtime.programs.piece_autocast``). The pieces' work is in
 ``tidal.runtime.programs.tick_tock_step``.
 
 The open step (``Compiled.backward``, :meth:`TickTockProgram.bind_backward`, as DDP's) runs
-``F``, ``B`` and ``A`` with no ``U``: each wave's synchronized Eq. 1 gradient times ``scale``
-is added to its replica's ``.grad`` (inside ``no_sync``: accumulated, the sums averaged at the
-next synchronized call; ``tick_tock_step`` says how that equals Eq. 1 on the micro-batches'
+``F``, ``B`` and ``A`` with no ``U``: each wave's synchronized Eq. 1 gradient of ``scale *
+loss`` (the backward seeded with ``scale``, as eager ``(loss * scale).backward()``) is added
+to its replica's ``.grad`` (inside ``no_sync``: accumulated, the sums averaged at the next
+synchronized call; ``tick_tock_step`` says how that equals Eq. 1 on the micro-batches'
 union); the loop clips (:meth:`TickTockProgram.clip_grad_norm_`: each wave by its own norm)
 and steps its optimizers, and after each of their steps the tock replica steps a clone of
 that optimizer (``optimizer_mirror.StepMirrors``, through a global ``torch.optim`` step hook),
@@ -364,10 +365,11 @@ class TickTockProgram:
                       ) -> TickTockBackward:
         """The open step (``Compiled.backward``; ``tidal.runtime.programs.tick_tock_step``):
         both waves' ``F``/``B``/``A`` with no ``U``, each wave's synchronized Eq. 1 gradient
-        times ``scale`` added to its replica's ``.grad`` (``sync``) or kept in
-        :attr:`local_grads`. ``scale`` is a number: a tensor (a ``GradScaler``'s) is refused,
-        since ``GradScaler.unscale_(optimizer)`` unscales only the optimizer's parameters'
-        gradients, the tick wave's, and the tock replica would step on scaled ones."""
+        of ``scale * loss`` (``scale`` the backward's seed) added to its replica's ``.grad``
+        (``sync``) or kept in :attr:`local_grads`. ``scale`` is a number: a tensor (a
+        ``GradScaler``'s) is refused, since ``GradScaler.unscale_(optimizer)`` unscales only
+        the optimizer's parameters' gradients, the tick wave's, and the tock replica would
+        step on scaled ones."""
         if isinstance(scale, torch.Tensor):
             raise OpenStepError(
                 f"tick_tock: Compiled.backward(scale=<a tensor or a GradScaler>) is not "

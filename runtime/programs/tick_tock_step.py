@@ -2,13 +2,16 @@
 rank's step does, in the closed step (``Compiled.step``: :class:`TickTockStep`, each wave's
 ``U`` its optimizer's step) and the open one (``Compiled.backward``: :class:`TickTockBackward`).
 
-The open step runs the waves' ``F``, ``B`` and ``A`` with no ``U``: each wave's Eq. 1 average,
-synchronized over the wave's ranks, times ``scale``, is *added* to its replica's ``.grad`` (the
+The open step runs the waves' ``F``, ``B`` and ``A`` with no ``U``, each wave's ``B`` on
+``scale * loss`` (the captured step takes ``scale`` as its backward's seed,
+``tidal.ir.capture.loss_seed``; eagerly the loss is multiplied before backward: as eager
+``(loss * scale).backward()``, never the gradients after): each wave's Eq. 1 average of those
+gradients, synchronized over the wave's ranks, is *added* to its replica's ``.grad`` (the
 tick wave's: the model's; the tock wave's: the tock replica's) by the wave's ``grads`` piece;
 the loop steps its optimizers, and the tock replica's clones follow them
 (``tidal.runtime.programs.optimizer_mirror``). Inside ``no_sync`` the ``A`` pieces are left
-out and each wave's ``accumulate`` piece adds ``scale`` times its raw gradient to the wave's
-local sum (``LocalGrads``); the next synchronized call adds its own, and Eq. 1 averages the
+out and each wave's ``accumulate`` piece adds its raw gradient (of ``scale * loss``) to the
+wave's local sum (``LocalGrads``); the next synchronized call adds its own, and Eq. 1 averages the
 sums: the tick's with the tock's sum of the previous synchronized call (Eq. 1's "other
 wave's latest gradient" is the other wave's whole latest step), the tock's with the tick's
 sum of this one. So accumulating k micro-batches with ``scale = 1/k`` each equals one step
@@ -103,6 +106,8 @@ class TickTockStep:
         # each wave's run of its captured segments, begun by its F: this step may be bound
         # while the previous one still runs (persistent waves), whose runs own the buffers
         self.runs: dict[str, CapturedRun] = {}
+        self.scale: Any = None
+        """What the loss is multiplied by before backward (None: 1; the open step's scale)."""
 
     def work(self, index: int, piece: Piece) -> Callable[[], None]:
         """What piece ``index`` does; once a piece failed, the later ones fail at once."""
@@ -130,7 +135,7 @@ class TickTockStep:
         then the loss (``F``) or the raw gradients (``B``) it computed."""
         if w.name not in self.runs:
             self.runs[w.name] = self.captured.lowered[w.name].run(
-                step_inputs(self.captured.step, w.gm, w.inputs, w.targets))
+                step_inputs(self.captured.step, w.gm, w.inputs, w.targets, self.scale))
         run = self.runs[w.name]
         run.segment(index)()  # after B, the activations are freed after their last use
         loss, grads = self._nodes
@@ -144,7 +149,7 @@ class TickTockStep:
 
     def _backward(self, w: Wave) -> None:
         params = list(w.params.values())
-        grads = torch.autograd.grad(w.loss, params, allow_unused=True)
+        grads = torch.autograd.grad(scaled(w.loss, self.scale), params, allow_unused=True)
         w.raw = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
     def eq1(self, w: Wave, own: list[torch.Tensor], other: Optional[Mapping[str, torch.Tensor]]
@@ -196,15 +201,15 @@ class TickTockStep:
 class TickTockBackward(TickTockStep):
     """One open step of ``TickTockProgram`` (see the module docstring): ``program`` is the
     open program (``tidal.ir.tick_tock_program.open_step``), ``origin[i]`` the index of its
-    piece ``i`` in the captured program; ``scale`` multiplies the raw gradients; ``local``
-    holds each wave's sum accumulated inside ``no_sync``."""
+    piece ``i`` in the captured program; ``scale`` multiplies the loss before backward (so the
+    raw gradients); ``local`` holds each wave's sum accumulated inside ``no_sync``."""
 
     def __init__(self, owner: Any, captured: StepCapture, waves: dict[str, Wave],
                  loss_fn: Callable, world: int, opened: tuple[Program, tuple[int, ...]],
                  scale: Optional[float], local: dict[str, LocalGrads]):
         super().__init__(owner, captured, waves, loss_fn, world)
         self.program, self._origin = opened
-        self._scale, self._local = scale, local
+        self.scale, self._local = scale, local
 
     def work(self, index: int, piece: Piece) -> Callable[[], None]:
         return super().work(self._origin[index], piece)
@@ -216,15 +221,12 @@ class TickTockBackward(TickTockStep):
                 self._add if kind == GRADS else self._accumulate, wave)
         return super().action(wave, index, kind)
 
-    def _scaled(self, w: Wave) -> list[torch.Tensor]:
-        return [scaled(g, self._scale) for g in w.raw]
-
     def _total(self, w: Wave) -> list[torch.Tensor]:
-        """Wave ``w``'s gradient of this synchronized call: its scaled raw gradient plus what
-        ``no_sync`` calls accumulated (taken out of ``local``), once."""
+        """Wave ``w``'s gradient of this synchronized call: its raw gradient (of ``scale *
+        loss``) plus what ``no_sync`` calls accumulated (taken out of ``local``), once."""
         if w.total is None:
             local = self._local[w.name]
-            w.total = [local.plus(p, g) for p, g in zip(w.params.values(), self._scaled(w))]
+            w.total = [local.plus(p, g) for p, g in zip(w.params.values(), w.raw)]
             left = local.drain()
             if left:
                 raise ValueError(f"{WHO}: gradients of {[n for n, _, _ in left][:3]} were "
@@ -247,8 +249,8 @@ class TickTockBackward(TickTockStep):
         add_grads(w.params, w.applied)
 
     def _accumulate(self, w: Wave) -> None:
-        """The wave's ``accumulate`` piece (inside ``no_sync``): ``scale`` times its raw
-        gradient added to the wave's local sum."""
+        """The wave's ``accumulate`` piece (inside ``no_sync``): its raw gradient (of ``scale *
+        loss``) added to the wave's local sum."""
         local = self._local[w.name]
-        for (name, p), g in zip(w.params.items(), self._scaled(w)):
+        for (name, p), g in zip(w.params.items(), w.raw):
             local.add(name, p, g)
