@@ -248,3 +248,37 @@ def test_grad_scaler_skips_the_steps_eager_skips():
     for g, w in zip(got, want):
         _close(g, w)
     _close(list(c.parameters()), list(reference.parameters()))
+
+
+def test_layer_groups_grad_scaler_loop_equals_eager(tmp_path):
+    """layer_groups (weights streamed from a store at the first call, then its captured joint
+    graph) seeds its backward with the scale too."""
+    from tidal.passes.layer_groups import LayerGroups
+    from tidal.runtime.weights.loader import write_groups
+
+    data = _data()
+    reference = _model()
+    want = _eager_loop(reference, data)
+    x, y = data[0]
+    path = tmp_path / "w.safetensors"
+    write_groups(tidal.compile(_model(), (x,), passes=[LayerGroups(grouping="per_layer")])
+                 .graph_module, path)
+    c = tidal.compile(_model(), (x,), passes=[LayerGroups(grouping="per_layer",
+                                                          weight_store=str(path))],
+                      loss_fn=_loss, example_targets=y)
+    opt = torch.optim.SGD(c.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    got = []
+    for x, y in data:
+        with torch.autocast(**FP16):
+            c.backward((x,), y, scale=scaler)
+        scaler.unscale_(opt)
+        got.append([p.grad.clone() for p in c.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        got[-1].append(scaler.get_scale())
+        opt.zero_grad()
+    assert c.executor.rank_program.fallback_reason == ""
+    for g, w in zip(got, want):
+        _close(g, w)
+    _close(list(c.parameters()), list(reference.parameters()))

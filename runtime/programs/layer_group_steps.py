@@ -136,12 +136,13 @@ class ReplayedSegments(BoundGroups):
         self.replay.segment(index)()
 
 
-def _replayed(capture: StepCapture, gm: fx.GraphModule, inputs: tuple, targets: Any
-              ) -> tuple[CapturedRun, Callable[[], torch.Tensor],
-                         Callable[[], dict[str, torch.Tensor]]]:
-    """A run of ``capture``'s lowered segments on these tensors, and what reads its loss (a
-    detached copy) and its gradients by parameter name once it ran."""
-    replay = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets))
+def _replayed(capture: StepCapture, gm: fx.GraphModule, inputs: tuple, targets: Any,
+              seed: Any = None) -> tuple[CapturedRun, Callable[[], torch.Tensor],
+                                         Callable[[], dict[str, torch.Tensor]]]:
+    """A run of ``capture``'s lowered segments on these tensors (``seed``: the backward's, a
+    loss scale: ``tidal.ir.capture.step_inputs``), and what reads its loss (a detached copy)
+    and its gradients by parameter name once it ran."""
+    replay = capture.lowered[0].run(step_inputs(capture.step, gm, inputs, targets, seed))
     loss, grads = capture.nodes()
 
     def values() -> dict[str, torch.Tensor]:
@@ -171,14 +172,15 @@ def bind_captured(run: Pipelined, capture: StepCapture, gm: fx.GraphModule, inpu
 def bind_open_captured(run: Pipelined, capture: StepCapture, gm: fx.GraphModule,
                        inputs: tuple, targets: Any, scale: Any) -> ReplayedSegments:
     """The open step of the captured joint graph (``run``: ``capture``'s segments, then a
-    ``grads`` piece): the gradients of the loss times ``scale`` (None, a number or a tensor)
-    are added to the trainable parameters' ``.grad`` (copies: a CUDA graph's static outputs
-    are overwritten by the next replay)."""
+    ``grads`` piece): the gradients of the loss times ``scale`` (None, a number or a tensor:
+    the backward's seed, so fp16 gradients scale as eager's do) are added to the trainable
+    parameters' ``.grad`` (copies: a CUDA graph's static outputs are overwritten by the next
+    replay)."""
     params = trainable(gm)
-    replay, loss, grads = _replayed(capture, gm, inputs, targets)
+    replay, loss, grads = _replayed(capture, gm, inputs, targets, scale)
 
     def add() -> None:
-        add_grads(params, {name: scaled(g, scale) for name, g in grads().items()})
+        add_grads(params, grads())
 
     return ReplayedSegments(run, replay, calls={GRADS: add}, loss=loss)
 
