@@ -192,6 +192,33 @@ def node_pieces(program: Program, duration_us: Callable[[str], float]) -> Progra
     return _expand(program, parts)
 
 
+def without(program: Program, drop: set[int], swap: Callable[[Piece], Piece] = lambda p: p
+            ) -> tuple[Program, tuple[int, ...]]:
+    """``program`` without the pieces whose indices are in ``drop`` (whatever depended on one
+    depends on its dependencies instead), every other piece through ``swap`` (its
+    dependencies are set here). Returns it and, per piece, its index in ``program``.
+
+    Example:
+        >>> p = Program((Piece("a", "s"), Piece("b", "s", (0,)), Piece("c", "s", (1,))))
+        >>> q, origin = without(p, {1})
+        >>> [(x.name, x.deps) for x in q.pieces], origin
+        ([('a', ()), ('c', (0,))], (0, 2))
+    """
+    pieces = program.pieces
+    index: dict[int, int] = {}
+    out: list[Piece] = []
+
+    def deps_of(deps: Sequence[int]) -> set[int]:
+        return {k for d in deps for k in (deps_of(pieces[d].deps) if d in drop else {index[d]})}
+
+    for i, p in enumerate(pieces):
+        if i in drop:
+            continue
+        index[i] = len(out)
+        out.append(replace(swap(p), deps=tuple(sorted(deps_of(p.deps)))))
+    return Program(tuple(out), program.world), tuple(index)
+
+
 def _expand(program: Program, parts_of: Callable[[Piece], list[Piece]]) -> Program:
     """``program`` with each piece that has nodes replaced by ``parts_of(piece)`` (consecutive,
     each after the one before, the first after what the piece waited for); what waited for

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from tidal.ir.program import COMM, OPTIMIZER, Piece, Program
+from tidal.ir.program import COMM, OPTIMIZER, Piece, Program, without
 from tidal.ir.schedule import Action, Schedule
 
 WAVES = ("T", "K")
@@ -111,19 +111,10 @@ def open_step(program: Program, finish: str, sync: bool) -> tuple[Program, tuple
         >>> [x.name for x in open_step(step, "grads", sync=True)[0].pieces][4:8]
         ['tick A', 'tick grads', 'tock A', 'tock grads']
     """
-    pieces = program.pieces
-    drop = {i for i, p in enumerate(pieces) if not sync and p.name.endswith(" A")}
-    index: dict[int, int] = {}
-    out: list[Piece] = []
+    drop = {i for i, p in enumerate(program.pieces) if not sync and p.name.endswith(" A")}
 
-    def deps_of(deps: Sequence[int]) -> set[int]:
-        return {k for d in deps for k in (deps_of(pieces[d].deps) if d in drop else {index[d]})}
+    def swap(p: Piece) -> Piece:  # a wave's update: a segment of the wave's stream now
+        return replace(p, name=f"{p.name.split()[0]} {finish}", kind="") \
+            if p.kind == OPTIMIZER else p
 
-    for i, p in enumerate(pieces):
-        if i in drop:
-            continue
-        if p.kind == OPTIMIZER:  # a segment of the wave's stream now
-            p = replace(p, name=f"{p.name.split()[0]} {finish}", kind="")
-        index[i] = len(out)
-        out.append(replace(p, deps=tuple(sorted(deps_of(p.deps)))))
-    return Program(tuple(out), program.world), tuple(index)
+    return without(program, drop, swap)

@@ -20,14 +20,14 @@ Example:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from tidal.ir.capture import loss_seed, step_inputs
 from tidal.ir.param_owners import trainable
-from tidal.ir.program import COMM, COMPUTE, OPTIMIZER, Piece, Program
+from tidal.ir.program import COMM, COMPUTE, OPTIMIZER, Piece, Program, without
 from tidal.ir.step_state import autocast_state
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
                                                      scaled, set_grads)
@@ -54,23 +54,10 @@ def open_program(program: Program, sync: bool) -> tuple[Program, tuple[int, ...]
         >>> [q.name for q in open_program(step, sync=True)[0].pieces][-3:]
         ['sync 0', 'sync 1', 'grads']
     """
-    pieces = program.pieces
-    drop = {i for i, p in enumerate(pieces)
+    drop = {i for i, p in enumerate(program.pieces)
             if p.name == ACCORDION or (not sync and p.stream == COMM and p.name != BROADCAST)}
-    index: dict[int, int] = {}
-    out: list[Piece] = []
-
-    def deps_of(deps: Sequence[int]) -> set[int]:
-        return {k for d in deps for k in (deps_of(pieces[d].deps) if d in drop else {index[d]})}
-
-    for i, p in enumerate(pieces):
-        if i in drop:
-            continue
-        if p.kind == OPTIMIZER:
-            p = Piece(GRADS if sync else ACCUMULATE, COMPUTE)
-        index[i] = len(out)
-        out.append(replace(p, deps=tuple(sorted(deps_of(pieces[i].deps)))))
-    return Program(tuple(out), program.world), tuple(index)
+    return without(program, drop, lambda p: Piece(GRADS if sync else ACCUMULATE, COMPUTE)
+                   if p.kind == OPTIMIZER else p)
 
 
 @dataclass(frozen=True)
