@@ -81,6 +81,12 @@ def _tidal_loop(passes, data, eager=False, init_scale=SCALE):
     c = tidal.compile(_model(), (x,), passes=passes, loss_fn=_loss, example_targets=y)
     if eager:
         c.executor.rank_program.fallback_reason = "eager pieces asked for"
+    return c, _scaler_loop(c, data, init_scale)
+
+
+def _scaler_loop(c, data, init_scale=SCALE):
+    """The GradScaler loop on the compiled ``c``: each step's unscaled gradients, then the
+    scale after its ``update``."""
     opt = torch.optim.SGD(c.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     grads = []
@@ -93,7 +99,7 @@ def _tidal_loop(passes, data, eager=False, init_scale=SCALE):
         scaler.update()
         grads[-1].append(scaler.get_scale())
         opt.zero_grad()
-    return c, grads
+    return grads
 
 
 def _close(got, want):
@@ -266,18 +272,7 @@ def test_layer_groups_grad_scaler_loop_equals_eager(tmp_path):
     c = tidal.compile(_model(), (x,), passes=[LayerGroups(grouping="per_layer",
                                                           weight_store=str(path))],
                       loss_fn=_loss, example_targets=y)
-    opt = torch.optim.SGD(c.parameters(), lr=LR)
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
-    got = []
-    for x, y in data:
-        with torch.autocast(**FP16):
-            c.backward((x,), y, scale=scaler)
-        scaler.unscale_(opt)
-        got.append([p.grad.clone() for p in c.parameters()])
-        scaler.step(opt)
-        scaler.update()
-        got[-1].append(scaler.get_scale())
-        opt.zero_grad()
+    got = _scaler_loop(c, data)
     assert c.executor.rank_program.fallback_reason == ""
     for g, w in zip(got, want):
         _close(g, w)

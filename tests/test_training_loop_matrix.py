@@ -12,31 +12,12 @@ import torch.nn.functional as F
 
 import tidal
 from tick_tock_reference import Eq1Reference
-from training_passes import TRAINING_PASSES
+from training_passes import TRAINING_PASSES, LoopNet
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 PASSES = TRAINING_PASSES
 OPEN = ("none", "compression", "burst_parallel", "round_robin", "tick_tock")
 """Passes with the open step (``compiled.backward``); the others raise OpenStepError."""
-
-
-class _Net(torch.nn.Module):
-    def __init__(self, buffer: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.c = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
-                                  torch.nn.Linear(16, 3))
-        self.drop = torch.nn.Dropout(0.5)
-        self.buffer = buffer
-        if buffer:
-            self.register_buffer("count", torch.zeros(()))
-            self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, x):
-        if self.buffer:
-            self.count.add_(1)
-            self.ema.mul_(0.9).add_(x.mean(0) * 0.1)
-        return self.c(torch.relu(self.b(self.drop(torch.relu(self.a(x))))))
 
 
 def _batch(i=0, rows=8):
@@ -47,7 +28,7 @@ def _batch(i=0, rows=8):
 def _pair(name, buffer=False, optimizer=None):
     """(compiled, its model, an eager copy) in eval mode (dropout off: deterministic), so the
     reference is plain PyTorch on the whole batch."""
-    model = _Net(buffer).eval()
+    model = LoopNet(buffer=buffer).eval()
     ref = copy.deepcopy(model)
     x, _ = _batch()
     c = tidal.compile(model, (x,), passes=PASSES[name](), loss_fn=F.cross_entropy,

@@ -31,6 +31,7 @@ from tidal.passes.tick_tock import TickTock
 from tidal.runtime.distributed import spawn
 
 from tick_tock_reference import Eq1Reference
+from training_passes import LoopNet
 
 WORLD, BATCH, STEPS = 2, 8, 3
 TOL = 1e-9                       # float64
@@ -64,23 +65,9 @@ def _weighted_loss(out, y):
     return F.cross_entropy(out, y) * W["w"]
 
 
-class _Net(torch.nn.Module):
-    def __init__(self, drop: float = 0.0, buffer: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.c = (torch.nn.Linear(8, 16), torch.nn.Linear(16, 16),
-                                  torch.nn.Linear(16, 3))
-        self.drop = torch.nn.Dropout(drop)
-        self.buffer = buffer
-        if buffer:
-            self.register_buffer("count", torch.zeros(()))
-            self.register_buffer("ema", torch.zeros(8))
-
-    def forward(self, x):
-        if self.buffer:
-            self.count.add_(1)
-            self.ema.mul_(0.9).add_(x.mean(0) * 0.1)
-        return self.c(torch.relu(self.b(self.drop(torch.relu(self.a(x))))))
+def _Net(drop: float = 0.0, buffer: bool = False):
+    """The table's model, without dropout unless asked (so DDP's run is deterministic)."""
+    return LoopNet(drop, buffer)
 
 
 def _batch(i, rows=BATCH):
