@@ -10,7 +10,7 @@ import tidal
 from tidal.compiler.guards import CaptureGuard, StepGuardError
 
 
-class _FunctionalDropout(torch.nn.Module):
+class FunctionalDropout(torch.nn.Module):
     """``F.dropout(..., self.training)``: an fx trace records the flag as a constant."""
 
     def __init__(self):
@@ -33,7 +33,7 @@ def _data():
 @pytest.mark.parametrize("passes", [[], ["compression"]])
 def test_eval_forward_has_eval_semantics(passes):
     torch.manual_seed(0)
-    model = _FunctionalDropout()
+    model = FunctionalDropout()
     x, y = _data()
     c = tidal.compile(model, (x,), passes=passes, loss_fn=F.cross_entropy, optimizer=_sgd)
     assert c.eval() is c and not c.training and not model.training
@@ -44,7 +44,7 @@ def test_eval_forward_has_eval_semantics(passes):
 
 def test_a_step_without_plans_follows_the_mode_and_freezing():
     torch.manual_seed(0)
-    model = _FunctionalDropout()
+    model = FunctionalDropout()
     ref = copy.deepcopy(model)
     x, y = _data()
     c = tidal.compile(model, (x,), loss_fn=F.cross_entropy, optimizer=_sgd)
@@ -68,7 +68,7 @@ def test_a_program_step_in_another_state_recaptures_or_raises_naming_what_change
     """Freezing re-captures (tests/test_recapture.py compares it with eager); a training mode
     whose trace differs from the compile's raises, naming the change and why."""
     torch.manual_seed(0)
-    model = _FunctionalDropout()
+    model = FunctionalDropout()
     x, y = _data()
     c = tidal.compile(model, (x,), passes=["compression"], loss_fn=F.cross_entropy,
                       optimizer=_sgd)
@@ -169,7 +169,7 @@ def test_a_program_step_after_the_loss_fn_read_a_changed_value_raises_naming_it(
     x, y = _data()
     for passes in ([], ["compression"]):
         weight["w"] = 1.0
-        c = tidal.compile(_FunctionalDropout().eval(), (x,), passes=passes, loss_fn=loss_fn,
+        c = tidal.compile(FunctionalDropout().eval(), (x,), passes=passes, loss_fn=loss_fn,
                           optimizer=_sgd)
         first = float(c.step((x,), y))
         weight["w"] = 0.5

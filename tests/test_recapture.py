@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tidal
+from test_guards import FunctionalDropout
 from tidal.compiler.guards import MAX_CAPTURES, CaptureGuard, StepGuardError
 from training_passes import TRAINING_PASSES
 
@@ -172,19 +173,8 @@ def test_eval_then_step_has_no_dropout_and_train_again_uses_the_first_capture(na
         assert "training mode True -> False (modules '', 'a', 'b', 'c' and 1 more)" in err
 
 
-class _FunctionalDropout(torch.nn.Module):
-    """``F.dropout(..., self.training)``: the fx trace records the flag as a constant."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.b(F.dropout(torch.relu(self.a(x)), 0.5, self.training))
-
-
 def test_a_mode_whose_trace_differs_from_the_compiles_still_raises_saying_why():
-    model = _FunctionalDropout()
+    model = FunctionalDropout()
     c = tidal.compile(model, (_batch(0)[0],), passes=["compression"], loss_fn=F.cross_entropy,
                       optimizer=_sgd)
     c.step(*_batch(0))
