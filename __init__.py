@@ -51,13 +51,16 @@ _PUBLIC = MappingProxyType({
     "BatchError": ("tidal.runtime.batch_data", "BatchError"),
     "BufferUpdateError": ("tidal.ir.capture", "BufferUpdateError"),
     "StaleStateError": ("tidal.runtime.programs.burst_refresh", "StaleStateError"),
+    "PeerFailureError": ("tidal.runtime.programs.step_failures", "PeerFailureError"),
+    "StepMismatchError": ("tidal.runtime.programs.step_failures", "StepMismatchError"),
 })
 
 __all__ = [
     "compile", "trace", "capture_train_step", "Compiled", "Cluster", "DeviceProfile",
     "Pass", "PassContext", "PassResult", "Executor", "Plan", "CompiledPlan", "passes", "hooks",
     "checkpoint", "TidalError", "TraceError", "PassError", "PlanError", "OpenStepError", "StepGuardError",
-    "BatchError", "BufferUpdateError", "StaleStateError", "__version__",
+    "BatchError", "BufferUpdateError", "StaleStateError", "PeerFailureError",
+    "StepMismatchError", "__version__",
 ]
 
 

@@ -135,6 +135,24 @@ def group_size(group: Any = None) -> int:
     return dist.get_world_size(group)
 
 
+def group_timeout_s(group: Any = None) -> Optional[float]:
+    """The timeout of ``group``'s collectives in seconds (None: the default group), or None
+    without a process group or when the backend does not say.
+
+    Example:
+        >>> group_timeout_s() is None     # no process group here
+        True
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(collective_device(group))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def rank_and_size() -> tuple[int, int]:
     """(rank, world size) of the default group, (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():

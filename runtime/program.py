@@ -513,6 +513,9 @@ class ProgramExecutor:
         self.device: Optional[torch.device] = None  # where the latest step ran
         self.last_program: Optional[Program] = None
         self.last_trace: list[PieceTrace] = []
+        self.calls = 0
+        """How many steps (``step``/``backward`` calls, failed ones included) this executor
+        was asked to run: the step number every rank's loss all-reduce checks agrees."""
 
     def __getattr__(self, name: str) -> Any:
         inner = self.__dict__.get("rank_program")
@@ -541,7 +544,9 @@ class ProgramExecutor:
              loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """One training step: bind the program to this step's tensors and run it."""
         self.device = device_of(model, inputs)
+        self.calls += 1
         bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
+        self._number(bound)
         self.last_program = bound.program
         self.last_trace = self.runner.launch(bound.program, bound.work)
         return bound.loss()
@@ -575,10 +580,17 @@ class ProgramExecutor:
             raise OpenStepError(f"Compiled.backward (the open step) is not available under "
                                 f"{plan_kind_of(self.rank_program)} yet: use Compiled.step")
         self.device = device_of(model, inputs)
+        self.calls += 1
         bound = bind(gm, model, inputs, targets, loss_fn, scale, sync)
+        self._number(bound)
         self.last_program = bound.program
         self.last_trace = self.runner.launch(bound.program, bound.work)
         return bound.loss()
+
+    def _number(self, bound: StepWork) -> None:
+        """Give ``bound`` its step number, :attr:`calls` (see :class:`StepWork`)."""
+        if hasattr(bound, "step_number"):
+            bound.step_number = self.calls
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

@@ -32,8 +32,10 @@ from tidal.ir.step_state import autocast_state
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
                                                      scaled, set_grads)
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
+from tidal.runtime.comm.compressors import NoCompression
 from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss
 from tidal.runtime.programs.step_capture import StepCapture
+from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
 BROADCAST, ACCORDION, SYNC = "broadcast", "accordion", "sync"
 
@@ -79,7 +81,13 @@ class DataParallelStep:
     backward (so its gradients, before they are synced or kept under ``no_sync``: before a
     compressor, whose error feedback stays per rank) and before the loss is averaged: the
     ranks' shards may differ in rows. The open step's ``scale`` multiplies the loss before
-    backward too (:attr:`seed`)."""
+    backward too (:attr:`seed`). Once a piece failed, the later ones fail at once and a failed
+    collective is a ``PeerFailureError`` naming the pass (``compression`` or
+    ``data_parallel``) and the piece (``step_failures.FailFast``)."""
+
+    step_number: Optional[int] = None
+    """This step's number (``ProgramExecutor.calls``): the loss all-reduce checks that every
+    rank is on it (None: not checked)."""
 
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -99,13 +107,16 @@ class DataParallelStep:
         self.autocast: AutocastState = NO_AUTOCAST
         """The autocast state the compute pieces run under (off; an eager step's: the
         binding thread's)."""
+        compressor = getattr(getattr(owner, "grad_sync", None), "compressor", None)
+        self.guard = FailFast("data_parallel" if compressor is None or
+                              isinstance(compressor, NoCompression) else "compression")
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
         framing = self._framing(piece)
         if framing is not None:
-            return under_autocast(NO_AUTOCAST, framing)
-        return under_autocast(self.autocast, self.compute(
-            index if self._opened is None else self._opened.origin[index], piece))
+            return self.guard.wrap(piece.name, under_autocast(NO_AUTOCAST, framing))
+        return self.guard.wrap(piece.name, under_autocast(self.autocast, self.compute(
+            index if self._opened is None else self._opened.origin[index], piece)))
 
     def _framing(self, piece: Piece) -> Optional[Callable[[], Any]]:
         """What a piece other than a compute piece does (None for a compute piece)."""
@@ -190,9 +201,12 @@ class DataParallelStep:
 
     def loss(self) -> torch.Tensor:
         """The global batch's loss: the mean of the ranks' shard losses (weighted: each
-        shard's counts by its rows)."""
-        return reduce_loss(scaled(self.local_loss().detach(), self._weight),
-                           self._owner.comm.group)
+        shard's counts by its rows); with :attr:`step_number`, checked to be every rank's
+        step (``StepMismatchError``)."""
+        who = self.guard.who
+        with collective_errors(who, "the loss all-reduce"):
+            return reduce_loss(scaled(self.local_loss().detach(), self._weight),
+                               self._owner.comm.group, step=self.step_number, who=who)
 
 
 class CapturedStep(DataParallelStep):

@@ -1,7 +1,9 @@
 """What keeps the ranks' replicas equal besides the gradient sync: rank 0's state broadcast
 (:func:`broadcast_state`), the floating-point buffers averaged (:func:`average_buffers`:
 BatchNorm's running statistics, each rank updated from its own batch) and the step's loss
-reduced over the ranks (:func:`reduce_loss`). Each is a no-op in one process.
+reduced over the ranks (:func:`reduce_loss`; given the step's number, the same all-reduce
+checks that every rank is on that step, :class:`~tidal.runtime.programs.step_failures.
+StepMismatchError` otherwise). Each is a no-op in one process.
 
 Example:
     >>> import torch
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tidal.runtime.distributed import all_reduce_tensors, collective_device, group_size
+from tidal.runtime.programs.step_failures import check_steps
 
 
 def broadcast_state(model: torch.nn.Module, params: bool,
@@ -40,13 +43,30 @@ def average_buffers(buffers: Iterable[torch.Tensor],
 
 
 def reduce_loss(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                mean: bool = True) -> torch.Tensor:
+                mean: bool = True, step: Optional[int] = None, who: str = "") -> torch.Tensor:
     """A detached copy of ``loss`` summed over the ranks of ``group`` (with ``mean``: averaged:
-    each rank's loss is that of its own shard)."""
+    each rank's loss is that of its own shard). With ``step`` (this rank's step number), the
+    same all-reduce carries ``step`` and ``step ** 2`` beside the loss (float64, exact below
+    2 ** 26 steps): the ranks agree when ``world * sum(step ** 2) == sum(step) ** 2``; when
+    they do not (every rank sees the same sums), one more all-gather names every rank's step
+    and a ``StepMismatchError`` of pass ``who`` is raised on every rank."""
     out = loss.detach().clone()
     world = group_size(group)
     if world == 1:
         return out
-    reduced = out.to(collective_device(group))
-    dist.all_reduce(reduced, group=group)
+    if step is None:
+        reduced = out.to(collective_device(group))
+        dist.all_reduce(reduced, group=group)
+        return (reduced / world if mean else reduced).to(out.device)
+    sums = torch.cat([out.reshape(-1).to(collective_device(group), torch.float64),
+                      torch.tensor([step, step * step], dtype=torch.float64,
+                                   device=collective_device(group))])
+    dist.all_reduce(sums, group=group)
+    total, squares = float(sums[-2]), float(sums[-1])
+    if world * squares != total * total:
+        steps = torch.zeros(world, dtype=torch.int64, device=sums.device)
+        dist.all_gather_into_tensor(steps, torch.tensor([step], device=sums.device),
+                                    group=group)
+        check_steps(who or "the loss all-reduce", step, steps.tolist())
+    reduced = sums[:-2].view(out.shape).to(out.dtype)
     return (reduced / world if mean else reduced).to(out.device)

@@ -96,6 +96,8 @@ class RoundRobinStep:
     """The restore counts the step in the owner's ``stats['steps']`` (an optimizer step)."""
     scale: Any = None
     """What the loss's backward is seeded with (None: 1; the open step's loss scale)."""
+    step_number: Optional[int] = None
+    """This step's number (``ProgramExecutor.calls``), checked by the loss all-reduce."""
 
     def __init__(self, owner: Any, program: Program, slots: tuple[Slot, ...],
                  here: tuple[int, ...], world: int, micro: Sequence[MicroBatch],
@@ -261,7 +263,8 @@ class RoundRobinStep:
         average_buffers(self.parts.buffers[p])
 
     def _all_reduce_loss(self, slot: Slot) -> None:
-        self._loss = reduce_loss(torch.tensor(self.states[slot.rank].loss), mean=False)
+        self._loss = reduce_loss(torch.tensor(self.states[slot.rank].loss), mean=False,
+                                 step=self.step_number, who="round_robin")
 
     def _update(self, slot: Slot) -> None:
         """Step the optimizer: on every parameter (one process), or (a process group) on the

@@ -3,9 +3,11 @@
 A piece that fails makes every later piece of the step fail at once, naming it
 (:class:`FailFast`), so no rank waits at a collective for a peer that will not come; a
 collective that fails or times out (its group has the world's timeout) becomes one
-:class:`~tidal.ir.errors.TidalError` that says a peer stalled or died
-(:func:`collective_errors`); an error raised inside generated graph code is told by the line
-of the fx node that raised it (:func:`graph_line`, :func:`failure`).
+:class:`PeerFailureError` naming the pass, the piece, the peer rank (when known) and the
+group's timeout, the gloo/NCCL error chained (:func:`collective_errors`, and :class:`FailFast`
+for a collective a piece runs itself); ranks found a step apart raise
+:class:`StepMismatchError` (:func:`check_steps`); an error raised inside generated graph code
+is told by the line of the fx node that raised it (:func:`graph_line`, :func:`failure`).
 
 Example:
     >>> guard = FailFast("demo")
@@ -23,12 +25,107 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
 from tidal.ir.errors import TidalError
+from tidal.runtime.distributed import group_timeout_s
+
+PEER_SIGNS = ("connection closed by peer", "timed out waiting", "connection reset by peer",
+              "broken pipe", "gloo", "nccl", "socket timeout", "connection refused",
+              "timeout caused pair closure")
+"""Text of a failed collective (lower case) in a ``RuntimeError`` that is not a
+``torch.distributed.DistError``."""
+
+
+class PeerFailureError(TidalError, RuntimeError):
+    """A collective of a step failed or timed out: a peer rank stalled or died. Names the pass
+    (``pass_name``), the piece (``piece``, '' if none), the peer (``peer``: its rank, None when
+    unknown) and the group's timeout (``timeout_s``, None when unknown); the gloo/NCCL error is
+    its ``__cause__``."""
+
+    def __init__(self, message: str, *, pass_name: str = "", piece: str = "", what: str = "",
+                 peer: Optional[int] = None, timeout_s: Optional[float] = None):
+        super().__init__(message)
+        self.pass_name, self.piece, self.what = pass_name, piece, what
+        self.peer, self.timeout_s = peer, timeout_s
+
+
+class StepMismatchError(TidalError, RuntimeError):
+    """The ranks reached one collective on different steps (one raised inside a step that the
+    script caught, or skipped one): their collectives would pair step k with step k+1. Names
+    this rank's step (``step``) and the others' (``steps``: every rank's, in rank order, or
+    the lowest and highest)."""
+
+    def __init__(self, message: str, *, step: int, steps: Sequence[int]):
+        super().__init__(message)
+        self.step, self.steps = step, tuple(steps)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure (a ``DistError``, or gloo/NCCL text).
+
+    Example:
+        >>> is_peer_failure(RuntimeError("[pair.cc:534] Connection closed by peer [::1]:5"))
+        True
+        >>> is_peer_failure(RuntimeError("shape mismatch"))
+        False
+    """
+    if isinstance(exc, PeerFailureError):
+        return True
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc).lower() for s in PEER_SIGNS)
+
+
+def peer_of(text: str) -> Optional[int]:
+    """The peer rank a failed collective's ``text`` names, else the other rank of a 2-rank
+    world, else None.
+
+    Example:
+        >>> peer_of("[rank 3] Timed out waiting 15000ms for recv")   # no process group
+        3
+        >>> peer_of("Connection closed by peer [127.0.0.1]:5000") is None
+        True
+    """
+    me, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and \
+        dist.is_initialized() else (None, 1)
+    named = [int(r) for r in re.findall(r"\brank\s*[:=]?\s*(\d+)", text, re.IGNORECASE)
+             if int(r) != me]
+    if named:
+        return named[0]
+    return 1 - me if world == 2 and me is not None else None
+
+
+def peer_failure(who: str, what: str, exc: BaseException, piece: str = "") -> PeerFailureError:
+    """The :class:`PeerFailureError` for collective ``what`` of pass ``who`` (in piece
+    ``piece``) failing with ``exc`` (itself a ``PeerFailureError`` without a piece: given one).
+
+    Example:
+        >>> e = peer_failure("round_robin", "the loss all-reduce", RuntimeError("Timed out"), "L")
+        >>> print(e)    # doctest: +NORMALIZE_WHITESPACE
+        round_robin: piece 'L': the loss all-reduce did not complete: a peer rank stalled or
+        died (a peer; the process group's timeout: unknown): RuntimeError: Timed out
+    """
+    if isinstance(exc, PeerFailureError):
+        if exc.piece or not piece:
+            return exc
+        what, exc = exc.what, exc.__cause__ or exc
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = re.sub(r"(Got the following error when running the callback: \w+: )+", "",
+                   first)[:200]   # a future's callbacks (a compressor's) wrap it
+    peer, timeout = peer_of(str(exc)), group_timeout_s()
+    where = f"piece {piece!r}: " if piece else ""
+    error = PeerFailureError(
+        f"{who}: {where}{what} did not complete: a peer rank stalled or died "
+        f"({'a peer' if peer is None else f'rank {peer}'}; the process group's timeout: "
+        f"{'unknown' if timeout is None else f'{timeout:g} s'}): {type(exc).__name__}: "
+        f"{first}", pass_name=who, piece=piece, what=what, peer=peer, timeout_s=timeout)
+    error.__cause__ = exc
+    return error
 
 
 class FailFast:
@@ -39,30 +136,58 @@ class FailFast:
         self.who = who
         self.failed = ""  # 'piece NAME failed: ERROR' once one did
 
-    def wrap(self, name: str, action: Callable[[], Any]) -> Callable[[], None]:
-        """Piece ``name`` doing ``action``, guarded (see the class docstring)."""
-        def run() -> None:
+    def wrap(self, name: str, action: Callable[[], Any]) -> Callable[[], Any]:
+        """Piece ``name`` doing ``action`` (returning what it returns), guarded (see the class
+        docstring); a collective's failure in it becomes a :class:`PeerFailureError` naming
+        the piece."""
+        def run() -> Any:
             if self.failed:
                 raise RuntimeError(f"{self.who}: piece {name!r} not run: {self.failed}")
             try:
-                action()
+                return action()
             except BaseException as e:
                 self.failed = f"piece {name!r} failed: {type(e).__name__}: {e}"
+                if is_peer_failure(e) and not isinstance(e, StepMismatchError):
+                    notes = getattr(e, "__notes__", None) or ["in its collective"]
+                    raise peer_failure(self.who, notes[0].removeprefix("in "), e, name)
                 raise
         return run
 
 
 @contextlib.contextmanager
 def collective_errors(who: str, what: str) -> Iterator[None]:
-    """Turn a failed or timed-out collective of ``what`` into one clear error instead of a
-    deep gloo/NCCL traceback."""
+    """Turn a failed or timed-out collective ``what`` of pass ``who`` into one
+    :class:`PeerFailureError` instead of a deep gloo/NCCL traceback (a piece that runs it
+    under :class:`FailFast` adds its name)."""
     try:
         yield
     except (RuntimeError, dist.DistError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise TidalError(f"{who}: {what} did not complete within the process group's "
-                         f"timeout: a peer rank stalled or died ({type(e).__name__}: "
-                         f"{first})") from e
+        if isinstance(e, (TidalError, StepMismatchError)) or not is_peer_failure(e):
+            raise
+        raise peer_failure(who, what, e) from e
+
+
+def check_steps(who: str, step: int, steps: Sequence[int]) -> None:
+    """Raise :class:`StepMismatchError` unless every rank's ``steps`` (in rank order, or the
+    lowest and highest) equal this rank's ``step``.
+
+    Example:
+        >>> check_steps("compression", 3, [3, 3])
+        >>> try:
+        ...     check_steps("compression", 3, [3, 4])
+        ... except StepMismatchError as e:
+        ...     print(e.step, e.steps, str(e)[:71])
+        3 (3, 4) compression: the ranks are on different steps: this rank on step 3, the
+    """
+    steps = [int(s) for s in steps]
+    if all(s == step for s in steps):
+        return
+    raise StepMismatchError(
+        f"{who}: the ranks are on different steps: this rank on step {step}, the ranks on "
+        f"steps {min(steps)} to {max(steps)} (every rank's, in rank order: {steps}): a rank "
+        f"raised inside a step that the script caught, or skipped a step, and every later "
+        f"collective would pair one rank's step with another's; end the run on every rank "
+        f"(or resume all ranks from one checkpoint)", step=step, steps=steps)
 
 
 def graph_line(exc: BaseException) -> str:

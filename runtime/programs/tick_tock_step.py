@@ -94,6 +94,9 @@ class TickTockStep:
     is the program: its ``prev_tock`` (the tock gradient the next tick averages with, by
     parameter name) is read by the tick's ``A`` and written by the tock's."""
 
+    step_number: Optional[int] = None
+    """This step's number (``ProgramExecutor.calls``), checked by the loss all-reduce."""
+
     def __init__(self, owner: Any, captured: StepCapture, waves: dict[str, Wave],
                  loss_fn: Callable, world: int):
         self.owner, self.captured, self.waves = owner, captured, waves
@@ -190,7 +193,7 @@ class TickTockStep:
     def _average_loss(self) -> None:
         loss = (self.waves["T"].loss.detach() + self.waves["K"].loss.detach()) / 2
         with collective_errors(WHO, "the loss all-reduce"):
-            self._loss = reduce_loss(loss)
+            self._loss = reduce_loss(loss, step=self.step_number, who=WHO)
 
     def loss(self) -> torch.Tensor:
         """The step's loss (both waves, all ranks); keeps the gradients the waves applied."""
