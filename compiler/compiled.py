@@ -50,8 +50,6 @@ class Compiled(ModuleFace):
         self.model = model
         self.check_finite = check_finite
         """Whether a non-finite loss stops ``step``/``backward`` (``compiler.step_checks``)."""
-        self.calls = 0
-        """How many ``step``/``backward`` calls were made (the step number errors name)."""
         self.graph_module = gm
         self.records = tuple(records)
         self.context = ctx
@@ -88,6 +86,12 @@ class Compiled(ModuleFace):
             return local(self.graph_module, args, kwargs, group=self._batch_group(),
                          check=self.context.check_batch)
         return self.executor.forward(self.graph_module, *args, **kwargs)
+
+    @property
+    def calls(self) -> int:
+        """How many ``step``/``backward`` calls the executor ran (the step number that
+        ``NonFiniteLossError`` and ``StepMismatchError`` name)."""
+        return self.executor.calls
 
     @property
     def lowered(self) -> Optional[torch.nn.Module]:
@@ -177,7 +181,6 @@ class Compiled(ModuleFace):
                              "fn(outputs, targets) -> scalar tensor")
         inputs, targets = self._global_batch(inputs, targets, "Compiled.step inputs")
         check_rows(inputs, targets, "Compiled.step")
-        self.calls += 1
         kept = StateSnapshot(self.model, self.optimizer, self) if self.check_finite else None
         loss = self.executor.step(self._step_graph(), self.model, inputs, targets,
                                   self.context.loss_fn, self.optimizer)
@@ -281,7 +284,6 @@ class Compiled(ModuleFace):
                              "with fn(outputs, targets) -> scalar tensor")
         inputs, targets = self._global_batch(inputs, targets, "Compiled.backward inputs")
         check_rows(inputs, targets, "Compiled.backward")
-        self.calls += 1
         if isinstance(scale, torch.amp.GradScaler):   # its scale, as scaler.scale(loss) reads it
             scale = scale.scale(torch.ones((), device=device_of(self.model)))
         loss = self.executor.backward(self._step_graph("Compiled.backward"), self.model,
