@@ -112,6 +112,27 @@ class Flag:
         return self._is_set
 
 
+class OnCaller:
+    """A piece's work that may run on the dispatching thread when its stream is idle
+    (launched with ``on_caller=True``, :meth:`Backend.launch`): it only enqueues asynchronous
+    work that a later piece waits for (a gloo collective issued with ``async_op=True``, its
+    ``Work`` waited by the optimizer piece: CUDA too runs a NCCL call's host side inside
+    ``launch``), or the pieces after it wait for it anyway (a broadcast before the forward),
+    so a hand-off to the stream's worker thread would only cost time.
+
+    >>> OnCaller(lambda: 3)()
+    3
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return self.fn()
+
+
 class Launch:
     """A unit of work enqueued on a stream. ``done()`` polls; ``wait()`` blocks and returns the
     result or re-raises the error. Device times (µs on the backend clock) once done:
@@ -171,9 +192,10 @@ class Backend:
         raise NotImplementedError
 
     def launch(self, stream: Any, fn: Callable, *args: Any, uses_device: bool = True,
-               label: str = "") -> Launch:
+               label: str = "", on_caller: bool = False) -> Launch:
         """Enqueue ``fn(*args)`` on ``stream``. ``uses_device=False``: host-side waiting (e.g.
-        for peers) that does not occupy the device."""
+        for peers) that does not occupy the device. ``on_caller``: ``fn`` may run on the
+        caller's thread (see :class:`OnCaller`)."""
         raise NotImplementedError
 
     def wait_any(self, launches: Sequence[Launch], timeout_us: Optional[float] = None) -> None:
@@ -357,12 +379,12 @@ class CpuStream:
         if not (event.query() and not self._closed):
             self._put(("wait", event))
 
-    def take_inline(self) -> bool:
+    def take_inline(self, device: bool = True) -> bool:
         """Take the stream for a piece run on the caller's thread, if it has reached its end
-        and the device has a place that no stream waits for (the piece then holds it); whether
-        it did. :meth:`end_inline` gives the stream back."""
+        and (``device``) the device has a place that no stream waits for (the piece then holds
+        it); whether it did. :meth:`end_inline` gives the stream back."""
         with self._cond:
-            if not self._reached() or not self.backend.gate.try_acquire():
+            if not self._reached() or (device and not self.backend.gate.try_acquire()):
                 return False
             self.busy = True
             return True
@@ -472,20 +494,25 @@ class CpuBackend(Backend):
         return Event()
 
     def launch(self, stream: CpuStream, fn: Callable, *args: Any, uses_device: bool = True,
-               label: str = "") -> Launch:
+               label: str = "", on_caller: bool = False) -> Launch:
         """Enqueue ``fn(*args)`` on ``stream`` (see :class:`Backend`). With ``inline``, a
         piece on the device on a foreground stream (priority ``HIGH`` or more urgent) runs at
         once on the caller's thread when the stream has run everything enqueued on it and the
         device has a place no other stream waits for: the same order, events and times as on
         the worker, without two thread hand-offs. Host work (``uses_device=False``: waiting
-        for peers or data) always goes to the worker, so the caller can go on meanwhile."""
+        for peers or data) goes to the worker, so the caller can go on meanwhile, unless it
+        is ``on_caller`` (:class:`OnCaller`): then, on a stream that has run everything
+        enqueued on it, it runs at once on the caller's thread, holding no device place."""
         launch = Launch(label)
-        if uses_device and self.inline and stream.priority <= HIGH and stream.take_inline():
+        device = uses_device and not on_caller
+        if self.inline and (on_caller or (uses_device and stream.priority <= HIGH)) and \
+                stream.take_inline(device):
             launch.ready_us = self.now_us()
             try:
                 self._execute(launch, fn, args)
             finally:
-                self.gate.release()
+                if device:
+                    self.gate.release()
                 stream.end_inline()
             self._finish(launch)
         else:
@@ -597,7 +624,7 @@ class LogicalBackend(Backend):
         return s
 
     def launch(self, stream: _LogicalStream, fn: Callable, *args: Any, uses_device: bool = True,
-               label: str = "") -> Launch:
+               label: str = "", on_caller: bool = False) -> Launch:
         launch = Launch(label)
         try:
             launch.result = fn(*args)
@@ -685,7 +712,7 @@ class CudaBackend(Backend):  # pragma: no cover - needs a GPU
     def memory_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def launch(self, stream, fn, *args, uses_device=True, label=""):
+    def launch(self, stream, fn, *args, uses_device=True, label="", on_caller=False):
         launch = _CudaLaunch(label, self._ref)
         launch.started = True  # enqueued: the device runs it in stream order
         with torch.cuda.device(self.device), torch.cuda.stream(stream):

@@ -582,6 +582,10 @@ class PieceRun:
         freed after its last use is gone; outputs never are)."""
         return self._env[self._lowered._cg.var(node)]
 
+    def computed(self, node: fx.Node) -> bool:
+        """Whether the value of ``node`` is at hand (computed by a piece that ran, not freed)."""
+        return self._lowered._cg.var(node) in self._env
+
     def result(self) -> Any:
         """The forward's output (after every piece ran)."""
         lowered = self._lowered

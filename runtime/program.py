@@ -58,11 +58,11 @@ from tidal.ir.errors import TidalError
 from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
 # re-exported: the builders and the README name them here
 from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
-from tidal.runtime.backend import Backend, CudaBackend, backend_for
+from tidal.runtime.backend import Backend, CudaBackend, OnCaller, backend_for
 from tidal.runtime.distributed import group_size
 from tidal.runtime.lower import lower
 from tidal.runtime.programs.optimizer_wiring import set_grads
-from tidal.runtime.programs.replica_sync import reduce_loss
+from tidal.runtime.programs.replica_sync import reduce_loss_async
 from tidal.runtime.scheduler import BoundPiece
 from tidal.runtime.scheduling.alone import Route, dispatch_alone, route
 from tidal.runtime.scheduling.pieces import STREAMS, stream_kind  # noqa: F401
@@ -241,15 +241,29 @@ class ProgramRunner:
         averaged: dict[int, torch.Tensor] = {}
         pending: list = []
         world = group_size(self.group)
+        losses: list[Callable[[], torch.Tensor]] = []
+        taken: set[int] = {id(t) for t in flat}
+
+        def owned(grad: torch.Tensor) -> bool:
+            """Whether ``grad`` is the step's own fresh CPU tensor (no view, no input, no
+            other gradient), which the sync may then reduce in place."""
+            fresh = not grad.is_cuda and grad._base is None and grad.is_contiguous() and \
+                id(grad) not in taken
+            taken.add(id(grad))
+            return fresh
 
         def all_reduce(indices: Sequence[int]) -> None:
             grads = [run.value(grad_list[i]) for i in indices]
             if world == 1:  # nothing to average: the gradients are the step's own outputs
                 averaged.update(zip(indices, grads))
                 return
+            if not losses and run.computed(loss_node):  # its all-reduce goes first
+                losses.append(reduce_loss_async(run.value(loss_node), self.group))
             key = (id(program), tuple(indices))
             buf = self._buckets.get(key)
-            if buf is None or buf.numel() != sum(g.numel() for g in grads):
+            if len(grads) == 1 and owned(grads[0]):
+                buf = grads[0].view(-1)  # the step's own output: reduced in place, no copy
+            elif buf is None or buf.numel() != sum(g.numel() for g in grads):
                 if len(self._buckets) >= 64:
                     self._buckets.clear()
                 buf = self._buckets[key] = torch.cat([g.reshape(-1) for g in grads])
@@ -280,11 +294,11 @@ class ProgramRunner:
             if piece.nodes:
                 return run.segment(index)
             if piece.grads:
-                return functools.partial(all_reduce, piece.grads)
+                return OnCaller(functools.partial(all_reduce, piece.grads))
             return apply
 
         trace = self.launch(program, work)
-        loss = reduce_loss(run.value(loss_node), self.group)
+        loss = (losses[0] if losses else reduce_loss_async(run.value(loss_node), self.group))()
         grads = {name: averaged[i] for i, name in enumerate(step.param_names)}
         return loss, grads, trace
 
@@ -441,6 +455,10 @@ class CapturedRun:
     def value(self, node: fx.Node) -> Any:
         """The value of ``node`` (see ``tidal.runtime.lower.PieceRun.value``)."""
         return self.pieces.value(node)
+
+    def computed(self, node: fx.Node) -> bool:
+        """Whether :meth:`value` of ``node`` is at hand."""
+        return self.pieces.computed(node)
 
 
 class StepWork(Protocol):

@@ -188,6 +188,37 @@ def test_inline_runs_only_where_nothing_is_passed_over():
         assert be.launch(be.stream(HIGH), threading.get_ident).wait() != threading.get_ident()
 
 
+def test_on_caller_host_work_runs_on_the_caller_thread_once_its_stream_is_idle():
+    """A comm piece that only issues an async collective (``OnCaller``) was handed to the comm
+    stream's worker: a thread hand-off per bucket, and the compute stream then queued behind
+    the event, so every later piece of the step ran on workers too."""
+    from tidal.ir.program import COMM, COMPUTE, Piece
+    from tidal.runtime.backend import OnCaller
+    from tidal.runtime.scheduling.alone import dispatch_alone, route
+    from tidal.runtime.scheduling.streams import StreamPool
+
+    caller = threading.get_ident()
+    with CpuBackend(slots=1) as be:
+        lo = be.stream(LOW)
+        ran = be.launch(lo, threading.get_ident, uses_device=False, on_caller=True)
+        assert ran.done() and ran.wait() == caller and be.gate.slots == 1  # no device place
+        hold = threading.Event()
+        be.launch(lo, lambda: hold.wait(30), uses_device=False)   # the stream is busy now
+        queued = be.launch(lo, threading.get_ident, uses_device=False, on_caller=True)
+        assert not queued.done()          # behind what the stream holds: stream order kept
+        hold.set()
+        assert queued.wait() != caller
+        pieces = (Piece("broadcast", COMM), Piece("segment", COMPUTE, (0,)),
+                  Piece("sync", COMM, (1,)), Piece("optimizer", COMPUTE, (2,)))
+        fns = [OnCaller(threading.get_ident), threading.get_ident,
+               OnCaller(threading.get_ident), threading.get_ident]
+        launches = dispatch_alone(be, StreamPool(be, True), pieces, fns, route(pieces))
+        assert [l.result for l in launches] == [caller] * 4
+        plain = dispatch_alone(be, StreamPool(be, True), pieces,
+                               [threading.get_ident] * 4, route(pieces))
+        assert plain[0].result != caller   # without OnCaller: the comm stream's worker
+
+
 def test_an_inline_error_is_reported_through_its_launch():
     with CpuBackend(slots=1) as be:
         s = be.stream(HIGH)

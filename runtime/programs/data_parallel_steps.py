@@ -32,8 +32,9 @@ from tidal.ir.step_state import autocast_state
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
                                                      scaled, set_grads)
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
+from tidal.runtime.backend import OnCaller
 from tidal.runtime.comm.compressors import NoCompression
-from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss
+from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss_async
 from tidal.runtime.programs.step_capture import StepCapture
 from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
@@ -104,6 +105,7 @@ class DataParallelStep:
         self._first = owner.steps == 0 and not owner.params_shared
         self._synced: dict[str, torch.Tensor] = {}
         self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
+        self._loss_sum: Optional[Callable[[], torch.Tensor]] = None
         self.autocast: AutocastState = NO_AUTOCAST
         """The autocast state the compute pieces run under (off; an eager step's: the
         binding thread's)."""
@@ -113,17 +115,21 @@ class DataParallelStep:
 
     def work(self, index: int, piece: Piece) -> Callable[[], Any]:
         framing = self._framing(piece)
+        if isinstance(framing, OnCaller):   # on the dispatching thread (see _framing)
+            return OnCaller(self.guard.wrap(piece.name, under_autocast(NO_AUTOCAST, framing)))
         if framing is not None:
             return self.guard.wrap(piece.name, under_autocast(NO_AUTOCAST, framing))
         return self.guard.wrap(piece.name, under_autocast(self.autocast, self.compute(
             index if self._opened is None else self._opened.origin[index], piece)))
 
     def _framing(self, piece: Piece) -> Optional[Callable[[], Any]]:
-        """What a piece other than a compute piece does (None for a compute piece)."""
+        """What a piece other than a compute piece does (None for a compute piece). The
+        broadcast (the forward waits for it) and the syncs (they only issue their collectives)
+        run on the dispatching thread (``OnCaller``)."""
         if piece.name == BROADCAST:
-            return self._broadcast
+            return OnCaller(self._broadcast)
         if piece.stream == COMM:
-            return functools.partial(self._sync, piece.grads)
+            return OnCaller(functools.partial(self._sync, piece.grads))
         if piece.kind == OPTIMIZER:
             return self._apply
         if piece.name == ACCORDION:
@@ -151,6 +157,10 @@ class DataParallelStep:
     def local_loss(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def loss_known(self) -> bool:
+        """Whether :meth:`local_loss` is at hand (the pieces that compute it ran)."""
+        return True
+
     def _broadcast(self) -> None:
         broadcast_state(self._model, self._first, self._owner.comm.group)
         self._owner.params_shared = True
@@ -158,6 +168,8 @@ class DataParallelStep:
     def _sync(self, indices: Sequence[int]) -> None:
         """Issue the sync of one bucket (the ``optimizer`` or ``grads`` piece waits for it):
         in the open step, of this call's gradients plus what ``no_sync`` calls accumulated."""
+        if self._loss_sum is None and self.loss_known():   # its all-reduce goes first
+            self._loss_sum = self._reduce_loss()
         if self._opened is None:
             grads = {self._names[i]: self.grad(i) for i in indices}
         else:
@@ -203,10 +215,17 @@ class DataParallelStep:
         """The global batch's loss: the mean of the ranks' shard losses (weighted: each
         shard's counts by its rows); with :attr:`step_number`, checked to be every rank's
         step (``StepMismatchError``)."""
-        who = self.guard.who
-        with collective_errors(who, "the loss all-reduce"):
-            return reduce_loss(scaled(self.local_loss().detach(), self._weight),
-                               self._owner.comm.group, step=self.step_number, who=who)
+        with collective_errors(self.guard.who, "the loss all-reduce"):
+            pending, self._loss_sum = self._loss_sum or self._reduce_loss(), None
+            return pending()
+
+    def _reduce_loss(self) -> Callable[[], torch.Tensor]:
+        """The loss all-reduce issued (:func:`~tidal.runtime.programs.replica_sync.
+        reduce_loss_async`): the first sync piece issues it before its bucket (every rank in
+        the same order, before any later round of a compressor), :meth:`loss` waits for it."""
+        return reduce_loss_async(scaled(self.local_loss().detach(), self._weight),
+                                 self._owner.comm.group, step=self.step_number,
+                                 who=self.guard.who)
 
 
 class CapturedStep(DataParallelStep):
@@ -230,6 +249,9 @@ class CapturedStep(DataParallelStep):
 
     def local_loss(self) -> torch.Tensor:
         return self._run.value(self._loss_node)
+
+    def loss_known(self) -> bool:
+        return self._run.computed(self._loss_node)
 
 
 class EagerStep(DataParallelStep):

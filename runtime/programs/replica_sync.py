@@ -14,7 +14,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,23 +50,43 @@ def reduce_loss(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
     2 ** 26 steps): the ranks agree when ``world * sum(step ** 2) == sum(step) ** 2``; when
     they do not (every rank sees the same sums), one more all-gather names every rank's step
     and a ``StepMismatchError`` of pass ``who`` is raised on every rank."""
+    return reduce_loss_async(loss, group, mean, step, who)()
+
+
+def reduce_loss_async(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                      mean: bool = True, step: Optional[int] = None, who: str = ""
+                      ) -> Callable[[], torch.Tensor]:
+    """:func:`reduce_loss` issued now, without waiting (the all-reduce runs beside what the
+    caller does next, as DDP's buckets run beside backward); the function returned waits for
+    it and gives the reduced loss (raising as :func:`reduce_loss` does).
+
+    >>> reduce_loss_async(torch.tensor(2.0))()   # one process: the loss itself
+    tensor(2.)
+    """
     out = loss.detach().clone()
     world = group_size(group)
     if world == 1:
-        return out
+        return lambda: out
+    device = collective_device(group)
     if step is None:
-        reduced = out.to(collective_device(group))
-        dist.all_reduce(reduced, group=group)
+        sums = out.reshape(-1).to(device)
+    else:
+        sums = torch.cat([out.reshape(-1).to(device, torch.float64),
+                          torch.tensor([step, step * step], dtype=torch.float64,
+                                       device=device)])
+    work = dist.all_reduce(sums, group=group, async_op=True)
+
+    def result() -> torch.Tensor:
+        work.wait()
+        reduced = sums
+        if step is not None:
+            total, squares = float(sums[-2]), float(sums[-1])
+            if world * squares != total * total:
+                steps = torch.zeros(world, dtype=torch.int64, device=device)
+                dist.all_gather_into_tensor(steps, torch.tensor([step], device=device),
+                                            group=group)
+                check_steps(who or "the loss all-reduce", step, steps.tolist())
+            reduced = sums[:-2]
+        reduced = reduced.view(out.shape).to(out.dtype)
         return (reduced / world if mean else reduced).to(out.device)
-    sums = torch.cat([out.reshape(-1).to(collective_device(group), torch.float64),
-                      torch.tensor([step, step * step], dtype=torch.float64,
-                                   device=collective_device(group))])
-    dist.all_reduce(sums, group=group)
-    total, squares = float(sums[-2]), float(sums[-1])
-    if world * squares != total * total:
-        steps = torch.zeros(world, dtype=torch.int64, device=sums.device)
-        dist.all_gather_into_tensor(steps, torch.tensor([step], device=sums.device),
-                                    group=group)
-        check_steps(who or "the loss all-reduce", step, steps.tolist())
-    reduced = sums[:-2].view(out.shape).to(out.dtype)
-    return (reduced / world if mean else reduced).to(out.device)
+    return result

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from tidal.ir.program import Piece
-from tidal.runtime.backend import Backend, Launch
+from tidal.runtime.backend import Backend, Launch, OnCaller
 from tidal.runtime.scheduling.pieces import stream_kind, uses_device
 from tidal.runtime.scheduling.streams import StreamPool
 
@@ -95,7 +95,8 @@ def dispatch_alone(backend: Backend, streams: StreamPool, pieces: Sequence[Piece
     foreground job's pieces on ``streams`` (see the module docstring; ``plan`` is
     ``route(pieces)``); return the launches, in order, once all have ended (fewer than the
     pieces when one failed: dispatch stops there). A backend without events runs each piece
-    once the pieces it waits for ended."""
+    once the pieces it waits for ended. A piece whose entry of ``fns`` is an
+    :class:`~tidal.runtime.backend.OnCaller` is launched with ``on_caller=True``."""
     events = callable(getattr(backend, "event", None))
     origin = _origin(backend) if events else None
     failed: list = []
@@ -117,8 +118,9 @@ def dispatch_alone(backend: Backend, streams: StreamPool, pieces: Sequence[Piece
                 backend.wait(stream, marks[d])
         if inline_host and plan.host_on_device[i]:
             _hold(backend, plan, launches, i)
+        extra = {"on_caller": True} if isinstance(fn, OnCaller) else {}
         launch = backend.launch(stream, _guarded(fn, failed), uses_device=plan.keys[i][1],
-                                label=plan.labels[i])
+                                label=plan.labels[i], **extra)
         launches.append(launch)
         if events and plan.marks[i]:
             # a launch done already (run inline) left its stream at its end: nothing to wait
