@@ -74,7 +74,9 @@ class StateSnapshot:
         self._runtime = runtime
         self._runtime_state = None if runtime is None else \
             copy.deepcopy(runtime.runtime_state_dict())
-        self._live = model.state_dict(keep_vars=True)
+        # the live tensors themselves (not state_dict(): burst_parallel refuses a state dict
+        # holding a rank's stale copies, which it is harmless to save and put back here)
+        self._live = dict([*model.named_parameters(), *model.named_buffers()])
         self.tensors = {k: v.detach().clone() for k, v in self._live.items()}
         self._optimizer = optimizer
         self._optimizer_state = None if optimizer is None else \

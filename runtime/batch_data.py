@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -291,7 +292,7 @@ def _gathered_rows(tensors: Sequence[torch.Tensor], sizes: Sequence[int], group:
     the largest local batch, one all-gather, trimmed and unpacked."""
     device, most = collective_device(group), max(sizes)
     parts = [t.detach().resolve_conj().resolve_neg().contiguous().to(device)
-             .reshape(t.shape[0], -1).view(torch.uint8) for t in tensors]
+             .reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8) for t in tensors]
     widths = [p.shape[1] for p in parts]
     mine = torch.cat(parts, dim=1)
     if mine.shape[0] < most:

@@ -37,7 +37,9 @@ The parts, one module each:
   own statistics, as data parallelism without ``SyncBatchNorm`` does;
 * the binding that runs the pieces (:class:`BurstStep`, ``tidal.runtime.programs.burst_step``):
   a bucket is summed over its ranks by a subgroup all-reduce, or a ``GradSync`` when the
-  ``compression`` pass wraps the sync (:meth:`BurstProgram.use_grad_sync`).
+  ``compression`` pass wraps the sync (:meth:`BurstProgram.use_grad_sync`); one tiny
+  all-reduce, issued once the loss is computed and waited for by the last piece, checks that
+  every rank is on the same step (``StepMismatchError`` on every rank otherwise).
 
 The open step (``Compiled.backward``, :meth:`BurstProgram.bind_backward`) adds the rank's
 synced gradients of what it owns to ``.grad`` (the others get none, so the user's optimizer

@@ -10,6 +10,20 @@ the global-batch gradient), through a plain all-reduce on the bucket's process g
 ``GradSync`` the ``compression`` pass gave; ``buffers all_reduce`` averages running
 statistics; ``optimizer`` steps, after checking that no gradient changed after its sync.
 
+**Step agreement.** Every rank computes the same global loss, so the step has no loss
+all-reduce of its own, and its collectives need not join every rank: a plan may give every layer
+to rank 0 (the others then only receive the output: one point-to-point send per step), and the
+buckets of a layer join only its ranks (none in a ``no_sync`` call). So nothing the step makes
+could carry the ranks' step numbers both ways. Once its loss is computed, a step of a
+distributed run (given its :attr:`BurstStep.step_number`) issues one tiny all-reduce on the
+default group without waiting (``tidal.runtime.programs.replica_sync.reduce_loss_async``:
+``[loss, s, s ** 2]`` in float64, as the other passes' loss all-reduce carries it), which runs
+beside backward and the gradient syncs; its last piece (``optimizer``, ``grads`` or
+``accumulate``) waits for it before it changes anything, so ranks a step apart (one raised inside
+a step that its script caught, or skipped one) raise ``StepMismatchError`` naming every rank's
+step, on every rank, before any of them updates. The default group is idle then: the transfers
+that use it are done and the syncs run on groups of their own.
+
 The open step (``Compiled.backward``: ``local`` given) has no optimizer piece. The first forward
 piece sets the user's ``.grad`` aside, backward starts from ``scale * loss``, and the last piece
 is ``grads`` (this call's gradients of the parameters the rank owns, synced among their ranks
@@ -59,11 +73,12 @@ from tidal.runtime.programs.burst_layout import StepLayout
 from tidal.runtime.programs.burst_transfers import Produced, TransferChecker
 from tidal.runtime.programs.optimizer_wiring import LocalGrads, add_grads, scaled, set_grads
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
-from tidal.runtime.programs.replica_sync import average_buffers
+from tidal.runtime.programs.replica_sync import average_buffers, reduce_loss_async
 from tidal.runtime.programs.step_failures import FailFast, collective_errors
 
 Ranks = tuple[int, ...]
 WHO = "burst_parallel"
+STEP_CHECK = "the all-reduce of the ranks' step numbers (with the loss)"
 
 
 class StepOwner(Protocol):
@@ -184,6 +199,11 @@ class BurstStep:
     _runner: Optional[_CutRunner] = None
     _pairs: list = field(default_factory=list)
     _synced: dict = field(default_factory=dict)
+    _agreed: Optional[Callable[[], Any]] = None
+    """Waits for the step check that the last forward piece issued (None: none issued)."""
+    step_number: Optional[int] = None
+    """This step's number (``ProgramExecutor.calls``; the executor sets it after binding),
+    checked against every rank's once the loss is computed (the module docstring)."""
     guard: FailFast = field(default_factory=lambda: FailFast(WHO))
     autocast: AutocastState = field(default_factory=autocast_state)
     """The binding thread's autocast state: the forward and backward pieces run under it."""
@@ -213,6 +233,7 @@ class BurstStep:
         if whole and not self.layout.stages.cuts:  # one piece, no cut: the module itself
             self._begin()
             self._loss = self.loss_fn(self.run(*self.inputs), self.targets)
+            self._issue_step_check()
             return
         if self._runner is None:
             self._begin()
@@ -223,6 +244,24 @@ class BurstStep:
             self._pairs = self._runner.pairs
             self._loss = self.loss_fn(self._runner.result, self.targets)
             self._runner = None
+            self._issue_step_check()
+
+    def _issue_step_check(self) -> None:
+        """On several ranks with a step number: the step check's all-reduce issued, not waited
+        for (:meth:`_await_step_check` waits; the module docstring)."""
+        if self.step_number is None or not is_distributed():
+            return
+        with collective_errors(WHO, STEP_CHECK):
+            self._agreed = reduce_loss_async(self._loss.detach(), None, step=self.step_number,
+                                             who=WHO)
+
+    def _await_step_check(self) -> None:
+        """Before the last piece changes anything: wait for the step check, raising
+        ``StepMismatchError`` on every rank when the ranks are on different steps."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None:
+            with collective_errors(WHO, STEP_CHECK):
+                agreed()
 
     def _begin(self) -> None:
         """Before the first forward node: the closed step zeroes its optimizer's gradients;
@@ -273,6 +312,7 @@ class BurstStep:
                             self.owner.group_of(ranks))
 
     def _optimizer(self) -> None:
+        self._await_step_check()
         params = dict(self.gm.named_parameters())
         for n in self.layout.foreign:  # a skipped unit's members that ran on zero rows
             params[n].grad = None
@@ -303,6 +343,7 @@ class BurstStep:
         """The open step's last piece (synced): this call's gradients of the parameters the
         rank owns (a bucket's synced with what ``no_sync`` accumulated; a parameter of this
         rank alone, its own plus that sum) added to the user's ``.grad``."""
+        self._await_step_check()
         params = dict(self.gm.named_parameters())
         self._check_synced(params)
         totals = {}
@@ -323,6 +364,7 @@ class BurstStep:
     def _accumulate(self) -> None:
         """The open step's last piece inside ``no_sync``: this call's gradients of the
         parameters the rank owns added to ``local``, unsynced; ``.grad`` as the user left it."""
+        self._await_step_check()
         params = dict(self.gm.named_parameters())
         for n, g in self._take().items():
             if g is not None:

@@ -1,11 +1,14 @@
-"""Faults of one rank during training on 2 gloo ranks (issue #35 items 2 and 5): a rank that
+"""Faults of one rank during training on 2 gloo ranks (issue #35 items 2, 5 and 9): a rank that
 raises inside a step which its script catches (the ranks then a step apart: every later
 collective would pair step k with step k + 1) raises ``StepMismatchError`` on both ranks at the
-next loss all-reduce; a peer killed (``os._exit``) or stalled past the group's timeout during a
-step makes the survivor raise ``PeerFailureError`` naming the pass and the piece, within the
-timeout plus 5 s (a kill under compression, a stall under burst_parallel: each fault costs a
-spawn and a timeout, so the suite keeps one pass per fault). The fault is injected where a step begins on the faulty rank (its rank
-program's ``bind``), after the batch check every rank made."""
+next loss all-reduce (burst_parallel: at its step check); in the same job, one rank's NaN rows
+under ``check_finite=True`` make every rank raise ``NonFiniteLossError`` naming the step, and an
+empty global batch a ``BatchError``, every rank's parameters left as they were. A peer killed
+(``os._exit``) or stalled past the group's timeout during a step makes the survivor raise
+``PeerFailureError`` naming the pass and the piece, within the timeout plus 5 s (a kill under
+compression, a stall under burst_parallel: each fault costs a spawn and a timeout, so the suite
+keeps one pass per fault). The fault is injected where a step begins on the faulty rank (its
+rank program's ``bind``), after the batch check every rank made."""
 import os
 import time
 
@@ -13,12 +16,14 @@ import pytest
 import torch
 
 import tidal
+from tidal.compiler.step_checks import NonFiniteLossError
 from tidal.passes.burst_parallel import BurstParallel
 from tidal.passes.compression import CompressionPass
 from tidal.passes.round_robin import RoundRobin
 from tidal.runtime.distributed import RankError, spawn
 
 PG_TIMEOUT_S = 5.0
+STEP_APART = ("compression", "round_robin", "burst_parallel")
 PASSES = {
     "compression": lambda: [CompressionPass("topk:0.5")],
     "round_robin": lambda: [RoundRobin(partitions=2)],
@@ -26,15 +31,15 @@ PASSES = {
 }
 
 
-def _compiled(name, check_batch=True):
+def _compiled(name, check_batch=True, x=None, y=None, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
                                 torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) if x is None else x
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2)) if y is None else y
     c = tidal.compile(model, (x,), passes=PASSES[name](), example_targets=y,
                       loss_fn=torch.nn.functional.cross_entropy, check_batch=check_batch,
-                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), **options)
     return c, x, y
 
 
@@ -56,9 +61,10 @@ def _raise():
 
 def _a_step_apart(rank, world):
     """Per pass: rank 1's step 1 raises and its script goes on; the first StepMismatchError
-    a later step raises on this rank (its step, every rank's, the message; '' for none)."""
+    a later step raises on this rank (its step, every rank's, the message; '' for none). Then
+    :func:`_bad_batches` under compression and burst_parallel (by ``"nan <pass>"``)."""
     out = {}
-    for name in ("compression", "round_robin"):
+    for name in STEP_APART:
         c, x, y = _compiled(name, check_batch=False)
         out[name] = ""
         for step in range(4):
@@ -71,7 +77,35 @@ def _a_step_apart(rank, world):
                 break
             except RuntimeError as e:
                 assert rank == 1 and step == 1 and "injected fault" in str(e), e
+    for name in ("compression", "burst_parallel"):
+        out[f"nan {name}"] = _bad_batches(rank, name)
     return out
+
+
+def _bad_batches(rank, name):
+    """Under ``compile(batch="local", check_finite=True)`` with 4 rows per rank: a good step,
+    then one where rank 1's rows hold a NaN, then an empty batch on every rank, then a good
+    step. What this rank saw: per bad step the error (type, step number, whether the
+    parameters are as before it), and whether the last step's loss is finite."""
+    full_x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    full_y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    x, y = full_x[4 * rank:4 * rank + 4], full_y[4 * rank:4 * rank + 4]
+    c, _, _ = _compiled(name, x=x, y=y, batch="local", check_finite=True)
+    c.step((x,), y)
+    bad = x.clone()
+    if rank == 1:
+        bad[2, 5] = float("nan")
+    seen = []
+    for inputs, targets in (((bad,), y), ((x[:0],), y[:0])):
+        before = [p.detach().clone() for p in c.model.parameters()]
+        try:
+            c.step(inputs, targets)
+            seen.append("no error")
+        except (NonFiniteLossError, tidal.BatchError) as e:
+            kept = all(torch.equal(a, p) for a, p in zip(before, c.model.parameters()))
+            seen.append(f"{type(e).__name__} {getattr(e, 'step', '-')} {kept} {e}")
+    seen.append(f"finite {bool(torch.isfinite(c.step((x,), y)))}")
+    return seen
 
 
 @pytest.mark.slow
@@ -82,10 +116,17 @@ def test_ranks_a_step_apart_raise_step_mismatch_on_every_rank():
     out = spawn(_a_step_apart, 2, timeout_s=120, pg_timeout_s=PG_TIMEOUT_S)
     assert time.monotonic() - started < 120
     for rank, mine in enumerate((2, 3)):   # rank 0's step 2 met rank 1's step 3 (its 2nd)
-        for name in ("compression", "round_robin"):
+        for name in STEP_APART:
             message = out[rank][name]
             assert message.startswith(f"{mine} [2, 3] {name}: the ranks are on different "
                                       f"steps: this rank on step {mine}"), (rank, message)
+        for name in ("compression", "burst_parallel"):   # item 9 on 2 ranks: every rank
+            nan, empty, after = out[rank][f"nan {name}"]    # raises, nothing trains on
+            assert nan.startswith("NonFiniteLossError 2 True Compiled.step: the loss of step "
+                                  "2 is nan"), (rank, name, nan)
+            assert empty.startswith("BatchError - True Compiled.step: the global batch is "
+                                    "empty"), (rank, name, empty)
+            assert after == "finite True", (rank, name, after)
 
 
 def _wait_for(path, at_most_s=60.0):
