@@ -484,6 +484,13 @@ class CpuBackend(Backend):
     def now_us(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6
 
+    @property
+    def clock_origin_us(self) -> float:
+        """The zero of :meth:`now_us` on ``time.perf_counter``'s clock, in µs (the system's
+        monotonic clock: the same for every process of the machine, so the traces of ranks
+        on one machine can be put on one clock)."""
+        return self._t0 * 1e6
+
     def stream(self, priority: int = LOW) -> CpuStream:
         s = CpuStream(self, int(priority))
         self._streams.append(s)

@@ -114,12 +114,34 @@ def _nbytes(node: fx.Node) -> int:
 
 @dataclass(frozen=True)
 class PieceTrace:
-    """When a piece ran: stream, name and backend times in µs."""
+    """When a piece ran: stream, name and backend times in µs; ``ready_us``: when it could
+    begin (its stream and the events it waited for had let it; None: not known), ``done_us``:
+    when the asynchronous work it issued ended (a collective issued with ``async_op=True``,
+    :class:`Completion`; None: it ended with the piece)."""
 
     name: str
     stream: str
     start_us: float
     end_us: float
+    ready_us: Optional[float] = None
+    done_us: Optional[float] = None
+
+
+class Completion:
+    """When an asynchronous collective a piece issued (its ``Work``) ended, on ``backend``'s
+    clock: ``done_us``, set by the work's future once it completes, or by :meth:`waited`
+    (whichever comes first: a waiter may wake before the future's callbacks ran). A piece's
+    work returns it so that its :class:`PieceTrace` carries ``done_us``."""
+
+    def __init__(self, backend: Backend, work: Any):
+        self.done_us: Optional[float] = None
+        self._backend = backend
+        work.get_future().add_done_callback(lambda _: self.waited())
+
+    def waited(self) -> None:
+        """The work is known to have ended (now, at the latest)."""
+        if self.done_us is None:
+            self.done_us = self._backend.now_us()
 
 
 Work = Callable[[int, Piece], Callable[[], Any]]
@@ -217,7 +239,8 @@ class ProgramRunner:
             error = launches[index].error
             error.add_note(f"in piece {pieces[index].name!r} of the program")
             raise error
-        return [PieceTrace(p.name, p.stream, l.start_us, l.end_us)
+        return [PieceTrace(p.name, p.stream, l.start_us, l.end_us, l.ready_us,
+                           l.result.done_us if isinstance(l.result, Completion) else None)
                 for p, l in zip(pieces, launches)]
 
     def _route(self, program: Program) -> Route:
@@ -252,11 +275,11 @@ class ProgramRunner:
             taken.add(id(grad))
             return fresh
 
-        def all_reduce(indices: Sequence[int]) -> None:
+        def all_reduce(indices: Sequence[int]) -> Optional[Completion]:
             grads = [run.value(grad_list[i]) for i in indices]
             if world == 1:  # nothing to average: the gradients are the step's own outputs
                 averaged.update(zip(indices, grads))
-                return
+                return None
             if not losses and run.computed(loss_node):  # its all-reduce goes first
                 losses.append(reduce_loss_async(run.value(loss_node), self.group))
             key = (id(program), tuple(indices))
@@ -269,12 +292,14 @@ class ProgramRunner:
                 buf = self._buckets[key] = torch.cat([g.reshape(-1) for g in grads])
             else:
                 torch.cat([g.reshape(-1) for g in grads], out=buf)
-            pending.append((dist.all_reduce(buf, group=self.group, async_op=True), buf,
-                            indices, grads))
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+            pending.append((work, done := Completion(self.backend, work), buf, indices, grads))
+            return done
 
         def average() -> None:
-            for work, buf, indices, grads in pending:
+            for work, done, buf, indices, grads in pending:
                 work.wait()
+                done.waited()
                 buf /= world
                 offset = 0
                 for i, g in zip(indices, grads):

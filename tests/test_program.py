@@ -100,6 +100,12 @@ def test_two_ranks_step_equals_one_process_and_overlap_is_real(two_rank_job):
             assert first_reduce >= backward_end, trace
         events = chrome_trace({0: trace})["traceEvents"]
         assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {COMPUTE, COMM}
+        for t in trace:   # a sync piece issues its all-reduce; the trace says when it ended
+            assert t.ready_us is not None and t.ready_us <= t.start_us <= t.end_us, t
+            assert (t.done_us is not None) == (t.stream == COMM), t
+            if t.stream == COMM:
+                waiter = next(u for u in trace if u.name == "optimizer")
+                assert t.start_us <= t.done_us <= waiter.end_us, (t, waiter)
 
 
 def test_the_simulator_runs_the_same_program_in_the_same_order():
