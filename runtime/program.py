@@ -258,12 +258,14 @@ class ProgramRunner:
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[PieceTrace]]:
         state = self._state(model, step)
         params = state.params
-        flat = step_inputs(step, state, inputs, targets)
+        world = group_size(self.group)
+        # the backward starts from 1 / world: a bucket's sum over the ranks is the average
+        # (no pass over it after the all-reduce; DDP divides each bucket instead)
+        flat = step_inputs(step, state, inputs, targets, None if world == 1 else 1 / world)
         run = self._captured(program, step, flat).run(flat)
         loss_node, grad_list = self._grad_nodes(step)
         averaged: dict[int, torch.Tensor] = {}
         pending: list = []
-        world = group_size(self.group)
         losses: list[Callable[[], torch.Tensor]] = []
         taken: set[int] = {id(t) for t in flat}
 
@@ -300,7 +302,6 @@ class ProgramRunner:
             for work, done, buf, indices, grads in pending:
                 work.wait()
                 done.waited()
-                buf /= world
                 offset = 0
                 for i, g in zip(indices, grads):
                     averaged[i] = buf[offset:offset + g.numel()].view_as(g)
