@@ -51,7 +51,7 @@ _PUBLIC = MappingProxyType({
     "BatchError": ("tidal.runtime.batch_data", "BatchError"),
     "BufferUpdateError": ("tidal.ir.capture", "BufferUpdateError"),
     "StaleStateError": ("tidal.runtime.programs.burst_refresh", "StaleStateError"),
-    "PeerFailureError": ("tidal.runtime.programs.step_failures", "PeerFailureError"),
+    "PeerFailureError": ("tidal.runtime.peer_failures", "PeerFailureError"),
     "StepMismatchError": ("tidal.runtime.programs.step_failures", "StepMismatchError"),
 })
 

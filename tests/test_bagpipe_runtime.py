@@ -2,9 +2,13 @@
 Cacher give, bit for bit in float64, the tables and dense parameters of synchronous
 data-parallel SGD without a cache (computed here in one process), for lookahead 0, 1 and 5 at
 two skews, for the LRU and "no cache" policies, and across a checkpoint and resume (all in ONE
-spawn); a killed trainer raises a BagpipeError naming it (a second spawn)."""
+spawn); a killed trainer raises a BagpipeError naming it (a second spawn), a peer failure
+(``PeerFailureError``) naming that trainer, as does a stalled one within the timeout plus 5 s,
+not the Oracle Cacher that waited for it (a third spawn)."""
 import copy
 import multiprocessing
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from examples.data.clicks import ClickData
 from examples.models.recsys import click_loss, deepfm_small, dlrm_small
 from tidal.passes.embedding_cache import EmbeddingCache
 from tidal.runtime.bagpipe import BagpipeError, RunSpec, load_checkpoint, train, train_many
+from tidal.runtime.peer_failures import PeerFailureError
 
 ROWS = (40, 70, 120)
 BATCH, ITERS, LR, T = 8, 6, 0.1, 2
@@ -168,11 +173,84 @@ def test_killed_trainer_raises_and_leaves_checkpoint(tmp_path):
               fail_at=(1, 3))
     assert err.value.trainer == 1 and err.value.iteration == 3 and err.value.checkpoint == ck
     assert ck in str(err.value)
+    assert isinstance(err.value, PeerFailureError) and err.value.pass_name == "bagpipe"
+    assert err.value.peer == 1 and err.value.peer_name == "trainer 1", str(err.value)
+    assert str(err.value).startswith("bagpipe: trainer 1 died"), str(err.value)
     assert not multiprocessing.active_children()
     saved = load_checkpoint(ck)
     assert saved["next"] == 2
     _assert_equal(saved["tables"], saved["dense"], _reference(model, data, 2)[-1],
                   "checkpoint at 2")
+
+
+class StampedLoss:
+    """``click_loss`` that records when each trainer last computed a loss (file ``loss<rank>``
+    of ``folder``, rank in the trainers' group)."""
+
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def __call__(self, out, y):
+        import torch.distributed as dist
+        Path(self.folder, f"loss{dist.get_rank()}").write_text(repr(time.time()))
+        return click_loss(out, y)
+
+
+STALL_TIMEOUT_S = 12.0
+
+
+@pytest.mark.slow
+def test_stalled_trainer_is_named_not_the_oracle_cacher(tmp_path):
+    """Trainer 1 stops (SIGSTOP, alive) at the start of iteration 2: trainer 0's all-reduce and
+    the Oracle Cacher's wait time out; the error names trainer 1 as stalled, within the timeout
+    plus 5 s of its last loss (before the stall), and no process is left behind."""
+    _, compiled = _setup()
+    data = Float64Clicks(hot_fraction=0.05, hot_share=0.9)
+    with pytest.raises(PeerFailureError) as err:
+        train(compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR,
+              loss_fn=StampedLoss(tmp_path), timeout_s=STALL_TIMEOUT_S, fail_at=(1, 2, "stall"),
+              progress=False)
+    waited = time.time() - float((tmp_path / "loss1").read_text())
+    e, message = err.value, str(err.value)
+    assert isinstance(e, BagpipeError) and e.pass_name == "bagpipe", message
+    assert e.peer == 1 and e.peer_name == "trainer 1" and e.trainer == 1, message
+    assert message.startswith("bagpipe: trainer 1 stalled at iteration 2"), message
+    assert "oracle cacher died" not in message and e.timeout_s == STALL_TIMEOUT_S, message
+    assert e.what and e.__cause__ is not None, message   # the collective or RPC, and its error
+    assert waited < STALL_TIMEOUT_S + 5, (waited, message)
+    assert not multiprocessing.active_children()
+
+
+def test_the_process_at_fault_is_named_from_the_reports(tmp_path):
+    """Without a spawn: a killed embedding server or Oracle Cacher is named as such (a peer
+    failure: the trainers' reports chained), a process whose own error came first is named
+    with that error (not a peer failure), and nothing to tell gives None."""
+    from tidal.runtime.bagpipe.faults import process_failure, read_reports, run_failure, \
+        write_report
+    gloo = RuntimeError("Connection closed by peer [127.0.0.1]:5")
+    write_report(str(tmp_path), 1, T, process_failure(
+        "trainer 0 waited", what="the fetch of rows of t for batch 3",
+        peer_name="embedding server 0", timeout_s=9.0, exc=gloo))
+    reports = read_reports(str(tmp_path))
+    server = run_failure([None, None, None, -9], reports, [3, 3], 9.0, None)
+    assert isinstance(server, PeerFailureError) and server.peer_name == "embedding server 0"
+    assert server.peer is None and server.what == "the fetch of rows of t for batch 3"
+    assert str(server).startswith("bagpipe: embedding server 0 died (killed by SIGKILL; "
+                                  "trainer 0: the fetch of rows of t"), str(server)
+    assert "Connection closed by peer" in str(server.__cause__.__cause__)
+    oracle = run_failure([1, None, None, None], reports, [3, 3], 9.0, "ck")
+    assert oracle.peer_name == "oracle cacher" and "oracle cacher died" in str(oracle)
+    assert oracle.checkpoint == "ck"
+    write_report(str(tmp_path), 2, T, ValueError("bad loss"))   # after trainer 0's report
+    first = run_failure([None] * 4, read_reports(str(tmp_path)), [3, 3], 9.0, None)
+    assert first.peer_name == "embedding server 0", str(first)   # the first report tells
+    assert str(first).startswith("bagpipe: embedding server 0 stalled"), str(first)
+    (tmp_path / "error1.json").unlink()   # now trainer 1's own error is the first report
+    own = run_failure([None] * 4, read_reports(str(tmp_path)), [3, 2], 9.0, None)
+    assert type(own) is BagpipeError and own.trainer == 1 and own.iteration == 2
+    assert str(own).startswith("bagpipe: trainer 1 failed at iteration 2 (ValueError: bad "
+                               "loss)"), str(own)
+    assert run_failure([None] * 4, {}, [3, 3], 9.0, None) is None
 
 
 def test_bad_policy_is_a_clear_error():

@@ -25,7 +25,8 @@ name allows that one module only; this table is as strict as the tree allows)::
     switching  PipeSwitch task switching                      weights, runtime.program,
                                                               runtime.programs.layer_group_steps,
                                                               runtime.programs.layer_group_loads
-    bagpipe    Bagpipe oracle, servers, trainer, launch       runtime.distributed
+    bagpipe    Bagpipe oracle, servers, trainer, launch       runtime.distributed,
+                                                              runtime.peer_failures
 
 Inside a folder no module imports itself back through others (a file-level cycle, function-level
 imports included), and no module imports a private name (``_x``) of another tidal module, by
@@ -57,7 +58,7 @@ ROOM_MAY_IMPORT = {   # the table of the module docstring
     "chai": set(),
     "switching": {"weights", "tidal.runtime.program", "tidal.runtime.programs.layer_group_steps",
                   "tidal.runtime.programs.layer_group_loads"},
-    "bagpipe": {"tidal.runtime.distributed"},
+    "bagpipe": {"tidal.runtime.distributed", "tidal.runtime.peer_failures"},
 }
 _MODULE_TEXT = re.compile(rf"{PACKAGE}(\.\w+)+(:[\w.]+)?")
 

@@ -1,8 +1,11 @@
 """Launch a Bagpipe run: the Oracle Cacher (also the data processor), trainers and embedding
 servers as processes (torch.multiprocessing, spawn) talking over torch.distributed.rpc
 (TensorPipe); the trainers form a gloo process group for their all-reduces. Every group and
-RPC has a timeout; a process that dies or stalls ends the run with a :class:`BagpipeError`
-naming it, and no process is left behind.
+RPC has a timeout; a process that dies or stalls ends the run with a
+:class:`~tidal.runtime.bagpipe.errors.BagpipePeerFailure` (a ``BagpipeError`` and a
+``PeerFailureError``) naming it, told by the processes that waited for it
+(:mod:`tidal.runtime.bagpipe.faults`), within the timeout plus a few seconds, and no process is
+left behind.
 
 Ranks in RPC: 0 = ``oracle``, 1..T = ``trainer<r>``, T+1..T+S = ``server<s>``. The oracle creates
 the servers and trainers as remote objects, starts every trainer's loop, then reads batches,
@@ -23,7 +26,6 @@ import pickle
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +35,8 @@ import torch
 
 from tidal.ir.portable_graph import PortableGraph
 from tidal.runtime.bagpipe.errors import BagpipeError
+from tidal.runtime.bagpipe.faults import (process_failure, progress_mark, read_reports, role,
+                                          run_failure, wait_all, wait_rpc, write_report)
 from tidal.runtime.bagpipe.stats import IterationStats
 
 __all__ = ["RunSpec", "Result", "train", "train_many", "load_checkpoint"]
@@ -46,7 +50,8 @@ class RunSpec:
     ``EmbeddingCachePlan`` and the initial full tables by name) or an object with
     ``graph_module``, ``plan`` and ``weights`` attributes; ``data`` has ``.batch(i) -> (inputs,
     targets)`` or is such a callable. ``fail_at=(trainer, iteration)`` is a test hook that makes
-    that trainer exit at the start of that iteration."""
+    that trainer exit at the start of that iteration (``(trainer, iteration, "stall")``: stop
+    there, alive, as a hung machine does: SIGSTOP)."""
 
     model: Any
     data: Any
@@ -133,6 +138,9 @@ def _check(spec: RunSpec, trainers: int) -> None:
     if spec.fail_at is not None and not 0 <= spec.fail_at[0] < trainers:
         raise BagpipeError(f"bagpipe.train: fail_at names trainer {spec.fail_at[0]} of "
                            f"{trainers}")
+    if spec.fail_at is not None and tuple(spec.fail_at[2:]) not in ((), ("exit",), ("stall",)):
+        raise BagpipeError(f"bagpipe.train: fail_at is (trainer, iteration[, 'exit' or "
+                           f"'stall']), got {spec.fail_at!r}")
 
 
 def _shard(x: Any, T: int, r: int, what: str):
@@ -164,7 +172,8 @@ def _rpc_options(port: int, timeout_s: float):
                                            rpc_timeout=timeout_s, num_worker_threads=16)
 
 
-def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: str) -> dict:
+def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: str,
+                report_dir: str) -> dict:
     import torch.distributed.rpc as rpc
 
     from tidal.ir.plans.embedding_cache import table_ids
@@ -186,12 +195,13 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
     cfg = TrainerConfig(trainers=T, lr=spec.lr, lookahead=spec.lookahead, start=start,
                         stop=stop, timeout_s=timeout_s, checkpoint_every=spec.checkpoint_every,
                         checkpoint_dir=spec.checkpoint_dir, progress_dir=progress_dir,
-                        fail_at=spec.fail_at)
+                        fail_at=spec.fail_at, report_dir=report_dir)
     loss_fn = spec.loss_fn or _default_loss
     portable = PortableGraph.of(gm)  # RPC pickles its arguments; see _portable
     trainers = [rpc.remote(f"trainer{r}", Trainer,
                            args=(r, portable, plan, servers, loss_fn, cfg)) for r in range(T)]
-    runs = [t.rpc_async(timeout=0).run() for t in trainers]
+    runs = [(t.rpc_async(timeout=0).run(), "the training loop", role(1 + r, T))
+            for r, t in enumerate(trainers)]
 
     def planner():
         if spec.policy == "bagpipe":
@@ -221,16 +231,16 @@ def _oracle_run(spec: RunSpec, T: int, S: int, timeout_s: float, progress_dir: s
             if len(ready[b]) < len(plan.tables):
                 break
             if b - spec.lookahead - AHEAD >= start:
-                _wait_trainers(progress_dir, T, b - spec.lookahead - AHEAD, timeout_s)
+                _wait_trainers(progress_dir, T, b - spec.lookahead - AHEAD, timeout_s, runs)
             decisions = ready.pop(b)
             for r, tr in enumerate(trainers):
                 ins, tg = held[b][r]
-                sent.append(tr.rpc_async().deliver(BatchWork(b, ins, tg, decisions)))
+                sent.append((tr.rpc_async().deliver(BatchWork(b, ins, tg, decisions)),
+                             f"the delivery of batch {b}", role(1 + r, T)))
             del held[b]
-    for f in sent:
-        f.wait()
-    outs = [f.wait() for f in runs]
-    shards = [s.rpc_sync().shards() for s in servers]
+    outs = wait_all(sent + runs, timeout_s)[len(sent):]
+    shards = [wait_rpc(s.rpc_async().shards(), "the final tables", role(1 + T + k, T),
+                       timeout_s) for k, s in enumerate(servers)]
     tables = {t.name: assemble([sh[t.name] for sh in shards], t.num_rows) for t in plan.tables}
     per_trainer = [o["stats"] for o in outs]
     stats = [IterationStats.total([p[k] for p in per_trainer])
@@ -244,24 +254,28 @@ AHEAD = 2
 it waits for the slowest trainer before sending more, so nothing piles up in a long run."""
 
 
-def _wait_trainers(progress_dir: str, T: int, x: int, timeout_s: float) -> None:
-    """Wait until every trainer has started iteration ``x`` (its progress file)."""
+def _wait_trainers(progress_dir: str, T: int, x: int, timeout_s: float, runs: list) -> None:
+    """Wait until every trainer has started iteration ``x`` (its progress file); a trainer
+    whose loop ended early raises its error, one that does not get there in ``timeout_s`` is
+    named as stalled."""
     deadline = time.monotonic() + timeout_s
     while True:
-        done = [_read_int(Path(progress_dir, f"trainer{r}")) for r in range(T)]
+        done = [progress_mark(progress_dir, r) for r in range(T)]
         if all(d is not None and d >= x for d in done):
             return
+        for future, what, name in runs:
+            if future.done():
+                wait_rpc(future, what, name, timeout_s)
         if time.monotonic() > deadline:
-            raise BagpipeError(f"bagpipe: the Oracle Cacher waited {timeout_s:g} s for the "
-                               f"trainers to reach iteration {x} (they are at {done})")
+            at = [-1 if d is None else d for d in done]
+            slow = at.index(min(at))
+            raise process_failure(
+                f"bagpipe: the Oracle Cacher waited {timeout_s:g} s for trainer {slow} to reach "
+                f"iteration {x} (the trainers are at {done}): it stalled or died",
+                what=f"the wait for trainer {slow} to reach iteration {x}",
+                peer_name=role(1 + slow, T),
+                timeout_s=timeout_s, iteration=done[slow])
         time.sleep(0.002)
-
-
-def _read_int(path: Path) -> Optional[int]:
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _default_loss(out, targets):
@@ -282,6 +296,7 @@ def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, payload: 
     try:
         importlib.import_module("tidal.ir.cached_embedding_op")  # before unpickling graphs
         specs = pickle.loads(payload)
+        Path(workdir, f"up{rank}").touch()   # imported: the parent's startup allowance ends
         if 1 <= rank <= T:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}",
                                     rank=rank - 1, world_size=T,
@@ -294,23 +309,18 @@ def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, payload: 
         else:
             rpc.init_rpc("oracle", rank=0, world_size=world, rpc_backend_options=opts)
             for k, spec in enumerate(specs):
-                out = _oracle_run(spec, T, S, timeout_s, os.path.join(workdir, f"run{k}"))
+                out = _oracle_run(spec, T, S, timeout_s, os.path.join(workdir, f"run{k}"),
+                                  workdir)
                 torch.save(out, os.path.join(workdir, f"result{k}.pt"))
         rpc.shutdown()
         if 1 <= rank <= T:
             dist.destroy_process_group()
     except BaseException as e:  # report, then die: the parent turns it into a BagpipeError
-        msg = str(e) if isinstance(e, BagpipeError) else "".join(
-            traceback.format_exception_only(type(e), e)).strip()
-        Path(workdir, f"error{rank}").write_text(msg + "\n" + traceback.format_exc())
+        write_report(workdir, rank, T, e)
         os._exit(1)
 
 
 # -- the parent ----------------------------------------------------------------------------
-def _role(rank: int, T: int) -> str:
-    return "oracle cacher" if rank == 0 else (f"trainer {rank - 1}" if rank <= T
-                                              else f"embedding server {rank - T - 1}")
-
 
 def _last_checkpoint(spec: RunSpec) -> Optional[str]:
     from tidal.runtime.bagpipe.trainer import CHECKPOINT_FILE
@@ -321,7 +331,7 @@ def _last_checkpoint(spec: RunSpec) -> Optional[str]:
 
 
 def _iteration_of(workdir: str, run: int, trainer: int) -> Optional[int]:
-    return _read_int(Path(workdir, f"run{run}", f"trainer{trainer}"))
+    return progress_mark(os.path.join(workdir, f"run{run}"), trainer)
 
 
 def _current_run(workdir: str, n: int) -> int:
@@ -390,9 +400,11 @@ def _report(specs, T: int, workdir: str, started: float) -> None:
 
 def _watch(procs, specs, T: int, timeout_s: float, workdir: str, progress: bool = True
            ) -> None:
-    """Wait for every process; a death or a stall (no progress for ``timeout_s``) raises.
-    With ``progress``, a line on stderr every ``PROGRESS_EVERY_S`` seconds says where the
-    run is."""
+    """Wait for every process; a death or a stall (no progress for ``timeout_s`` plus
+    ``REPORT_GRACE_S``, the processes that wait for a stalled one reporting it first; plus
+    ``STARTUP_S`` while one is starting) raises, naming the process at fault
+    (:func:`~tidal.runtime.bagpipe.faults.run_failure`). With ``progress``, a line on stderr
+    every ``PROGRESS_EVERY_S`` seconds says where the run is."""
     last_change, seen = time.monotonic(), None
     started = next_report = last_change
     while True:
@@ -405,32 +417,39 @@ def _watch(procs, specs, T: int, timeout_s: float, workdir: str, progress: bool 
         if any(c not in (None, 0) for c in codes):
             time.sleep(0.3)  # let a first failure's neighbours report theirs
             codes = [p.exitcode for p in procs]
-            raise _failure(codes, specs, T, workdir)
+            raise _failure(codes, specs, T, workdir, timeout_s)
         marks = sorted((f.name, f.stat().st_mtime_ns) for f in Path(workdir).rglob("*")
                        if f.is_file())
         if marks != seen:
             seen, last_change = marks, time.monotonic()
-        elif time.monotonic() - last_change > timeout_s:
-            run = _current_run(workdir, len(specs))
-            raise BagpipeError(f"bagpipe: no progress for {timeout_s:g} s (run {run}); "
-                               f"last checkpoint: {_last_checkpoint(specs[run])}",
-                               checkpoint=_last_checkpoint(specs[run]))
+        elif time.monotonic() - last_change > timeout_s + REPORT_GRACE_S + (
+                0 if all(Path(workdir, f"up{r}").exists() for r in range(len(procs)))
+                else STARTUP_S):
+            raise _failure(codes, specs, T, workdir, timeout_s)
         time.sleep(0.05)
 
 
-def _failure(codes, specs, T: int, workdir: str) -> BagpipeError:
+STARTUP_S = 60.0
+"""More time without progress the parent allows while a process is still starting (importing
+torch and tidal, unpickling the runs: slow on a loaded machine, and no stall of training)."""
+
+REPORT_GRACE_S = 3.0
+"""How long past the run's timeout the parent waits, with no progress, before it ends the run
+itself: the processes waiting for a stalled one time out first and report whom they waited
+for."""
+
+
+def _failure(codes, specs, T: int, workdir: str, timeout_s: float) -> BagpipeError:
+    """The error ending the run: the process at fault named (``codes``: exit codes by rank,
+    None while alive)."""
     run = _current_run(workdir, len(specs))
     ck = _last_checkpoint(specs[run])
-    dead = [r for r, c in enumerate(codes) if c not in (None, 0)]
-    reported = {r: Path(workdir, f"error{r}").read_text().split("\n")[0]
-                for r in dead if Path(workdir, f"error{r}").exists()}
-    silent = [r for r in dead if r not in reported]  # died without reporting: the culprit
-    r = (silent or dead)[0]
-    it = _iteration_of(workdir, run, r - 1) if 1 <= r <= T else None
-    where = f" at iteration {it}" if it is not None else ""
-    why = reported.get(r, f"exit code {codes[r]}")
-    return BagpipeError(f"bagpipe: {_role(r, T)} died{where} ({why}); last checkpoint: {ck}",
-                        trainer=r - 1 if 1 <= r <= T else None, iteration=it, checkpoint=ck)
+    marks = [_iteration_of(workdir, run, r) for r in range(T)]
+    error = run_failure(codes, read_reports(workdir), marks, timeout_s, ck)
+    if error is None:
+        error = BagpipeError(f"bagpipe: no progress for {timeout_s:g} s (run {run}); last "
+                             f"checkpoint: {ck}", checkpoint=ck)
+    return error
 
 
 def train(model: Any, data: Any, iterations: int, *, trainers: int = 2, servers: int = 1,

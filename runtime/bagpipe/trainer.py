@@ -17,6 +17,11 @@ Per iteration ``x`` (SGD without momentum, the reference arithmetic kept exactly
 7. the other shared rows of ``x`` are all-reduced in the background (async gloo work);
    evictions of ``x`` are written back now, or after that background sync (step 4 of ``x + 1``).
 
+A collective or RPC that fails or times out (a peer stalled or died) raises a
+``BagpipePeerFailure`` naming the trainer, embedding server or Oracle Cacher it waited for, and
+the trainer reports its error before it reaches the Oracle Cacher
+(:mod:`tidal.runtime.bagpipe.faults`).
+
 Example:
     >>> from tidal.runtime.bagpipe.trainer import flat_rows
     >>> import torch
@@ -26,22 +31,28 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from tidal.ir.errors import TidalError
 from tidal.ir.portable_graph import PortableGraph
 from tidal.runtime.bagpipe.cache import TableCache
 from tidal.runtime.bagpipe.errors import BagpipeError
+from tidal.runtime.bagpipe.faults import (ORACLE, process_failure, progress_mark, role,
+                                          wait_rpc, write_report)
 from tidal.runtime.bagpipe.oracle import TableDecision
 from tidal.runtime.bagpipe.server import merge_rows, split_by_server
 from tidal.runtime.bagpipe.stats import IterationStats
+from tidal.runtime.peer_failures import is_peer_failure, peer_of
 
 __all__ = ["BatchWork", "TrainerConfig", "Trainer", "flat_rows", "CHECKPOINT_FILE"]
 
@@ -72,7 +83,8 @@ class TrainerConfig:
     checkpoint_every: Optional[int] = None
     checkpoint_dir: Optional[str] = None
     progress_dir: Optional[str] = None
-    fail_at: Optional[tuple[int, int]] = None
+    fail_at: Optional[tuple] = None   # (trainer, iteration[, "exit" or "stall"]): a test hook
+    report_dir: Optional[str] = None   # where a failing trainer writes its report (faults)
 
 
 def flat_rows(ids: torch.Tensor, have: torch.Tensor, rows: torch.Tensor, dim: int
@@ -85,11 +97,6 @@ def flat_rows(ids: torch.Tensor, have: torch.Tensor, rows: torch.Tensor, dim: in
         mask = torch.isin(ids, have)
         out[mask] = rows[torch.searchsorted(have, ids[mask])]
     return out
-
-
-def _barrier() -> None:
-    """Barrier of the trainers' group (a one-element all-reduce)."""
-    dist.all_reduce(torch.zeros(1))
 
 
 def _ids(values: Sequence[int]) -> torch.Tensor:
@@ -136,9 +143,11 @@ class Trainer:
             try:
                 w = self._inbox.get(timeout=max(left, 0.001))
             except queue.Empty:
-                raise BagpipeError(f"bagpipe trainer {self.rank}: no work for iteration {x} "
-                                   f"from the Oracle Cacher within {self.cfg.timeout_s:g} s",
-                                   trainer=self.rank, iteration=x) from None
+                raise process_failure(
+                    f"bagpipe trainer {self.rank}: no work for iteration {x} from the Oracle "
+                    f"Cacher within {self.cfg.timeout_s:g} s: it stalled or died",
+                    what=f"the delivery of batch {x}", peer_name=ORACLE,
+                    timeout_s=self.cfg.timeout_s, iteration=x) from None
             self._work[w.batch] = w
         return self._work[x]
 
@@ -149,7 +158,8 @@ class Trainer:
         for name, d in w.decisions.items():
             ids = _ids(d.fetch[self.rank])
             parts = split_by_server(ids, S)
-            futs = [self.servers[s].rpc_async(timeout=self.cfg.timeout_s).fetch(name, part)
+            futs = [(self.servers[s].rpc_async(timeout=self.cfg.timeout_s).fetch(name, part),
+                     f"the fetch of rows of {name} for batch {x}", self._server(s))
                     if len(part) else None for s, part in enumerate(parts)]
             per_table[name] = (ids, parts, futs)
         self._fetches[x] = per_table
@@ -163,9 +173,45 @@ class Trainer:
             self._issue_prefetch(self._next_prefetch, None)
 
     def _wait_writes(self) -> None:
-        for f in self._writes:
-            f.wait()
+        for call in self._writes:
+            wait_rpc(*call, self.cfg.timeout_s)
         self._writes = []
+
+    def _server(self, s: int) -> str:
+        """Embedding server ``s``'s name (:func:`~tidal.runtime.bagpipe.faults.role`)."""
+        return role(1 + self.cfg.trainers + s, self.cfg.trainers)
+
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Run collective ``what`` of the trainers' group; one that fails or times out (a peer
+        trainer stalled or died) raises a ``BagpipePeerFailure`` naming that trainer."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, TidalError) or not is_peer_failure(e):
+                raise
+            peer = self._failed_peer(str(e))
+            raise process_failure(
+                f"bagpipe trainer {self.rank}: {what} did not complete within "
+                f"{self.cfg.timeout_s:g} s: {peer or 'a peer trainer'} stalled or died",
+                what=what, peer_name=peer, timeout_s=self.cfg.timeout_s, exc=e) from e
+
+    def _failed_peer(self, text: str) -> str:
+        """The trainer a failed collective waited for: the rank its error ``text`` names (or
+        the other one of two), else the one behind the others ('' if none is)."""
+        peer = peer_of(text)
+        if peer is not None and peer != self.rank:
+            return f"trainer {peer}"
+        marks = {r: progress_mark(self.cfg.progress_dir, r) for r in range(self.cfg.trainers)}
+        marks = {r: -1 if m is None else m for r, m in marks.items()}
+        low = min((m for r, m in marks.items() if r != self.rank), default=None)
+        behind = [r for r, m in marks.items() if m == low and r != self.rank]
+        return f"trainer {behind[0]}" if len(behind) == 1 and low < marks[self.rank] else ""
+
+    def _barrier(self, what: str) -> None:
+        """Barrier of the trainers' group (a one-element all-reduce)."""
+        with self._collective(what):
+            dist.all_reduce(torch.zeros(1))
 
     def _write_back(self, name: str, ids: Sequence[int], st: IterationStats) -> None:
         cache = self.caches[name]
@@ -177,8 +223,9 @@ class Trainer:
         for s, part in enumerate(split_by_server(ids_t, S)):
             if len(part):
                 sel = rows[ids_t % S == s]
-                self._writes.append(self.servers[s].rpc_async(
-                    timeout=self.cfg.timeout_s).write(name, part, sel))
+                self._writes.append((self.servers[s].rpc_async(
+                    timeout=self.cfg.timeout_s).write(name, part, sel),
+                    f"the write-back of rows of {name}", self._server(s)))
         st.rows_written += len(ids)
         st.bytes_written += rows.numel() * rows.element_size()
 
@@ -204,7 +251,8 @@ class Trainer:
         x, handle, buf, layout = self._deferred
         self._deferred = None
         if handle is not None:
-            handle.wait()
+            with self._collective(f"the background sync of iteration {x}"):
+                handle.wait()
             self._apply(buf, layout)
         for name, d in self._decisions_of(x).items():
             self._drop(name, d, st, critical=False)
@@ -235,7 +283,8 @@ class Trainer:
         """Trainer 0 at the start of a segment (every cache flushed, write-backs confirmed):
         the full tables from the servers, the dense state and the next iteration."""
         futs = [s.rpc_async(timeout=self.cfg.timeout_s).shards() for s in self.servers]
-        shards = [f.wait() for f in futs]
+        shards = [wait_rpc(f, f"the tables for the checkpoint at {x}", self._server(s),
+                           self.cfg.timeout_s) for s, f in enumerate(futs)]
         from tidal.runtime.bagpipe.server import assemble
         tables = {t.name: assemble([sh[t.name] for sh in shards], t.num_rows)
                   for t in self.plan.tables}
@@ -255,14 +304,24 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Train iterations ``start .. stop-1``; returns ``{"stats": [...], "dense": ...}``."""
-        stats = [self._iteration(x) for x in range(self.cfg.start, self.cfg.stop)]
-        return self._finish(stats)
+        """Train iterations ``start .. stop-1``; returns ``{"stats": [...], "dense": ...}``.
+        An error is reported (the run's work directory) before it is raised to the Oracle
+        Cacher."""
+        try:
+            stats = [self._iteration(x) for x in range(self.cfg.start, self.cfg.stop)]
+            return self._finish(stats)
+        except BaseException as e:
+            if self.cfg.report_dir:
+                write_report(self.cfg.report_dir, 1 + self.rank, self.cfg.trainers, e)
+            raise
 
     def _iteration(self, x: int) -> IterationStats:
         """Iteration ``x``, steps 1-7 of the module docstring; its stats."""
         self._progress(x)
-        if self.cfg.fail_at is not None and tuple(self.cfg.fail_at) == (self.rank, x):
+        fail = tuple(self.cfg.fail_at or ())
+        if fail[:2] == (self.rank, x) and fail[2:] == ("stall",):
+            os.kill(os.getpid(), signal.SIGSTOP)   # the test hook: hung, alive
+        elif fail[:2] == (self.rank, x):
             os._exit(1)
         t0 = time.perf_counter()
         st = IterationStats(iteration=x)
@@ -290,13 +349,13 @@ class Trainer:
         a checkpoint boundary trainer 0 saves, then a second barrier), then the prefetch."""
         cfg = self.cfg
         self._wait_writes()
-        _barrier()
+        self._barrier(f"the barrier before the prefetch of iteration {x}")
         self._confirmed = x - 1
         if (cfg.checkpoint_every and cfg.checkpoint_dir and x > cfg.start
                 and x % cfg.checkpoint_every == 0):
             if self.rank == 0:
                 self._save_checkpoint(x)
-            _barrier()
+            self._barrier(f"the barrier after the checkpoint at iteration {x}")
         self._issue_prefetch(x, st)
 
     def _rows_for(self, x: int, w: BatchWork, st: IterationStats, sync_fetch: bool
@@ -309,8 +368,10 @@ class Trainer:
             cache, table = self.caches[name], self.tables[name]
             ids, _, futs = self._fetches[x][name]
             if len(ids):
-                rows = merge_rows(ids, [f.wait() if f is not None else None for f in futs],
-                                  len(self.servers), table.dim, table.torch_dtype)
+                answers = [wait_rpc(*f, self.cfg.timeout_s) if f is not None else None
+                           for f in futs]
+                rows = merge_rows(ids, answers, len(self.servers), table.dim,
+                                  table.torch_dtype)
                 cache.insert(ids.tolist(), rows)
                 nb = rows.numel() * rows.element_size()
                 st.rows_fetched += len(ids)
@@ -360,7 +421,8 @@ class Trainer:
             return None
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params])
-        dist.all_reduce(flat)
+        with self._collective("the dense-gradient all-reduce"):
+            dist.all_reduce(flat)
         return flat / self.cfg.trainers
 
     def _step_dense(self, dense: Optional[torch.Tensor]) -> None:
@@ -417,7 +479,8 @@ class Trainer:
             st.rows_promoted += self._promotion_segments(self._get(x + 1), parts, layout)
         dtype = parts[0].dtype if parts else torch.float64
         buf = torch.cat(parts) if parts else torch.zeros(1, dtype=dtype)
-        dist.all_reduce(buf)
+        with self._collective(f"the critical sync of iteration {x}"):
+            dist.all_reduce(buf)
         self._confirmed = x - 1
         if parts:
             nb = buf.numel() * buf.element_size()
@@ -442,7 +505,8 @@ class Trainer:
             self._deferred = (x, handle, buf, layout)
             return
         if handle is not None:  # the oracle never asks for this; stay correct anyway
-            handle.wait()
+            with self._collective(f"the background sync of iteration {x}"):
+                handle.wait()
             self._apply(buf, layout)
         for name, d in w.decisions.items():
             self._drop(name, d, st, critical=True)
@@ -459,7 +523,7 @@ class Trainer:
         if left:
             raise BagpipeError(f"bagpipe trainer {self.rank}: rows still cached after the last "
                                f"iteration: {left}", trainer=self.rank, iteration=cfg.stop)
-        _barrier()
+        self._barrier("the final barrier")
         if stats:
             stats[-1].rows_written += final.rows_written
             stats[-1].bytes_written += final.bytes_written
