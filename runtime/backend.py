@@ -390,10 +390,12 @@ class CpuStream:
             return True
 
     def end_inline(self) -> None:
-        """The inline piece ended: what was enqueued meanwhile runs on the worker."""
+        """The inline piece ended: what was enqueued meanwhile runs on the worker (woken only
+        then: a wake-up per inline piece would cost the idle worker a context switch)."""
         with self._cond:
             self.busy = False
-            self._cond.notify()
+            if self._items or self._closed:
+                self._cond.notify()
 
     def synchronize(self) -> None:
         """Block until everything enqueued so far has run."""

@@ -219,6 +219,24 @@ def test_on_caller_host_work_runs_on_the_caller_thread_once_its_stream_is_idle()
         assert plain[0].result != caller   # without OnCaller: the comm stream's worker
 
 
+def test_an_inline_piece_does_not_wake_its_idle_stream_worker():
+    """Each inline piece used to notify its stream's worker when it ended: an idle worker woke
+    for nothing (a context switch per piece, two ranks' worth on two cores)."""
+    with CpuBackend(slots=None) as be:
+        hi = be.stream(HIGH)
+        notified = []
+        notify = hi._cond.notify
+        hi._cond.notify = lambda n=1: (notified.append(n), notify(n))
+        for _ in range(5):
+            assert be.launch(hi, threading.get_ident).wait() == threading.get_ident()
+        assert notified == []
+        hold = threading.Event()
+        be.launch(hi, lambda: hold.wait(30), uses_device=False)   # queued work: woken
+        hold.set()
+        be.synchronize()
+        assert notified
+
+
 def test_an_inline_error_is_reported_through_its_launch():
     with CpuBackend(slots=1) as be:
         s = be.stream(HIGH)
