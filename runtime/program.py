@@ -59,10 +59,10 @@ from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
 # re-exported: the builders and the README name them here
 from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
 from tidal.runtime.backend import Backend, CudaBackend, OnCaller, backend_for
+from tidal.runtime.bucket_sync import BucketSync, Completion
 from tidal.runtime.distributed import group_size
 from tidal.runtime.lower import lower
 from tidal.runtime.programs.optimizer_wiring import set_grads
-from tidal.runtime.programs.replica_sync import reduce_loss_async
 from tidal.runtime.scheduler import BoundPiece
 from tidal.runtime.scheduling.alone import Route, dispatch_alone, route
 from tidal.runtime.scheduling.pieces import STREAMS, stream_kind  # noqa: F401
@@ -125,23 +125,6 @@ class PieceTrace:
     end_us: float
     ready_us: Optional[float] = None
     done_us: Optional[float] = None
-
-
-class Completion:
-    """When an asynchronous collective a piece issued (its ``Work``) ended, on ``backend``'s
-    clock: ``done_us``, set by the work's future once it completes, or by :meth:`waited`
-    (whichever comes first: a waiter may wake before the future's callbacks ran). A piece's
-    work returns it so that its :class:`PieceTrace` carries ``done_us``."""
-
-    def __init__(self, backend: Backend, work: Any):
-        self.done_us: Optional[float] = None
-        self._backend = backend
-        work.get_future().add_done_callback(lambda _: self.waited())
-
-    def waited(self) -> None:
-        """The work is known to have ended (now, at the latest)."""
-        if self.done_us is None:
-            self.done_us = self._backend.now_us()
 
 
 Work = Callable[[int, Piece], Callable[[], Any]]
@@ -264,52 +247,15 @@ class ProgramRunner:
         flat = step_inputs(step, state, inputs, targets, None if world == 1 else 1 / world)
         run = self._captured(program, step, flat).run(flat)
         loss_node, grad_list = self._grad_nodes(step)
-        averaged: dict[int, torch.Tensor] = {}
-        pending: list = []
-        losses: list[Callable[[], torch.Tensor]] = []
-        taken: set[int] = {id(t) for t in flat}
-
-        def owned(grad: torch.Tensor) -> bool:
-            """Whether ``grad`` is the step's own fresh CPU tensor (no view, no input, no
-            other gradient), which the sync may then reduce in place."""
-            fresh = not grad.is_cuda and grad._base is None and grad.is_contiguous() and \
-                id(grad) not in taken
-            taken.add(id(grad))
-            return fresh
+        sync = BucketSync(self.backend, self.group, self._buckets, flat)
 
         def all_reduce(indices: Sequence[int]) -> Optional[Completion]:
-            grads = [run.value(grad_list[i]) for i in indices]
-            if world == 1:  # nothing to average: the gradients are the step's own outputs
-                averaged.update(zip(indices, grads))
-                return None
-            if not losses and run.computed(loss_node):  # its all-reduce goes first
-                losses.append(reduce_loss_async(run.value(loss_node), self.group))
-            key = (id(program), tuple(indices))
-            buf = self._buckets.get(key)
-            if len(grads) == 1 and owned(grads[0]):
-                buf = grads[0].view(-1)  # the step's own output: reduced in place, no copy
-            elif buf is None or buf.numel() != sum(g.numel() for g in grads):
-                if len(self._buckets) >= 64:
-                    self._buckets.clear()
-                buf = self._buckets[key] = torch.cat([g.reshape(-1) for g in grads])
-            else:
-                torch.cat([g.reshape(-1) for g in grads], out=buf)
-            work = dist.all_reduce(buf, group=self.group, async_op=True)
-            pending.append((work, done := Completion(self.backend, work), buf, indices, grads))
-            return done
-
-        def average() -> None:
-            for work, done, buf, indices, grads in pending:
-                work.wait()
-                done.waited()
-                offset = 0
-                for i, g in zip(indices, grads):
-                    averaged[i] = buf[offset:offset + g.numel()].view_as(g)
-                    offset += g.numel()
-            pending.clear()
+            return sync.issue((id(program), tuple(indices)),
+                              indices, [run.value(grad_list[i]) for i in indices],
+                              run.value(loss_node) if run.computed(loss_node) else None)
 
         def apply() -> None:
-            average()
+            averaged = sync.wait()
             named = {name: averaged[i] for i, name in enumerate(step.param_names)}
             # a replay reuses a CUDA graph's outputs: in one process they are copied
             set_grads(params, named, copy=world == 1 and any(g.is_cuda for g in named.values()))
@@ -324,7 +270,8 @@ class ProgramRunner:
             return apply
 
         trace = self.launch(program, work)
-        loss = (losses[0] if losses else reduce_loss_async(run.value(loss_node), self.group))()
+        loss = sync.loss(run.value(loss_node))
+        averaged = sync.wait()
         grads = {name: averaged[i] for i, name in enumerate(step.param_names)}
         return loss, grads, trace
 

@@ -79,10 +79,33 @@ def _dp_step(rank, size, overlap):
     return losses, err, traces[-1]
 
 
+def _collectives_per_step(rank, size):
+    """The all-reduces one data-parallel step makes, and how many buckets its program has."""
+    model, (x, y) = _model(), _data()
+    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    step = capture_train_step(model, (x[rows],), y[rows], F.cross_entropy)
+    p = data_parallel(step, size, bucket_bytes=1 << 20, overlap=True)
+    calls = []
+    all_reduce = torch.distributed.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+    with ProgramRunner() as run:
+        run(p, step, model, (x[rows],), y[rows])
+        torch.distributed.all_reduce = counted
+        try:
+            loss, _, _ = run(p, step, model, (x[rows],), y[rows])
+        finally:
+            torch.distributed.all_reduce = all_reduce
+    return calls, sum(1 for q in p.pieces if q.stream == COMM), float(loss)
+
+
 @pytest.fixture(scope="module")
 def two_rank_job():
     """One 2-rank job for every 2-rank case of this module: {case: the ranks' results}."""
-    return spawn_parts(2, [part(_dp_steps), part(_compiled_dp), part(_batchnorm_state)],
+    return spawn_parts(2, [part(_dp_steps), part(_compiled_dp), part(_batchnorm_state),
+                           part(_collectives_per_step)],
                        timeout_s=420)
 
 
@@ -106,6 +129,13 @@ def test_two_ranks_step_equals_one_process_and_overlap_is_real(two_rank_job):
             if t.stream == COMM:
                 waiter = next(u for u in trace if u.name == "optimizer")
                 assert t.start_us <= t.done_us <= waiter.end_us, (t, waiter)
+
+
+def test_the_loss_rides_on_a_bucket_all_reduce(two_rank_job):
+    """Was: one more all-reduce per step for the loss alone (a gloo round of its own)."""
+    (calls, buckets, loss0), (calls1, _, loss1) = two_rank_job["_collectives_per_step"]
+    assert len(calls) == buckets == len(calls1), (calls, buckets)
+    assert loss0 == loss1   # every rank gets the same mean loss
 
 
 def test_the_simulator_runs_the_same_program_in_the_same_order():
