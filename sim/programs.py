@@ -417,7 +417,14 @@ def schedule_result(schedule, global_batch: int, job: str = "fg", contention: bo
                      tuple(busy), steps)
 
 
-def _by_rank(programs: "Program | Mapping[int, Program]") -> dict[int, Program]:
+def rank_programs(programs: "Program | Mapping[int, Program]") -> dict[int, Program]:
+    """``{rank: Program}`` of what :func:`join_ranks` takes: one Program that every one of
+    its ``world`` ranks runs, or the mapping itself in rank order.
+
+    Example:
+        >>> sorted(rank_programs(Program((Piece("f", "compute"),), world=2)))
+        [0, 1]
+    """
     if isinstance(programs, Program):
         return {r: programs for r in range(programs.world)}
     if not programs:
@@ -464,7 +471,7 @@ def join_ranks(programs: "Program | Mapping[int, Program]",
         >>> [(i.gpu, i.name, i.start_us) for i in simulate(placed) if i.name in ("w", "g")]
         [(0, 'w', 0.0), (1, 'g', 7.0)]
     """
-    by_rank = _by_rank(programs)
+    by_rank = rank_programs(programs)
     group, ready = _rank_groups(by_rank)
     placed: dict[tuple[int, int], int] = {}
     pieces: list[Piece] = []
@@ -494,6 +501,25 @@ def join_ranks(programs: "Program | Mapping[int, Program]",
     return Program(tuple(pieces), world)
 
 
+def shared_keys(program: Program) -> dict[int, tuple[str, int]]:
+    """The pieces of ``program`` that :func:`join_ranks` joins with the pieces of the same key
+    on other ranks (communication on the network or peer link: collectives, transfers), by
+    index: ``(name, k)`` for the k-th such piece of that name.
+
+    Example:
+        >>> shared_keys(Program((Piece("f", "compute"), Piece("x", "comm"),
+        ...                      Piece("x", "transfer"))))
+        {1: ('x', 0), 2: ('x', 1)}
+    """
+    seen: dict[str, int] = {}
+    out: dict[int, tuple[str, int]] = {}
+    for i, piece in enumerate(program.pieces):
+        if _is_shared(piece):
+            out[i] = (piece.name, seen.get(piece.name, 0))
+            seen[piece.name] = out[i][1] + 1
+    return out
+
+
 def _rank_groups(by_rank: Mapping[int, Program]) -> tuple[Callable, Callable]:
     """For :func:`join_ranks`: ``group(r, i)``, the (rank, piece) pairs that piece ``i`` of
     rank ``r`` is one piece with (the k-th shared piece of its name on every rank that has
@@ -503,14 +529,12 @@ def _rank_groups(by_rank: Mapping[int, Program]) -> tuple[Callable, Callable]:
     key_of: dict[tuple[int, int], tuple[str, int]] = {}
     before: dict[tuple[int, int], int | None] = {}  # the rank's previous piece on the stream
     for r, program in by_rank.items():
-        seen: dict[str, int] = {}
         last: dict[str, int] = {}
         for i, piece in enumerate(program.pieces):
             before[(r, i)], last[piece.stream] = last.get(piece.stream), i
-            if _is_shared(piece):
-                key = key_of[(r, i)] = (piece.name, seen.get(piece.name, 0))
-                seen[piece.name] = key[1] + 1
-                members.setdefault(key, []).append((r, i))
+        for i, key in shared_keys(program).items():
+            key_of[(r, i)] = key
+            members.setdefault(key, []).append((r, i))
 
     def group(r: int, i: int) -> list[tuple[int, int]]:
         return members[key_of[(r, i)]] if (r, i) in key_of else [(r, i)]
@@ -593,7 +617,7 @@ def simulated_order(programs: "Program | Mapping[int, Program]",
         >>> simulated_order(p, traces) == trace_order(traces)
         True
     """
-    by_rank = _by_rank(programs)
+    by_rank = rank_programs(programs)
     missing = sorted(set(by_rank) - set(traces))
     if missing:
         raise ValueError(f"simulated_order: no trace for rank(s) {missing} of the programs")

@@ -1,0 +1,419 @@
+"""The simulator's composition, checked against a measured run: the engine given each piece's
+*measured* duration, compared with the executor's trace piece by piece.
+
+What remains between the two is the model of streams, links, dependencies and the host (the
+*composition* error), apart from the durations a cost model or profiler assumes (the
+end-to-end error). The inputs are the per-rank Programs the executor ran (the same objects,
+``ProgramExecutor.last_program``) and their traces (``last_trace``: one
+``tidal.runtime.program.PieceTrace`` per piece, in program order) put on one clock
+(:func:`on_one_clock`). :func:`measured_pieces` reads from them, per piece:
+
+* its *own* duration: from the moment it could do its own work to its end. For a collective or
+  transfer (a piece :func:`tidal.sim.programs.join_ranks` joins across ranks) that moment is
+  the *last* participant's issue: an early rank's trace also times its wait for the others,
+  which is the late rank's compute, not the collective. A piece after an asynchronous
+  collective (the optimizer after a sync issued with ``async_op``, whose trace only times the
+  issue) waits inside for the collective too: its own work starts no earlier than that
+  collective's last issue, so the transfer lands in the piece that waited for it;
+* its *dispatch gap*: how long after its dependencies (on every rank) and its stream were done
+  it started (the host issuing it, a thread hand-off);
+* its rank's *release*: when the rank began the step, after the earliest rank did (binding the
+  step's tensors on the host; ranks that share cores start apart).
+
+:func:`compose` runs the engine on the joined Programs with the own durations plus the terms
+asked for (a constant dispatch per piece, the ranks' releases), :func:`departure` finds the
+first piece whose simulated start departs from the measured one and says by how much and
+after what, and :func:`overlaps` says which compute and communication pieces overlap.
+
+Example: two ranks of a step whose all-reduce rank 1 reaches 3 us late; rank 0 timed the wait:
+    >>> from tidal.ir.program import Piece, Program
+    >>> from tidal.runtime.program import PieceTrace
+    >>> p = Program((Piece("b", "compute"), Piece("ar", "comm", (0,)),
+    ...              Piece("opt", "compute", (1,))), world=2)
+    >>> traces = {0: [PieceTrace("b", "compute", 0, 4), PieceTrace("ar", "comm", 4, 9),
+    ...               PieceTrace("opt", "compute", 9, 10)],
+    ...           1: [PieceTrace("b", "compute", 0, 7), PieceTrace("ar", "comm", 7, 9),
+    ...               PieceTrace("opt", "compute", 9, 10)]}
+    >>> own = {(m.rank, m.name): m.own_us for m in measured_pieces(p, traces)}
+    >>> own[(0, "ar")], own[(1, "ar")]
+    (2.0, 2.0)
+    >>> step_us(compose(p, traces)), measured_step_us(traces)
+    (10.0, 10.0)
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional, Sequence
+
+from tidal.ir.program import HOST, Piece, Program
+from tidal.runtime.program import PieceTrace
+from tidal.sim.engine import Interval, is_compute_lane, lane_of, simulate
+from tidal.sim.programs import join_ranks, rank_programs, shared_keys
+
+Traces = Mapping[int, Sequence[PieceTrace]]
+"""Measured traces by rank, on one clock (:func:`on_one_clock`)."""
+
+RELEASE = "release"
+"""The name of the host piece :func:`compose` puts before each rank's step (its release)."""
+
+ALONE = "alone"
+"""The suffix of the stream :func:`compose` runs a shared piece on when it waited for no peer."""
+
+DISPATCH = "dispatch"
+"""The stream of the host pieces :func:`compose` puts before a piece to delay its start by its
+measured dispatch gap (the rank's dispatching thread)."""
+
+
+def on_one_clock(traces: Traces, origins_us: Mapping[int, float]) -> dict[int, list[PieceTrace]]:
+    """``traces`` on the clock all ranks share, starting at 0 with the earliest piece.
+    ``origins_us[r]``: the zero of rank ``r``'s backend clock on a clock every rank reads
+    alike, e.g. ``time.perf_counter() * 1e6 - backend.now_us()`` taken on the rank (one
+    machine: ``perf_counter`` is the system's monotonic clock).
+
+    Example:
+        >>> t = on_one_clock({0: [PieceTrace("a", "compute", 5, 6)],
+        ...                   1: [PieceTrace("a", "compute", 1, 3)]}, {0: 100.0, 1: 102.0})
+        >>> [(r, x.start_us, x.end_us) for r, tr in t.items() for x in tr]
+        [(0, 2.0, 3.0), (1, 0.0, 2.0)]
+    """
+    missing = sorted(set(traces) - set(origins_us))
+    if missing:
+        raise ValueError(f"on_one_clock: no clock origin for rank(s) {missing}")
+    zero = min((t.start_us + origins_us[r] for r, trace in traces.items() for t in trace),
+               default=0.0)
+    return {r: [_shifted(t, origins_us[r] - zero) for t in trace]
+            for r, trace in sorted(traces.items())}
+
+
+def _shifted(trace: PieceTrace, by_us: float) -> PieceTrace:
+    """``trace`` with every time it carries (start, end, ready, done) moved by ``by_us``."""
+    def moved(t: Optional[float]) -> Optional[float]:
+        return None if t is None else t + by_us
+    return replace(trace, start_us=trace.start_us + by_us, end_us=trace.end_us + by_us,
+                   ready_us=moved(trace.ready_us), done_us=moved(trace.done_us))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured piece of a rank (see the module docstring): program index, name, stream,
+    measured start and end, ``ready_us`` (when its dependencies on every rank and its stream
+    were done), ``own_us`` (its own duration), ``gap_us`` (start - ready, at least 0) and
+    ``joined``: a shared piece whose work ended after its last participant issued it (one
+    that ended before, an empty broadcast or an asynchronous issue, waited for nobody)."""
+
+    rank: int
+    index: int
+    name: str
+    stream: str
+    start_us: float
+    end_us: float
+    ready_us: float
+    own_us: float
+    joined: bool = False
+
+    @property
+    def gap_us(self) -> float:
+        """The dispatch gap: how long it waited after it could start."""
+        return max(0.0, self.start_us - self.ready_us)
+
+
+def _checked(programs, traces: Traces) -> dict[int, Program]:
+    by_rank = rank_programs(programs)
+    for r, program in by_rank.items():
+        if r not in traces:
+            raise ValueError(f"composition: no trace for rank {r} of the programs")
+        names = [t.name for t in traces[r]]
+        want = [p.name for p in program.pieces]
+        if names != want:
+            at = next((i for i, (a, b) in enumerate(zip(names, want)) if a != b),
+                      min(len(names), len(want)))
+            raise ValueError(f"composition: the trace of rank {r} is not its program's run "
+                             f"(piece {at}: trace {names[at:at + 1]}, program {want[at:at + 1]}"
+                             f"; {len(names)} traced, {len(want)} pieces): trace the step "
+                             f"that ran these Program objects")
+    return by_rank
+
+
+def ended_us(trace: PieceTrace) -> float:
+    """When the work of a traced piece ended: the asynchronous collective it issued
+    (``done_us``) when it issued one, else the piece itself.
+
+    Example:
+        >>> ended_us(PieceTrace("sync 0", "comm", 1, 2)), ended_us(
+        ...     PieceTrace("sync 0", "comm", 1, 2, done_us=5))
+        (2, 5)
+    """
+    return trace.end_us if trace.done_us is None else max(trace.end_us, trace.done_us)
+
+
+def measured_pieces(programs, traces: Traces, gate_issue: bool = True) -> list[Measured]:
+    """Every piece of every rank as measured (``programs`` as ``join_ranks`` takes them;
+    ``traces`` on one clock, one entry per piece in program order), in rank and program
+    order. Raises ``ValueError`` naming the rank and piece where a trace is not its
+    program's run.
+
+    A shared piece is taken to have waited for its last peer's issue only when its work
+    ended after that issue (an empty broadcast, or an asynchronous collective's issue that
+    ended before a peer issued, waited for nobody); a piece after an asynchronous collective
+    whose end is known (``done_us``) does its own work from that end at the earliest, and
+    (``gate_issue``) a piece after a shared piece whose end is not known from that piece's
+    last issue at the earliest (right when the shared piece was an issue whose collective the
+    piece waits for inside; wrong, and shortening the piece, when it was an empty or blocking
+    one)."""
+    by_rank = _checked(programs, traces)
+    keys = {r: shared_keys(p) for r, p in by_rank.items()}
+    last_issue: dict[tuple[str, int], float] = {}
+    for r, k in keys.items():
+        for i, key in k.items():
+            last_issue[key] = max(last_issue.get(key, float("-inf")), traces[r][i].start_us)
+    out = []
+    for r, program in by_rank.items():
+        trace, previous = traces[r], {}
+        for i, piece in enumerate(program.pieces):
+            t = trace[i]
+            gates = [_dep_gate(trace[d], last_issue[keys[r][d]], gate_issue)
+                     for d in piece.deps if d in keys[r]]
+            joined = i in keys[r] and ended_us(t) > last_issue[keys[r][i]]
+            if joined:
+                gates.append(last_issue[keys[r][i]])
+            before = [trace[d].end_us for d in piece.deps] + gates
+            if piece.stream in previous:
+                before.append(trace[previous[piece.stream]].end_us)
+            previous[piece.stream] = i
+            out.append(Measured(r, i, piece.name, piece.stream, t.start_us, t.end_us,
+                                max(before, default=min(x.start_us for x in trace)),
+                                float(max(0.0, ended_us(t) - max([t.start_us] + gates))),
+                                joined))
+    return out
+
+
+def _dep_gate(dep: PieceTrace, last_issue_us: float, gate_issue: bool) -> float:
+    """The earliest a piece after the shared piece ``dep`` does its own work: when ``dep``'s
+    asynchronous collective ended (``done_us``), else (``gate_issue``) when its last
+    participant issued it."""
+    if dep.done_us is not None:
+        return ended_us(dep)
+    return last_issue_us if gate_issue else float("-inf")
+
+
+def dispatch_us(measured: Sequence[Measured]) -> float:
+    """The host's dispatch per piece: the median :attr:`Measured.gap_us` of the pieces that
+    waited for something (a dependency or their stream), 0 when none did.
+
+    Example:
+        >>> m = [Measured(0, i, "p", "compute", s, s + 1, r, 1.0)
+        ...      for i, (s, r) in enumerate([(0, 0), (3, 1), (6, 4)])]
+        >>> dispatch_us(m[1:])
+        2.0
+    """
+    gaps = [m.gap_us for m in measured if m.index > 0]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def releases_us(traces: Traces) -> dict[int, float]:
+    """When each rank began its step (its first piece's start) after the earliest rank did."""
+    first = {r: min(t.start_us for t in trace) for r, trace in traces.items() if trace}
+    zero = min(first.values(), default=0.0)
+    return {r: s - zero for r, s in first.items()}
+
+
+def _timed(program: Program, delays: Mapping[int, float], release: bool,
+           thread: bool, alone: frozenset = frozenset()) -> Program:
+    """``program`` with the host's delays as pieces of their own: with ``release``, a host
+    piece :data:`RELEASE` on its own stream heads the step (every piece without dependencies
+    waits for it); before piece ``i`` of ``delays``, a host piece ``"dispatch i"`` that
+    starts once piece ``i`` could (its dependencies and its stream's previous piece ended),
+    takes the delay and lets piece ``i`` start. The dispatch pieces are on one stream
+    :data:`DISPATCH` (``thread``: the rank's dispatching thread, which issues the pieces one
+    after another, so one delay also delays the pieces it dispatches next) or on one per
+    piece stream (``dispatch <stream>``: the delays of different streams apart). The shared
+    pieces of ``alone`` (indices) waited for no peer: each runs on a stream of its own
+    (``<stream> ALONE``), which joins no other rank's piece."""
+    pieces: list[Piece] = [Piece(RELEASE, RELEASE, kind=HOST)] if release else []
+    at: dict[int, int] = {}
+    last: dict[str, int] = {}
+    for i, p in enumerate(program.pieces):
+        deps = tuple(at[d] for d in p.deps) or ((0,) if release else ())
+        if delays.get(i, 0.0) > 0.0:
+            waits = tuple(sorted(set(deps) | ({last[p.stream]} if p.stream in last else set())))
+            pieces.append(Piece(f"{DISPATCH} {i}", DISPATCH if thread else
+                                f"{DISPATCH} {p.stream}", waits, kind=HOST))
+            deps = (len(pieces) - 1,)
+        at[i] = last[p.stream] = len(pieces)
+        pieces.append(replace(p, deps=deps, stream=f"{p.stream} {ALONE}" if i in alone
+                              else p.stream))
+    return Program(tuple(pieces), program.world)
+
+
+def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = False,
+            gaps: bool = False, job: str = "fg", thread: bool = False,
+            cores: Optional[float] = None, gate_issue: bool = False) -> list[Interval]:
+    """The engine's run of ``programs`` (as ``join_ranks`` takes them) with each piece's own
+    measured duration (:func:`measured_pieces`; mean over repeats of a name) plus ``dispatch``
+    us of host dispatch per piece, after each rank's measured release (``release``: the
+    :data:`RELEASE` host piece of that duration heads each rank's step). ``gaps``: each
+    piece's own measured dispatch gap delays its start (a ``dispatch`` host piece before it,
+    see :func:`_timed`; ``thread``: on the rank's one dispatching thread), rather than
+    lengthening the piece. ``cores``: the engine's processor sharing of compute lanes
+    (``simulate(cores=)``): for durations measured *alone*; measured own durations already
+    include the sharing of the run they come from, so leave it None for them. ``traces`` on
+    one clock. A shared piece that waited for no peer (:attr:`Measured.joined` false) is
+    simulated on its rank alone. ``gate_issue``: as :func:`measured_pieces` takes it.
+    Intervals of :data:`RELEASE` and dispatch pieces are left out; the others keep the lane
+    of their piece's stream."""
+    by_rank = _checked(programs, traces)
+    spans: dict[tuple[int, str], list[float]] = {}
+    delays: dict[int, dict[int, float]] = {r: {} for r in by_rank}
+    alone: dict[int, set[int]] = {r: set() for r in by_rank}
+    shared = {r: shared_keys(p) for r, p in by_rank.items()}
+    for m in measured_pieces(by_rank, traces, gate_issue):
+        spans.setdefault((m.rank, m.name), []).append(m.own_us)
+        if gaps:
+            delays[m.rank][m.index] = m.gap_us
+        if m.index in shared[m.rank] and not m.joined:
+            alone[m.rank].add(m.index)
+    start = releases_us(traces)
+
+    def duration(rank: int, name: str) -> float:
+        if name == RELEASE:
+            return start[rank]
+        if name.startswith(DISPATCH + " "):
+            return delays[rank][int(name.rsplit(" ", 1)[1])]
+        own = spans[(rank, name)]
+        return sum(own) / len(own) + dispatch
+
+    placed = join_ranks({r: _timed(p, delays[r], release, thread, frozenset(alone[r]))
+                         for r, p in by_rank.items()}, duration)
+    suffix = f" {ALONE}"
+    return [replace(i, lane=lane_of(Piece(i.name, i.lane[:-len(suffix)])))
+            if i.lane.endswith(suffix) else i for i in simulate({job: placed}, cores=cores)
+            if i.name != RELEASE and not i.name.startswith(DISPATCH + " ")]
+
+
+def step_us(intervals: Sequence[Interval]) -> float:
+    """The simulated step: from the first start to the last end."""
+    return max(i.end_us for i in intervals) - min(i.start_us for i in intervals)
+
+
+def measured_step_us(traces: Traces) -> float:
+    """The measured step (``traces`` on one clock): from the first start to the last end."""
+    every = [t for trace in traces.values() for t in trace]
+    return float(max(t.end_us for t in every) - min(t.start_us for t in every))
+
+
+Span = tuple[str, str, float, float]
+"""A piece as it ran or was simulated: name, stream, start, end."""
+
+
+def simulated_spans(programs, intervals: Sequence[Interval]) -> dict[int, list[Span]]:
+    """``{rank: [(name, stream, start, end)]}`` of simulated ``intervals``, the stream named as
+    the rank's program names it (the link lanes back to ``comm``, ``transfer``, ``load``)."""
+    by_rank = rank_programs(programs)
+    stream_of = {(r, lane_of(p)): p.stream for r, program in by_rank.items()
+                 for p in program.pieces}
+    out: dict[int, list[Span]] = {r: [] for r in by_rank}
+    for i in intervals:
+        out[i.gpu].append((i.name, stream_of[(i.gpu, i.lane)], i.start_us, i.end_us))
+    return out
+
+
+def traced_spans(traces: Traces) -> dict[int, list[Span]]:
+    """:func:`simulated_spans`' shape for measured traces."""
+    return {r: [(t.name, t.stream, t.start_us, t.end_us) for t in trace]
+            for r, trace in traces.items()}
+
+
+def _keyed(spans: Sequence[Span]) -> dict[tuple[str, int], Span]:
+    """Spans by (name, k): the k-th span of that name, in the order given."""
+    seen: dict[str, int] = {}
+    out = {}
+    for s in spans:
+        out[(s[0], seen.get(s[0], 0))] = s
+        seen[s[0]] = seen.get(s[0], 0) + 1
+    return out
+
+
+def overlaps(spans: Mapping[int, Sequence[Span]], margin_us: float = 0.0
+             ) -> tuple[set, set]:
+    """Which compute pieces overlap which communication pieces (``comm``, ``transfer``,
+    ``load`` streams), per rank: ``(overlapping, apart)``, sets of ``(rank, compute piece,
+    communication piece)`` that overlap by more than ``margin_us``, and that are apart by more
+    than it (pairs within the margin are in neither: too close to call).
+
+    Example:
+        >>> spans = {0: [("b", "compute", 0, 5), ("ar", "comm", 4, 9),
+        ...              ("opt", "compute", 10, 11)]}
+        >>> overlaps(spans, 0.5)
+        ({(0, 'b', 'ar')}, {(0, 'opt', 'ar')})
+        >>> overlaps(spans, 2.0)
+        (set(), set())
+    """
+    on, off = set(), set()
+    for r, ranked in spans.items():
+        comp = [s for s in ranked if is_compute_lane(lane_of(Piece(s[0], s[1])))]
+        comm = [s for s in ranked if not is_compute_lane(lane_of(Piece(s[0], s[1])))]
+        for a in comp:
+            for b in comm:
+                ov = min(a[3], b[3]) - max(a[2], b[2])
+                if ov > margin_us and min(a[3] - a[2], b[3] - b[2]) > margin_us:
+                    on.add((r, a[0], b[0]))
+                elif ov < -margin_us:
+                    off.add((r, a[0], b[0]))
+    return on, off
+
+
+@dataclass(frozen=True)
+class Departure:
+    """Where the simulated timeline first departs from the measured one: the piece (rank,
+    name, stream), its measured and simulated start, what it waited for last in the measured
+    run (``after``: the dependency or stream predecessor that ended last) with that one's
+    measured and simulated end, and its measured dispatch gap."""
+
+    rank: int
+    name: str
+    stream: str
+    measured_us: float
+    simulated_us: float
+    after: str
+    after_measured_us: float
+    after_simulated_us: float
+    gap_us: float
+
+    def __str__(self) -> str:
+        delta = self.simulated_us - self.measured_us
+        why = (f"after {self.after!r} (ends {self.after_measured_us / 1e3:.2f} ms measured, "
+               f"{self.after_simulated_us / 1e3:.2f} simulated)" if self.after else
+               "at the rank's start")
+        return (f"rank {self.rank} {self.name!r} ({self.stream}) starts {delta / 1e3:+.2f} ms "
+                f"off: measured {self.measured_us / 1e3:.2f} ms, simulated "
+                f"{self.simulated_us / 1e3:.2f} ms, {why}; measured dispatch gap "
+                f"{self.gap_us / 1e3:.2f} ms")
+
+
+def departure(programs, traces: Traces, intervals: Sequence[Interval], tolerance_us: float
+              ) -> Optional[Departure]:
+    """The first piece, in measured start order over all ranks, whose simulated start
+    (``intervals``, e.g. :func:`compose`'s) is more than ``tolerance_us`` from its measured one
+    (``traces`` on one clock); None when every piece starts within it."""
+    by_rank = _checked(programs, traces)
+    sim = {r: _keyed(s) for r, s in simulated_spans(by_rank, intervals).items()}
+    real = {r: _keyed(s) for r, s in traced_spans(traces).items()}
+    key_of = {r: list(real[r]) for r in real}  # program order: the trace lists it so
+    measured = sorted(measured_pieces(by_rank, traces), key=lambda m: (m.start_us, m.rank))
+    for m in measured:
+        key = key_of[m.rank][m.index]
+        got = sim[m.rank].get(key)
+        if got is None or abs(got[2] - m.start_us) <= tolerance_us:
+            continue
+        piece = by_rank[m.rank].pieces[m.index]
+        before = [d for d in piece.deps] + [j for j in range(m.index)
+                                             if by_rank[m.rank].pieces[j].stream == m.stream]
+        last = max(before, key=lambda j: real[m.rank][key_of[m.rank][j]][3], default=None)
+        if last is None:
+            return Departure(m.rank, m.name, m.stream, m.start_us, got[2], "", 0.0, 0.0,
+                             m.gap_us)
+        lk = key_of[m.rank][last]
+        return Departure(m.rank, m.name, m.stream, m.start_us, got[2], lk[0],
+                         real[m.rank][lk][3], sim[m.rank].get(lk, (0, 0, 0, 0.0))[3], m.gap_us)
+    return None
