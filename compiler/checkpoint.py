@@ -42,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from tidal.compiler.owned_optimizer_state import every_ranks_groups, load_owned_state
 from tidal.ir.errors import TidalError
 
 Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer]]
@@ -70,7 +71,16 @@ def get_state_dict(compiled: Any, optimizers: Optimizers = (), **options: Any
     for name in foreign_parameters(compiled):
         if isinstance(optim_state, dict) and isinstance(optim_state.get("state"), dict):
             optim_state["state"].pop(name, None)
+    if plan_owns_parameters(compiled) and isinstance(optim_state, dict):
+        every_ranks_groups(optim_state, compiled.model)   # the same groups saved by every rank
     return model_state, optim_state
+
+
+def plan_owns_parameters(compiled: Any) -> bool:
+    """Whether ``compiled`` runs on several ranks under a plan whose ranks own parameters
+    (the same answer on every rank)."""
+    return getattr(compiled.executor.rank_program, "foreign", None) is not None and \
+        rank_and_world()[1] > 1
 
 
 def foreign_parameters(compiled: Any) -> list[str]:
@@ -88,7 +98,15 @@ def foreign_parameters(compiled: Any) -> list[str]:
 def set_state_dict(compiled: Any, optimizers: Optimizers = (), *, model_state_dict: Any,
                    optim_state_dict: Any, **options: Any) -> Any:
     """Load ``model_state_dict`` and ``optim_state_dict`` (from :func:`get_state_dict`, as
-    ``dcp.load`` filled them) into ``compiled``'s model, in place, and ``optimizers``."""
+    ``dcp.load`` filled them) into ``compiled``'s model, in place, and ``optimizers``. The
+    optimizer of a rank that owns parameters (``burst_parallel``) is loaded by
+    ``tidal.compiler.owned_optimizer_state.load_owned_state`` (DCP refuses a group this rank
+    holds none of)."""
+    if plan_owns_parameters(compiled) and isinstance(optimizers, torch.optim.Optimizer):
+        result = dcp_state.set_model_state_dict(
+            compiled.model, model_state_dict, options=dcp_state.StateDictOptions(**options))
+        load_owned_state(optimizers, compiled.model, optim_state_dict)
+        return result
     return dcp_state.set_state_dict(compiled.model, optimizers,
                                     model_state_dict=model_state_dict,
                                     optim_state_dict=optim_state_dict,

@@ -99,17 +99,9 @@ def test_a_killed_peer_fails_the_survivor_and_torchrun(jobs, pass_name):
     assert code != 0, (folder / "torchrun.log").read_text()[-3000:]
 
 
-BURST_RESUME = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="compiler/checkpoint.py: under burst_parallel rank 1 owns no parameter of this model; "
-           "set_state_dict of its empty optimizer state raises torch's 'loaded state dict "
-           "contains a parameter group that doesn't match the size of optimizer's group'")
-"""Remove once ``tidal.checkpoint.set_state_dict`` loads a rank's state that owns nothing."""
-
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pass_name", [
-    p if p != "burst_parallel" else pytest.param(p, marks=BURST_RESUME) for p in TRAINING_PASSES])
+@pytest.mark.parametrize("pass_name", list(TRAINING_PASSES))
 def test_a_checkpoint_written_before_the_faults_resumes_bit_for_bit(jobs, pass_name):
     _, folder = jobs[pass_name]
     _read(folder, "stalled.txt")   # the stall came between the checkpoint and its resume
