@@ -41,21 +41,22 @@ MAX_KEPT_BUFFERS = 64
 
 
 class Completion:
-    """When an asynchronous collective a piece issued (its ``Work``) ended, on ``backend``'s
-    clock: ``done_us``, set by the work's future once it completes, or by :meth:`waited`
-    (whichever comes first: a waiter may wake before the future's callbacks ran). A piece's
-    work returns it so that its trace carries ``done_us``
-    (``tidal.runtime.program.PieceTrace``)."""
+    """When an asynchronous collective a piece issued (its ``Work``, or a ``torch.futures.
+    Future``) ended, on the backend's clock ``clock`` (``Backend.now_us``): ``done_us``, set
+    once the future completes, or by :meth:`waited` (whichever comes first: a waiter may wake
+    before the future's callbacks ran). A piece's work returns it so that its trace carries
+    ``done_us`` (``tidal.runtime.program.PieceTrace``)."""
 
-    def __init__(self, backend: Backend, work: Any):
+    def __init__(self, clock: Callable[[], float], work: Any):
         self.done_us: Optional[float] = None
-        self._backend = backend
-        work.get_future().add_done_callback(lambda _: self.waited())
+        self._clock = clock
+        future = work.get_future() if hasattr(work, "get_future") else work
+        future.add_done_callback(lambda _: self.waited())
 
     def waited(self) -> None:
         """The work is known to have ended (now, at the latest)."""
         if self.done_us is None:
-            self.done_us = self._backend.now_us()
+            self.done_us = self._clock()
 
 
 class BucketSync:
@@ -100,7 +101,7 @@ class BucketSync:
                 rider = None
             buf = self._flat(key, grads, rider)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
-        done = Completion(self.backend, work)
+        done = Completion(self.backend.now_us, work)
         if rider is not None:
             self._loss = lambda: buf[-1:].view(()).clone() / self.world
         self._pending.append((work, done, buf, indices, grads))

@@ -579,9 +579,12 @@ class ProgramExecutor:
         return bound.loss()
 
     def _number(self, bound: StepWork) -> None:
-        """Give ``bound`` its step number, :attr:`calls` (see :class:`StepWork`)."""
+        """Give ``bound`` its step number, :attr:`calls`, and the runner's clock, where it
+        takes them (``step_number``, ``clock``: see :class:`StepWork`)."""
         if hasattr(bound, "step_number"):
             bound.step_number = self.calls
+        if hasattr(bound, "clock"):
+            bound.clock = self.runner.backend.now_us
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:

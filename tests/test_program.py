@@ -188,6 +188,8 @@ def _compiled_dp(rank, size):
         out[name] = (type(c.executor.rank_program).__name__, loss, float(want.detach()), err,
                      [t.stream for t in c.executor.last_trace], c.executor.fallback_reason,
                      [p.name for p in c.executor.last_program.pieces])
+        out[name, "done"] = [(t.name, t.start_us <= t.done_us) for t in c.executor.last_trace
+                             if t.done_us is not None]
         path = c.trace(Path(tempfile.mkdtemp()) / f"rank{rank}.json")
         events = json.loads(path.read_text())["traceEvents"]
         out[name, "trace"] = sorted({(e["pid"], e["args"]["name"]) for e in events
@@ -213,6 +215,9 @@ def test_compile_runs_plain_data_parallelism_as_a_program(two_rank_job):
     for name in ("mlp", "lstm"):
         assert [r[name, "trace"] for r in spawn_results] == [[(0, COMM), (0, COMPUTE)],
                                                              [(1, COMM), (1, COMPUTE)]]
+        for result in spawn_results:   # each sync's trace says when its bucket's sync ended
+            done = result[name, "done"]
+            assert done and all(ok and n.startswith("sync") for n, ok in done), done
 
 
 def _batchnorm_state(rank, size):

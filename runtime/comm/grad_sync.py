@@ -85,19 +85,14 @@ class GradSync:
         Collective: every rank of the group calls it with the same names in the same order."""
         return self.bucket_async(grads)()
 
-    def bucket_async(self, grads: Mapping[str, torch.Tensor]
-                     ) -> Callable[[], dict[str, torch.Tensor]]:
+    def bucket_async(self, grads: Mapping[str, torch.Tensor]) -> "PendingBucket":
         """:meth:`bucket` without waiting (``synchronize_async``: the collectives are issued,
-        as DDP issues a bucket's all-reduce, and the caller goes on): returns the function
-        that waits for the bucket and gives its synchronized gradients (it raises what the
-        sync raised). ``grads`` must stay untouched until then."""
-        dtypes = {n: g.dtype for n, g in grads.items()}
-        future = synchronize_async(self.compressor, grads, self.comm)
-
-        def result() -> dict[str, torch.Tensor]:
-            out = future.wait()
-            return {n: out[n].to(dtype) for n, dtype in dtypes.items()}
-        return result
+        as DDP issues a bucket's all-reduce, and the caller goes on): returns the
+        :class:`PendingBucket`, whose call waits for the bucket and gives its synchronized
+        gradients (it raises what the sync raised). ``grads`` must stay untouched until
+        then."""
+        return PendingBucket(synchronize_async(self.compressor, grads, self.comm),
+                             {n: g.dtype for n, g in grads.items()})
 
     def state_dict(self) -> dict[str, Any]:
         """The compressor's checkpoint state."""
@@ -106,6 +101,18 @@ class GradSync:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the compressor's state."""
         self.compressor.load_state_dict(state)
+
+
+class PendingBucket:
+    """A bucket's sync issued (:meth:`GradSync.bucket_async`): its ``future`` (of name ->
+    synchronized tensor) and, called, the synchronized gradients in their own dtypes."""
+
+    def __init__(self, future: torch.futures.Future, dtypes: Mapping[str, torch.dtype]):
+        self.future, self._dtypes = future, dict(dtypes)
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        out = self.future.wait()
+        return {n: out[n].to(dtype) for n, dtype in self._dtypes.items()}
 
 
 GradSyncFactory = Callable[[Optional[dist.ProcessGroup]], GradSync]

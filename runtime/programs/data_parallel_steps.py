@@ -33,6 +33,7 @@ from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGra
                                                      scaled, set_grads)
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
 from tidal.runtime.backend import OnCaller
+from tidal.runtime.bucket_sync import Completion
 from tidal.runtime.comm.compressors import NoCompression
 from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss_async
 from tidal.runtime.programs.step_capture import StepCapture
@@ -89,6 +90,11 @@ class DataParallelStep:
     step_number: Optional[int] = None
     """This step's number (``ProgramExecutor.calls``): the loss all-reduce checks that every
     rank is on it (None: not checked)."""
+
+    clock: Optional[Callable[[], float]] = None
+    """The runner's clock (``Backend.now_us``, given by the executor): a sync piece then
+    returns the :class:`~tidal.runtime.bucket_sync.Completion` of its bucket, so the trace
+    says when the bucket's sync ended."""
 
     def __init__(self, owner: Any, capture: StepCapture,
                  model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
@@ -165,7 +171,7 @@ class DataParallelStep:
         broadcast_state(self._model, self._first, self._owner.comm.group)
         self._owner.params_shared = True
 
-    def _sync(self, indices: Sequence[int]) -> None:
+    def _sync(self, indices: Sequence[int]) -> Optional[Completion]:
         """Issue the sync of one bucket (the ``optimizer`` or ``grads`` piece waits for it):
         in the open step, of this call's gradients plus what ``no_sync`` calls accumulated."""
         if self._loss_sum is None and self.loss_known():   # its all-reduce goes first
@@ -176,7 +182,9 @@ class DataParallelStep:
             local = self._owner.local_grads
             grads = {self._names[i]: local.plus(self._params[self._names[i]], self.grad(i))
                      for i in indices}
-        self._pending.append(self._owner.grad_sync.bucket_async(grads))
+        pending = self._owner.grad_sync.bucket_async(grads)
+        self._pending.append(pending)
+        return None if self.clock is None else Completion(self.clock, pending.future)
 
     def _wait(self) -> None:
         """Wait for every bucket's sync; their results in ``_synced``."""
