@@ -112,6 +112,7 @@ class DataParallelStep:
         self._synced: dict[str, torch.Tensor] = {}
         self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
         self._loss_sum: Optional[Callable[[], torch.Tensor]] = None
+        self._reduced: Optional[torch.Tensor] = None   # the reduced loss, once waited for
         self.autocast: AutocastState = NO_AUTOCAST
         """The autocast state the compute pieces run under (off; an eager step's: the
         binding thread's)."""
@@ -196,8 +197,16 @@ class DataParallelStep:
                 raise
         self._pending.clear()
 
+    def _agree(self) -> None:
+        """Before the step changes anything: the loss all-reduce the first sync issued waited
+        for, so ranks on different steps raise ``StepMismatchError`` before any of them
+        updates (:meth:`loss` then gives its result)."""
+        if self._loss_sum is not None and self._reduced is None:
+            self._reduced = self.loss()
+
     def _apply(self) -> None:
         self._wait()
+        self._agree()
         set_grads(self._params, self._synced)
         self._optimizer.step()
         self._owner.steps += 1
@@ -205,6 +214,7 @@ class DataParallelStep:
     def _add(self) -> None:
         """The open step's ``grads`` piece: the synchronized gradients added to ``.grad``."""
         self._wait()
+        self._agree()
         add_grads(self._params, self._synced)
         left = self._owner.local_grads.drain()
         if left:
@@ -223,6 +233,8 @@ class DataParallelStep:
         """The global batch's loss: the mean of the ranks' shard losses (weighted: each
         shard's counts by its rows); with :attr:`step_number`, checked to be every rank's
         step (``StepMismatchError``)."""
+        if self._reduced is not None:
+            return self._reduced
         with collective_errors(self.guard.who, "the loss all-reduce"):
             pending, self._loss_sum = self._loss_sum or self._reduce_loss(), None
             return pending()

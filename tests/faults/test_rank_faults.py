@@ -35,10 +35,13 @@ def _a_step_apart(rank, world):
         for step in range(4):
             if rank == 1 and step == 1:
                 fault_at_next_bind(c, _raise)
+            before = [p.detach().clone() for p in c.model.parameters()]
             try:
                 c.step((x,), y)
             except tidal.StepMismatchError as e:
+                kept = all(torch.equal(a, p) for a, p in zip(before, c.model.parameters()))
                 out[name] = f"{e.step} {list(e.steps)} {e}"
+                out[name, "kept"] = kept
                 break
             except RuntimeError as e:
                 assert rank == 1 and step == 1 and "injected fault" in str(e), e
@@ -85,6 +88,7 @@ def test_ranks_a_step_apart_raise_step_mismatch_on_every_rank():
             message = out[rank][name]
             assert message.startswith(f"{mine} [2, 3] {name}: the ranks are on different "
                                       f"steps: this rank on step {mine}"), (rank, message)
+            assert out[rank][name, "kept"], (rank, name)   # raised before any update
         for name in ("compression", "burst_parallel"):   # item 9 on 2 ranks: every rank
             nan, empty, after = out[rank][f"nan {name}"]    # raises, nothing trains on
             assert nan.startswith("NonFiniteLossError 2 True Compiled.step: the loss of step "
