@@ -110,7 +110,8 @@ class DataParallelStep:
         self._weight = weight
         self._first = owner.steps == 0 and not owner.params_shared
         self._synced: dict[str, torch.Tensor] = {}
-        self._pending: list[Callable[[], dict[str, torch.Tensor]]] = []
+        self._pending: list[tuple[Callable[[], dict[str, torch.Tensor]],
+                                  Optional[Completion]]] = []
         self._loss_sum: Optional[Callable[[], torch.Tensor]] = None
         self._reduced: Optional[torch.Tensor] = None   # the reduced loss, once waited for
         self.autocast: AutocastState = NO_AUTOCAST
@@ -184,17 +185,20 @@ class DataParallelStep:
             grads = {self._names[i]: local.plus(self._params[self._names[i]], self.grad(i))
                      for i in indices}
         pending = self._owner.grad_sync.bucket_async(grads)
-        self._pending.append(pending)
-        return None if self.clock is None else Completion(self.clock, pending.future)
+        done = None if self.clock is None else Completion(self.clock, pending.future)
+        self._pending.append((pending, done))
+        return done
 
     def _wait(self) -> None:
         """Wait for every bucket's sync; their results in ``_synced``."""
-        for bucket, result in enumerate(self._pending):
+        for bucket, (result, done) in enumerate(self._pending):
             try:
                 self._synced.update(result())
             except Exception as e:
                 e.add_note(f"in the gradient sync of bucket {bucket} (piece 'sync {bucket}')")
                 raise
+            if done is not None:
+                done.waited()
         self._pending.clear()
 
     def _agree(self) -> None:
