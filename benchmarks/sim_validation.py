@@ -1,40 +1,30 @@
-"""Simulator vs measurement: step time of data parallelism and a burst plan on 2 and 4 gloo ranks.
+"""Simulator vs measurement on every plan kind: the composition error and the end-to-end error,
+reported apart.
 
-Inputs of the prediction, all measured before and apart from the runs being predicted:
+* **Composition** (``tidal.sim.composition``): each plan kind (data parallel, compression,
+  burst, tick_tock, round_robin, layer groups, a data-parallel foreground with a background
+  job) runs on 2 and 4 gloo ranks (1 thread each; ``benchmarks/sim_runs.py``) with the tiny
+  MLP and two plain ``torch.nn`` models of the third-party matrix. Per traced step (a repeat),
+  the simulator runs the very Program objects the executor ran, given each piece's measured
+  own duration, the ranks' releases and each piece's measured dispatch gap
+  (``compose(..., release=True, gaps=True)``); what remains between its step and the measured
+  one is the model of streams, links, dependencies and joined collectives. Each row: the
+  median over repeats of the measured step, the composed step and the error, with the spread
+  (min..max), and where the composed timeline first departs from the measured one
+  (``departure``, for the repeat of median error).
+* **End-to-end** (``benchmarks/sim_end_to_end.py``, its method unchanged): the simulator given
+  the profiler's calibrated per-layer durations and a fitted gloo link, against DDP data
+  parallelism and a hand-written burst plan run through tidal (``--e2e-models``).
 
-* a per-layer CPU profile (tidal's profiler, 1 thread) at the per-rank batches the plans use,
-  calibrated in context: per batch, the profile is scaled so that its layers add up to a whole
-  forward + backward step of the model (``ir.profiler.training_step_samples`` and
-  ``calibrate_profile``), timed with every core busy: one process per core runs the same local
-  step at once, with no communication, each step started at a barrier; per step the slowest
-  process counts, then the estimator over steps (``--calibrate cores``; a synchronous step
-  waits for its slowest rank, busy cores slow each other through shared caches and memory,
-  and on a noisy machine the best step of each process alone is far below what all ranks
-  manage together). ``--calibrate one`` times it on one process alone. The optimizer step
-  timed there is an ``update`` task on every rank;
-* the gloo link of each world size (``runtime.link_fit.measure_ring_link``, ring all-reduce
-  latency and bandwidth);
-* the machine's core count: ranks beyond it share the cores, simulated as processor sharing of
-  all compute lanes (``simulate(..., cores=...)``), not as a factor on the result.
+The summary gives the composition median and max |error|, the end-to-end median |error| and
+the mean (signed) error per plan kind, against issue 36's goals (composition median <= 5 %,
+max <= 10 %; end-to-end median <= 10 %; no kind biased by more than 5 % on average). The
+machine's load average is printed at start and end; other processes are not modelled, and
+ranks beyond the cores share them (said when so).
 
-Data parallelism is DDP (bucketed all-reduces overlapping backward) and simulated as such;
-DDP runs with ``broadcast_buffers=False``, since the simulator, like tidal's executors,
-syncs gradients only (DDP's default broadcast of BatchNorm buffers before every forward
-cost resnet50_small about 10 ms a step here). The
-burst plan is hand-written (the first half of the layers on all ranks, the second half on half of
-them: the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
-this profile and link (which on this CPU often puts every layer on one rank); it is run through
-``tidal.compile(..., passes=[BurstParallel(plan=...)])`` and ``Compiled.step`` and simulated as
-the burst-parallel program (``runtime.programs.burst``) runs it
-(``sim.programs.burst_execution``). CPU numbers only;
-timings are noisy on a shared machine: every step time (one-process and multi-rank alike)
-is the minimum over ``--steps`` steps by default (``--stat median`` for the median); the
-multi-rank time is the median over ranks. The whole comparison (link fits, profiles,
-calibration, measured runs) is repeated ``--rounds`` times (default 3, about 4 minutes each) and
-each row reports the median over rounds of its prediction and of its measurement: the gloo link
-fit alone moves a burst plan's prediction by about 10 % from one round to the next.
-
-    python benchmarks/sim_validation.py [--models vgg16_small,resnet50_small] [--global-batch 32]
+    python benchmarks/sim_validation.py --quick          # 2 ranks, the MLP, 3 repeats, no e2e
+    python benchmarks/sim_validation.py [--ranks 2,4] [--models mlp,nn_mha,nn_transformer]
+        [--kinds burst,tick_tock] [--repeats 5] [--e2e-models vgg16_small] [--rounds 1]
 """
 from __future__ import annotations
 
@@ -43,8 +33,9 @@ import os
 import statistics
 import sys
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -52,221 +43,214 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import tidal  # noqa: E402
-from examples.models import ZOO  # noqa: E402
-from tidal.ir import layer_graph  # noqa: E402
-from tidal.ir.profiler import (StepTime, calibrate_profile, profile_layers,  # noqa: E402
-                               training_step_samples)
-from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E402
-from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E402
-from tidal.runtime.distributed import spawn  # noqa: E402
-from tidal.runtime.comm.link_fit import measure_ring_link  # noqa: E402
-from tidal.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
-                                output_bytes, summarize)
+from benchmarks import sim_end_to_end  # noqa: E402
+from benchmarks.sim_runs import KINDS, WORKLOADS, run  # noqa: E402
+from tidal.sim.composition import (compose, departure, dispatch_us,  # noqa: E402
+                                   measured_pieces, measured_step_us, step_us)
 
-WORLDS = (2, 4)
-STATS = {"median": statistics.median, "min": min}
+GOALS = {"composition median": 0.05, "composition max": 0.10, "end-to-end median": 0.10,
+         "bias per kind": 0.05}
 
 
-def _link_worker(rank: int, size: int):
-    return measure_ring_link()
+@dataclass(frozen=True)
+class Row:
+    """One row: model, ranks, plan kind (``label``: the plan as shown), per repeat the
+    measured and composed step (us; composed empty for an end-to-end row), the end-to-end
+    prediction (us, None where none exists) and the first departure."""
+
+    model: str
+    ranks: int
+    kind: str
+    label: str
+    measured_us: tuple
+    composed_us: tuple = ()
+    e2e_us: Optional[float] = None
+    departure: str = ""
+    constant_us: tuple = ()
+
+    @property
+    def errors(self) -> list[float]:
+        """The composition error of each repeat, (composed - measured) / measured."""
+        return [(c - m) / m for c, m in zip(self.composed_us, self.measured_us)]
+
+    @property
+    def error(self) -> Optional[float]:
+        """The median composition error over repeats (None: no composition)."""
+        return statistics.median(self.errors) if self.composed_us else None
+
+    @property
+    def constant_error(self) -> Optional[float]:
+        """The median error over repeats of the composition with a constant dispatch per
+        piece (the median measured gap) in place of each piece's own gap."""
+        if not self.constant_us:
+            return None
+        return statistics.median((c - m) / m for c, m in zip(self.constant_us,
+                                                              self.measured_us))
+
+    @property
+    def e2e_error(self) -> Optional[float]:
+        """The end-to-end error against the median measured step (None: no prediction)."""
+        if self.e2e_us is None:
+            return None
+        m = statistics.median(self.measured_us)
+        return (self.e2e_us - m) / m
 
 
-def _timed(step, steps: int, stat) -> float:
-    import torch.distributed as dist
-
-    times = []
-    for i in range(steps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return STATS[stat](times) * 1e6
-
-
-def _calib_worker(rank: int, size: int, name: str, batches, steps: int):
-    """This rank's local training-step samples (no communication) per batch: every process
-    starts each step at a barrier, as the ranks of a synchronous step do."""
-    import torch.distributed as dist
-
-    model = ZOO[name]()
-    gm = tidal.compile(model, model.example_inputs(max(batches))).graph_module
-    return {b: training_step_samples(gm, model.example_inputs(b), model.example_targets(b),
-                                     model.default_loss, repeats=steps,
-                                     before_each=dist.barrier)
-            for b in batches}
+def composition_row(model: str, world: int, kind: str, run_of_kind, tolerance: float) -> Row:
+    """The row of one kind's run (``sim_runs.KindRun``): per repeat, the composed step
+    (``compose(release=True, gaps=True)``) against the measured one; the departure of the
+    repeat of median error, within ``tolerance`` of the measured step."""
+    measured, composed, intervals, constant = [], [], [], []
+    for traces in run_of_kind.traces:
+        sim = compose(run_of_kind.programs, traces, release=True, gaps=True)
+        measured.append(measured_step_us(traces))
+        composed.append(step_us(sim))
+        intervals.append(sim)
+        per_piece = dispatch_us(measured_pieces(run_of_kind.programs, traces))
+        constant.append(step_us(compose(run_of_kind.programs, traces, dispatch=per_piece,
+                                        release=True)))
+    errors = [(c - m) / m for c, m in zip(composed, measured)]
+    median_at = sorted(range(len(errors)), key=errors.__getitem__)[len(errors) // 2]
+    traces = run_of_kind.traces[median_at]
+    first = departure(run_of_kind.programs, traces, intervals[median_at],
+                      tolerance * measured[median_at])
+    return Row(model, world, kind, kind, tuple(measured), tuple(composed), None,
+               str(first) if first else "none: every piece starts within "
+               f"{tolerance:.0%} of the step", tuple(constant))
 
 
-def _step_times(name: str, batches, steps: int, stat: str, processes: int) -> dict:
-    """Per batch, the (fwd+bwd, update) step time of ``processes`` processes running the local
-    step at the same time, step by step: per step the slowest process (a synchronous step
-    waits for its slowest rank), then ``stat`` over steps. The straggler is taken per step,
-    not from each process's own best: on a noisy machine the ranks are rarely fast together."""
-    ranks = spawn(_calib_worker, processes, name, batches, steps, timeout_s=900)
-    out = {}
-    for b in batches:
-        fb = [max(r[b][0][i] for r in ranks) for i in range(steps)]
-        up = [max(r[b][1][i] for r in ranks) for i in range(steps)]
-        out[b] = StepTime(STATS[stat](fb), STATS[stat](up))
-    return out
+def _spread(values, scale: float = 1e-3, fmt: str = "{:.2f}") -> str:
+    """``median (min..max)`` of ``values`` times ``scale``."""
+    v = [x * scale for x in values]
+    return (fmt.format(statistics.median(v)) + " (" + fmt.format(min(v)) + ".."
+            + fmt.format(max(v)) + ")")
 
 
-def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: int, cluster,
-                    plan, stat: str) -> tuple[float, float]:
-    """Step time (us, ``stat`` over ``steps``) of DDP data parallelism and of ``plan`` on this
-    rank."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    torch.manual_seed(0)
-    model = ZOO[name]()
-    inputs, targets = model.example_inputs(global_batch), model.example_targets(global_batch)
-    shard = global_batch // size
-    sl = slice(rank * shard, (rank + 1) * shard)
-    # broadcast_buffers=False: the simulator (like tidal's executors) syncs gradients only;
-    # DDP's default re-broadcast of buffers before every forward is not modelled
-    ddp = DDP(tidal.compile(model, tuple(x[sl] for x in inputs)).graph_module,
-              broadcast_buffers=False)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-
-    def dp_step():
-        opt.zero_grad()
-        model.default_loss(ddp(*(x[sl] for x in inputs)), targets[sl]).backward()
-        opt.step()
-
-    dp = _timed(dp_step, steps, stat)
-    torch.manual_seed(0)
-    model = ZOO[name]()
-    c = tidal.compile(model, inputs, passes=[BurstParallel(plan=plan)], cluster=cluster,
-                      loss_fn=model.default_loss,
-                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
-    burst = _timed(lambda: c.step(inputs, targets), steps, stat)
-    return dp, burst
+def print_rows(rows: list[Row]) -> None:
+    """The table: measured and composed ms, composition and end-to-end error, apart; each
+    composition row followed by its first departure."""
+    print(f"\n{'model':15s} {'ranks':>5s} {'plan':30s} {'measured ms':>22s} "
+          f"{'composed / e2e ms':>22s} {'composition':>24s} {'end-to-end':>10s} "
+          f"{'const dispatch':>14s}")
+    for r in rows:
+        predicted = (_spread(r.composed_us) if r.composed_us else f"{r.e2e_us / 1e3:.2f}")
+        comp = (_spread(r.errors, 100.0, "{:+.1f}") + " %") if r.composed_us else "-"
+        e2e = f"{r.e2e_error:+.1%}" if r.e2e_error is not None else "-"
+        const = f"{r.constant_error:+.1%}" if r.constant_error is not None else "-"
+        print(f"{r.model:15s} {r.ranks:5d} {r.label[:30]:30s} {_spread(r.measured_us):>22s} "
+              f"{predicted:>22s} {comp:>24s} {e2e:>10s} {const:>14s}")
+        if r.departure:
+            print(f"    first departure: {r.departure}")
 
 
-def _half_plan(problem, world: int, amp_limit: float):
-    """Hand-written burst plan: the first half of the layers (in layer order) on all ranks, the
-    second half on half of them."""
-    n = len(problem.names)
-    counts = [world if i < n // 2 else world // 2 for i in range(n)]
-    return plan_from_counts(problem, counts, amp_limit=amp_limit, algorithm="hand-written")
+def summary(rows: list[Row]) -> list[str]:
+    """The lines of the summary issue 36's done-means names, each against its goal."""
+    comp = [abs(r.error) for r in rows if r.error is not None]
+    e2e = [abs(r.e2e_error) for r in rows if r.e2e_error is not None]
+
+    def verdict(value: float, goal: str) -> str:
+        return f"{value:.1%} (goal <= {GOALS[goal]:.0%}: " + (
+            "met)" if value <= GOALS[goal] else "NOT met)")
+
+    lines = []
+    if comp:
+        med = verdict(statistics.median(comp), "composition median")
+        lines += [f"composition median |error|: {med} over {len(comp)} rows",
+                  f"composition max |error|: {verdict(max(comp), 'composition max')}"]
+    const = [abs(r.constant_error) for r in rows if r.constant_error is not None]
+    if const:
+        lines.append(f"composition with a constant dispatch per piece (the median gap) in "
+                     f"place of each piece's own gap: median |error| "
+                     f"{statistics.median(const):.1%}, max {max(const):.1%}")
+    if e2e:
+        med = verdict(statistics.median(e2e), "end-to-end median")
+        lines.append(f"end-to-end median |error|: {med} over {len(e2e)} rows")
+    for kind in dict.fromkeys(r.kind for r in rows):
+        of = [r for r in rows if r.kind == kind]
+        parts = []
+        for what, errs in (("composition", [r.error for r in of if r.error is not None]),
+                           ("end-to-end", [r.e2e_error for r in of if r.e2e_error is not None])):
+            if errs:
+                bias = statistics.mean(errs)
+                parts.append(f"{what} {bias:+.1%} over {len(errs)} row(s)"
+                             + ("" if abs(bias) <= GOALS["bias per kind"] else " (biased)"))
+        lines.append(f"mean error of {kind}: " + "; ".join(parts))
+    return lines
 
 
-def _runs(plan) -> str:
-    """The plan's GPU counts in layer order, run-length encoded: ``20x2 20x1`` is 20 layers on
-    2 ranks, then 20 on 1."""
-    out: list[list[int]] = []
-    for l in plan.layers:
-        if out and out[-1][1] == l.gpus:
-            out[-1][0] += 1
-        else:
-            out.append([1, l.gpus])
-    text = " ".join(f"{n}x{g}" for n, g in out)
-    return text if len(text) <= 30 else text[:27] + "..."
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
 
 
-def _round(args, cores: int) -> list[tuple[str, int, str, float, float]]:
-    """One independent round: link fits, profiles and calibration, then the measured runs;
-    rows of (model, ranks, plan label, predicted us, measured us)."""
-    gb = args.global_batch
-    links = {w: spawn(_link_worker, w)[0] for w in WORLDS}
-    for w, link in links.items():
-        print(f"gloo link fitted on {w} ranks: latency {link.latency_us:.1f} us, "
-              f"{link.bandwidth_gbps:.2f} Gb/s")
+def composition_rows(args, worlds, cores: int) -> list[Row]:
+    """Every (ranks, model, kind) row of the composition check, one spawned job per ranks and
+    model."""
     rows = []
-    for name in args.models.split(","):
-        model = ZOO[name]()
-        inputs = model.example_inputs(gb)
-        gm = tidal.compile(model, inputs).graph_module
-        batches = sorted({-(-gb // g) for g in (1,) + WORLDS})
-        prof = profile_layers(gm, inputs, batches, repeats=5, cache_dir=tempfile.mkdtemp(),
-                              progress=False)
-        processes = min(cores, max(WORLDS)) if args.calibrate == "cores" else 1
-        steps = _step_times(name, batches, args.steps, args.stat, processes)
-        for b in batches:
-            prof = calibrate_profile(prof, gm, b, steps[b].fwd_bwd_us)
-        print(f"{name}: local step on {processes} busy core(s) (fwd+bwd / optimizer) " + ", ".join(
-            f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
-            for b, s in steps.items()))
-        lg = layer_graph.build(gm)
-        preds = {n: list(lg.predecessors(n)) for n in lg.nodes}
-        update = steps[gb].update_us
-        for w in WORLDS:
-            link = links[w]
-            cluster = tidal.Cluster(gpus=w, bandwidth_gbps=link.bandwidth_gbps,
-                                    latency_us=link.latency_us, profile=prof)
-            times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
-            dp_sim = summarize(data_parallel(times, w, gb, cluster, update_us=update), w, gb,
-                               cores=cores).iteration_us
-            problem = build_problem(gm, cluster, gb, sync="paper")  # as the README figures
-            plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
-            if plan is None or plan.is_data_parallel:
-                plan = _half_plan(problem, w, args.amp_limit)
-            program = burst_execution(plan, preds, times, cluster, output_bytes(gm), update)
-            bp_sim = summarize(program, w, gb, cores=cores).iteration_us
-            measured = spawn(_measure_worker, w, name, gb, args.steps, cluster, plan,
-                             args.stat, timeout_s=900)
-            dp_meas = statistics.median(m[0] for m in measured)
-            bp_meas = statistics.median(m[1] for m in measured)
-            rows.append((name, w, "data parallel", dp_sim, dp_meas))
-            rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
+    for world in worlds:
+        if world > cores:
+            print(f"note: {world} ranks on {cores} cores: the ranks share cores (their "
+                  "measured own durations include the sharing; the composition does not model "
+                  "it apart)")
+        for model in args.models.split(","):
+            with tempfile.TemporaryDirectory() as folder:
+                ran = run(world, model, args.batch, Path(folder), args.kinds.split(","),
+                          args.repeats)
+            for kind, run_of_kind in ran.items():
+                rows.append(composition_row(model, world, kind, run_of_kind, args.tolerance))
+                print(f"{model} on {world} ranks, {kind}: composition error "
+                      f"{rows[-1].error:+.1%}", flush=True)
     return rows
 
 
-def main(argv=None) -> int:
+def end_to_end(args, worlds, cores: int) -> list[Row]:
+    """The end-to-end rows (``sim_end_to_end``) as table rows."""
+    out = []
+    for name, w, label, predicted, measured in sim_end_to_end.end_to_end_rows(args, cores,
+                                                                             worlds):
+        out.append(Row(name, w, "burst" if label.startswith("burst") else label, label,
+                       (measured,), (), predicted))
+    return out
+
+
+def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="vgg16_small,resnet50_small")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--stat", choices=tuple(STATS), default="min",
-                        help="estimator of every step time, one-process calibration and "
-                             "multi-rank runs alike (default min: least disturbed by other "
-                             "processes on a shared machine)")
-    parser.add_argument("--calibrate", choices=("cores", "one"), default="cores",
-                        help="time the one-rank step for calibration with one process per core "
-                             "at once, slowest counts (default), or on one process alone")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="independent rounds (link fits, profiles, calibration and "
-                             "measured runs each time); each row reports the median over "
-                             "rounds of its prediction and of its measurement (default 3)")
-    parser.add_argument("--amp-limit", type=float, default=2.0)
-    parser.add_argument("--plan", choices=("half", "planner"), default="half",
-                        help="burst plan: hand-written, the second half of the layers on half "
-                             "the ranks (default, the same plan on every run), or the planner's "
-                             "for the measured profile and link (the half plan when it keeps "
-                             "data parallelism)")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 ranks, the tiny MLP, 3 repeats, no end-to-end rows (under 2 "
+                             "minutes)")
+    parser.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--models", default=",".join(WORKLOADS),
+                        help=f"composition models, of {sorted(WORKLOADS)}")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"plan kinds, of {KINDS}")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="global batch of the composition runs (tick_tock on N ranks "
+                             "needs 2N shards)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="traced steps per kind (after 2 warm-up steps)")
+    parser.add_argument("--tolerance", type=float, default=0.03,
+                        help="a piece departs when its composed start is off by more than "
+                             "this fraction of the measured step")
+    sim_end_to_end.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.models, args.repeats, args.e2e_models = "2", "mlp", 3, ""
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     torch.set_num_threads(1)
-    cores = os.cpu_count() or 1
-    print(f"{cores} cores: compute of ranks beyond them is simulated as processor sharing; "
-          f"load average at start {os.getloadavg()[0]:.1f} (other processes are not modelled: "
-          "compare on a quiet machine)")
-    rounds = []
-    for r in range(args.rounds):
-        if args.rounds > 1:
-            print(f"round {r + 1} of {args.rounds}", flush=True)
-        rounds.append(_round(args, cores))
-        if args.rounds > 1:
-            errs = [abs(p - m) / m for *_, p, m in rounds[-1]]
-            print(f"round {r + 1}: median absolute error {statistics.median(errs):.1%}",
-                  flush=True)
-    # per row, the median over rounds of the prediction and of the measurement
-    rows = [(name, w, label, statistics.median(rd[i][3] for rd in rounds),
-             statistics.median(rd[i][4] for rd in rounds))
-            for i, (name, w, label, _, _) in enumerate(rounds[-1])]
-    print(f"\n{'model':15s} {'ranks':>5s} {'plan':44s} {'predicted ms':>12s} "
-          f"{'measured ms':>11s} {'error':>7s}")
-    errors = []
-    for name, w, label, p, m in rows:
-        errors.append(abs(p - m) / m)
-        print(f"{name:15s} {w:5d} {label:44s} {p / 1e3:12.2f} {m / 1e3:11.2f} "
-              f"{(p - m) / m:+7.1%}")
-    med = statistics.median(errors)
-    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-    print(f"median absolute error: {med:.1%} over {len(rows)} runs, each the median of "
-          f"{args.rounds} round(s) (goal <= 15 %: "
-          f"{'met' if med <= 0.15 else 'NOT met'}); burst plans as (layers)x(GPUs) "
-          "in layer order")
+    cores, worlds = _cores(), tuple(int(w) for w in args.ranks.split(","))
+    print(f"{cores} cores; load average at start {os.getloadavg()[0]:.1f} (other processes "
+          "are not modelled: compare on a quiet machine)", flush=True)
+    rows = composition_rows(args, worlds, cores)
+    if args.e2e_models:
+        rows += end_to_end(args, worlds, cores)
+    print_rows(rows)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (1 min), "
+          f"{os.getloadavg()[1]:.1f} (5 min)")
+    for line in summary(rows):
+        print(line)
     return 0
 
 

@@ -15,13 +15,15 @@ end-to-end error). The inputs are the per-rank Programs the executor ran (the sa
   collective (the optimizer after a sync issued with ``async_op``, whose trace only times the
   issue) waits inside for the collective too: its own work starts no earlier than that
   collective's last issue, so the transfer lands in the piece that waited for it;
-* its *dispatch gap*: how long after its dependencies (on every rank) and its stream were done
-  it started (the host issuing it, a thread hand-off);
+* its *dispatch gap*: how long after its dependencies and its stream were done on its rank it
+  started (the host issuing it, a thread hand-off; the last rank to issue a joined piece has
+  one too: the simulated piece starts when every rank's dispatch of it is done);
 * its rank's *release*: when the rank began the step, after the earliest rank did (binding the
   step's tensors on the host; ranks that share cores start apart).
 
 :func:`compose` runs the engine on the joined Programs with the own durations plus the terms
-asked for (a constant dispatch per piece, the ranks' releases), :func:`departure` finds the
+asked for (a constant dispatch per piece, the ranks' releases, each rank's side of a joined
+piece: :func:`sides_us`), :func:`departure` finds the
 first piece whose simulated start departs from the measured one and says by how much and
 after what, and :func:`overlaps` says which compute and communication pieces overlap.
 
@@ -64,6 +66,10 @@ DISPATCH = "dispatch"
 """The stream of the host pieces :func:`compose` puts before a piece to delay its start by its
 measured dispatch gap (the rank's dispatching thread)."""
 
+SIDE = "side"
+"""The name and stream prefix of the host piece :func:`compose` puts after a rank's side of a
+joined piece that took longer than the shortest side (:func:`sides_us`)."""
+
 
 def on_one_clock(traces: Traces, origins_us: Mapping[int, float]) -> dict[int, list[PieceTrace]]:
     """``traces`` on the clock all ranks share, starting at 0 with the earliest piece.
@@ -97,8 +103,8 @@ def _shifted(trace: PieceTrace, by_us: float) -> PieceTrace:
 @dataclass(frozen=True)
 class Measured:
     """One measured piece of a rank (see the module docstring): program index, name, stream,
-    measured start and end, ``ready_us`` (when its dependencies on every rank and its stream
-    were done), ``own_us`` (its own duration), ``gap_us`` (start - ready, at least 0) and
+    measured start and end, ``ready_us`` (when its dependencies and its stream were done on
+    its rank), ``own_us`` (its own duration), ``gap_us`` (start - ready, at least 0) and
     ``joined``: a shared piece whose work ended after its last participant issued it (one
     that ended before, an empty broadcast or an asynchronous issue, waited for nobody)."""
 
@@ -175,9 +181,12 @@ def measured_pieces(programs, traces: Traces, gate_issue: bool = True) -> list[M
             gates = [_dep_gate(trace[d], last_issue[keys[r][d]], gate_issue)
                      for d in piece.deps if d in keys[r]]
             joined = i in keys[r] and ended_us(t) > last_issue[keys[r][i]]
+            # ready: this rank's own dependencies and stream (not its peers' issues: the last
+            # rank to issue a joined piece has a dispatch gap of its own, which the simulated
+            # piece waits for on that rank)
+            before = [trace[d].end_us for d in piece.deps] + gates
             if joined:
                 gates.append(last_issue[keys[r][i]])
-            before = [trace[d].end_us for d in piece.deps] + gates
             if piece.stream in previous:
                 before.append(trace[previous[piece.stream]].end_us)
             previous[piece.stream] = i
@@ -218,77 +227,165 @@ def releases_us(traces: Traces) -> dict[int, float]:
     return {r: s - zero for r, s in first.items()}
 
 
-def _timed(program: Program, delays: Mapping[int, float], release: bool,
-           thread: bool, alone: frozenset = frozenset()) -> Program:
-    """``program`` with the host's delays as pieces of their own: with ``release``, a host
-    piece :data:`RELEASE` on its own stream heads the step (every piece without dependencies
-    waits for it); before piece ``i`` of ``delays``, a host piece ``"dispatch i"`` that
+@dataclass(frozen=True)
+class _Terms:
+    """What :func:`compose` adds to one rank's program, by piece index: ``delays`` (each
+    piece's dispatch gap), ``alone`` (the shared pieces that waited for no peer) and
+    ``sides`` (how much longer the rank's side of a joined piece took than the shortest
+    side, :func:`sides_us`)."""
+
+    delays: Mapping[int, float]
+    alone: frozenset
+    sides: Mapping[int, float]
+
+
+def _unique_names(program: Program) -> list[str]:
+    """A name per piece that no other piece of the rank has and that the k-th shared piece
+    of a name has on every rank (``"<name> #k"``; the others ``"<name> @<index>"``), so
+    that each piece gets its own measured duration."""
+    keys = shared_keys(program)
+    return [f"{p.name} #{keys[i][1]}" if i in keys else f"{p.name} @{i}"
+            for i, p in enumerate(program.pieces)]
+
+
+def _timed(program: Program, terms: _Terms, release: bool, thread: bool) -> Program:
+    """``program`` (its pieces renamed by :func:`_unique_names`) with the host's delays and
+    the ranks' sides of joined pieces as pieces of their own: with ``release``, a host piece
+    :data:`RELEASE` on its own stream heads the step (every piece without dependencies waits
+    for it); before piece ``i`` of ``terms.delays``, a host piece ``"dispatch i"`` that
     starts once piece ``i`` could (its dependencies and its stream's previous piece ended),
     takes the delay and lets piece ``i`` start. The dispatch pieces are on one stream
     :data:`DISPATCH` (``thread``: the rank's dispatching thread, which issues the pieces one
     after another, so one delay also delays the pieces it dispatches next) or on one per
-    piece stream (``dispatch <stream>``: the delays of different streams apart). The shared
-    pieces of ``alone`` (indices) waited for no peer: each runs on a stream of its own
+    piece stream (``dispatch <stream>``: the delays of different streams apart). After a
+    joined piece ``i`` of ``terms.sides``, a host piece ``"side i"`` (stream ``side
+    <stream>``) takes the rank's longer side: what waits for piece ``i`` on this rank, its
+    dependents and its stream's next piece, waits for it. The shared pieces of
+    ``terms.alone`` waited for no peer: each runs on a stream of its own
     (``<stream> ALONE``), which joins no other rank's piece."""
     pieces: list[Piece] = [Piece(RELEASE, RELEASE, kind=HOST)] if release else []
+    names = _unique_names(program)
     at: dict[int, int] = {}
     last: dict[str, int] = {}
+    sides: set[int] = set()
     for i, p in enumerate(program.pieces):
         deps = tuple(at[d] for d in p.deps) or ((0,) if release else ())
-        if delays.get(i, 0.0) > 0.0:
-            waits = tuple(sorted(set(deps) | ({last[p.stream]} if p.stream in last else set())))
+        before = {last[p.stream]} if p.stream in last else set()
+        if terms.delays.get(i, 0.0) > 0.0:
             pieces.append(Piece(f"{DISPATCH} {i}", DISPATCH if thread else
-                                f"{DISPATCH} {p.stream}", waits, kind=HOST))
+                                f"{DISPATCH} {p.stream}", tuple(sorted(set(deps) | before)),
+                                kind=HOST))
             deps = (len(pieces) - 1,)
+        elif before & sides:
+            deps = tuple(sorted(set(deps) | before))
         at[i] = last[p.stream] = len(pieces)
-        pieces.append(replace(p, deps=deps, stream=f"{p.stream} {ALONE}" if i in alone
-                              else p.stream))
+        pieces.append(replace(p, name=names[i], deps=deps, stream=f"{p.stream} {ALONE}"
+                              if i in terms.alone else p.stream))
+        if terms.sides.get(i, 0.0) > 0.0:
+            pieces.append(Piece(f"{SIDE} {i}", f"{SIDE} {p.stream}", (at[i],), kind=HOST))
+            at[i] = last[p.stream] = len(pieces) - 1
+            sides.add(at[i])
     return Program(tuple(pieces), program.world)
+
+
+def sides_us(programs, measured: Sequence[Measured]) -> dict[int, dict[int, float]]:
+    """``{rank: {piece index: us}}``: how much longer each rank's side of a joined piece
+    (:attr:`Measured.joined`) took than the shortest side of it. A collective or transfer
+    does not end at once on its ranks: a transfer's receiver ends after its sender handed
+    the data off, a ring all-reduce's ranks receive their last chunk one after another, and
+    each rank's thread sees the end when it is woken. The engine runs a joined piece on all
+    its ranks for the shortest side (``join_ranks``); the rest is the rank's own.
+
+    Example: rank 1 receives what rank 0 sends; both issued at 2, the send ends at 3, the
+    receive at 6:
+        >>> p = Program((Piece("f", "compute"), Piece("x", "transfer", (0,))), world=2)
+        >>> traces = {0: [PieceTrace("f", "compute", 0, 2), PieceTrace("x", "transfer", 2, 3)],
+        ...           1: [PieceTrace("f", "compute", 0, 2), PieceTrace("x", "transfer", 2, 6)]}
+        >>> sides_us(p, measured_pieces(p, traces))
+        {0: {1: 0.0}, 1: {1: 3.0}}
+        >>> [(i.gpu, i.name, i.end_us) for i in compose(p, traces) if i.name == "x"]
+        [(0, 'x', 3.0), (1, 'x', 6.0)]
+        >>> step_us(compose(p, traces)), step_us(compose(p, traces, sides=False))
+        (6.0, 3.0)
+    """
+    by_rank = rank_programs(programs)
+    keys = {r: shared_keys(p) for r, p in by_rank.items()}
+    joined = [m for m in measured if m.joined]
+    shortest: dict[tuple[str, int], float] = {}
+    for m in joined:
+        key = keys[m.rank][m.index]
+        shortest[key] = min(shortest.get(key, float("inf")), m.own_us)
+    out: dict[int, dict[int, float]] = {r: {} for r in by_rank}
+    for m in joined:
+        out[m.rank][m.index] = m.own_us - shortest[keys[m.rank][m.index]]
+    return out
 
 
 def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = False,
             gaps: bool = False, job: str = "fg", thread: bool = False,
-            cores: Optional[float] = None, gate_issue: bool = False) -> list[Interval]:
+            cores: Optional[float] = None, gate_issue: bool = False,
+            sides: bool = True) -> list[Interval]:
     """The engine's run of ``programs`` (as ``join_ranks`` takes them) with each piece's own
-    measured duration (:func:`measured_pieces`; mean over repeats of a name) plus ``dispatch``
-    us of host dispatch per piece, after each rank's measured release (``release``: the
-    :data:`RELEASE` host piece of that duration heads each rank's step). ``gaps``: each
-    piece's own measured dispatch gap delays its start (a ``dispatch`` host piece before it,
-    see :func:`_timed`; ``thread``: on the rank's one dispatching thread), rather than
-    lengthening the piece. ``cores``: the engine's processor sharing of compute lanes
-    (``simulate(cores=)``): for durations measured *alone*; measured own durations already
-    include the sharing of the run they come from, so leave it None for them. ``traces`` on
-    one clock. A shared piece that waited for no peer (:attr:`Measured.joined` false) is
-    simulated on its rank alone. ``gate_issue``: as :func:`measured_pieces` takes it.
-    Intervals of :data:`RELEASE` and dispatch pieces are left out; the others keep the lane
-    of their piece's stream."""
+    measured duration (:func:`measured_pieces`; each piece its own, a name that repeats
+    included) plus ``dispatch`` us of host dispatch per piece, after each rank's measured
+    release (``release``: the :data:`RELEASE` host piece of that duration heads each rank's
+    step). ``gaps``: each piece's own measured dispatch gap delays its start (a ``dispatch``
+    host piece before it, see :func:`_timed`; ``thread``: on the rank's one dispatching
+    thread), rather than lengthening the piece. ``sides``: a joined piece runs on its ranks
+    for its shortest side, then each rank's longer side on that rank (:func:`sides_us`; False:
+    the shortest side ends it on every rank). ``cores``: the engine's processor sharing of
+    compute lanes (``simulate(cores=)``): for durations measured *alone*; measured own
+    durations already include the sharing of the run they come from, so leave it None for
+    them. ``traces`` on one clock. A shared piece that waited for no peer
+    (:attr:`Measured.joined` false) is simulated on its rank alone. ``gate_issue``: as
+    :func:`measured_pieces` takes it. Intervals of :data:`RELEASE`, dispatch and side pieces
+    are left out; the others keep their piece's name and the lane of its stream, and a
+    joined piece's ends where its rank's side ended."""
     by_rank = _checked(programs, traces)
-    spans: dict[tuple[int, str], list[float]] = {}
-    delays: dict[int, dict[int, float]] = {r: {} for r in by_rank}
-    alone: dict[int, set[int]] = {r: set() for r in by_rank}
+    measured = measured_pieces(by_rank, traces, gate_issue)
     shared = {r: shared_keys(p) for r, p in by_rank.items()}
-    for m in measured_pieces(by_rank, traces, gate_issue):
-        spans.setdefault((m.rank, m.name), []).append(m.own_us)
-        if gaps:
-            delays[m.rank][m.index] = m.gap_us
-        if m.index in shared[m.rank] and not m.joined:
-            alone[m.rank].add(m.index)
+    own = {(m.rank, m.index): m.own_us for m in measured}
+    longer = sides_us(by_rank, measured) if sides else {}
+    terms = {r: _Terms({m.index: m.gap_us for m in measured if gaps and m.rank == r},
+                       frozenset(m.index for m in measured if m.rank == r
+                                 and m.index in shared[r] and not m.joined),
+                       longer.get(r, {}))
+             for r in by_rank}
     start = releases_us(traces)
+    original = {(r, n): (i, p.name) for r, program in by_rank.items()
+                for i, (n, p) in enumerate(zip(_unique_names(program), program.pieces))}
 
     def duration(rank: int, name: str) -> float:
         if name == RELEASE:
             return start[rank]
-        if name.startswith(DISPATCH + " "):
-            return delays[rank][int(name.rsplit(" ", 1)[1])]
-        own = spans[(rank, name)]
-        return sum(own) / len(own) + dispatch
+        if (rank, name) in original:
+            return own[(rank, original[(rank, name)][0])] + dispatch
+        what, index = name.rsplit(" ", 1)
+        return (terms[rank].delays if what == DISPATCH else terms[rank].sides)[int(index)]
 
-    placed = join_ranks({r: _timed(p, delays[r], release, thread, frozenset(alone[r]))
-                         for r, p in by_rank.items()}, duration)
+    placed = join_ranks({r: _timed(p, terms[r], release, thread) for r, p in by_rank.items()},
+                        duration)
+    return _reported(simulate({job: placed}, cores=cores), original)
+
+
+def _reported(intervals: Sequence[Interval], original: Mapping) -> list[Interval]:
+    """:func:`compose`'s intervals of the programs' own pieces (``original``: ``{(rank,
+    unique name): (index, name)}``), named as the program names them, on the lane of their
+    stream (an ``ALONE`` one's too), each ending where its rank's side of it ended (its
+    ``side`` piece)."""
+    side_end = {(i.gpu, int(i.name.rsplit(" ", 1)[1])): i.end_us for i in intervals
+                if (i.gpu, i.name) not in original and i.name.startswith(SIDE + " ")}
     suffix = f" {ALONE}"
-    return [replace(i, lane=lane_of(Piece(i.name, i.lane[:-len(suffix)])))
-            if i.lane.endswith(suffix) else i for i in simulate({job: placed}, cores=cores)
-            if i.name != RELEASE and not i.name.startswith(DISPATCH + " ")]
+    out = []
+    for i in intervals:
+        if (i.gpu, i.name) not in original:
+            continue
+        index, name = original[(i.gpu, i.name)]
+        lane = (lane_of(Piece(name, i.lane[:-len(suffix)])) if i.lane.endswith(suffix)
+                else i.lane)
+        out.append(replace(i, name=name, lane=lane,
+                           end_us=side_end.get((i.gpu, index), i.end_us)))
+    return out
 
 
 def step_us(intervals: Sequence[Interval]) -> float:
@@ -391,20 +488,32 @@ class Departure:
                 f"{self.gap_us / 1e3:.2f} ms")
 
 
-def departure(programs, traces: Traces, intervals: Sequence[Interval], tolerance_us: float
-              ) -> Optional[Departure]:
+def _work_start_us(m: Measured, traces: Traces) -> float:
+    """When piece ``m`` started its own work (its end less its own duration): its start, or
+    for a joined piece the moment its last participant issued it, for a piece after an
+    asynchronous collective that collective's end (an early rank's trace starts with its
+    wait, which the simulated piece, starting on all its ranks at once or after the
+    collective, does not show)."""
+    return max(m.start_us, ended_us(traces[m.rank][m.index]) - m.own_us)
+
+
+def departure(programs, traces: Traces, intervals: Sequence[Interval], tolerance_us: float,
+              gate_issue: bool = False) -> Optional[Departure]:
     """The first piece, in measured start order over all ranks, whose simulated start
     (``intervals``, e.g. :func:`compose`'s) is more than ``tolerance_us`` from its measured one
-    (``traces`` on one clock); None when every piece starts within it."""
+    (``traces`` on one clock; of a piece that waited inside for peers or for an asynchronous
+    collective, when its own work started); None when every piece starts within it.
+    ``gate_issue``: as the :func:`compose` that made ``intervals`` took it."""
     by_rank = _checked(programs, traces)
     sim = {r: _keyed(s) for r, s in simulated_spans(by_rank, intervals).items()}
     real = {r: _keyed(s) for r, s in traced_spans(traces).items()}
     key_of = {r: list(real[r]) for r in real}  # program order: the trace lists it so
-    measured = sorted(measured_pieces(by_rank, traces), key=lambda m: (m.start_us, m.rank))
+    measured = sorted(measured_pieces(by_rank, traces, gate_issue),
+                      key=lambda m: (m.start_us, m.rank))
     for m in measured:
         key = key_of[m.rank][m.index]
         got = sim[m.rank].get(key)
-        if got is None or abs(got[2] - m.start_us) <= tolerance_us:
+        if got is None or abs(got[2] - _work_start_us(m, traces)) <= tolerance_us:
             continue
         piece = by_rank[m.rank].pieces[m.index]
         before = [d for d in piece.deps] + [j for j in range(m.index)
@@ -414,6 +523,6 @@ def departure(programs, traces: Traces, intervals: Sequence[Interval], tolerance
             return Departure(m.rank, m.name, m.stream, m.start_us, got[2], "", 0.0, 0.0,
                              m.gap_us)
         lk = key_of[m.rank][last]
-        return Departure(m.rank, m.name, m.stream, m.start_us, got[2], lk[0],
+        return Departure(m.rank, m.name, m.stream, _work_start_us(m, traces), got[2], lk[0],
                          real[m.rank][lk][3], sim[m.rank].get(lk, (0, 0, 0, 0.0))[3], m.gap_us)
     return None
