@@ -7,11 +7,14 @@ reported apart.
   MLP and two plain ``torch.nn`` models of the third-party matrix. Per traced step (a repeat),
   the simulator runs the very Program objects the executor ran, given each piece's measured
   own duration, the ranks' releases and each piece's measured dispatch gap
-  (``compose(..., release=True, gaps=True)``); what remains between its step and the measured
-  one is the model of streams, links, dependencies and joined collectives. Each row: the
-  median over repeats of the measured step, the composed step and the error, with the spread
-  (min..max), and where the composed timeline first departs from the measured one
-  (``departure``, for the repeat of median error).
+  (``compose(..., release=True, gaps=True)``): this *replay* checks that the model of
+  streams, links, dependencies and joined collectives reproduces the trace (near 0 by
+  construction: no accuracy figure). The *composition error* models host dispatch instead
+  of reading it: one median gap per piece in place of each piece's own (the
+  ``composition`` column; the goals apply to it). Each row: the median over repeats of the
+  measured step, the replayed step and its error, with the spread (min..max), and where the
+  replayed timeline first departs from the measured one (``departure``, for the repeat of
+  median error).
 * **End-to-end** (``benchmarks/sim_end_to_end.py``, its method unchanged): the simulator given
   the profiler's calibrated per-layer durations and a fitted gloo link, against DDP data
   parallelism and a hand-written burst plan run through tidal (``--e2e-models``).
@@ -70,18 +73,19 @@ class Row:
 
     @property
     def errors(self) -> list[float]:
-        """The composition error of each repeat, (composed - measured) / measured."""
+        """The replay error of each repeat, (replayed - measured) / measured."""
         return [(c - m) / m for c, m in zip(self.composed_us, self.measured_us)]
 
     @property
     def error(self) -> Optional[float]:
-        """The median composition error over repeats (None: no composition)."""
+        """The median replay error over repeats (None: no composition run)."""
         return statistics.median(self.errors) if self.composed_us else None
 
     @property
     def constant_error(self) -> Optional[float]:
-        """The median error over repeats of the composition with a constant dispatch per
-        piece (the median measured gap) in place of each piece's own gap."""
+        """The composition error: the median error over repeats of the composition with host
+        dispatch modelled, a constant dispatch per piece (the median measured gap) in place of
+        each piece's own gap."""
         if not self.constant_us:
             return None
         return statistics.median((c - m) / m for c, m in zip(self.constant_us,
@@ -130,8 +134,8 @@ def print_rows(rows: list[Row]) -> None:
     """The table: measured and composed ms, composition and end-to-end error, apart; each
     composition row followed by its first departure."""
     print(f"\n{'model':15s} {'ranks':>5s} {'plan':30s} {'measured ms':>22s} "
-          f"{'composed / e2e ms':>22s} {'composition':>24s} {'end-to-end':>10s} "
-          f"{'const dispatch':>14s}")
+          f"{'composed / e2e ms':>22s} {'replay':>24s} {'end-to-end':>10s} "
+          f"{'composition':>14s}")
     for r in rows:
         predicted = (_spread(r.composed_us) if r.composed_us else f"{r.e2e_us / 1e3:.2f}")
         comp = (_spread(r.errors, 100.0, "{:+.1f}") + " %") if r.composed_us else "-"
@@ -144,8 +148,14 @@ def print_rows(rows: list[Row]) -> None:
 
 
 def summary(rows: list[Row]) -> list[str]:
-    """The lines of the summary issue 36's done-means names, each against its goal."""
-    comp = [abs(r.error) for r in rows if r.error is not None]
+    """The lines of the summary issue 36's done-means names, each against its goal. The
+    composition error is the one with host dispatch MODELLED (one median gap per piece, the
+    ``composition`` column); the replay (each piece's own measured gap and each rank's side
+    of a collective, the ``replay`` column) only checks that the simulator's streams,
+    dependencies and joined collectives reproduce the trace: it is near 0 by construction
+    and is no accuracy figure."""
+    replay = [abs(r.error) for r in rows if r.error is not None]
+    comp = [abs(r.constant_error) for r in rows if r.constant_error is not None]
     e2e = [abs(r.e2e_error) for r in rows if r.e2e_error is not None]
 
     def verdict(value: float, goal: str) -> str:
@@ -153,22 +163,23 @@ def summary(rows: list[Row]) -> list[str]:
             "met)" if value <= GOALS[goal] else "NOT met)")
 
     lines = []
+    if replay:
+        lines.append(f"replay of the traces (each piece's own gap and sides; no accuracy "
+                     f"figure): median |error| {statistics.median(replay):.1%}, max "
+                     f"{max(replay):.1%} over {len(replay)} rows")
     if comp:
         med = verdict(statistics.median(comp), "composition median")
-        lines += [f"composition median |error|: {med} over {len(comp)} rows",
+        lines += [f"composition median |error| (host dispatch modelled: one median gap per "
+                  f"piece): {med} over {len(comp)} rows",
                   f"composition max |error|: {verdict(max(comp), 'composition max')}"]
-    const = [abs(r.constant_error) for r in rows if r.constant_error is not None]
-    if const:
-        lines.append(f"composition with a constant dispatch per piece (the median gap) in "
-                     f"place of each piece's own gap: median |error| "
-                     f"{statistics.median(const):.1%}, max {max(const):.1%}")
     if e2e:
         med = verdict(statistics.median(e2e), "end-to-end median")
         lines.append(f"end-to-end median |error|: {med} over {len(e2e)} rows")
     for kind in dict.fromkeys(r.kind for r in rows):
         of = [r for r in rows if r.kind == kind]
         parts = []
-        for what, errs in (("composition", [r.error for r in of if r.error is not None]),
+        for what, errs in (("composition", [r.constant_error for r in of
+                                            if r.constant_error is not None]),
                            ("end-to-end", [r.e2e_error for r in of if r.e2e_error is not None])):
             if errs:
                 bias = statistics.mean(errs)
@@ -199,7 +210,8 @@ def composition_rows(args, worlds, cores: int) -> list[Row]:
             for kind, run_of_kind in ran.items():
                 rows.append(composition_row(model, world, kind, run_of_kind, args.tolerance))
                 print(f"{model} on {world} ranks, {kind}: composition error "
-                      f"{rows[-1].error:+.1%}", flush=True)
+                      f"{rows[-1].constant_error:+.1%} (replay {rows[-1].error:+.1%})",
+                      flush=True)
     return rows
 
 
