@@ -10,7 +10,8 @@ reported apart.
   (``compose(..., release=True, gaps=True)``): this *replay* checks that the model of
   streams, links, dependencies and joined collectives reproduces the trace (near 0 by
   construction: no accuracy figure). The *composition error* models host dispatch instead
-  of reading it: one median gap per piece in place of each piece's own (the
+  of reading it: each piece gets the median gap of its class (its stream, and whether it
+  waits for another stream: ``sim.composition.dispatch_model``) in place of its own (the
   ``composition`` column; the goals apply to it). Each row: the median over repeats of the
   measured step, the replayed step and its error, with the spread (min..max), and where the
   replayed timeline first departs from the measured one (``departure``, for the repeat of
@@ -48,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import sim_end_to_end  # noqa: E402
 from benchmarks.sim_runs import KINDS, WORKLOADS, run  # noqa: E402
-from tidal.sim.composition import (compose, departure, dispatch_us,  # noqa: E402
+from tidal.sim.composition import (compose, departure, dispatch_model,  # noqa: E402
                                    measured_pieces, measured_step_us, step_us)
 
 GOALS = {"composition median": 0.05, "composition max": 0.10, "end-to-end median": 0.10,
@@ -84,7 +85,7 @@ class Row:
     @property
     def constant_error(self) -> Optional[float]:
         """The composition error: the median error over repeats of the composition with host
-        dispatch modelled, a constant dispatch per piece (the median measured gap) in place of
+        dispatch modelled, the median measured gap of each piece's class in place of
         each piece's own gap."""
         if not self.constant_us:
             return None
@@ -110,8 +111,9 @@ def composition_row(model: str, world: int, kind: str, run_of_kind, tolerance: f
         measured.append(measured_step_us(traces))
         composed.append(step_us(sim))
         intervals.append(sim)
-        per_piece = dispatch_us(measured_pieces(run_of_kind.programs, traces))
-        constant.append(step_us(compose(run_of_kind.programs, traces, dispatch=per_piece,
+        modelled = dispatch_model(run_of_kind.programs,
+                                  measured_pieces(run_of_kind.programs, traces, False))
+        constant.append(step_us(compose(run_of_kind.programs, traces, delays=modelled,
                                         release=True)))
     errors = [(c - m) / m for c, m in zip(composed, measured)]
     median_at = sorted(range(len(errors)), key=errors.__getitem__)[len(errors) // 2]
@@ -149,7 +151,7 @@ def print_rows(rows: list[Row]) -> None:
 
 def summary(rows: list[Row]) -> list[str]:
     """The lines of the summary issue 36's done-means names, each against its goal. The
-    composition error is the one with host dispatch MODELLED (one median gap per piece, the
+    composition error is the one with host dispatch MODELLED (per piece class, the
     ``composition`` column); the replay (each piece's own measured gap and each rank's side
     of a collective, the ``replay`` column) only checks that the simulator's streams,
     dependencies and joined collectives reproduce the trace: it is near 0 by construction
@@ -169,8 +171,8 @@ def summary(rows: list[Row]) -> list[str]:
                      f"{max(replay):.1%} over {len(replay)} rows")
     if comp:
         med = verdict(statistics.median(comp), "composition median")
-        lines += [f"composition median |error| (host dispatch modelled: one median gap per "
-                  f"piece): {med} over {len(comp)} rows",
+        lines += [f"composition median |error| (host dispatch modelled: the median gap of each "
+                  f"piece's class): {med} over {len(comp)} rows",
                   f"composition max |error|: {verdict(max(comp), 'composition max')}"]
     if e2e:
         med = verdict(statistics.median(e2e), "end-to-end median")

@@ -220,6 +220,35 @@ def dispatch_us(measured: Sequence[Measured]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
+def dispatch_model(programs, measured: Sequence[Measured]) -> dict[tuple[int, int], float]:
+    """Host dispatch per piece, *modelled* rather than read piece by piece: each piece gets
+    the median measured gap of its class over every rank of the run. A class is the piece's
+    stream and whether it waits for a piece of another stream (an event between threads: a
+    hand-off that an inline piece on an idle stream does not pay). By ``(rank, index)``.
+
+    Example: two compute pieces, the second after a comm piece (another stream):
+        >>> from tidal.ir.program import Piece, Program
+        >>> p = Program((Piece("a", "compute"), Piece("ar", "comm", (0,)),
+        ...              Piece("b", "compute", (1,))))
+        >>> m = [Measured(0, 0, "a", "compute", 0, 1, 0, 1.0),
+        ...      Measured(0, 1, "ar", "comm", 1, 2, 1, 1.0),
+        ...      Measured(0, 2, "b", "compute", 5.0, 6.0, 2.0, 1.0)]
+        >>> dispatch_model(p, m)
+        {(0, 0): 0.0, (0, 1): 0.0, (0, 2): 3.0}
+    """
+    by_rank = rank_programs(programs)
+
+    def class_of(m: Measured) -> tuple[str, bool]:
+        piece = by_rank[m.rank].pieces[m.index]
+        return m.stream, any(by_rank[m.rank].pieces[d].stream != piece.stream
+                             for d in piece.deps)
+    gaps: dict[tuple[str, bool], list[float]] = {}
+    for m in measured:
+        gaps.setdefault(class_of(m), []).append(m.gap_us)
+    median = {k: float(statistics.median(v)) for k, v in gaps.items()}
+    return {(m.rank, m.index): median[class_of(m)] for m in measured}
+
+
 def releases_us(traces: Traces) -> dict[int, float]:
     """When each rank began its step (its first piece's start) after the earliest rank did."""
     first = {r: min(t.start_us for t in trace) for r, trace in traces.items() if trace}
@@ -324,7 +353,8 @@ def sides_us(programs, measured: Sequence[Measured]) -> dict[int, dict[int, floa
 def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = False,
             gaps: bool = False, job: str = "fg", thread: bool = False,
             cores: Optional[float] = None, gate_issue: bool = False,
-            sides: bool = True) -> list[Interval]:
+            sides: bool = True, delays: Optional[Mapping[tuple[int, int], float]] = None
+            ) -> list[Interval]:
     """The engine's run of ``programs`` (as ``join_ranks`` takes them) with each piece's own
     measured duration (:func:`measured_pieces`; each piece its own, a name that repeats
     included) plus ``dispatch`` us of host dispatch per piece, after each rank's measured
@@ -336,7 +366,9 @@ def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = Fal
     the shortest side ends it on every rank). ``cores``: the engine's processor sharing of
     compute lanes (``simulate(cores=)``): for durations measured *alone*; measured own
     durations already include the sharing of the run they come from, so leave it None for
-    them. ``traces`` on one clock. A shared piece that waited for no peer
+    them. ``delays``: a modelled dispatch delay per ``(rank, index)`` in place of each
+    piece's measured gap (:func:`dispatch_model`; delays as ``gaps`` does). ``traces`` on one
+    clock. A shared piece that waited for no peer
     (:attr:`Measured.joined` false) is simulated on its rank alone. ``gate_issue``: as
     :func:`measured_pieces` takes it. Intervals of :data:`RELEASE`, dispatch and side pieces
     are left out; the others keep their piece's name and the lane of its stream, and a
@@ -346,7 +378,9 @@ def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = Fal
     shared = {r: shared_keys(p) for r, p in by_rank.items()}
     own = {(m.rank, m.index): m.own_us for m in measured}
     longer = sides_us(by_rank, measured) if sides else {}
-    terms = {r: _Terms({m.index: m.gap_us for m in measured if gaps and m.rank == r},
+    terms = {r: _Terms({m.index: m.gap_us if delays is None else
+                        delays.get((m.rank, m.index), 0.0) for m in measured
+                        if (gaps or delays is not None) and m.rank == r},
                        frozenset(m.index for m in measured if m.rank == r
                                  and m.index in shared[r] and not m.joined),
                        longer.get(r, {}))
