@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Callable, Mapping
 
-from tidal.ir.program import COMPUTE, Piece, Program, data_parallel_program
+from tidal.ir.program import COMM, COMPUTE, Piece, Program, data_parallel_program
 
 GOAL_DP_VS_DDP = 1.05
 """Data-parallel program with overlap / PyTorch DDP, 2 gloo ranks: at most this."""
@@ -116,6 +116,7 @@ def us_per_piece(repeats: int = 30, units: int = 50, runner=None
         >>> sorted(us_per_piece(repeats=1, units=2))
         ['compute chain', 'data-parallel']
     """
+    from tidal.runtime.backend import OnCaller
     from tidal.runtime.program import ProgramRunner
 
     own = runner is None
@@ -123,7 +124,9 @@ def us_per_piece(repeats: int = 30, units: int = 50, runner=None
     programs = trivial_programs(units)
 
     def work(index: int, piece: Piece) -> Callable[[], None]:
-        return lambda: None
+        # as the data-parallel programs bind them: a sync piece only issues its all-reduce
+        # (async), so it runs on the dispatching thread (OnCaller), not on a stream worker
+        return OnCaller(lambda: None) if piece.stream == COMM else (lambda: None)
 
     try:
         for p in programs.values():
