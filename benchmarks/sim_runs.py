@@ -258,14 +258,22 @@ def run(world: int, name: str, batch: int, folder: Path, kinds: Sequence[str] = 
     """Every kind of ``kinds`` run on ``world`` gloo ranks (one spawned job) with model
     ``name`` at global batch ``batch``: ``{kind: KindRun}``. ``folder``: where the layer
     groups' weight store is written."""
-    from tidal.sim.composition import on_one_clock
-
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"sim_runs.run: unknown plan kind(s) {unknown}; of {KINDS}")
     store = write_store(name, batch, folder) if "layer groups" in kinds else None
     ranks = spawn(run_kinds, world, name, batch, store, tuple(kinds), repeats,
                   timeout_s=timeout_s)
+    return collect(ranks, kinds, repeats)
+
+
+def collect(ranks: Sequence[dict], kinds: Sequence[str] = KINDS, repeats: int = 1
+            ) -> dict[str, KindRun]:
+    """:func:`run_kinds`'s results of every rank (``spawn``'s list) as ``{kind: KindRun}``,
+    each repeat's traces on one clock."""
+    from tidal.sim.composition import on_one_clock
+
+    world = len(ranks)
     out = {}
     for kind in kinds:
         programs = {r: ranks[r][kind][0] for r in range(world)}

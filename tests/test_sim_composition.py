@@ -9,18 +9,50 @@ own measured duration (``tidal.sim.composition``), must reproduce the trace's or
 and stream) and its overlap (which pieces of different streams overlap in time and which are
 apart), for every kind. No timing is asserted: the overlap is compared only where the trace is
 clear by a margin (pairs within it are too close to call)."""
-import pytest
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
-from benchmarks.sim_runs import KINDS, run
+import pytest
+from background_jobs import Job
+
+from benchmarks.sim_runs import KINDS, collect, run_kinds, write_store
 
 BATCH = 8
 
 
+def _folder() -> Path:
+    """Where the job's weight store is written: a folder of this process (the job is made
+    at collection, before any tmp_path)."""
+    return Path(tempfile.gettempdir()) / f"tidal-test-sim-composition-{os.getpid()}"
+
+
+def _job() -> Job:
+    """The module's one 2-rank job (``sim_runs.run_kinds`` on the tiny MLP), its layer
+    groups' weight store written first (once per session)."""
+    folder = _folder()
+    store = folder / "groups_mlp.safetensors"
+    if not store.exists():
+        folder.mkdir(exist_ok=True)
+        write_store("mlp", BATCH, folder)
+    return Job(run_kinds, 2, ("mlp", BATCH, str(store), KINDS, 1), {"timeout_s": 600})
+
+
+def background_job(items):
+    """Run in the background while other modules run (``tests/conftest.py``) when a
+    collected test reads it."""
+    return _job() if any("runs" in getattr(i, "fixturenames", ()) for i in items) else None
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, background_jobs):
     """{kind: ({rank: program}, {rank: trace on one clock}, {rank: extra})}: the last of
     the runs' steps (``benchmarks/sim_runs.py``: one spawned job of 2 ranks, the tiny MLP)."""
-    ran = run(2, "mlp", BATCH, tmp_path_factory.mktemp("groups"), repeats=1)
+    try:
+        ran = collect(background_jobs.result(request.module.__name__, _job()), KINDS, 1)
+    finally:
+        shutil.rmtree(_folder(), ignore_errors=True)
     return {kind: (r.programs, r.traces[-1], r.extra) for kind, r in ran.items()}
 
 
