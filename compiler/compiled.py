@@ -23,7 +23,7 @@ from tidal.ir.pass_api import Executor, PassContext
 from tidal.ir.plan import CompiledPlan
 from tidal.ir.step_state import step_state
 from tidal.runtime import executors
-from tidal.runtime.batch_data import global_batch
+from tidal.runtime.batch_data import BatchCheck, batch_check, global_batch
 from tidal.runtime.program import chrome_trace, device_of
 from tidal.runtime.programs.step_failures import collective_errors
 from tidal.runtime.programs.graph import GraphProgram, lowered_graph
@@ -179,11 +179,12 @@ class Compiled(ModuleFace):
         if self.context.loss_fn is None:
             raise ValueError("Compiled.step needs a loss: tidal.compile(..., loss_fn=fn) with "
                              "fn(outputs, targets) -> scalar tensor")
-        inputs, targets = self._global_batch(inputs, targets, "Compiled.step inputs")
+        inputs, targets, check = self._global_batch(inputs, targets, "Compiled.step inputs",
+                                                    defer=True)
         check_rows(inputs, targets, "Compiled.step")
         kept = StateSnapshot(self.model, self.optimizer, self) if self.check_finite else None
         loss = self.executor.step(self._step_graph(), self.model, inputs, targets,
-                                  self.context.loss_fn, self.optimizer)
+                                  self.context.loss_fn, self.optimizer, batch_check=check)
         if kept is not None and not bool(torch.isfinite(loss).all()):
             left = kept.restore()
             check_loss(loss, self.calls, "Compiled.step", "the parameters, buffers and "
@@ -191,15 +192,22 @@ class Compiled(ModuleFace):
                        (f", {left}" if left else ""))
         return loss
 
-    def _global_batch(self, inputs: Any, targets: Any, what: str) -> tuple[tuple, Any]:
+    def _global_batch(self, inputs: Any, targets: Any, what: str, defer: bool = False
+                      ) -> tuple[tuple, Any, Optional[BatchCheck]]:
         """The step's global batch from what this rank passed (``compile(batch=...)``:
         ``tidal.runtime.batch_data.global_batch``), its inputs bound to the graph's
-        placeholders."""
+        placeholders, and its deferred check. With ``defer`` (a step the executor numbers),
+        under ``batch="global"`` with ``check_batch`` on several ranks, the ranks' batches are
+        not exchanged here: the ``BatchCheck`` returned rides on the step's loss all-reduce
+        (``tidal.runtime.batch_data.batch_check``), no round of its own; else it is None."""
         inputs = bind_inputs(self.graph_module, inputs, what)
+        if defer and self.context.batch == "global" and self.context.check_batch:
+            return inputs, targets, batch_check(inputs, targets, group=self._batch_group())
         with collective_errors(what.split(" ")[0], f"the exchange of the ranks' batches "
                                f"(compile(batch={self.context.batch!r}))"):
-            return global_batch(inputs, targets, self.context.batch,
-                                check=self.context.check_batch, group=self._batch_group())
+            return *global_batch(inputs, targets, self.context.batch,
+                                 check=self.context.check_batch,
+                                 group=self._batch_group()), None
 
     def _batch_group(self) -> Any:
         """The process group of the batch exchange, a group of its own (made on first use;
@@ -282,13 +290,14 @@ class Compiled(ModuleFace):
         if self.context.loss_fn is None:
             raise ValueError("Compiled.backward needs a loss: tidal.compile(..., loss_fn=fn) "
                              "with fn(outputs, targets) -> scalar tensor")
-        inputs, targets = self._global_batch(inputs, targets, "Compiled.backward inputs")
+        inputs, targets, check = self._global_batch(inputs, targets,
+                                                    "Compiled.backward inputs", defer=True)
         check_rows(inputs, targets, "Compiled.backward")
         if isinstance(scale, torch.amp.GradScaler):   # its scale, as scaler.scale(loss) reads it
             scale = scale.scale(torch.ones((), device=device_of(self.model)))
         loss = self.executor.backward(self._step_graph("Compiled.backward"), self.model,
                                       inputs, targets, self.context.loss_fn, scale=scale,
-                                      sync=not self._no_sync)
+                                      sync=not self._no_sync, batch_check=check)
         if self.check_finite:
             check_loss(loss, self.calls, "Compiled.backward", "no optimizer has stepped, but "
                        "its gradients were added to .grad: zero them before the next step")
@@ -331,7 +340,7 @@ class Compiled(ModuleFace):
 
         def bound(i: int) -> tuple[Any, Any]:
             inputs, targets = batches(i)
-            return self._global_batch(inputs, targets, "Compiled.job inputs")
+            return self._global_batch(inputs, targets, "Compiled.job inputs")[:2]
 
         return self.executor.job(name, self._step_graph(), self.model, bound,
                                  self.context.loss_fn, self.optimizer, iterations)

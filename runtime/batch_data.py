@@ -7,7 +7,14 @@ two ways, chosen at compile (``tidal.compile(..., batch=)``, ``PassContext.batch
   one small all-gather of a per-rank header (a hash of the batch's structure and of a float64
   fingerprint per tensor: element count, sum, sum of squares and a position-weighted sum of a
   strided sample) catches ranks whose batches differ, and a :class:`BatchError` names the input
-  and the ranks. Every rank sees every header, so every rank raises: nothing hangs.
+  and the ranks. Every rank sees every header, so every rank raises: nothing hangs. A training
+  step need not make that round: :func:`batch_check` gives the header's hash as a
+  :class:`BatchCheck`, whose :meth:`BatchCheck.values` ride on a collective the step makes
+  anyway (the loss all-reduce, ``tidal.runtime.programs.replica_sync.reduce_loss_async``); only
+  when the sums say the ranks differ does :meth:`BatchCheck.mismatch` exchange what names the
+  input and raise the same :class:`BatchError` (every rank sees the same sums, so every rank
+  takes that branch). :meth:`BatchCheck.exchange` is the separate round, for a step without
+  such a collective.
 * ``"local"``: each rank passes its own local batch (a ``DistributedSampler``). The tensors are
   all-gathered along dim 0 in rank order into the global batch (local sizes exchanged first; a
   last, smaller batch is padded for the collective and trimmed), so the programs' sharding
@@ -267,22 +274,123 @@ def _agree(leaves: list[Leaf], spec: Any, convention: _Convention, compare: bool
     every rank when a rank's batch has a dim-0 error or the ranks' batches differ where they
     must not. Returns the headers, ``(world, 4)``."""
     what = "the global batch" if convention is _Convention.GLOBAL else "this rank's local batch"
-    error = rows_error(leaves, what)
-    descriptions = _describe(leaves, convention, compare)
-    headers = _exchange((int(convention), int(bool(error)), _local_rows(leaves),
-                        _structure_hash(spec, descriptions)), group)
-    if (headers[:, 0] != headers[0, 0]).any():
-        raise BatchError(f"global_batch: the ranks use different batch conventions "
-                         f"({_grouped([BATCH_CONVENTIONS[int(c)] for c in headers[:, 0]])}); "
-                         f"compile with the same batch= on every rank")
-    if headers[:, 1].any() or (headers[:, 3] != headers[0, 3]).any():
-        why = _disagreement((error, [(x.name, d) for x, d in zip(leaves, descriptions)]),
-                           spec, group)
-        fix = _FIX if convention is _Convention.GLOBAL else _LOCAL_FIX
-        fix = "" if headers[:, 1].any() else f"; {fix}"
-        raise BatchError(f"global_batch ({BATCH_CONVENTIONS[int(convention)]} batches): "
-                         f"{why}{fix}")
-    return headers
+    return _Header(convention, rows_error(leaves, what), _local_rows(leaves),
+                   tuple(x.name for x in leaves), tuple(_describe(leaves, convention, compare)),
+                   spec).exchange(group)
+
+
+@dataclass(frozen=True)
+class _Header:
+    """What a rank's batch must agree on: its ``convention``, its dim-0 ``error`` ('' for
+    none), its ``rows``, each leaf's ``names`` and ``descriptions`` (:func:`_describe`) and
+    the tree ``spec``."""
+
+    convention: _Convention
+    error: str
+    rows: int
+    names: tuple[str, ...]
+    descriptions: tuple[str, ...]
+    spec: Any
+
+    @property
+    def digest(self) -> int:
+        """The 62-bit hash of the spec and the descriptions (:func:`_structure_hash`)."""
+        return _structure_hash(self.spec, self.descriptions)
+
+    def exchange(self, group: Any) -> torch.Tensor:
+        """The headers of every rank (one all-gather, ``(world, 4)``), raising the same
+        :class:`BatchError` on every rank where they disagree (see :func:`_agree`)."""
+        headers = _exchange((int(self.convention), int(bool(self.error)), self.rows,
+                             self.digest), group)
+        if (headers[:, 0] != headers[0, 0]).any():
+            raise BatchError(f"global_batch: the ranks use different batch conventions "
+                             f"({_grouped([BATCH_CONVENTIONS[int(c)] for c in headers[:, 0]])})"
+                             f"; compile with the same batch= on every rank")
+        if headers[:, 1].any() or (headers[:, 3] != headers[0, 3]).any():
+            raise self.mismatch(group, named_error=bool(headers[:, 1].any()))
+        return headers
+
+    def mismatch(self, group: Any, named_error: bool = False) -> BatchError:
+        """Once every rank knows the headers differ (a collective every rank makes, only
+        then): the :class:`BatchError` naming the ranks and the leaves at fault
+        (:func:`_disagreement`); ``named_error``: a rank's dim-0 error, which says its own
+        fix."""
+        why = _disagreement((self.error, list(zip(self.names, self.descriptions))), self.spec,
+                            group)
+        fix = _FIX if self.convention is _Convention.GLOBAL else _LOCAL_FIX
+        return BatchError(f"global_batch ({BATCH_CONVENTIONS[int(self.convention)]} batches): "
+                          f"{why}{'' if named_error else f'; {fix}'}")
+
+
+HASH_BITS = 20
+"""Each of the two values :meth:`BatchCheck.values` carries is this many bits of the header's
+hash: ``world * sum(h ** 2)`` stays exact in float64 (below ``2 ** 53``) for any world below
+``2 ** (53 - 2 * HASH_BITS)`` = 8192 ranks."""
+
+
+@dataclass(frozen=True)
+class BatchCheck:
+    """A global batch's check across ranks, made by riding on a collective the step makes
+    anyway instead of a round of its own (:func:`batch_check` makes one). The collective sums
+    :meth:`values` over the ranks: two independent :data:`HASH_BITS`-bit values ``h`` of the
+    header's hash and their squares; the ranks agree iff ``world * sum(h ** 2) == sum(h) **
+    2`` for both (Cauchy-Schwarz: equality iff every rank's ``h`` is equal). Where they do
+    not, every rank sees the same sums and calls :meth:`mismatch`, which names the input and
+    the ranks. :meth:`exchange` is the check as a round of its own (on ``group``).
+
+    Example:
+        >>> import torch
+        >>> check = batch_check((torch.ones(2, 3),), torch.zeros(2))   # no process group
+        >>> check is None
+        True
+    """
+
+    header: _Header
+    group: Any = None
+    """The process group of :meth:`exchange` (the batch exchange's)."""
+
+    def values(self) -> list[float]:
+        """``[h1, h1 ** 2, h2, h2 ** 2]``: integers below ``2 ** 40``, exact in float64."""
+        mask = (1 << HASH_BITS) - 1
+        h1, h2 = self.header.digest & mask, (self.header.digest >> HASH_BITS) & mask
+        return [float(h1), float(h1 * h1), float(h2), float(h2 * h2)]
+
+    def mismatch(self, group: Any) -> BatchError:
+        """The :class:`BatchError` to raise on every rank of ``group`` once the sums of
+        :meth:`values` say the ranks' batches differ (an all-gather naming the input at
+        fault: every rank of ``group`` must call it)."""
+        return self.header.mismatch(group)
+
+    def exchange(self) -> None:
+        """The check as a round of its own (one all-gather on :attr:`group`, as
+        :func:`global_batch` makes it), for a step with no collective to ride on."""
+        self.header.exchange(self.group)
+
+
+def batch_check(inputs: Any, targets: Any, *, group: Optional[dist.ProcessGroup] = None
+                ) -> Optional[BatchCheck]:
+    """The check that every rank of ``group`` passed the same global batch ``(inputs,
+    targets)``, without a collective now (:class:`BatchCheck`; None with one rank). A tensor
+    whose dim 0 is not the batch's raises :class:`BatchError` here, on this rank: under the
+    global convention every rank passes that same batch, so every rank raises.
+
+    Example:
+        >>> import torch
+        >>> try:
+        ...     batch_check((torch.ones(4, 2),), torch.ones(3))
+        ... except BatchError as e:
+        ...     print(str(e)[:48])
+        global_batch: targets has 3 rows in dim 0 but th
+    """
+    leaves, spec = batch_leaves(inputs, targets)
+    error = rows_error(leaves, "the global batch")
+    if error:
+        raise BatchError(f"global_batch: {error}")
+    if group_size(group) == 1:
+        return None
+    return BatchCheck(_Header(_Convention.GLOBAL, "", _local_rows(leaves),
+                              tuple(x.name for x in leaves),
+                              tuple(_describe(leaves, _Convention.GLOBAL, True)), spec), group)
 
 
 def _gathered_rows(tensors: Sequence[torch.Tensor], sizes: Sequence[int], group: Any

@@ -59,10 +59,12 @@ from tidal.ir.program import COMM, HOST, Piece, Program, data_parallel_program
 # re-exported: the builders and the README name them here
 from tidal.ir.program import COMPUTE, TRANSFER, split_pieces  # noqa: F401
 from tidal.runtime.backend import Backend, CudaBackend, OnCaller, backend_for
+from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.bucket_sync import BucketSync, Completion
 from tidal.runtime.distributed import group_size
 from tidal.runtime.lower import lower
 from tidal.runtime.programs.optimizer_wiring import set_grads
+from tidal.runtime.programs.step_failures import collective_errors
 from tidal.runtime.scheduler import BoundPiece
 from tidal.runtime.scheduling.alone import Route, dispatch_alone, route
 from tidal.runtime.scheduling.pieces import STREAMS, stream_kind  # noqa: F401
@@ -532,18 +534,21 @@ class ProgramExecutor:
         return self.rank_program.forward(gm, *args, **kwargs)
 
     def step(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
-             loss_fn: Callable, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """One training step: bind the program to this step's tensors and run it."""
+             loss_fn: Callable, optimizer: torch.optim.Optimizer,
+             batch_check: Optional[BatchCheck] = None) -> torch.Tensor:
+        """One training step: bind the program to this step's tensors and run it.
+        ``batch_check``: the ranks' global batches still to be compared (see :meth:`_number`)."""
         self.device = device_of(model, inputs)
         self.calls += 1
         bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
-        self._number(bound)
+        self._number(bound, batch_check)
         self.last_program = bound.program
         self.last_trace = self.runner.launch(bound.program, bound.work)
         return bound.loss()
 
     def backward(self, gm: fx.GraphModule, model: torch.nn.Module, inputs: tuple, targets: Any,
-                 loss_fn: Callable, *, scale: Any = None, sync: bool = True) -> torch.Tensor:
+                 loss_fn: Callable, *, scale: Any = None, sync: bool = True,
+                 batch_check: Optional[BatchCheck] = None) -> torch.Tensor:
         """The open step (``Compiled.backward``): forward, ``loss_fn(outputs, targets)`` and
         backward of one (micro-)batch as the rank program binds them
         (:class:`OpenRankProgram`): with ``sync``, the gradient of ``scale * loss`` (plus what
@@ -573,14 +578,23 @@ class ProgramExecutor:
         self.device = device_of(model, inputs)
         self.calls += 1
         bound = bind(gm, model, inputs, targets, loss_fn, scale, sync)
-        self._number(bound)
+        self._number(bound, batch_check)
         self.last_program = bound.program
         self.last_trace = self.runner.launch(bound.program, bound.work)
         return bound.loss()
 
-    def _number(self, bound: StepWork) -> None:
+    def _number(self, bound: StepWork, check: Optional[BatchCheck] = None) -> None:
         """Give ``bound`` its step number, :attr:`calls`, and the runner's clock, where it
-        takes them (``step_number``, ``clock``: see :class:`StepWork`)."""
+        takes them (``step_number``, ``clock``: see :class:`StepWork`). The step's global-batch
+        ``check`` (``Compiled.step``/``backward`` under ``compile(batch="global")``): ``bound``
+        carries it on its loss all-reduce where it takes a ``batch_check``; otherwise it is
+        exchanged here, in a round of its own, before any piece runs."""
+        if check is not None and hasattr(bound, "batch_check"):
+            bound.batch_check = check
+        elif check is not None:
+            with collective_errors(plan_kind_of(self.rank_program),
+                                   "the exchange of the ranks' batches (check_batch)"):
+                check.exchange()
         if hasattr(bound, "step_number"):
             bound.step_number = self.calls
         if hasattr(bound, "clock"):

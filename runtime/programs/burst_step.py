@@ -67,6 +67,7 @@ from tidal.ir.burst_sync import Bucket
 from tidal.ir.node_runner import flat_tensors
 from tidal.ir.program import Piece, Program
 from tidal.ir.step_state import autocast_state
+from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.distributed import all_reduce_tensors, collective_device, is_distributed
 from tidal.runtime.programs.burst_layout import StepLayout
@@ -204,6 +205,10 @@ class BurstStep:
     step_number: Optional[int] = None
     """This step's number (``ProgramExecutor.calls``; the executor sets it after binding),
     checked against every rank's once the loss is computed (the module docstring)."""
+    batch_check: Optional[BatchCheck] = None
+    """The step's global-batch check (given by the executor beside :attr:`step_number`): it
+    rides on the same step check, ``BatchError`` on every rank before the last piece changes
+    anything when the ranks' batches differ."""
     guard: FailFast = field(default_factory=lambda: FailFast(WHO))
     autocast: AutocastState = field(default_factory=autocast_state)
     """The binding thread's autocast state: the forward and backward pieces run under it."""
@@ -249,11 +254,11 @@ class BurstStep:
     def _issue_step_check(self) -> None:
         """On several ranks with a step number: the step check's all-reduce issued, not waited
         for (:meth:`_await_step_check` waits; the module docstring)."""
-        if self.step_number is None or not is_distributed():
+        if (self.step_number is None and self.batch_check is None) or not is_distributed():
             return
         with collective_errors(WHO, STEP_CHECK):
             self._agreed = reduce_loss_async(self._loss.detach(), None, step=self.step_number,
-                                             who=WHO)
+                                             who=WHO, batch=self.batch_check)
 
     def _await_step_check(self) -> None:
         """Before the last piece changes anything: wait for the step check, raising

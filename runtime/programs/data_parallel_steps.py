@@ -33,6 +33,7 @@ from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGra
                                                      scaled, set_grads)
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, AutocastState, under_autocast
 from tidal.runtime.backend import OnCaller
+from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.bucket_sync import Completion
 from tidal.runtime.comm.compressors import NoCompression
 from tidal.runtime.programs.replica_sync import broadcast_state, reduce_loss_async
@@ -90,6 +91,11 @@ class DataParallelStep:
     step_number: Optional[int] = None
     """This step's number (``ProgramExecutor.calls``): the loss all-reduce checks that every
     rank is on it (None: not checked)."""
+
+    batch_check: Optional[BatchCheck] = None
+    """The step's global-batch check (given by the executor, ``compile(batch="global")``):
+    it rides on the loss all-reduce, which :meth:`_agree` waits for before anything changes,
+    so ranks given different batches raise ``BatchError`` before any of them updates."""
 
     clock: Optional[Callable[[], float]] = None
     """The runner's clock (``Backend.now_us``, given by the executor): a sync piece then
@@ -249,7 +255,7 @@ class DataParallelStep:
         the same order, before any later round of a compressor), :meth:`loss` waits for it."""
         return reduce_loss_async(scaled(self.local_loss().detach(), self._weight),
                                  self._owner.comm.group, step=self.step_number,
-                                 who=self.guard.who)
+                                 who=self.guard.who, batch=self.batch_check)
 
 
 class CapturedStep(DataParallelStep):

@@ -3,7 +3,9 @@
 BatchNorm's running statistics, each rank updated from its own batch) and the step's loss
 reduced over the ranks (:func:`reduce_loss`; given the step's number, the same all-reduce
 checks that every rank is on that step, :class:`~tidal.runtime.programs.step_failures.
-StepMismatchError` otherwise). Each is a no-op in one process.
+StepMismatchError` otherwise, and given the step's batch check, that every rank got the same
+global batch, :class:`~tidal.runtime.batch_data.BatchError` otherwise). Each is a no-op in one
+process.
 
 Example:
     >>> import torch
@@ -19,6 +21,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.distributed import all_reduce_tensors, collective_device, group_size
 from tidal.runtime.programs.step_failures import check_steps
 
@@ -43,19 +46,35 @@ def average_buffers(buffers: Iterable[torch.Tensor],
 
 
 def reduce_loss(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                mean: bool = True, step: Optional[int] = None, who: str = "") -> torch.Tensor:
+                mean: bool = True, step: Optional[int] = None, who: str = "",
+                batch: Optional[BatchCheck] = None) -> torch.Tensor:
     """A detached copy of ``loss`` summed over the ranks of ``group`` (with ``mean``: averaged:
     each rank's loss is that of its own shard). With ``step`` (this rank's step number), the
     same all-reduce carries ``step`` and ``step ** 2`` beside the loss (float64, exact below
     2 ** 26 steps): the ranks agree when ``world * sum(step ** 2) == sum(step) ** 2``; when
     they do not (every rank sees the same sums), one more all-gather names every rank's step
-    and a ``StepMismatchError`` of pass ``who`` is raised on every rank."""
-    return reduce_loss_async(loss, group, mean, step, who)()
+    and a ``StepMismatchError`` of pass ``who`` is raised on every rank. With ``batch`` (the
+    step's :class:`~tidal.runtime.batch_data.BatchCheck`), its values ride on it too, checked
+    the same way: ranks whose global batches differ raise its ``BatchError`` on every rank
+    (after one all-gather that names the input), with no round of its own."""
+    return reduce_loss_async(loss, group, mean, step, who, batch)()
+
+
+def _uniform(total: float, squares: float, world: int) -> bool:
+    """Whether ``world`` ranks' integers (summed: ``total``, their squares summed:
+    ``squares``, each below ``2 ** 53``) are all equal: ``world * squares == total ** 2``,
+    in Python integers (exact; Cauchy-Schwarz: equality iff every value is the mean).
+
+    Example:
+        >>> _uniform(6.0, 18.0, 2), _uniform(6.0, 20.0, 2)   # [3, 3], then [2, 4]
+        (True, False)
+    """
+    return world * int(squares) == int(total) ** 2
 
 
 def reduce_loss_async(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                      mean: bool = True, step: Optional[int] = None, who: str = ""
-                      ) -> Callable[[], torch.Tensor]:
+                      mean: bool = True, step: Optional[int] = None, who: str = "",
+                      batch: Optional[BatchCheck] = None) -> Callable[[], torch.Tensor]:
     """:func:`reduce_loss` issued now, without waiting (the all-reduce runs beside what the
     caller does next, as DDP's buckets run beside backward); the function returned waits for
     it and gives the reduced loss (raising as :func:`reduce_loss` does).
@@ -68,25 +87,31 @@ def reduce_loss_async(loss: torch.Tensor, group: Optional[dist.ProcessGroup] = N
     if world == 1:
         return lambda: out
     device = collective_device(group)
-    if step is None:
-        sums = out.reshape(-1).to(device)
-    else:
+    if batch is not None and group_size(batch.group) != world:   # it covers fewer ranks
+        batch.exchange()
+        batch = None
+    extra = ([] if step is None else [float(step), float(step * step)]) + \
+        ([] if batch is None else batch.values())
+    if extra:
         sums = torch.cat([out.reshape(-1).to(device, torch.float64),
-                          torch.tensor([step, step * step], dtype=torch.float64,
-                                       device=device)])
+                          torch.tensor(extra, dtype=torch.float64, device=device)])
+    else:
+        sums = out.reshape(-1).to(device)
     work = dist.all_reduce(sums, group=group, async_op=True)
 
     def result() -> torch.Tensor:
         work.wait()
-        reduced = sums
+        tail = sums[out.numel():].tolist()
         if step is not None:
-            total, squares = float(sums[-2]), float(sums[-1])
-            if world * squares != total * total:
+            if not _uniform(tail[0], tail[1], world):
                 steps = torch.zeros(world, dtype=torch.int64, device=device)
                 dist.all_gather_into_tensor(steps, torch.tensor([step], device=device),
                                             group=group)
                 check_steps(who or "the loss all-reduce", step, steps.tolist())
-            reduced = sums[:-2]
-        reduced = reduced.view(out.shape).to(out.dtype)
+            tail = tail[2:]
+        if batch is not None and not (_uniform(tail[0], tail[1], world) and
+                                      _uniform(tail[2], tail[3], world)):
+            raise batch.mismatch(group)
+        reduced = sums[:out.numel()].view(out.shape).to(out.dtype)
         return (reduced / world if mean else reduced).to(out.device)
     return result

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from tidal.ir.program import Piece, Program
 from tidal.ir.round_robin_program import Slot
 from tidal.ir.step_state import autocast_state
+from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.distributed import all_reduce_tensors
 from tidal.runtime.programs.optimizer_wiring import step_only
 from tidal.runtime.programs.piece_autocast import NO_AUTOCAST, under_autocast
@@ -98,6 +99,9 @@ class RoundRobinStep:
     """What the loss's backward is seeded with (None: 1; the open step's loss scale)."""
     step_number: Optional[int] = None
     """This step's number (``ProgramExecutor.calls``), checked by the loss all-reduce."""
+    batch_check: Optional[BatchCheck] = None
+    """The step's global-batch check (given by the executor), carried by the loss all-reduce:
+    ``BatchError`` on every rank before any update when the ranks' batches differ."""
 
     def __init__(self, owner: Any, program: Program, slots: tuple[Slot, ...],
                  here: tuple[int, ...], world: int, micro: Sequence[MicroBatch],
@@ -264,7 +268,8 @@ class RoundRobinStep:
 
     def _all_reduce_loss(self, slot: Slot) -> None:
         self._loss = reduce_loss(torch.tensor(self.states[slot.rank].loss), mean=False,
-                                 step=self.step_number, who="round_robin")
+                                 step=self.step_number, who="round_robin",
+                                 batch=self.batch_check)
 
     def _update(self, slot: Slot) -> None:
         """Step the optimizer: on every parameter (one process), or (a process group) on the

@@ -96,6 +96,8 @@ class TickTockStep:
 
     step_number: Optional[int] = None
     """This step's number (``ProgramExecutor.calls``), checked by the loss all-reduce."""
+    # no ``batch_check``: the loss piece runs after the waves' U pieces, so a batch check on
+    # it would raise after the parameters changed; the executor makes its own round instead
 
     def __init__(self, owner: Any, captured: StepCapture, waves: dict[str, Wave],
                  loss_fn: Callable, world: int):

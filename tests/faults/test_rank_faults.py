@@ -5,17 +5,22 @@ next loss all-reduce (burst_parallel: at its step check); in the same job, one r
 under ``check_finite=True`` make every rank raise ``NonFiniteLossError`` naming the step, and an
 empty global batch a ``BatchError``, every rank's parameters left as they were. The fault is
 injected where a step begins on the faulty rank (its rank program's ``bind``), after the batch
-check every rank made. A peer killed or stalled: ``test_peer_faults.py``."""
+check every rank made. Also in that job (issue #35, the batch check at no extra round): rank 1
+given another global batch than rank 0 under ``check_batch`` (the default) raises ``BatchError``
+naming the input on every rank under each training pass, parameters as before; a matching step
+under data parallelism makes no all-gather (the check rides on the loss all-reduce). A peer
+killed or stalled: ``test_peer_faults.py``."""
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tidal
 from tidal.compiler.step_checks import NonFiniteLossError
 from tidal.runtime.distributed import spawn
 
-from .fault_cases import PG_TIMEOUT_S, compiled, fault_at_next_bind
+from .fault_cases import PG_TIMEOUT_S, TRAINING_PASSES, compiled, fault_at_next_bind
 
 STEP_APART = ("compression", "round_robin", "burst_parallel")
 
@@ -47,7 +52,61 @@ def _a_step_apart(rank, world):
                 assert rank == 1 and step == 1 and "injected fault" in str(e), e
     for name in ("compression", "burst_parallel"):
         out[f"nan {name}"] = _bad_batches(rank, name)
+    for name in TRAINING_PASSES:
+        out[f"batch {name}"] = _different_batches(rank, name)
+    out["gathers"] = _all_gathers_of_a_step()
     return out
+
+
+def _different_batches(rank, name):
+    """Under pass ``name`` with the batch check on: a good step, then one where rank 1's
+    global batch differs from rank 0's in one element, then a good step again. What this rank
+    saw of the bad one (the error's type and message, or 'no error'), whether the parameters
+    are as before it, and whether the last step's loss is finite."""
+    c, x, y = compiled(name)
+    c.step((x,), y)
+    bad = x.clone()
+    if rank == 1:
+        bad[3, 2] += 1.0
+    before = [p.detach().clone() for p in c.model.parameters()]
+    try:
+        c.step((bad,), y)
+        seen = "no error"
+    except tidal.BatchError as e:
+        seen = f"{type(e).__name__} {e}"
+    kept = all(torch.equal(a, p) for a, p in zip(before, c.model.parameters()))
+    return seen, kept, bool(torch.isfinite(c.step((x,), y)))
+
+
+def _all_gathers_of_a_step():
+    """How many all-gathers (any of torch.distributed's) a matching step makes under data
+    parallelism (the compression pass, no compressor) with the batch check on: 0, the check
+    riding on the loss all-reduce (it was one all-gather of the batch headers per step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    c = tidal.compile(model, (x,), passes=["compression"], compressor="none", example_targets=y,
+                      loss_fn=torch.nn.functional.cross_entropy,
+                      optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+    c.step((x,), y)   # the first step (the broadcast, the program's agreement) aside
+    names = [n for n in dir(dist) if n.startswith("all_gather") or n == "_all_gather_base"]
+    calls = []
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+    try:
+        for n in names:
+            setattr(dist, n, counted(n))
+        c.step((x,), y)
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    return calls
 
 
 def _bad_batches(rank, name):
@@ -96,3 +155,10 @@ def test_ranks_a_step_apart_raise_step_mismatch_on_every_rank():
             assert empty.startswith("BatchError - True Compiled.step: the global batch is "
                                     "empty"), (rank, name, empty)
             assert after == "finite True", (rank, name, after)
+        for name in TRAINING_PASSES:   # rank 1's global batch differs in inputs[0]
+            seen, kept, finite = out[rank][f"batch {name}"]
+            assert seen.startswith("BatchError global_batch (global batches): inputs[0] "
+                                   "differs across ranks (ranks [0]:"), (rank, name, seen)
+            assert "ranks [1]:" in seen, (rank, name, seen)
+            assert kept and finite, (rank, name, kept, finite)   # before any update
+        assert out[rank]["gathers"] == [], (rank, out[rank]["gathers"])
