@@ -3,7 +3,7 @@ ranks, and where backward has finalised them.
 
 A layer of a burst-parallel graph runs on a set of ranks; its parameters' gradients are summed
 over those ranks (a rank alone syncs nothing). In backward order the gradients of consecutive
-layers on the same set go into buckets of at most ``bucket_bytes`` by the one gradient-bucket
+layers on the same set go into buckets closed at ``bucket_bytes`` by the one gradient-bucket
 rule (``tidal.ir.comm_cost.gradient_buckets``), the rule the planner's time model and the
 simulator cut their buckets by too. The runtime's burst program (``tidal.runtime.programs.burst``)
 issues each bucket's all-reduce as soon as backward has run back to its :attr:`Bucket.ready`
@@ -116,8 +116,8 @@ def sync_buckets(gm: fx.GraphModule, param_ranks: Mapping[str, Ranks], world: in
     many ``tidal::scatter``/``gather`` nodes come before its first use); a parameter on one
     rank is not synced, but its layer still ends the run before it.
     ``tidal.ir.comm_cost.gradient_buckets`` cuts them: runs of equal keys (consecutive layers
-    on the same ranks), each cut into buckets of at most ``bucket_bytes`` (a larger tensor
-    gets a bucket of its own). A bucket is ready where its earliest parameter
+    on the same ranks), each cut into buckets closed once they hold ``bucket_bytes`` or more
+    (as DDP closes them). A bucket is ready where its earliest parameter
     is first read (an unused parameter: at the start), and the buckets are ordered by
     readiness, latest first.
 

@@ -71,19 +71,28 @@ def all_gather_us(nbytes_per_gpu: float, p: int, bytes_per_us: float, latency_us
 
 def bucket_partition(sizes: Sequence[float], cap_bytes: float = DDP_BUCKET_BYTES
                      ) -> tuple[tuple[int, ...], ...]:
-    """Indices of ``sizes`` (bytes, in the order gradients become ready) grouped greedily into
-    buckets of at most ``cap_bytes`` (a tensor larger than the cap gets a bucket of its own)."""
+    """Indices of ``sizes`` (bytes, in the order gradients become ready) grouped into buckets
+    as DDP groups them (``compute_bucket_assignment_by_size``): each gradient joins the open
+    bucket, which closes once it holds ``cap_bytes`` or more (so a bucket may pass the cap by
+    its last gradient; fewer, larger all-reduces than "at most the cap").
+
+    Example:
+        >>> bucket_partition([4, 4, 8, 1], cap_bytes=8)
+        ((0, 1), (2,), (3,))
+        >>> bucket_partition([1, 10, 1], cap_bytes=8)
+        ((0, 1), (2,))
+    """
     if not cap_bytes > 0:
         raise ValueError(f"bucket cap {cap_bytes!r} bytes: must be > 0")
-    buckets: list[list[int]] = []
+    buckets: list[list[int]] = [[]]
     filled = 0.0
     for i, size in enumerate(sizes):
-        if not buckets or filled + size > cap_bytes:
-            buckets.append([])
-            filled = 0.0
         buckets[-1].append(i)
         filled += size
-    return tuple(tuple(b) for b in buckets)
+        if filled >= cap_bytes:
+            buckets.append([])
+            filled = 0.0
+    return tuple(tuple(b) for b in buckets if b)
 
 
 def gradient_buckets(items: Sequence[tuple[Hashable, T, float]],
@@ -93,8 +102,8 @@ def gradient_buckets(items: Sequence[tuple[Hashable, T, float]],
     (backward order); ``key`` says who syncs them (the set of ranks, and whatever else must not
     share a bucket). Consecutive items with equal keys form a run; an item of 0 bytes is not
     synced (no gradient, or a single rank) but its key still ends the run before it when it
-    differs; each run is cut greedily into buckets of at most ``cap_bytes``
-    (:func:`bucket_partition`). Returns ``(key, values)`` per bucket, in issue order.
+    differs; each run is cut into buckets closed once they hold ``cap_bytes`` or more, as
+    DDP closes them (:func:`bucket_partition`). Returns ``(key, values)`` per bucket, in issue order.
 
     Example:
         >>> gradient_buckets([("ab", "w2", 8), ("ab", "b2", 0), ("a", "w1", 8), ("ab", "w0", 8)],
@@ -119,7 +128,7 @@ def ddp_buckets(sizes: Sequence[tuple[str, float]], cap_bytes: float = DDP_BUCKE
                 ) -> tuple[tuple[str, ...], ...]:
     """DDP's buckets of named gradients: ``sizes`` are ``(name, bytes)`` in registration
     order; backward issues them in reverse and every rank syncs every one, so the one rule
-    (:func:`gradient_buckets`) cuts the reversed names into buckets of at most ``cap_bytes``
+    (:func:`gradient_buckets`) cuts the reversed names into buckets closed at ``cap_bytes``
     (a gradient of 0 bytes has nothing to sync and is in none).
 
     Example:

@@ -112,7 +112,7 @@ def data_parallel_program(units: Sequence[str], grads: Sequence[tuple[int, float
     simulator's per-layer forwards and backwards); ``grads`` are, in the order backward issues
     them, ``(index, bytes, unit)`` per gradient: the index a sync piece lists in ``grads``, its
     bytes and the position in ``units`` of the unit that finishes it. The gradients go into
-    buckets of at most ``bucket_bytes`` by the one bucket rule
+    buckets closed at ``bucket_bytes`` by the one bucket rule
     (:func:`tidal.ir.comm_cost.gradient_buckets`; every rank syncs every gradient, a gradient
     of 0 bytes has nothing to sync). The units are cut into ``segment k`` pieces after the unit
     that finishes each bucket's last gradient, so the bucket's ``<sync> b`` piece (``comm``

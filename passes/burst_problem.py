@@ -69,7 +69,7 @@ class OverlapSync:
     then all backwards in reverse layer order (each layer's backward plus the return half of
     its incoming transfer; a block's branches on GPUs of their own beside the others); in
     backward order, the gradients of consecutive layers on the same two or more ranks (a run
-    ends where the GPU set changes) go into buckets of at most ``bucket_bytes``; a bucket's
+    ends where the GPU set changes) go into buckets closed at ``bucket_bytes``; a bucket's
     ring all-reduce (``tidal.ir.comm_cost.ring_allreduce_us``, one latency per bucket) is
     issued when the backward of its last layer has ended and runs on its ranks' communication
     stream, one collective after another in issue order, beside the rest of backward. The

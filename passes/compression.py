@@ -71,7 +71,7 @@ DEFAULT_LR_HORIZON = 100_000
 
 def make_buckets(model: torch.nn.Module, cap_bytes: float) -> tuple[tuple[str, ...], ...]:
     """Parameter names in reverse registration order (roughly the order the backward produces
-    gradients, as DDP assumes), grouped into buckets of at most ``cap_bytes``: the gradient
+    gradients, as DDP assumes), grouped into buckets closed at ``cap_bytes``: the gradient
     sync's own buckets (``tidal.ir.comm_cost.ddp_buckets``)."""
     return ddp_buckets([(n, p.numel() * 4) for n, p in trainable(model).items()], cap_bytes)
 

@@ -8,8 +8,8 @@ forward+backward graph (``tidal.ir.capture.capture_train_step``: aten ops, gradi
 outputs), lowered and captured by :class:`CapturedProgram` (``tidal.runtime.lower``: a CUDA
 graph on a GPU, a straight-line replay on the CPU; what cannot be captured runs uncaptured and
 is named). :func:`data_parallel` builds the program of data-parallel training: the graph is cut
-after the node that finishes each bucket's last gradient (buckets of at most ``bucket_bytes`` in
-reverse registration order, as DDP makes them), so the all-reduce of a bucket runs on the comm
+after the node that finishes each bucket's last gradient (buckets closed once they hold ``bucket_bytes``
+or more, in reverse registration order, as DDP makes them), so the all-reduce of a bucket runs on the comm
 stream while the compute stream goes on with the rest of backward. ``overlap=False`` puts every
 all-reduce after the last segment (the baseline): the one data-parallel schedule of
 ``tidal.ir.program``, which the simulator builds from per-layer costs. ``split_pieces`` (pure,
@@ -30,7 +30,7 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     >>> x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     >>> step = capture_train_step(model, (x,), y, torch.nn.functional.cross_entropy)
-    >>> p = program.data_parallel(step, world=2, bucket_bytes=160)   # two buckets
+    >>> p = program.data_parallel(step, world=2, bucket_bytes=100)   # two buckets
     >>> [(piece.name, piece.stream, piece.deps) for piece in p.pieces]  # doctest: +NORMALIZE_WHITESPACE
     [('segment 0', 'compute', ()), ('all_reduce 0', 'comm', (0,)),
      ('segment 1', 'compute', (0,)), ('all_reduce 1', 'comm', (2,)),

@@ -243,7 +243,7 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
     the mirror transfers (``Xb:<layer>``), the gradient syncs and ``update_us`` of optimizer
     step on every rank (after its syncs). ``preds`` maps each layer to the layers it reads.
     Each rank holds only its layers' weights (nothing is broadcast): in backward order, the
-    gradients of consecutive layers on the same two or more ranks go into buckets of at most
+    gradients of consecutive layers on the same two or more ranks go into buckets closed at
     ``bucket_bytes`` by the one bucket rule (a ring all-reduce on those ranks each,
     :func:`sync_buckets`). ``sync="end"`` issues every bucket after the whole backward (the
     program's ``overlap=False``); ``sync="overlap"`` issues each as soon as its layers'

@@ -398,7 +398,7 @@ def test_buckets_are_issued_when_their_layers_backward_ends(skip_results):
         assert names.index(syncs[0].name) < names.index(last) < names.index("optimizer")
 
 
-def test_sync_buckets_are_runs_of_one_rank_set_under_the_cap():
+def test_sync_buckets_are_runs_of_one_rank_set_closed_at_the_cap():
     from tidal.runtime.programs.burst import sync_buckets
 
     torch.manual_seed(0)
@@ -413,7 +413,7 @@ def test_sync_buckets_are_runs_of_one_rank_set_under_the_cap():
     for buckets in (runs, capped):
         assert sorted(n for b in buckets for n in b.names) == synced
         assert [b.ready for b in buckets] == sorted((b.ready for b in buckets), reverse=True)
-    assert all(sum(size[n] for n in b.names) <= 64 or len(b.names) == 1 for b in capped)
+    assert all(sum(size[n] for n in b.names[:-1]) < 64 for b in capped)   # as DDP closes
     assert len(capped) > len(runs) > 1
     # consecutive buckets of one run keep their order: the capped buckets, joined, are the runs
     joined = [n for b in capped for n in b.names]

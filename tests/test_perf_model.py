@@ -39,11 +39,11 @@ def test_uniform_buckets_are_k_minus_1_full_and_a_last_one():
     assert pm.Workload.uniform(0.1, 0.2, total_bytes=5.0).bucket_bytes == (5.0,)
 
 
-def test_bucket_partition_is_greedy_in_order_and_respects_the_cap():
+def test_bucket_partition_is_greedy_in_order_and_closes_at_the_cap_as_ddp():
     sizes = [10, 5, 20, 1, 1, 30, 4]
     parts = pm.bucket_partition(sizes, cap_bytes=16)
     assert [i for b in parts for i in b] == list(range(len(sizes)))
-    assert parts == ((0, 1), (2,), (3, 4), (5,), (6,))
+    assert parts == ((0, 1, 2), (3, 4, 5), (6,))   # DDP: closed once at or past the cap
     with pytest.raises(ValueError, match="bucket cap 0"):
         pm.bucket_partition(sizes, 0)
 

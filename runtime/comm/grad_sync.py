@@ -54,8 +54,8 @@ class GradSync:
 
     def buckets(self, grads: Mapping[str, torch.Tensor]) -> tuple[tuple[str, ...], ...]:
         """The buckets of ``grads``' names: DDP's (``tidal.ir.comm_cost.ddp_buckets``: reverse
-        order, the backward's, at most ``bucket_bytes`` each, an empty gradient in none; fixed
-        on first use) or the explicit ones as given. Raises ``ValueError`` when the names do
+        order, the backward's, closed at ``bucket_bytes`` as DDP closes them, an empty
+        gradient in none; fixed on first use) or the explicit ones as given. Raises ``ValueError`` when the names do
         not match them."""
         if self._buckets is None:
             self._buckets = ddp_buckets([(n, g.numel() * 4) for n, g in grads.items()],

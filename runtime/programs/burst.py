@@ -120,8 +120,8 @@ def from_plan(gm: fx.GraphModule, plan: Any,
               bucket_bytes: float = DDP_BUCKET_BYTES) -> "BurstProgram":
     """The rank program of a ``burst_parallel`` plan (a ``BurstPlan``: ``world``, ``batch`` and
     per layer its ``layer`` name and ``ranks``) on the graph the pass rewrote, whose nodes carry
-    their placement (``tidal.ir.meta.BurstPlacement``); gradient buckets of at most
-    ``bucket_bytes``."""
+    their placement (``tidal.ir.meta.BurstPlacement``); gradient buckets closed at
+    ``bucket_bytes`` (as DDP closes them)."""
     spec = spec_from_plan(gm, plan, bucket_bytes)
     return BurstProgram(spec.world, spec.batch, tuple(spec.param_ranks.items()),
                         tuple(spec.layer_ranks.items()), tuple(spec.unit_members.items()),
@@ -133,7 +133,7 @@ class BurstProgram(RankShare):
     plan's global ``batch``, per parameter (and buffer) name of the graph module the ranks of
     the layer that owns it (``param_ranks``), per layer name its ranks (``layer_ranks``; ranks
     outside a layer's set skip it) and, for a layer of several nodes, their names
-    (``unit_members``). Gradient buckets hold at most ``bucket_bytes`` (read when a step's
+    (``unit_members``). Gradient buckets close at ``bucket_bytes`` (read when a step's
     layout is built). ``overlap=False`` runs backward as one stage, every sync after it.
     ``groups`` holds the subgroups (created on the first distributed step, on every rank in
     the same order). What the rank owns: the base class (``burst_share.RankShare``)."""

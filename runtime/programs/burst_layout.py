@@ -33,13 +33,13 @@ Example:
     >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(),
     ...                                            torch.nn.Linear(2, 2)))
     >>> spec = BurstSpec(world=2, batch=4, param_ranks=dict.fromkeys(
-    ...     ["0.weight", "0.bias", "2.weight", "2.bias"], (0, 1)), bucket_bytes=24)
+    ...     ["0.weight", "0.bias", "2.weight", "2.bias"], (0, 1)), bucket_bytes=8)
     >>> program = step_layout(gm, spec, rank=0, size=2).program
     >>> [p.name for p in program.pieces]  # doctest: +NORMALIZE_WHITESPACE
-    ['forward', 'backward 1', 'all_reduce 0,1 2.bias..2.weight', 'backward 0',
+    ['forward', 'backward 1', 'all_reduce 0,1 2.bias', 'all_reduce 0,1 2.weight', 'backward 0',
      'all_reduce 0,1 0.bias', 'all_reduce 0,1 0.weight', 'optimizer']
     >>> program.pieces[-1].deps       # the optimizer waits for backward and the syncs
-    (2, 3, 4, 5)
+    (2, 3, 4, 5, 6)
     >>> [p.name for p in step_layout(gm, spec, 0, 2, finish=ACCUMULATE).program.pieces]
     ['forward', 'backward 1', 'backward 0', 'accumulate']
 """
@@ -75,7 +75,7 @@ class BurstSpec:
     ``batch``, per parameter (and buffer) name the ranks of the layer that owns it
     (``param_ranks``; ``tidal.ir.burst_ownership.param_ranks``), per layer name its ranks
     (``layer_ranks``; ranks outside a layer's set skip it) and, for a layer of several nodes,
-    their names (``unit_members``); gradient buckets of at most ``bucket_bytes``;
+    their names (``unit_members``); gradient buckets closed at ``bucket_bytes``;
     ``overlap=False`` runs backward as one stage, every sync after it."""
 
     world: int

@@ -51,7 +51,7 @@ Example:
     >>> loss = ex.step(model, model, (x,), y, torch.nn.functional.cross_entropy, opt)
     >>> [(p.name, p.stream) for p in ex.last_program.pieces]  # doctest: +NORMALIZE_WHITESPACE
     [('broadcast', 'comm'), ('segment 0', 'compute'), ('sync 0', 'comm'), ('sync 1', 'comm'),
-     ('sync 2', 'comm'), ('optimizer', 'compute')]
+     ('optimizer', 'compute')]
     >>> ex.fallback_reason, ex.compressor.residual("2.weight") is not None   # error feedback
     ('', True)
 """
