@@ -21,7 +21,7 @@ import tidal
 from tidal.compiler.api import check_batch_options
 from tidal.runtime.batch_data import BatchError, fingerprints, global_batch
 from tidal.runtime.distributed import spawn
-from tidal.runtime.programs.data_parallel import shard
+from tidal.runtime.programs.batch_shards import shard
 
 WORLD = 2
 HANG_S = 20.0

@@ -383,3 +383,19 @@ def test_the_zoo_has_one_import_name():
     assert hasattr(importlib.import_module("examples.models"), "ZOO")
     with pytest.raises(ImportError, match="examples.models"):
         importlib.import_module("tidal.examples.models")
+
+
+BUILDER_LINES, FUNCTION_LINES = 400, 80
+"""Issue 33's sizes: no builder module (``runtime/programs/``) over 400 lines, no function of
+the library over 80 (docstring included)."""
+
+
+def test_builders_and_functions_stay_small():
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "runtime" / "programs")
+                                                              .glob("*.py"))
+           if (n := len(p.read_text().splitlines())) > BUILDER_LINES]
+    long = [f"{p.relative_to(ROOT)}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines"
+            for p in library_files() for f in ast.walk(ast.parse(p.read_text()))
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and f.end_lineno - f.lineno + 1 > FUNCTION_LINES]
+    assert not big and not long, "\n".join(big + long)

@@ -96,7 +96,8 @@ from tidal.runtime.programs.burst_layout import BurstSpec, StepLayout, spec_from
 from tidal.runtime.programs.burst_share import RankShare
 from tidal.runtime.programs.burst_state import (load_rank_state, load_runtime_state,
                                                 rank_state_dict, runtime_state, saved_tensors)
-from tidal.runtime.programs.burst_step import BurstStep, clip_by_global_norm_
+from tidal.runtime.programs.burst_step import BurstStep
+from tidal.runtime.programs.grad_clip import clip_by_global_norm_
 from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads, remove_params
 from tidal.runtime.programs.step_capture import shape_key
 
@@ -360,7 +361,7 @@ class BurstProgram(RankShare):
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of ``model``'s parameters by their norm over every rank
-        (``burst_step.clip_by_global_norm_``): a parameter counts once, on its layer's first
+        (``grad_clip.clip_by_global_norm_``): a parameter counts once, on its layer's first
         rank (one all-reduce); every rank scales the gradients it holds by the same factor.
         Returns the total norm, the same on every rank (non-finite on every rank when some
         rank's gradients are). Raises ``OpenStepError`` before this rank's first step.

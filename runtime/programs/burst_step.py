@@ -31,9 +31,9 @@ together with what ``no_sync`` calls accumulated, *added* to the user's ``.grad`
 the rank does not own get none) or, inside ``no_sync``, ``accumulate`` (this call's gradients
 added to ``local``, unsynced). The forward and backward pieces run under the autocast state of
 the thread that bound the step, on whichever thread runs them; the others (syncs, optimizer)
-with autocast off (``tidal.runtime.programs.piece_autocast``). :func:`clip_by_global_norm_` is
-the open step's clipping: the norm over every rank's gradients, each counted by one rank
-(``burst_share.RankShare.counted``), one all-reduce.
+with autocast off (``tidal.runtime.programs.piece_autocast``). The open step's clipping is
+``tidal.runtime.programs.grad_clip.clip_by_global_norm_``: the norm over every rank's
+gradients, each counted by one rank (``burst_share.RankShare.counted``), one all-reduce.
 
 Example:
     >>> import torch, torch.fx as fx
@@ -53,9 +53,8 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,7 +68,7 @@ from tidal.ir.program import Piece, Program
 from tidal.ir.step_state import autocast_state
 from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.comm.grad_sync import GradSync
-from tidal.runtime.distributed import all_reduce_tensors, collective_device, is_distributed
+from tidal.runtime.distributed import all_reduce_tensors, is_distributed
 from tidal.runtime.programs.burst_layout import StepLayout
 from tidal.runtime.programs.burst_transfers import Produced, TransferChecker
 from tidal.runtime.programs.optimizer_wiring import LocalGrads, add_grads, scaled, set_grads
@@ -374,46 +373,3 @@ class BurstStep:
         for n, g in self._take().items():
             if g is not None:
                 self.local.add(n, params[n], g)
-
-
-def clip_by_global_norm_(counted: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                         max_norm: float, norm_type: float = 2.0,
-                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Clip ``grads`` (this rank's gradients) in place by the global ``norm_type`` norm of
-    the gradients every rank of ``group`` counts (``counted``: this rank's share, each gradient
-    counted by one rank only), as ``torch.nn.utils.clip_grad_norm_`` on one process: one
-    all-reduce of the partial sums of ``|g|^p`` (MAX for the ``inf`` norm), then every rank
-    scales its gradients by ``max_norm / (total + 1e-6)`` clamped to 1. Returns the total, the
-    same on every rank: NaN when some rank's gradients hold a NaN, else ``inf`` when one holds
-    an ``inf`` (skip the optimizer's step then, on every rank). No all-reduce without a
-    process group.
-
-    >>> g = [torch.full((4,), 2.0)]                 # norm 4
-    >>> clip_by_global_norm_(g, g, 1.0).item(), round(g[0][0].item(), 4)
-    (4.0, 0.5)
-    >>> clip_by_global_norm_([torch.tensor([1.0, float("inf")])], [], 1.0).item()
-    inf
-    """
-    p = float(norm_type)
-    if not p > 0:
-        raise ValueError(f"burst_parallel: clip_grad_norm_(norm_type={norm_type!r}): a norm of "
-                         f"order > 0 (or inf)")
-    inf = math.isinf(p)
-    device = collective_device(group)
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64).to(device)
-                         for g in counted] + [torch.zeros((), dtype=torch.float64,
-                                                          device=device)])
-    value = norms.amax() if inf else norms.pow(p).sum()
-    partial = torch.stack([value, norms.isnan().sum().double(), norms.isinf().sum().double()])
-    if is_distributed():
-        with collective_errors(WHO, "the all-reduce of clip_grad_norm_'s partial norms"):
-            dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                            group=group)
-    value, nans, infs = partial.tolist()
-    total = math.nan if nans else math.inf if infs else value if inf else value ** (1 / p)
-    like = grads[0] if grads else counted[0] if counted else torch.zeros(())
-    out = torch.tensor(total, dtype=like.dtype, device=like.device)
-    coef = min(max_norm / (total + 1e-6), 1.0) if not math.isnan(total) else math.nan
-    for g in grads:
-        g.detach().mul_(coef)
-    return out

@@ -112,7 +112,7 @@ from tidal.ir.round_robin_program import UPDATE, Slot, round_robin_program
 from tidal.runtime.batch_data import BatchError
 from tidal.runtime.comm.grad_sync import GradSync, GradSyncFactory
 from tidal.runtime.distributed import rank_and_size
-from tidal.runtime.programs.data_parallel import LocalShard, local_shard
+from tidal.runtime.programs.batch_shards import LocalShard, local_shard
 from tidal.runtime.programs.optimizer_wiring import ACCUMULATE, GRADS, LocalGrads
 from tidal.runtime.programs.round_robin_capture import StageGraph, capture_partitions
 from tidal.runtime.programs.round_robin_open import RoundRobinBackward
@@ -179,8 +179,7 @@ def _size(n: float) -> str:
 
 
 def _shape(batch: Any, target: Any) -> tuple:
-    """The cache key of a micro-batch: its structure and each leaf's shape and dtype (or
-    value)."""
+    """A micro-batch's cache key: its structure, each leaf's shape and dtype (or value)."""
     flat, spec = tree_flatten((batch, target))
     return (str(spec), tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
                              else repr(v) for v in flat), autocast_state())
