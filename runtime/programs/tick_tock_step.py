@@ -47,6 +47,7 @@ from tidal.ir.param_owners import trainable
 from tidal.ir.program import Piece, Program
 from tidal.ir.step_state import autocast_state
 from tidal.ir.tick_tock_program import LOSS, STREAMS, WAVES, wave_stream
+from tidal.runtime.batch_data import BatchCheck
 from tidal.runtime.comm.grad_sync import GradSync
 from tidal.runtime.program import CapturedRun
 from tidal.runtime.programs.optimizer_wiring import (ACCUMULATE, GRADS, LocalGrads, add_grads,
@@ -96,8 +97,12 @@ class TickTockStep:
 
     step_number: Optional[int] = None
     """This step's number (``ProgramExecutor.calls``), checked by the loss all-reduce."""
-    # no ``batch_check``: the loss piece runs after the waves' U pieces, so a batch check on
-    # it would raise after the parameters changed; the executor makes its own round instead
+
+    batch_check: Optional[BatchCheck] = None
+    """The ranks' global batches to compare (``compile(batch="global")``), on the same loss
+    all-reduce, no round of its own. That piece runs after the waves' ``U`` pieces, so a
+    mismatch (of steps or batches) stops training naming the ranks once this step's update
+    is made; the other passes check before theirs."""
 
     def __init__(self, owner: Any, captured: StepCapture, waves: dict[str, Wave],
                  loss_fn: Callable, world: int):
@@ -195,7 +200,8 @@ class TickTockStep:
     def _average_loss(self) -> None:
         loss = (self.waves["T"].loss.detach() + self.waves["K"].loss.detach()) / 2
         with collective_errors(WHO, "the loss all-reduce"):
-            self._loss = reduce_loss(loss, step=self.step_number, who=WHO)
+            self._loss = reduce_loss(loss, step=self.step_number, who=WHO,
+                                     batch=self.batch_check)
 
     def loss(self) -> torch.Tensor:
         """The step's loss (both waves, all ranks); keeps the gradients the waves applied."""
