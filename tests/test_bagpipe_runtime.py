@@ -7,6 +7,7 @@ spawn); a killed trainer raises a BagpipeError naming it (a second spawn), a pee
 not the Oracle Cacher that waited for it (a third spawn)."""
 import copy
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -192,7 +193,10 @@ class StampedLoss:
 
     def __call__(self, out, y):
         import torch.distributed as dist
-        Path(self.folder, f"loss{dist.get_rank()}").write_text(repr(time.time()))
+        # written whole or not at all: the stall (SIGSTOP) may come in the middle of a write
+        stamp = Path(self.folder, f"loss{dist.get_rank()}")
+        stamp.with_suffix(".tmp").write_text(repr(time.time()))
+        os.replace(stamp.with_suffix(".tmp"), stamp)
         return click_loss(out, y)
 
 
