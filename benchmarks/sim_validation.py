@@ -10,12 +10,13 @@ reported apart.
   (``compose(..., release=True, gaps=True)``): this *replay* checks that the model of
   streams, links, dependencies and joined collectives reproduces the trace (near 0 by
   construction: no accuracy figure). The *composition error* models host dispatch instead
-  of reading it: each piece gets the median gap of its class (its stream, and whether it
-  waits for another stream: ``sim.composition.dispatch_model``) in place of its own (the
-  ``composition`` column; the goals apply to it). Each row: the median over repeats of the
-  measured step, the replayed step and its error, with the spread (min..max), and where the
-  replayed timeline first departs from the measured one (``departure``, for the repeat of
-  median error).
+  of reading it: each piece gets the mean gap of its class (its stream, and whether it
+  waits for another stream: ``sim.composition.dispatch_model``), calibrated on the run's
+  other repeats, in place of its own (the ``composition`` column; the goals apply to it).
+  Each row: the median over repeats of the measured step, the replayed step and its error,
+  with the spread (min..max), the composition error, and where the composed timeline first
+  departs from the measured one (``departure``, for the repeat of median error: the piece,
+  by how much, after what, and its measured dispatch gap).
 * **End-to-end** (``benchmarks/sim_end_to_end.py``, its method unchanged): the simulator given
   the profiler's calibrated per-layer durations and a fitted gloo link, against DDP data
   parallelism and a hand-written burst plan run through tidal (``--e2e-models``).
@@ -49,8 +50,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import sim_end_to_end  # noqa: E402
 from benchmarks.sim_runs import KINDS, WORKLOADS, run  # noqa: E402
-from tidal.sim.composition import (compose, departure, dispatch_model,  # noqa: E402
-                                   measured_pieces, measured_step_us, step_us)
+from tidal.sim.composition import (compose, departure, dispatch_means,  # noqa: E402
+                                   dispatch_model, measured_pieces, measured_step_us,
+                                   step_us)
 
 GOALS = {"composition median": 0.05, "composition max": 0.10, "end-to-end median": 0.10,
          "bias per kind": 0.05}
@@ -70,7 +72,7 @@ class Row:
     composed_us: tuple = ()
     e2e_us: Optional[float] = None
     departure: str = ""
-    constant_us: tuple = ()
+    modelled_us: tuple = ()
 
     @property
     def errors(self) -> list[float]:
@@ -83,13 +85,13 @@ class Row:
         return statistics.median(self.errors) if self.composed_us else None
 
     @property
-    def constant_error(self) -> Optional[float]:
+    def composition_error(self) -> Optional[float]:
         """The composition error: the median error over repeats of the composition with host
-        dispatch modelled, the median measured gap of each piece's class in place of
-        each piece's own gap."""
-        if not self.constant_us:
+        dispatch modelled, the mean measured gap of each piece's class on the other repeats
+        in place of each piece's own gap."""
+        if not self.modelled_us:
             return None
-        return statistics.median((c - m) / m for c, m in zip(self.constant_us,
+        return statistics.median((c - m) / m for c, m in zip(self.modelled_us,
                                                               self.measured_us))
 
     @property
@@ -102,27 +104,30 @@ class Row:
 
 
 def composition_row(model: str, world: int, kind: str, run_of_kind, tolerance: float) -> Row:
-    """The row of one kind's run (``sim_runs.KindRun``): per repeat, the composed step
-    (``compose(release=True, gaps=True)``) against the measured one; the departure of the
-    repeat of median error, within ``tolerance`` of the measured step."""
-    measured, composed, intervals, constant = [], [], [], []
-    for traces in run_of_kind.traces:
-        sim = compose(run_of_kind.programs, traces, release=True, gaps=True)
+    """The row of one kind's run (``sim_runs.KindRun``): per repeat, the measured step, the
+    replay (``compose(release=True, gaps=True)``: each piece's own gap) and the composition
+    with host dispatch modelled: each piece delayed by the mean gap of its class calibrated
+    on the run's *other* repeats (``dispatch_means``; on the repeat itself when there is one
+    only), so no step is predicted from its own gaps. The departure is the composition's, for
+    the repeat of median composition error, within ``tolerance`` of the measured step."""
+    programs = run_of_kind.programs
+    per_repeat = [measured_pieces(programs, traces, False) for traces in run_of_kind.traces]
+    measured, composed, modelled, intervals = [], [], [], []
+    for i, traces in enumerate(run_of_kind.traces):
+        others = [m for j, ms in enumerate(per_repeat) if j != i for m in ms] or per_repeat[i]
+        delays = dispatch_model(programs, per_repeat[i], dispatch_means(programs, others))
+        sim = compose(programs, traces, delays=delays, release=True)
         measured.append(measured_step_us(traces))
-        composed.append(step_us(sim))
+        composed.append(step_us(compose(programs, traces, release=True, gaps=True)))
+        modelled.append(step_us(sim))
         intervals.append(sim)
-        modelled = dispatch_model(run_of_kind.programs,
-                                  measured_pieces(run_of_kind.programs, traces, False))
-        constant.append(step_us(compose(run_of_kind.programs, traces, delays=modelled,
-                                        release=True)))
-    errors = [(c - m) / m for c, m in zip(composed, measured)]
+    errors = [(c - m) / m for c, m in zip(modelled, measured)]
     median_at = sorted(range(len(errors)), key=errors.__getitem__)[len(errors) // 2]
-    traces = run_of_kind.traces[median_at]
-    first = departure(run_of_kind.programs, traces, intervals[median_at],
+    first = departure(programs, run_of_kind.traces[median_at], intervals[median_at],
                       tolerance * measured[median_at])
     return Row(model, world, kind, kind, tuple(measured), tuple(composed), None,
                str(first) if first else "none: every piece starts within "
-               f"{tolerance:.0%} of the step", tuple(constant))
+               f"{tolerance:.0%} of the step", tuple(modelled))
 
 
 def _spread(values, scale: float = 1e-3, fmt: str = "{:.2f}") -> str:
@@ -142,7 +147,7 @@ def print_rows(rows: list[Row]) -> None:
         predicted = (_spread(r.composed_us) if r.composed_us else f"{r.e2e_us / 1e3:.2f}")
         comp = (_spread(r.errors, 100.0, "{:+.1f}") + " %") if r.composed_us else "-"
         e2e = f"{r.e2e_error:+.1%}" if r.e2e_error is not None else "-"
-        const = f"{r.constant_error:+.1%}" if r.constant_error is not None else "-"
+        const = f"{r.composition_error:+.1%}" if r.composition_error is not None else "-"
         print(f"{r.model:15s} {r.ranks:5d} {r.label[:30]:30s} {_spread(r.measured_us):>22s} "
               f"{predicted:>22s} {comp:>24s} {e2e:>10s} {const:>14s}")
         if r.departure:
@@ -157,7 +162,7 @@ def summary(rows: list[Row]) -> list[str]:
     dependencies and joined collectives reproduce the trace: it is near 0 by construction
     and is no accuracy figure."""
     replay = [abs(r.error) for r in rows if r.error is not None]
-    comp = [abs(r.constant_error) for r in rows if r.constant_error is not None]
+    comp = [abs(r.composition_error) for r in rows if r.composition_error is not None]
     e2e = [abs(r.e2e_error) for r in rows if r.e2e_error is not None]
 
     def verdict(value: float, goal: str) -> str:
@@ -171,8 +176,8 @@ def summary(rows: list[Row]) -> list[str]:
                      f"{max(replay):.1%} over {len(replay)} rows")
     if comp:
         med = verdict(statistics.median(comp), "composition median")
-        lines += [f"composition median |error| (host dispatch modelled: the median gap of each "
-                  f"piece's class): {med} over {len(comp)} rows",
+        lines += [f"composition median |error| (host dispatch modelled: the mean gap of each "
+                  f"piece's class on the other repeats): {med} over {len(comp)} rows",
                   f"composition max |error|: {verdict(max(comp), 'composition max')}"]
     if e2e:
         med = verdict(statistics.median(e2e), "end-to-end median")
@@ -180,8 +185,8 @@ def summary(rows: list[Row]) -> list[str]:
     for kind in dict.fromkeys(r.kind for r in rows):
         of = [r for r in rows if r.kind == kind]
         parts = []
-        for what, errs in (("composition", [r.constant_error for r in of
-                                            if r.constant_error is not None]),
+        for what, errs in (("composition", [r.composition_error for r in of
+                                            if r.composition_error is not None]),
                            ("end-to-end", [r.e2e_error for r in of if r.e2e_error is not None])):
             if errs:
                 bias = statistics.mean(errs)
@@ -212,7 +217,7 @@ def composition_rows(args, worlds, cores: int) -> list[Row]:
             for kind, run_of_kind in ran.items():
                 rows.append(composition_row(model, world, kind, run_of_kind, args.tolerance))
                 print(f"{model} on {world} ranks, {kind}: composition error "
-                      f"{rows[-1].constant_error:+.1%} (replay {rows[-1].error:+.1%})",
+                      f"{rows[-1].composition_error:+.1%} (replay {rows[-1].error:+.1%})",
                       flush=True)
     return rows
 

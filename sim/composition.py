@@ -206,25 +206,57 @@ def _dep_gate(dep: PieceTrace, last_issue_us: float, gate_issue: bool) -> float:
     return last_issue_us if gate_issue else float("-inf")
 
 
-def dispatch_us(measured: Sequence[Measured]) -> float:
-    """The host's dispatch per piece: the median :attr:`Measured.gap_us` of the pieces that
-    waited for something (a dependency or their stream), 0 when none did.
+DispatchClass = tuple[str, bool]
+"""A piece's class for host dispatch: its stream, and whether it waits for a piece of another
+stream (an event between threads: a hand-off that an inline piece on an idle stream does not
+pay)."""
+
+
+def dispatch_class(program: Program, index: int) -> DispatchClass:
+    """The :data:`DispatchClass` of piece ``index`` of ``program``.
 
     Example:
-        >>> m = [Measured(0, i, "p", "compute", s, s + 1, r, 1.0)
-        ...      for i, (s, r) in enumerate([(0, 0), (3, 1), (6, 4)])]
-        >>> dispatch_us(m[1:])
-        2.0
+        >>> from tidal.ir.program import Piece, Program
+        >>> p = Program((Piece("a", "compute"), Piece("ar", "comm", (0,))))
+        >>> dispatch_class(p, 0), dispatch_class(p, 1)
+        (('compute', False), ('comm', True))
     """
-    gaps = [m.gap_us for m in measured if m.index > 0]
-    return statistics.median(gaps) if gaps else 0.0
+    piece = program.pieces[index]
+    return piece.stream, any(program.pieces[d].stream != piece.stream for d in piece.deps)
 
 
-def dispatch_model(programs, measured: Sequence[Measured]) -> dict[tuple[int, int], float]:
-    """Host dispatch per piece, *modelled* rather than read piece by piece: each piece gets
-    the median measured gap of its class over every rank of the run. A class is the piece's
-    stream and whether it waits for a piece of another stream (an event between threads: a
-    hand-off that an inline piece on an idle stream does not pay). By ``(rank, index)``.
+def dispatch_means(programs, measured: Sequence[Measured]) -> dict[DispatchClass, float]:
+    """The host's dispatch per piece class (:func:`dispatch_class`): the *mean* measured gap
+    (:attr:`Measured.gap_us`) of the class's pieces of ``measured`` over every rank, e.g. the
+    other steps of a run (:func:`dispatch_model` applies it to a step). The mean, not the
+    median: a step is a sum of gaps along its longest path, whose expectation is the sum of
+    the means; most hand-offs are quick and a few wait long for a core or the interpreter (a
+    skewed distribution), so medians under-predict every plan kind, all one way.
+
+    Example: piece ``b`` waits for ``a`` on another stream; it starts 1 us after ``a``
+    ended on rank 0, 7 us after on rank 1:
+        >>> from tidal.ir.program import Piece, Program
+        >>> p = Program((Piece("a", "compute"), Piece("b", "comm", (0,))), world=2)
+        >>> m = [Measured(0, 0, "a", "compute", 0, 1, 0, 1.0),
+        ...      Measured(0, 1, "b", "comm", 2, 3, 1, 1.0),
+        ...      Measured(1, 1, "b", "comm", 8, 9, 1, 1.0)]
+        >>> dispatch_means(p, m)
+        {('compute', False): 0.0, ('comm', True): 4.0}
+    """
+    by_rank = rank_programs(programs)
+    gaps: dict[DispatchClass, list[float]] = {}
+    for m in measured:
+        gaps.setdefault(dispatch_class(by_rank[m.rank], m.index), []).append(m.gap_us)
+    return {k: float(statistics.fmean(v)) for k, v in gaps.items()}
+
+
+def dispatch_model(programs, measured: Sequence[Measured],
+                   means: Optional[Mapping[DispatchClass, float]] = None
+                   ) -> dict[tuple[int, int], float]:
+    """Host dispatch per piece, *modelled* rather than read piece by piece: each piece of
+    ``measured`` (one step's pieces) gets the mean gap of its class, ``means``
+    (:func:`dispatch_means`, calibrated on other steps; None: on ``measured`` itself). A class
+    ``means`` lacks gets the mean of the classes it has. By ``(rank, index)``.
 
     Example: two compute pieces, the second after a comm piece (another stream):
         >>> from tidal.ir.program import Piece, Program
@@ -235,18 +267,15 @@ def dispatch_model(programs, measured: Sequence[Measured]) -> dict[tuple[int, in
         ...      Measured(0, 2, "b", "compute", 5.0, 6.0, 2.0, 1.0)]
         >>> dispatch_model(p, m)
         {(0, 0): 0.0, (0, 1): 0.0, (0, 2): 3.0}
+        >>> dispatch_model(p, m, {("compute", True): 2.0, ("comm", True): 1.0})
+        {(0, 0): 1.5, (0, 1): 1.0, (0, 2): 2.0}
     """
     by_rank = rank_programs(programs)
-
-    def class_of(m: Measured) -> tuple[str, bool]:
-        piece = by_rank[m.rank].pieces[m.index]
-        return m.stream, any(by_rank[m.rank].pieces[d].stream != piece.stream
-                             for d in piece.deps)
-    gaps: dict[tuple[str, bool], list[float]] = {}
-    for m in measured:
-        gaps.setdefault(class_of(m), []).append(m.gap_us)
-    median = {k: float(statistics.median(v)) for k, v in gaps.items()}
-    return {(m.rank, m.index): median[class_of(m)] for m in measured}
+    if means is None:
+        means = dispatch_means(by_rank, measured)
+    fallback = statistics.fmean(means.values()) if means else 0.0
+    return {(m.rank, m.index): means.get(dispatch_class(by_rank[m.rank], m.index), fallback)
+            for m in measured}
 
 
 def releases_us(traces: Traces) -> dict[int, float]:
