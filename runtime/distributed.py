@@ -37,7 +37,7 @@ import queue
 import socket
 import tempfile
 import traceback
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -313,6 +313,26 @@ def copy_from_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group: Any = None) -> None:
+    """Give every rank of ``group`` global rank ``src``'s ``tensors``, in place: one flat
+    broadcast per dtype on the group's device (:func:`collective_device`), as DDP coalesces
+    its buffers, not one per tensor (a round trip each: the 160 BatchNorm buffers of
+    ``resnet50_small`` took 22 ms a step that way on 2 gloo ranks, 80 ms on 4). The ranks
+    pass the same tensors in the same order (their dtypes group them alike)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    device = collective_device(group)
+    receives = dist.get_rank() != src
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        if flat.device != device:
+            flat = flat.to(device)
+        dist.broadcast(flat, src=src, group=group)
+        if receives:
+            copy_from_flat(flat, same)
 
 
 def all_reduce_tensors(tensors: list[torch.Tensor], group: Any = None,

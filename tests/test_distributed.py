@@ -22,6 +22,28 @@ def _all_reduce(rank, size, scale):
     return t.item(), rank_and_size(), dist.get_backend(), str(collective_device())
 
 
+def _broadcast_state(rank, size):
+    """Rank 0's parameters and BatchNorm buffers on every rank, and how many broadcasts gave
+    them (one per dtype: float32 and num_batches_tracked's int64)."""
+    from tidal.runtime.programs.replica_sync import broadcast_state
+
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    model(torch.randn(4, 2))  # each rank its own statistics (and num_batches_tracked 1)
+    model[1].num_batches_tracked += rank
+    calls, real = [], dist.broadcast
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+    dist.broadcast = counted
+    try:
+        broadcast_state(model, params=True)
+    finally:
+        dist.broadcast = real
+    return {k: v.tolist() for k, v in model.state_dict().items()}, calls
+
+
 def _fails_on_rank_1(rank, size):
     if rank == 1:
         raise ValueError("bad shard on purpose")
@@ -40,6 +62,17 @@ def test_spawn_all_reduce_two_and_four_ranks():
     assert spawn(_all_reduce, 2, 1.0) == [(3.0, (0, 2), "gloo", "cpu"),
                                           (3.0, (1, 2), "gloo", "cpu")]
     assert [r[0] for r in spawn(_all_reduce, 4, 2.0)] == [20.0] * 4
+
+
+def test_rank_0s_state_reaches_every_rank_in_one_broadcast_per_dtype():
+    ranks = spawn(_broadcast_state, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    model(torch.randn(4, 2))
+    want = {k: v.tolist() for k, v in model.state_dict().items()}
+    for state, calls in ranks:
+        assert state == want
+        assert calls == [torch.float32, torch.int64]  # not one round trip per tensor
 
 
 def test_rank_exception_is_reported_not_hung():

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tidal.runtime.batch_data import BatchCheck
-from tidal.runtime.distributed import all_reduce_tensors, collective_device, group_size
+from tidal.runtime.distributed import (all_reduce_tensors, broadcast_tensors,
+                                      collective_device, group_size)
 from tidal.runtime.programs.step_failures import check_steps
 
 
@@ -33,9 +34,8 @@ def broadcast_state(model: torch.nn.Module, params: bool,
     if group_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    tensors = list(model.buffers()) + ([p.data for p in model.parameters()] if params else [])
-    for t in tensors:
-        dist.broadcast(t, src=src, group=group)
+    broadcast_tensors(list(model.buffers()) + ([p.data for p in model.parameters()]
+                                               if params else []), src, group)
 
 
 def average_buffers(buffers: Iterable[torch.Tensor],
