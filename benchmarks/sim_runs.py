@@ -7,12 +7,13 @@ the executor ran) and, per repeat, the ranks' traces put on one clock
 (``tidal.sim.composition.on_one_clock``). Used by ``tests/test_sim_composition.py`` and
 ``benchmarks/sim_validation.py``.
 
-Models (:data:`WORKLOADS`): ``mlp`` (a tiny MLP) and two plain ``torch.nn`` models of the
-third-party matrix (``tests/third_party/models.py``): ``nn_mha`` and ``nn_transformer``, at
-the batch asked for.
+Models (:data:`WORKLOADS`): ``mlp`` (a tiny MLP), two plain ``torch.nn`` models of the
+third-party matrix (``tests/third_party/models.py``): ``nn_mha`` and ``nn_transformer``, and
+two in-repo image classifiers with BatchNorm (``examples.models.ZOO``): ``vgg16_small`` and
+``resnet50_small``, at the batch asked for.
 
     >>> sorted(WORKLOADS)
-    ['mlp', 'nn_mha', 'nn_transformer']
+    ['mlp', 'nn_mha', 'nn_transformer', 'resnet50_small', 'vgg16_small']
     >>> x, y = workload_data("nn_mha", 0, 8)
     >>> tuple(x.shape), tuple(y.shape)
     ((8, 8, 16), (8,))
@@ -71,10 +72,28 @@ def _tokens(g: torch.Generator, batch: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, SEQ), generator=g)
 
 
+def _zoo(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from examples.models import ZOO
+        return ZOO[name]()
+    return build
+
+
+def _images(name: str) -> Callable[[torch.Generator, int], torch.Tensor]:
+    """Random images of the in-repo image classifier ``name``'s shape."""
+    def images(g: torch.Generator, batch: int) -> torch.Tensor:
+        from examples.models import ZOO
+        m = ZOO[name]()
+        return torch.randn(batch, m.in_channels, m.input_size, m.input_size, generator=g)
+    return images
+
+
 WORKLOADS: dict[str, tuple[Callable[[], nn.Module], Callable, int]] = {
     "mlp": (_mlp, _features, 4),
     "nn_mha": (_mha, _sequences, 3),
     "nn_transformer": (_transformer, _tokens, 3),
+    "vgg16_small": (_zoo("vgg16_small"), _images("vgg16_small"), 10),
+    "resnet50_small": (_zoo("resnet50_small"), _images("resnet50_small"), 10),
 }
 """name: (model builder, inputs of (generator, batch), classes)."""
 

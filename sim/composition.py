@@ -452,8 +452,21 @@ def _reported(intervals: Sequence[Interval], original: Mapping) -> list[Interval
 
 
 def step_us(intervals: Sequence[Interval]) -> float:
-    """The simulated step: from the first start to the last end."""
-    return max(i.end_us for i in intervals) - min(i.start_us for i in intervals)
+    """The simulated step of :func:`compose`: from 0, where its clock starts (the earliest
+    rank's release; the measured step starts there too, :func:`measured_step_us`), to the last
+    end. Not from the first simulated start: a rank that reaches a collective first and waits
+    there for a late peer (a broadcast heading the step) shows no interval while it waits,
+    yet the measured step counts that wait.
+
+    Example: rank 0 waits 2 us in a broadcast for rank 1, released 2 us later:
+        >>> from tidal.ir.program import Piece, Program
+        >>> p = Program((Piece("b", "comm"), Piece("f", "compute", (0,))), world=2)
+        >>> traces = {0: [PieceTrace("b", "comm", 0, 3), PieceTrace("f", "compute", 3, 5)],
+        ...           1: [PieceTrace("b", "comm", 2, 3), PieceTrace("f", "compute", 3, 5)]}
+        >>> step_us(compose(p, traces, release=True)), measured_step_us(traces)
+        (5.0, 5.0)
+    """
+    return max(i.end_us for i in intervals) - min([0.0] + [i.start_us for i in intervals])
 
 
 def measured_step_us(traces: Traces) -> float:
