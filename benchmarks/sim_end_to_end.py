@@ -2,45 +2,44 @@
 calibrated durations, against the measured step of data parallelism and a burst plan on gloo
 ranks.
 
-Inputs of the prediction, all measured before and apart from the runs being predicted:
+Inputs of the prediction, none read from the steps being predicted:
 
 * a per-layer CPU profile (tidal's profiler, 1 thread) at the per-rank batches the plans use,
   calibrated in context: per batch, the profile is scaled so that its layers add up to a whole
-  forward + backward step of the model (``ir.profiler.training_step_samples`` and
-  ``calibrate_profile``), timed with every core busy: one process per core runs the same local
-  step at once, with no communication, each step started at a barrier; per step the slowest
-  process counts, then the estimator over steps (``--calibrate cores``; a synchronous step
-  waits for its slowest rank, busy cores slow each other through shared caches and memory,
-  and on a noisy machine the best step of each process alone is far below what all ranks
-  manage together). ``--calibrate one`` times it on one process alone. The optimizer step
-  timed there is an ``update`` task on every rank;
-* the gloo link of each world size (``runtime.link_fit.measure_ring_link``, ring all-reduce
-  latency and bandwidth);
-* the machine's core count: ranks beyond it share the cores, simulated as processor sharing of
-  all compute lanes (``simulate(..., cores=...)``), not as a factor on the result.
+  forward + backward step of the model (``calibrate_profile``), timed on the ranks of the run
+  itself, every rank computing at once with no communication, round by round *interleaved*
+  with the measured DDP and burst steps (one job: a local step per batch, a DDP step, a burst
+  step, each after a barrier; :func:`_interleaved_worker`). Timed minutes apart, in jobs of
+  their own, the same step moved by 30 % on this shared 2-core machine, and the calibration
+  drifted from the run it predicted. The optimizer step timed there is an ``update`` task on
+  every rank. The calibration holds the sharing of the cores by the ranks (every rank busy
+  at once), so no processor sharing is simulated on top;
+* the gloo ring link (latency, bandwidth: ``runtime.comm.link_fit.fit_ring_link``) fitted to
+  all-reduces of two sizes timed in the same rounds; the plan is made with a link fitted
+  before (``measure_ring_link``) and costed again with the one fitted in context.
+
+Per round the slowest rank counts (a synchronous step waits for it), then the estimator over
+``--steps`` rounds (``--stat``, default median). Each row is printed with where the prediction
+puts rank 0's time (compute segments, transfers, collectives, the optimizer step).
 
 Data parallelism is DDP (bucketed all-reduces overlapping backward) and simulated as such;
-DDP runs with ``broadcast_buffers=False``, since the simulator, like tidal's executors,
-syncs gradients only (DDP's default broadcast of BatchNorm buffers before every forward
-cost resnet50_small about 10 ms a step here). The
+DDP runs with ``broadcast_buffers=False``, since the simulator syncs gradients only. The
 burst plan is hand-written (the first half of the layers on all ranks, the second half on half of
 them: the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
 this profile and link (which on this CPU often puts every layer on one rank); it is run through
-``tidal.compile(..., passes=[BurstParallel(plan=...)])`` and ``Compiled.step`` and simulated as
-the burst-parallel program (``runtime.programs.burst``) runs it
-(``sim.programs.burst_execution``). CPU numbers only;
-timings are noisy on a shared machine: every step time (one-process and multi-rank alike)
-is the minimum over ``--steps`` steps by default (``--stat median`` for the median); the
-multi-rank time is the median over ranks. The whole comparison (link fits, profiles,
-calibration, measured runs) is repeated ``--rounds`` times (default 3, about 4 minutes each) and
-each row reports the median over rounds of its prediction and of its measurement: the gloo link
-fit alone moves a burst plan's prediction by about 10 % from one round to the next.
+``tidal.compile(..., passes=[BurstParallel(plan=...)])`` and ``Compiled.step`` and simulated
+by the cluster simulator's model of the burst-parallel program
+(``sim.programs.burst_execution``). CPU numbers only. The whole comparison is repeated
+``--rounds`` times (default 3) and each row reports the median over rounds of its prediction
+and of its measurement.
 
     python benchmarks/sim_validation.py [--e2e-models vgg16_small,resnet50_small]
                                         [--global-batch 32]
 """
 from __future__ import annotations
 
+import copy
+import functools
 import statistics
 import sys
 import tempfile
@@ -56,12 +55,12 @@ if str(ROOT) not in sys.path:
 import tidal  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from tidal.ir import layer_graph  # noqa: E402
-from tidal.ir.profiler import (StepTime, calibrate_profile, profile_layers,  # noqa: E402
-                               training_step_samples)
+from tidal.ir.profiler import StepTime, calibrate_profile, profile_layers  # noqa: E402
 from tidal.passes.burst_parallel import BurstParallel, build_problem  # noqa: E402
 from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E402
 from tidal.runtime.distributed import spawn  # noqa: E402
-from tidal.runtime.comm.link_fit import measure_ring_link  # noqa: E402
+from tidal.runtime.comm.link_fit import (DEFAULT_SIZES, RingLink,  # noqa: E402
+                                         fit_ring_link, measure_ring_link)
 from tidal.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
                                 output_bytes, summarize)
 
@@ -72,50 +71,39 @@ def _link_worker(rank: int, size: int):
     return measure_ring_link()
 
 
-def _timed(step, steps: int, stat) -> float:
-    import torch.distributed as dist
-
-    times = []
-    for i in range(steps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return STATS[stat](times) * 1e6
-
-
-def _calib_worker(rank: int, size: int, name: str, batches, steps: int):
-    """This rank's local training-step samples (no communication) per batch: every process
-    starts each step at a barrier, as the ranks of a synchronous step do."""
-    import torch.distributed as dist
-
+def _local_steps(name: str, batches) -> dict:
+    """Per batch of ``batches``: the model's local training step (no communication; a copy
+    of its graph module with its own SGD) as a function returning its (fwd+bwd, update) us."""
     model = ZOO[name]()
     gm = tidal.compile(model, model.example_inputs(max(batches))).graph_module
-    return {b: training_step_samples(gm, model.example_inputs(b), model.example_targets(b),
-                                     model.default_loss, repeats=steps,
-                                     before_each=dist.barrier)
-            for b in batches}
-
-
-def _step_times(name: str, batches, steps: int, stat: str, processes: int) -> dict:
-    """Per batch, the (fwd+bwd, update) step time of ``processes`` processes running the local
-    step at the same time, step by step: per step the slowest process (a synchronous step
-    waits for its slowest rank), then ``stat`` over steps. The straggler is taken per step,
-    not from each process's own best: on a noisy machine the ranks are rarely fast together."""
-    ranks = spawn(_calib_worker, processes, name, batches, steps, timeout_s=900)
     out = {}
     for b in batches:
-        fb = [max(r[b][0][i] for r in ranks) for i in range(steps)]
-        up = [max(r[b][1][i] for r in ranks) for i in range(steps)]
-        out[b] = StepTime(STATS[stat](fb), STATS[stat](up))
+        work = copy.deepcopy(gm)
+        opt = torch.optim.SGD(work.parameters(), lr=0.01)
+        x, y = model.example_inputs(b), model.example_targets(b)
+
+        def step(work=work, opt=opt, x=x, y=y) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=False)
+            model.default_loss(work(*x), y).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
+        out[b] = step
     return out
 
 
-def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: int, cluster,
-                    plan, stat: str) -> tuple[float, float]:
-    """Step time (us, ``stat`` over ``steps``) of DDP data parallelism and of ``plan`` on this
-    rank."""
+def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, steps: int,
+                        cluster, plan, batches) -> list[dict]:
+    """This rank's rounds (``steps``, after 2 warm-up ones): in each, the local step at every
+    batch of ``batches`` (the calibration: every rank computing at once, no communication),
+    then a DDP step, then a step of the burst ``plan`` through tidal, each started at a
+    barrier. Calibration and measured runs interleave round by round, so both see the same
+    machine (timed minutes apart, the same step moved by 30 % on a shared 2-core machine).
+    Each round also times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` (the link
+    fitted in the same context, ``"ar <bytes>"``). Per round: ``{batch: (fwd+bwd us, update
+    us), "dp": us, "burst": us, "ar <bytes>": us, ...}``."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -134,14 +122,53 @@ def _measure_worker(rank: int, size: int, name: str, global_batch: int, steps: i
         model.default_loss(ddp(*(x[sl] for x in inputs)), targets[sl]).backward()
         opt.step()
 
-    dp = _timed(dp_step, steps, stat)
     torch.manual_seed(0)
-    model = ZOO[name]()
-    c = tidal.compile(model, inputs, passes=[BurstParallel(plan=plan)], cluster=cluster,
+    c = tidal.compile(ZOO[name](), inputs, passes=[BurstParallel(plan=plan)], cluster=cluster,
                       loss_fn=model.default_loss,
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
-    burst = _timed(lambda: c.step(inputs, targets), steps, stat)
-    return dp, burst
+    flats = {f"ar {n}": torch.zeros(n // 4) for n in DEFAULT_SIZES}
+    runs = {"dp": dp_step, "burst": lambda: c.step(inputs, targets),
+            **{k: functools.partial(dist.all_reduce, t) for k, t in flats.items()}}
+    local = _local_steps(name, batches)
+    rounds = []
+    for i in range(steps + 2):
+        row: dict = {}
+        for b, step in local.items():
+            dist.barrier()
+            row[b] = step()
+        for what, run in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            row[what] = (time.perf_counter() - t0) * 1e6
+        if i >= 2:
+            rounds.append(row)
+    return rounds
+
+
+def _over_rounds(ranks: list[list[dict]], stat: str
+                 ) -> tuple[dict, float, float, RingLink]:
+    """The interleaved job's rounds of every rank: per batch the calibrated ``StepTime``, the
+    DDP and burst step times (us) and the ring link fitted to the all-reduces. Per round the
+    slowest rank counts (a synchronous step waits for it), then ``stat`` over rounds."""
+    rounds = range(len(ranks[0]))
+    per = lambda key, k=None: [max(r[i][key] if k is None else r[i][key][k]  # noqa: E731
+                                   for r in ranks) for i in rounds]
+    batches = [k for k in ranks[0][0] if isinstance(k, int)]
+    steps = {b: StepTime(STATS[stat](per(b, 0)), STATS[stat](per(b, 1))) for b in batches}
+    link = fit_ring_link(len(ranks), DEFAULT_SIZES,
+                         [STATS[stat](per(f"ar {n}")) for n in DEFAULT_SIZES])
+    return steps, STATS[stat](per("dp")), STATS[stat](per("burst")), link
+
+
+def _parts(program, rank: int) -> str:
+    """The summed durations of ``rank``'s pieces of a placed program by kind (compute, the
+    optimizer step, transfers, collectives), in ms: where a prediction puts its time."""
+    sums: dict[str, float] = {}
+    for p in program.pieces:
+        if rank in p.ranks:
+            sums[p.kind] = sums.get(p.kind, 0.0) + p.duration_us
+    return ", ".join(f"{k} {v / 1e3:.1f}" for k, v in sums.items()) + " ms"
 
 
 def _half_plan(problem, world: int, amp_limit: float):
@@ -166,9 +193,10 @@ def _runs(plan) -> str:
 
 
 def _round(args, cores: int, worlds) -> list[tuple[str, int, str, float, float]]:
-    """One independent round on each world size of ``worlds``: link fits, profiles and
-    calibration, then the measured runs; rows of (model, ranks, plan label, predicted us,
-    measured us)."""
+    """One independent round on each world size of ``worlds``: link fits and profiles, then
+    per model and world size one job that calibrates the profile and measures DDP and the
+    burst plan interleaved (:func:`_interleaved_worker`); rows of (model, ranks, plan label,
+    predicted us, measured us)."""
     gb = args.global_batch
     links = {w: spawn(_link_worker, w)[0] for w in worlds}
     for w, link in links.items():
@@ -180,35 +208,49 @@ def _round(args, cores: int, worlds) -> list[tuple[str, int, str, float, float]]
         inputs = model.example_inputs(gb)
         gm = tidal.compile(model, inputs).graph_module
         batches = sorted({-(-gb // g) for g in (1,) + worlds})
-        prof = profile_layers(gm, inputs, batches, repeats=5, cache_dir=tempfile.mkdtemp(),
-                              progress=False)
-        processes = min(cores, max(worlds)) if args.calibrate == "cores" else 1
-        steps = _step_times(name, batches, args.steps, args.stat, processes)
-        for b in batches:
-            prof = calibrate_profile(prof, gm, b, steps[b].fwd_bwd_us)
-        print(f"{name}: local step on {processes} busy core(s) (fwd+bwd / optimizer) " + ", ".join(
-            f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
-            for b, s in steps.items()))
+        profile = profile_layers(gm, inputs, batches, repeats=5, cache_dir=tempfile.mkdtemp(),
+                                 progress=False)
         lg = layer_graph.build(gm)
         preds = {n: list(lg.predecessors(n)) for n in lg.nodes}
-        update = steps[gb].update_us
         for w in worlds:
             link = links[w]
             cluster = tidal.Cluster(gpus=w, bandwidth_gbps=link.bandwidth_gbps,
-                                    latency_us=link.latency_us, profile=prof)
-            times = lambda b: layer_times(gm, cluster, b)  # noqa: E731
-            dp_sim = summarize(data_parallel(times, w, gb, cluster, update_us=update), w, gb,
-                               cores=cores).iteration_us
+                                    latency_us=link.latency_us, profile=profile)
             problem = build_problem(gm, cluster, gb, sync="paper")  # as the README figures
             plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
             if plan is None or plan.is_data_parallel:
                 plan = _half_plan(problem, w, args.amp_limit)
-            program = burst_execution(plan, preds, times, cluster, output_bytes(gm), update)
-            bp_sim = summarize(program, w, gb, cores=cores).iteration_us
-            measured = spawn(_measure_worker, w, name, gb, args.steps, cluster, plan,
-                             args.stat, timeout_s=900)
-            dp_meas = statistics.median(m[0] for m in measured)
-            bp_meas = statistics.median(m[1] for m in measured)
+            used = sorted({-(-gb // g) for g in (w,) + tuple(l.gpus for l in plan.layers)})
+            steps, dp_meas, bp_meas, fitted = _over_rounds(spawn(
+                _interleaved_worker, w, name, gb, args.steps, cluster, plan, used,
+                timeout_s=900), args.stat)
+            prof = profile
+            for b in used:
+                prof = calibrate_profile(prof, gm, b, steps[b].fwd_bwd_us)
+            print(f"{name} on {w} ranks, in context: local step, every rank at once "
+                  "(fwd+bwd / optimizer) " + ", ".join(
+                      f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
+                      for b, s in steps.items())
+                  + f"; link latency {fitted.latency_us:.1f} us, "
+                  f"{fitted.bandwidth_gbps:.2f} Gb/s")
+            cal = tidal.Cluster(gpus=w, bandwidth_gbps=fitted.bandwidth_gbps,
+                                latency_us=fitted.latency_us, profile=prof)
+            # the same plan (its GPU counts) costed with the link fitted in context
+            plan = plan_from_counts(build_problem(gm, cal, gb, sync="paper"),
+                                    [l.gpus for l in plan.layers], amp_limit=args.amp_limit,
+                                    algorithm=plan.algorithm)
+            times = lambda b: layer_times(gm, cal, b)  # noqa: E731
+            update = steps[-(-gb // w)].update_us
+            # the calibration ran with every rank computing at once: its durations hold the
+            # sharing of the cores already (no processor sharing on top)
+            dp_sim = summarize(data_parallel(times, w, gb, cal, update_us=update), w,
+                               gb).iteration_us
+            dp_program = data_parallel(times, w, gb, cal, update_us=update)
+            program = burst_execution(plan, preds, times, cal, output_bytes(gm), update)
+            bp_sim = summarize(program, w, gb).iteration_us
+            for label, placed in (("data parallel", dp_program), ("burst", program)):
+                print(f"  predicted {label} on {w} ranks, rank 0's pieces: "
+                      + _parts(placed, 0))
             rows.append((name, w, "data parallel", dp_sim, dp_meas))
             rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
     return rows
@@ -240,13 +282,9 @@ def add_arguments(parser) -> None:
                              "parallel as DDP, a burst plan through tidal); empty: none")
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--stat", choices=tuple(STATS), default="min",
-                        help="estimator of every end-to-end step time, one-process calibration "
-                             "and multi-rank runs alike (default min: least disturbed by other "
-                             "processes on a shared machine)")
-    parser.add_argument("--calibrate", choices=("cores", "one"), default="cores",
-                        help="time the one-rank step for calibration with one process per core "
-                             "at once, slowest counts (default), or on one process alone")
+    parser.add_argument("--stat", choices=tuple(STATS), default="median",
+                        help="estimator over the interleaved rounds of every end-to-end time, "
+                             "calibration, link and measured runs alike (default median)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="independent end-to-end rounds (link fits, profiles, calibration "
                              "and measured runs each time); each row reports the median over "

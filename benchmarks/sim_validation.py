@@ -4,7 +4,7 @@ reported apart.
 * **Composition** (``tidal.sim.composition``): each plan kind (data parallel, compression,
   burst, tick_tock, round_robin, layer groups, a data-parallel foreground with a background
   job) runs on 2 and 4 gloo ranks (1 thread each; ``benchmarks/sim_runs.py``) with the tiny
-  MLP and two plain ``torch.nn`` models of the third-party matrix. Per traced step (a repeat),
+  MLP, two plain ``torch.nn`` models of the third-party matrix and two in-repo BatchNorm CNNs. Per traced step (a repeat),
   the simulator runs the very Program objects the executor ran, given each piece's measured
   own duration, the ranks' releases and each piece's measured dispatch gap
   (``compose(..., release=True, gaps=True)``): this *replay* checks that the model of
@@ -17,9 +17,10 @@ reported apart.
   with the spread (min..max), the composition error, and where the composed timeline first
   departs from the measured one (``departure``, for the repeat of median error: the piece,
   by how much, after what, and its measured dispatch gap).
-* **End-to-end** (``benchmarks/sim_end_to_end.py``, its method unchanged): the simulator given
-  the profiler's calibrated per-layer durations and a fitted gloo link, against DDP data
-  parallelism and a hand-written burst plan run through tidal (``--e2e-models``).
+* **End-to-end** (``benchmarks/sim_end_to_end.py``): the cluster simulator given the
+  profiler's per-layer durations, calibrated on the ranks in the same rounds as the measured
+  steps, and the gloo link fitted in those rounds, against DDP data parallelism and a
+  hand-written burst plan run through tidal (``--e2e-models``).
 
 The summary gives the composition median and max |error|, the end-to-end median |error| and
 the mean (signed) error per plan kind, against issue 36's goals (composition median <= 5 %,
