@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -61,8 +62,8 @@ from tidal.passes.burst_planner import plan_burst, plan_from_counts  # noqa: E40
 from tidal.runtime.distributed import spawn  # noqa: E402
 from tidal.runtime.comm.link_fit import (DEFAULT_SIZES, RingLink,  # noqa: E402
                                          fit_ring_link, measure_ring_link)
-from tidal.sim.programs import (burst_execution, data_parallel, layer_times,  # noqa: E402
-                                output_bytes, summarize)
+from tidal.sim.programs import (burst_execution, data_parallel,  # noqa: E402
+                                layer_buffer_bytes, layer_times, output_bytes, summarize)
 
 STATS = {"median": statistics.median, "min": min}
 
@@ -126,10 +127,10 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     c = tidal.compile(ZOO[name](), inputs, passes=[BurstParallel(plan=plan)], cluster=cluster,
                       loss_fn=model.default_loss,
                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
-    flats = {f"ar {n}": torch.zeros(n // 4) for n in DEFAULT_SIZES}
-    runs = {"dp": dp_step, "burst": lambda: c.step(inputs, targets),
-            **{k: functools.partial(dist.all_reduce, t) for k, t in flats.items()}}
+    flats = {n: torch.zeros(n // 4) for n in DEFAULT_SIZES}
+    runs = {"dp": dp_step, "burst": lambda: c.step(inputs, targets)}
     local = _local_steps(name, batches)
+    own = local[-(-global_batch // size)]
     rounds = []
     for i in range(steps + 2):
         row: dict = {}
@@ -141,9 +142,30 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
             t0 = time.perf_counter()
             run()
             row[what] = (time.perf_counter() - t0) * 1e6
+        for n, flat in flats.items():  # an all-reduce beside this rank's local step
+            dist.barrier()
+            row[f"ar {n}"] = _loaded_all_reduce_us(flat, own)
         if i >= 2:
             rounds.append(row)
     return rounds
+
+
+def _loaded_all_reduce_us(flat: torch.Tensor, step: Callable[[], Any]) -> float:
+    """How long an all-reduce of ``flat`` took, issued asynchronously right before ``step``
+    (this rank's local training step) runs: a collective of the step shares the cores with
+    the ranks' computation, as the runtime's do (on this CPU, 2-5 times an all-reduce on idle
+    ranks). Collective."""
+    import torch.distributed as dist
+
+    ended: list[float] = []
+    t0 = time.perf_counter()
+    work = dist.all_reduce(flat, async_op=True)
+    work.get_future().then(lambda _: ended.append(time.perf_counter()))
+    step()
+    work.wait()
+    while not ended:  # the callback runs on gloo's thread right after completion
+        time.sleep(1e-5)
+    return (ended[0] - t0) * 1e6
 
 
 def _over_rounds(ranks: list[list[dict]], stat: str
@@ -192,7 +214,8 @@ def _runs(plan) -> str:
     return text if len(text) <= 30 else text[:27] + "..."
 
 
-def _round(args, cores: int, worlds) -> list[tuple[str, int, str, float, float]]:
+def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float]
+           ) -> list[tuple[str, int, str, float, float]]:
     """One independent round on each world size of ``worlds``: link fits and profiles, then
     per model and world size one job that calibrates the profile and measures DDP and the
     burst plan interleaved (:func:`_interleaved_worker`); rows of (model, ranks, plan label,
@@ -246,26 +269,32 @@ def _round(args, cores: int, worlds) -> list[tuple[str, int, str, float, float]]
             dp_sim = summarize(data_parallel(times, w, gb, cal, update_us=update), w,
                                gb).iteration_us
             dp_program = data_parallel(times, w, gb, cal, update_us=update)
-            program = burst_execution(plan, preds, times, cal, output_bytes(gm), update)
+            program = burst_execution(plan, preds, times, cal, output_bytes(gm), update,
+                                      buffer_bytes=layer_buffer_bytes(gm),
+                                      dispatch_us=dispatch_us.get(w, 0.0))
             bp_sim = summarize(program, w, gb).iteration_us
             for label, placed in (("data parallel", dp_program), ("burst", program)):
                 print(f"  predicted {label} on {w} ranks, rank 0's pieces: "
-                      + _parts(placed, 0))
+                      + _parts(placed, 0) + (f" (with {dispatch_us.get(w, 0.0) / 1e3:.2f} ms "
+                                             "of host dispatch per runtime piece)"
+                                             if label == "burst" else ""))
             rows.append((name, w, "data parallel", dp_sim, dp_meas))
             rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
     return rows
 
 
-def end_to_end_rows(args, cores: int, worlds) -> list[tuple[str, int, str, float, float]]:
+def end_to_end_rows(args, cores: int, worlds, dispatch_us: Optional[Mapping[int, float]] = None
+                    ) -> list[tuple[str, int, str, float, float]]:
     """``args.rounds`` independent rounds (:func:`_round`; ``args``: the command line's
     ``e2e_models``, ``global_batch``, ``steps``, ``stat``, ``calibrate``, ``amp_limit``,
     ``plan``): per row (model, ranks, plan label), the median over rounds of its prediction
-    and of its measurement (us)."""
+    and of its measurement (us). ``dispatch_us``: per world size, the host's dispatch per
+    piece of a burst run (calibrated on other runs; none: 0)."""
     rounds = []
     for r in range(args.rounds):
         if args.rounds > 1:
             print(f"end-to-end round {r + 1} of {args.rounds}", flush=True)
-        rounds.append(_round(args, cores, worlds))
+        rounds.append(_round(args, cores, worlds, dispatch_us or {}))
         if args.rounds > 1:
             errs = [abs(p - m) / m for *_, p, m in rounds[-1]]
             print(f"end-to-end round {r + 1}: median absolute error "

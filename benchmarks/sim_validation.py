@@ -4,8 +4,9 @@ reported apart.
 * **Composition** (``tidal.sim.composition``): each plan kind (data parallel, compression,
   burst, tick_tock, round_robin, layer groups, a data-parallel foreground with a background
   job) runs on 2 and 4 gloo ranks (1 thread each; ``benchmarks/sim_runs.py``) with the tiny
-  MLP, two plain ``torch.nn`` models of the third-party matrix and two in-repo BatchNorm CNNs. Per traced step (a repeat),
-  the simulator runs the very Program objects the executor ran, given each piece's measured
+  MLP, two plain ``torch.nn`` models of the third-party matrix and two in-repo BatchNorm
+  CNNs. Per traced step (a repeat), the simulator runs the very Program objects the executor
+  ran, given each piece's measured
   own duration, the ranks' releases and each piece's measured dispatch gap
   (``compose(..., release=True, gaps=True)``): this *replay* checks that the model of
   streams, links, dependencies and joined collectives reproduces the trace (near 0 by
@@ -74,6 +75,7 @@ class Row:
     e2e_us: Optional[float] = None
     departure: str = ""
     modelled_us: tuple = ()
+    mean_gap_us: float = 0.0
 
     @property
     def errors(self) -> list[float]:
@@ -126,9 +128,10 @@ def composition_row(model: str, world: int, kind: str, run_of_kind, tolerance: f
     median_at = sorted(range(len(errors)), key=errors.__getitem__)[len(errors) // 2]
     first = departure(programs, run_of_kind.traces[median_at], intervals[median_at],
                       tolerance * measured[median_at])
+    gaps = [m.gap_us for ms in per_repeat for m in ms]
     return Row(model, world, kind, kind, tuple(measured), tuple(composed), None,
                str(first) if first else "none: every piece starts within "
-               f"{tolerance:.0%} of the step", tuple(modelled))
+               f"{tolerance:.0%} of the step", tuple(modelled), statistics.fmean(gaps))
 
 
 def _spread(values, scale: float = 1e-3, fmt: str = "{:.2f}") -> str:
@@ -223,11 +226,23 @@ def composition_rows(args, worlds, cores: int) -> list[Row]:
     return rows
 
 
-def end_to_end(args, worlds, cores: int) -> list[Row]:
+def burst_dispatch_us(rows: list[Row]) -> dict[int, float]:
+    """Per world size, the host's mean dispatch gap per piece of tidal's burst runs among the
+    composition rows (every model and repeat): what the end-to-end burst predictions add per
+    runtime piece (``sim.programs.burst_execution(dispatch_us=)``), calibrated on other runs
+    than the ones they predict."""
+    by_world: dict[int, list[float]] = {}
+    for r in rows:
+        if r.kind == "burst" and r.composed_us:
+            by_world.setdefault(r.ranks, []).append(r.mean_gap_us)
+    return {w: statistics.fmean(v) for w, v in by_world.items()}
+
+
+def end_to_end(args, worlds, cores: int, dispatch_us: dict[int, float]) -> list[Row]:
     """The end-to-end rows (``sim_end_to_end``) as table rows."""
     out = []
-    for name, w, label, predicted, measured in sim_end_to_end.end_to_end_rows(args, cores,
-                                                                             worlds):
+    for name, w, label, predicted, measured in sim_end_to_end.end_to_end_rows(
+            args, cores, worlds, dispatch_us):
         out.append(Row(name, w, "burst" if label.startswith("burst") else label, label,
                        (measured,), (), predicted))
     return out
@@ -265,7 +280,12 @@ def main(argv=None) -> int:
           "are not modelled: compare on a quiet machine)", flush=True)
     rows = composition_rows(args, worlds, cores)
     if args.e2e_models:
-        rows += end_to_end(args, worlds, cores)
+        dispatch = burst_dispatch_us(rows)
+        missing = [w for w in worlds if w not in dispatch]
+        if missing:
+            print(f"note: no composition run of the burst kind on {missing} ranks: the "
+                  "end-to-end burst rows there model no host dispatch")
+        rows += end_to_end(args, worlds, cores, dispatch)
     print_rows(rows)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (1 min), "
           f"{os.getloadavg()[1]:.1f} (5 min)")

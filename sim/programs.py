@@ -28,11 +28,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
 
 import torch.fx as fx
 
 from tidal.ir import cost
+from tidal.ir.burst_sync import ranks_label
 from tidal.ir.cluster import Cluster
 from tidal.ir.comm_cost import DDP_BUCKET_BYTES, gradient_buckets, ring_allreduce_us
 from tidal.ir.node_runner import COMPUTE_OPS
@@ -233,7 +235,9 @@ def burst_parallel(plan, preds: dict[str, Sequence[str]], overlap_sync: bool = F
 def burst_execution(plan, preds: dict[str, Sequence[str]],
                     times_at: Callable[[int], LayerTimes], cluster: Cluster,
                     out_bytes: float = 0.0, update_us: float = 0.0, sync: str = "end",
-                    bucket_bytes: float = DDP_BUCKET_BYTES) -> Program:
+                    bucket_bytes: float = DDP_BUCKET_BYTES,
+                    buffer_bytes: Mapping[str, float] = MappingProxyType({}),
+                    dispatch_us: float = 0.0) -> Program:
     """One training step of a burst-parallel plan from per-layer costs, as the runtime's burst
     program runs it (``tidal.runtime.programs.burst``; ``join_ranks`` of that program object
     models it piece by piece): the forward of every layer on its ranks (``F:<layer>``, per-GPU
@@ -254,9 +258,16 @@ def burst_execution(plan, preds: dict[str, Sequence[str]],
     step = _BurstStep(plan, preds, times_at, cluster)
     head = step.forward()
     bwd_all, syncs = step.backward(head, out_bytes, bucket_bytes, overlap=sync == "overlap")
+    step.buffer_syncs(buffer_bytes, bwd_all)
     for r in range(plan.world):
         step.out.add("update", (r,), update_us,
                      [d for d in syncs + bwd_all if r in step.out.pieces[d].ranks], OPTIMIZER)
+    if dispatch_us:
+        pieces = step.out.pieces
+        step.out.pieces = [replace(q, duration_us=q.duration_us + dispatch_us)
+                           if q.kind != SEGMENT or not q.deps
+                           or any(pieces[d].kind != SEGMENT for d in q.deps) else q
+                           for q in pieces]
     return step.out.program(plan.world)
 
 
@@ -351,6 +362,33 @@ class _BurstStep:
         for ranks, names, nbytes in () if overlap else buckets:  # after the backward
             add_sync(ranks, names, nbytes, bwd_all)
         return bwd_all, syncs
+
+    def buffer_syncs(self, buffer_bytes: Mapping[str, float], bwd_all: list[int]) -> None:
+        """One all-reduce per set of two or more ranks whose layers hold buffers, after the
+        backward pieces on those ranks (see ``burst_execution``)."""
+        by_ranks: dict[tuple[int, ...], float] = {}
+        for p in self.plan.layers:
+            if buffer_bytes.get(p.layer) and len(p.ranks) > 1:
+                key = tuple(sorted(p.ranks))
+                by_ranks[key] = by_ranks.get(key, 0.0) + buffer_bytes[p.layer]
+        c = self.cluster
+        for ranks, nbytes in by_ranks.items():
+            deps = [d for d in bwd_all if set(self.out.pieces[d].ranks) & set(ranks)]
+            self.out.add(f"AR:buffers {ranks_label(ranks)}", ranks, ring_allreduce_us(
+                nbytes, len(ranks), c.bytes_per_us, c.latency_us), deps, COLLECTIVE)
+
+
+def layer_buffer_bytes(gm: fx.GraphModule) -> dict[str, float]:
+    """Per compute node of an annotated graph (``tidal.ir.cost.annotate``), the bytes of the
+    buffers it owns (BatchNorm's running statistics), for :func:`burst_execution`."""
+    from tidal.ir import meta
+
+    out = {}
+    for n in gm.graph.nodes:
+        c = meta.get_cost(n)
+        if n.op in COMPUTE_OPS and c is not None and c.buffer_bytes:
+            out[n.name] = float(c.buffer_bytes)
+    return out
 
 
 def sync_buckets(plan, times: Callable[[int], tuple[LayerTimes, dict[str, int]]],

@@ -311,6 +311,28 @@ def test_burst_execution_follows_the_executor():
     assert not any(i.name.startswith(("BC", "AR:b")) for i in r.intervals)
     assert r.iteration_us == pytest.approx(max(iv[("update", g)].end_us for g in (0, 1)))
     assert iv[("update", 1)].start_us >= ar.end_us
+    # layers a and c hold buffers on ranks 0,1 (b's, on rank 0 alone, stay there): as the
+    # runtime's "buffers all_reduce 0,1", one all-reduce after the gradient sync on the link,
+    # beside the update (which does not wait for it), and the step ends with it
+    with_bn = summarize(burst_execution(plan, preds, lambda b: lt[b], cluster, update_us=7.0,
+                                        buffer_bytes={"a": 3000.0, "b": 50.0, "c": 1000.0}),
+                        2, 4)
+    bv = {(i.name, i.gpu): i for i in with_bn.intervals}
+    buf = bv[("AR:buffers 0,1", 0)]
+    assert [n for n, g in bv if n.startswith("AR:buffers")] == ["AR:buffers 0,1"] * 2
+    assert buf.start_us >= bv[("AR:a..a", 0)].end_us
+    assert buf.end_us - buf.start_us == pytest.approx(ring_allreduce_us(4000, 2, 1000.0, 1.0))
+    assert bv[("update", 1)].start_us == pytest.approx(iv[("update", 1)].start_us)
+    assert with_bn.iteration_us == pytest.approx(max(buf.end_us, r.iteration_us))
+    # host dispatch: each of the runtime's pieces (a stage, transfer, sync or the optimizer
+    # step) starts later by it; a layer continuing its stage does not
+    slow = {(i.name, i.gpu): i for i in summarize(burst_execution(
+        plan, preds, lambda b: lt[b], cluster, update_us=7.0, dispatch_us=100.0), 2, 4).intervals}
+    took = lambda v, k: v[k].end_us - v[k].start_us  # noqa: E731
+    assert took(slow, ("F:a", 0)) == took(iv, ("F:a", 0)) + 100.0  # the step's first stage
+    assert took(slow, ("X:b", 0)) == pytest.approx(took(iv, ("X:b", 0)) + 100.0)
+    assert took(slow, ("F:b", 0)) == took(iv, ("F:b", 0)) + 100.0  # after a transfer
+    assert took(slow, ("update", 1)) == took(iv, ("update", 1)) + 100.0
 
 
 @needs_a100
