@@ -29,7 +29,7 @@ max <= 10 %; end-to-end median <= 10 %; no kind biased by more than 5 % on avera
 machine's load average is printed at start and end; other processes are not modelled, and
 ranks beyond the cores share them (said when so).
 
-    python benchmarks/sim_validation.py --quick          # 2 ranks, the MLP, 3 repeats, no e2e
+    python benchmarks/sim_validation.py --quick          # 2 ranks, the MLP, 5 repeats, no e2e
     python benchmarks/sim_validation.py [--ranks 2,4] [--models mlp,nn_mha,nn_transformer]
         [--kinds burst,tick_tock] [--repeats 5] [--e2e-models vgg16_small] [--rounds 1]
 """
@@ -251,8 +251,8 @@ def end_to_end(args, worlds, cores: int, dispatch_us: dict[int, float]) -> list[
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="2 ranks, the tiny MLP, 3 repeats, no end-to-end rows (under 2 "
-                             "minutes)")
+                        help="2 ranks, the tiny MLP, 5 repeats, no end-to-end rows (under a "
+                             "minute)")
     parser.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
     parser.add_argument("--models", default=",".join(WORKLOADS),
                         help=f"composition models, of {sorted(WORKLOADS)}")
@@ -268,7 +268,7 @@ def parse(argv=None) -> argparse.Namespace:
     sim_end_to_end.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.ranks, args.models, args.repeats, args.e2e_models = "2", "mlp", 3, ""
+        args.ranks, args.models, args.repeats, args.e2e_models = "2", "mlp", 5, ""
     return args
 
 
