@@ -15,8 +15,12 @@ Inputs of the prediction, none read from the steps being predicted:
   every rank. The calibration holds the sharing of the cores by the ranks (every rank busy
   at once), so no processor sharing is simulated on top;
 * the gloo ring link (latency, bandwidth: ``runtime.comm.link_fit.fit_ring_link``) fitted to
-  all-reduces of two sizes timed in the same rounds; the plan is made with a link fitted
-  before (``measure_ring_link``) and costed again with the one fitted in context.
+  all-reduces of two sizes timed in the same rounds, each issued beside the ranks' local
+  step: the runtime's collectives share the cores with computation, and on this CPU take
+  2-5 times an all-reduce on idle ranks. The plan is made with a link fitted on idle ranks
+  before (``measure_ring_link``) and costed again with the one fitted in context. DDP's one
+  bucket after the backward runs partly on idle cores: its rows come out over-predicted
+  (the engine has no link that slows only while computation overlaps it).
 
 Per round the slowest rank counts (a synchronous step waits for it), then the estimator over
 ``--steps`` rounds (``--stat``, default median). Each row is printed with where the prediction
@@ -101,8 +105,9 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     then a DDP step, then a step of the burst ``plan`` through tidal, each started at a
     barrier. Calibration and measured runs interleave round by round, so both see the same
     machine (timed minutes apart, the same step moved by 30 % on a shared 2-core machine).
-    Each round also times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` (the link
-    fitted in the same context, ``"ar <bytes>"``). Per round: ``{batch: (fwd+bwd us, update
+    Each round also times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside
+    the rank's local step (:func:`_loaded_all_reduce_us`; the link is fitted to them,
+    ``"ar <bytes>"``). Per round: ``{batch: (fwd+bwd us, update
     us), "dp": us, "burst": us, "ar <bytes>": us, ...}``."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
