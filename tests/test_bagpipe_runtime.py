@@ -4,11 +4,13 @@ data-parallel SGD without a cache (computed here in one process), for lookahead 
 two skews, for the LRU and "no cache" policies, and across a checkpoint and resume (all in ONE
 spawn); a killed trainer raises a BagpipeError naming it (a second spawn), a peer failure
 (``PeerFailureError``) naming that trainer, as does a stalled one within the timeout plus 5 s,
-not the Oracle Cacher that waited for it (a third spawn)."""
+not the Oracle Cacher that waited for it (a third spawn: the second runs while the third's
+processes wait for its stopped trainer)."""
 import copy
 import multiprocessing
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -164,26 +166,6 @@ def test_equivalence_policies_checkpoint_resume(tmp_path):
     assert all(s.hits == 0 for s in by[("hot0.9", "bagpipe L=0")].stats)
 
 
-def test_killed_trainer_raises_and_leaves_checkpoint(tmp_path):
-    model, compiled = _setup()
-    data = Float64Clicks(hot_fraction=0.05, hot_share=0.9)
-    ck = str(tmp_path / "ck")
-    with pytest.raises(BagpipeError, match=r"trainer 1 died at iteration 3") as err:
-        train(compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR,
-              loss_fn=click_loss, checkpoint_every=2, checkpoint_dir=ck, timeout_s=90,
-              fail_at=(1, 3))
-    assert err.value.trainer == 1 and err.value.iteration == 3 and err.value.checkpoint == ck
-    assert ck in str(err.value)
-    assert isinstance(err.value, PeerFailureError) and err.value.pass_name == "bagpipe"
-    assert err.value.peer == 1 and err.value.peer_name == "trainer 1", str(err.value)
-    assert str(err.value).startswith("bagpipe: trainer 1 died"), str(err.value)
-    assert not multiprocessing.active_children()
-    saved = load_checkpoint(ck)
-    assert saved["next"] == 2
-    _assert_equal(saved["tables"], saved["dense"], _reference(model, data, 2)[-1],
-                  "checkpoint at 2")
-
-
 class StampedLoss:
     """``click_loss`` that records when each trainer last computed a loss (file ``loss<rank>``
     of ``folder``, rank in the trainers' group)."""
@@ -201,28 +183,121 @@ class StampedLoss:
 
 
 STALL_TIMEOUT_S = 12.0
+QUIET_S = 1.0
+"""The stalled run's trainer 1 counts as stopped once its last loss is this old (its
+iterations are milliseconds apart): the killed run then starts."""
+
+
+def _raised(action):
+    """The exception ``action()`` raised (``None`` if it returned)."""
+    try:
+        action()
+    except Exception as e:  # noqa: BLE001 - the tests check what it is
+        return e
+    return None
+
+
+def _killed_run(model, compiled, checkpoint_dir):
+    """Trainer 1 dies at iteration 3, a checkpoint every 2 iterations: (what the run raised, the
+    processes it left, the model, the data)."""
+    data = Float64Clicks(hot_fraction=0.05, hot_share=0.9)
+    error = _raised(lambda: train(
+        compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR, loss_fn=click_loss,
+        checkpoint_every=2, checkpoint_dir=checkpoint_dir, timeout_s=90, fail_at=(1, 3)))
+    return error, multiprocessing.active_children(), model, data
+
+
+def _stalled_run(compiled, folder):
+    """Trainer 1 stops (SIGSTOP, alive) at the start of iteration 2: (what the run raised, the
+    seconds from trainer 1's last loss to then, the processes then alive)."""
+    data = Float64Clicks(hot_fraction=0.05, hot_share=0.9)
+    error = _raised(lambda: train(
+        compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR,
+        loss_fn=StampedLoss(folder), timeout_s=STALL_TIMEOUT_S, fail_at=(1, 2, "stall"),
+        progress=False))
+    waited = time.time() - float((folder / "loss1").read_text())
+    return error, waited, multiprocessing.active_children()
+
+
+def _stopped_processes(folder, stalled):
+    """The stalled run's processes, once its trainer 1's last loss is :data:`QUIET_S` old
+    (none if the run ended first)."""
+    while not stalled.done():
+        try:
+            if time.time() - float((folder / "loss1").read_text()) >= QUIET_S:
+                return {p.pid for p in multiprocessing.active_children()}
+        except (OSError, ValueError):   # not written yet
+            pass
+        time.sleep(0.05)
+    return set()
+
+
+def _collected(request, name):
+    """Whether this session runs the test ``name`` of this module."""
+    return any(getattr(item, "module", None) is request.module
+               and getattr(item, "originalname", None) == name for item in request.session.items)
+
+
+@pytest.fixture(scope="module")
+def fault_runs(request, tmp_path_factory):
+    """The killed and the stalled trainer's runs (those a collected test reads), the killed one
+    in the 12 s the stalled one's processes wait for its stopped trainer 1 (2 spawns in the time
+    of one): {"killed": (error, processes left, model, data, checkpoint dir), "stalled":
+    (error, seconds waited, processes left)}, each run's processes told apart by pid."""
+    folder = tmp_path_factory.mktemp("bagpipe_faults")
+    stall = _collected(request, "test_stalled_trainer_is_named_not_the_oracle_cacher")
+    kill = _collected(request, "test_killed_trainer_raises_and_leaves_checkpoint")
+    # both compiled here, before any run starts: one thread seeds and compiles at a time
+    stall_compiled, kill_setup = _setup()[1] if stall else None, _setup() if kill else None
+    runs = {}
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(_stalled_run, stall_compiled, folder) if stall else None
+        stalled_pids = _stopped_processes(folder, stalled) if stall else set()
+        if kill:
+            ck = str(folder / "ck")
+            error, alive, model, data = _killed_run(*kill_setup, ck)
+            runs["killed"] = (error, [p for p in alive if p.pid not in stalled_pids], model,
+                              data, ck)
+        if stall:
+            error, waited, alive = stalled.result()
+            runs["stalled"] = (error, waited, [p for p in alive if p.pid in stalled_pids
+                                               or not stalled_pids])
+    return runs
+
+
+def test_killed_trainer_raises_and_leaves_checkpoint(fault_runs):
+    error, left, model, data, ck = fault_runs["killed"]
+    if not isinstance(error, BagpipeError):
+        raise AssertionError(f"expected a BagpipeError, got {error!r}") from error
+    assert "trainer 1 died at iteration 3" in str(error), str(error)
+    assert error.trainer == 1 and error.iteration == 3 and error.checkpoint == ck
+    assert ck in str(error)
+    assert isinstance(error, PeerFailureError) and error.pass_name == "bagpipe"
+    assert error.peer == 1 and error.peer_name == "trainer 1", str(error)
+    assert str(error).startswith("bagpipe: trainer 1 died"), str(error)
+    assert not left, left
+    saved = load_checkpoint(ck)
+    assert saved["next"] == 2
+    _assert_equal(saved["tables"], saved["dense"], _reference(model, data, 2)[-1],
+                  "checkpoint at 2")
 
 
 @pytest.mark.slow
-def test_stalled_trainer_is_named_not_the_oracle_cacher(tmp_path):
+def test_stalled_trainer_is_named_not_the_oracle_cacher(fault_runs):
     """Trainer 1 stops (SIGSTOP, alive) at the start of iteration 2: trainer 0's all-reduce and
     the Oracle Cacher's wait time out; the error names trainer 1 as stalled, within the timeout
     plus 5 s of its last loss (before the stall), and no process is left behind."""
-    _, compiled = _setup()
-    data = Float64Clicks(hot_fraction=0.05, hot_share=0.9)
-    with pytest.raises(PeerFailureError) as err:
-        train(compiled, data, ITERS, trainers=T, servers=1, lookahead=2, lr=LR,
-              loss_fn=StampedLoss(tmp_path), timeout_s=STALL_TIMEOUT_S, fail_at=(1, 2, "stall"),
-              progress=False)
-    waited = time.time() - float((tmp_path / "loss1").read_text())
-    e, message = err.value, str(err.value)
+    e, waited, left = fault_runs["stalled"]
+    if not isinstance(e, PeerFailureError):
+        raise AssertionError(f"expected a PeerFailureError, got {e!r}") from e
+    message = str(e)
     assert isinstance(e, BagpipeError) and e.pass_name == "bagpipe", message
     assert e.peer == 1 and e.peer_name == "trainer 1" and e.trainer == 1, message
     assert message.startswith("bagpipe: trainer 1 stalled at iteration 2"), message
     assert "oracle cacher died" not in message and e.timeout_s == STALL_TIMEOUT_S, message
     assert e.what and e.__cause__ is not None, message   # the collective or RPC, and its error
     assert waited < STALL_TIMEOUT_S + 5, (waited, message)
-    assert not multiprocessing.active_children()
+    assert not left, left
 
 
 def test_the_process_at_fault_is_named_from_the_reports(tmp_path):

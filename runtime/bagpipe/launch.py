@@ -282,7 +282,7 @@ def _default_loss(out, targets):
     return torch.nn.functional.binary_cross_entropy_with_logits(out, targets)
 
 
-def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, payload: bytes,
+def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, runs: str,
             workdir: str) -> None:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
@@ -295,7 +295,7 @@ def _worker(rank: int, T: int, S: int, ports: tuple, timeout_s: float, payload: 
     world = 1 + T + S
     try:
         importlib.import_module("tidal.ir.cached_embedding_op")  # before unpickling graphs
-        specs = pickle.loads(payload)
+        specs = pickle.loads(Path(runs).read_bytes())
         Path(workdir, f"up{rank}").touch()   # imported: the parent's startup allowance ends
         if 1 <= rank <= T:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}",
@@ -363,8 +363,13 @@ def train_many(specs: Sequence[RunSpec], *, trainers: int = 2, servers: int = 1,
         except Exception as e:
             raise BagpipeError(f"bagpipe.train: the runs cannot be sent to the worker "
                                f"processes (model, data and loss_fn must pickle): {e}") from e
+        # the runs go by file: as a Process argument (hundreds of KB through a 64 KiB pipe
+        # the child drains only once it has imported torch) each start blocked ~2 s, and the
+        # processes started one after another
+        runs = os.path.join(workdir, "runs.pkl")
+        Path(runs).write_bytes(payload)
         procs = [ctx.Process(target=_worker, args=(r, trainers, servers, ports, timeout_s,
-                                                   payload, workdir), daemon=True)
+                                                   runs, workdir), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
