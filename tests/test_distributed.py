@@ -58,14 +58,24 @@ def _dies_on_rank_0(rank, size):
     return rank
 
 
-def test_spawn_all_reduce_two_and_four_ranks():
+def _all_reduce_and_broadcast(rank, size, scale):
+    return _all_reduce(rank, size, scale), _broadcast_state(rank, size)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """One 4-rank job: :func:`_all_reduce` and :func:`_broadcast_state` on each rank."""
+    return spawn(_all_reduce_and_broadcast, 4, 2.0)
+
+
+def test_spawn_all_reduce_two_and_four_ranks(four_ranks):
     assert spawn(_all_reduce, 2, 1.0) == [(3.0, (0, 2), "gloo", "cpu"),
                                           (3.0, (1, 2), "gloo", "cpu")]
-    assert [r[0] for r in spawn(_all_reduce, 4, 2.0)] == [20.0] * 4
+    assert [r[0][0] for r in four_ranks] == [20.0] * 4
 
 
-def test_rank_0s_state_reaches_every_rank_in_one_broadcast_per_dtype():
-    ranks = spawn(_broadcast_state, 2)
+def test_rank_0s_state_reaches_every_rank_in_one_broadcast_per_dtype(four_ranks):
+    ranks = [r[1] for r in four_ranks]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
     model(torch.randn(4, 2))
