@@ -201,11 +201,10 @@ def _with_background(name: str, batch: int, repeats: int):
     from tidal.runtime.scheduler import Runtime
 
     x, y = workload_data(name, 0, batch)
-    # check_batch=False: no exchange of the ranks' batches when a job binds an iteration.
-    # With it, the background job's exchange (a collective on its batch group, issued by the
-    # scheduler's dispatching thread when it binds an iteration) timed out after the process
-    # group's 60 s in about a third of the runs (PeerFailureError "the exchange of the ranks'
-    # batches"), leaving the foreground without its last iteration's records
+    # check_batch=False: the background job is a plain (graph) program, whose batch check is
+    # an exchange of its own when the scheduler binds an iteration (the data-parallel
+    # foreground's rides on its loss all-reduce): a collective on the binding thread, which
+    # binds the two jobs in a timing-dependent order
     fg = tidal.compile(workload_model(name), (x,), passes=_passes("data parallel", name, batch, 1),
                        loss_fn=nn.functional.cross_entropy, optimizer=_sgd, check_batch=False)
     bx, by = workload_data("mlp", 0, batch)

@@ -337,10 +337,15 @@ class Compiled(ModuleFace):
         ``tidal.runtime.programs.graph``)."""
         if self.context.loss_fn is None:
             raise ValueError("Compiled.job needs a loss: tidal.compile(..., loss_fn=fn)")
+        # no collective on the scheduler's binding thread, which binds the iterations of its
+        # jobs in an order that differs from rank to rank: the batch exchange's group is made
+        # here (in the caller's order, the same on every rank) and, under batch="global", the
+        # check rides on the step's loss all-reduce (``defer``), as in ``step``
+        self._batch_group()
 
-        def bound(i: int) -> tuple[Any, Any]:
+        def bound(i: int) -> tuple[Any, Any, Optional[BatchCheck]]:
             inputs, targets = batches(i)
-            return self._global_batch(inputs, targets, "Compiled.job inputs")[:2]
+            return self._global_batch(inputs, targets, "Compiled.job inputs", defer=True)
 
         return self.executor.job(name, self._step_graph(), self.model, bound,
                                  self.context.loss_fn, self.optimizer, iterations)

@@ -589,16 +589,22 @@ class ProgramExecutor:
         ``check`` (``Compiled.step``/``backward`` under ``compile(batch="global")``): ``bound``
         carries it on its loss all-reduce where it takes a ``batch_check``; otherwise it is
         exchanged here, in a round of its own, before any piece runs."""
+        self._carry(bound, check)
+        if hasattr(bound, "step_number"):
+            bound.step_number = self.calls
+        if hasattr(bound, "clock"):
+            bound.clock = self.runner.backend.now_us
+
+    def _carry(self, bound: StepWork, check: Optional[BatchCheck]) -> None:
+        """The step's global-batch ``check`` (None: nothing to check): on ``bound``'s loss
+        all-reduce where it takes a ``batch_check``; otherwise exchanged here, in a round of
+        its own, before any piece runs."""
         if check is not None and hasattr(bound, "batch_check"):
             bound.batch_check = check
         elif check is not None:
             with collective_errors(plan_kind_of(self.rank_program),
                                    "the exchange of the ranks' batches (check_batch)"):
                 check.exchange()
-        if hasattr(bound, "step_number"):
-            bound.step_number = self.calls
-        if hasattr(bound, "clock"):
-            bound.clock = self.runner.backend.now_us
 
     def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -630,10 +636,14 @@ class ProgramExecutor:
             optimizer: torch.optim.Optimizer, iterations: Optional[int] = None) -> "ProgramJob":
         """This rank's training as a job for :class:`~tidal.runtime.scheduler.Runtime` (see
         :class:`ProgramJob`). A rank program whose ``pipelined`` is true lets its steps
-        overlap: step ``i + 1`` is bound as soon as step ``i``'s pieces are queued."""
+        overlap: step ``i + 1`` is bound as soon as step ``i``'s pieces are queued.
+        ``batches(i)`` gives ``(inputs, targets)`` or ``(inputs, targets, check)``: the step's
+        global-batch :class:`~tidal.runtime.batch_data.BatchCheck`, carried on its loss
+        all-reduce where the program takes one (:meth:`_carry`)."""
         def pieces(index: int) -> tuple[list[BoundPiece], Callable[[], Any]]:
-            inputs, targets = batches(index)
+            inputs, targets, *check = batches(index)
             bound = self.rank_program.bind(gm, model, inputs, targets, loss_fn, optimizer)
+            self._carry(bound, check[0] if check else None)
             return program_pieces(bound.program, bound.work), bound.loss
 
         return ProgramJob(name, pieces, iterations,

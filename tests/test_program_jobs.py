@@ -81,3 +81,49 @@ def test_the_report_names_what_a_step_ran_uncaptured():
     line = next(l for l in c.report().splitlines() if "runs uncaptured" in l)
     assert "runtime:" in line and "add_" in line and "in-place update" in line
     assert float(c.model.seen) == 8.0
+
+
+def _bind_in_opposite_orders(rank, size):
+    """Two data-parallel jobs on 2 ranks, check_batch on: after a step of each (the same order
+    on both ranks: the programs are bound and captured), the next iterations are bound in
+    opposite orders on the two ranks, as a scheduler's binding thread may; then run in the
+    same order. Rank 1's second background batch differs from rank 0's. Returns the jobs'
+    losses and the error each second background iteration raised."""
+    from tidal.passes.compression import CompressionPass
+    from tidal.runtime.batch_data import BatchError
+
+    torch.manual_seed(0)
+    fg = _compiled(torch.nn.Linear(6, 3), [CompressionPass(mode="off")])
+    bg = _compiled(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(),
+                                       torch.nn.Linear(4, 3)), [CompressionPass(mode="off")])
+    fg_batches, bg_batches = _batches(1), _batches(2)
+    odd = _batches(3)
+    fg.step(*fg_batches(0))
+    bg.step(*bg_batches(0))
+    fg_job = fg.job(fg_batches)
+    bg_job = bg.job(lambda i: odd(i) if rank == 1 and i == 2 else bg_batches(i), name="extra")
+    jobs = [fg_job, bg_job] if rank == 0 else [bg_job, fg_job]
+    bound = {id(job): job.iteration(1) for job in jobs}   # no collective while binding
+    errors = []
+    for job in (fg_job, bg_job):
+        for piece in bound[id(job)]:
+            piece.fn()
+    try:
+        for piece in bg_job.iteration(2):
+            piece.fn()
+    except BatchError as e:
+        errors.append(str(e))
+    return [float(x) for x in fg_job.losses], [float(x) for x in bg_job.losses], errors
+
+
+def test_jobs_bound_in_different_orders_on_two_ranks_do_not_wait_for_each_other():
+    """``Compiled.job``'s global-batch check rides on the step's loss all-reduce (no exchange
+    while binding: a blocking one in each job, bound in opposite orders on the two ranks, had
+    each rank wait in another job's exchange until the process group's timeout), and it still
+    catches ranks whose batches differ."""
+    from tidal.runtime.distributed import spawn
+
+    ranks = spawn(_bind_in_opposite_orders, 2, pg_timeout_s=20, timeout_s=180)
+    (fg0, bg0, err0), (fg1, bg1, err1) = ranks
+    assert len(fg0) == 1 and fg0 == fg1 and len(bg0) == 1 and bg0 == bg1
+    assert len(err0) == len(err1) == 1 and "batch" in err0[0], (err0, err1)
