@@ -22,7 +22,7 @@ end-to-end error). The inputs are the per-rank Programs the executor ran (the sa
   step's tensors on the host; ranks that share cores start apart).
 
 :func:`compose` runs the engine on the joined Programs with the own durations plus the terms
-asked for (a constant dispatch per piece, the ranks' releases, each rank's side of a joined
+asked for (a dispatch delay per piece, the ranks' releases, each rank's side of a joined
 piece: :func:`sides_us`), :func:`departure` finds the
 first piece whose simulated start departs from the measured one and says by how much and
 after what, and :func:`overlaps` says which compute and communication pieces overlap.
@@ -63,8 +63,8 @@ ALONE = "alone"
 """The suffix of the stream :func:`compose` runs a shared piece on when it waited for no peer."""
 
 DISPATCH = "dispatch"
-"""The stream of the host pieces :func:`compose` puts before a piece to delay its start by its
-measured dispatch gap (the rank's dispatching thread)."""
+"""The name and stream prefix of the host pieces :func:`compose` puts before a piece to delay
+its start by its dispatch gap (``dispatch <stream>``)."""
 
 SIDE = "side"
 """The name and stream prefix of the host piece :func:`compose` puts after a rank's side of a
@@ -306,16 +306,14 @@ def _unique_names(program: Program) -> list[str]:
             for i, p in enumerate(program.pieces)]
 
 
-def _timed(program: Program, terms: _Terms, release: bool, thread: bool) -> Program:
+def _timed(program: Program, terms: _Terms, release: bool) -> Program:
     """``program`` (its pieces renamed by :func:`_unique_names`) with the host's delays and
     the ranks' sides of joined pieces as pieces of their own: with ``release``, a host piece
     :data:`RELEASE` on its own stream heads the step (every piece without dependencies waits
     for it); before piece ``i`` of ``terms.delays``, a host piece ``"dispatch i"`` that
     starts once piece ``i`` could (its dependencies and its stream's previous piece ended),
-    takes the delay and lets piece ``i`` start. The dispatch pieces are on one stream
-    :data:`DISPATCH` (``thread``: the rank's dispatching thread, which issues the pieces one
-    after another, so one delay also delays the pieces it dispatches next) or on one per
-    piece stream (``dispatch <stream>``: the delays of different streams apart). After a
+    takes the delay and lets piece ``i`` start, on a stream per piece stream (``dispatch
+    <stream>``: the delays of different streams apart). After a
     joined piece ``i`` of ``terms.sides``, a host piece ``"side i"`` (stream ``side
     <stream>``) takes the rank's longer side: what waits for piece ``i`` on this rank, its
     dependents and its stream's next piece, waits for it. The shared pieces of
@@ -330,9 +328,8 @@ def _timed(program: Program, terms: _Terms, release: bool, thread: bool) -> Prog
         deps = tuple(at[d] for d in p.deps) or ((0,) if release else ())
         before = {last[p.stream]} if p.stream in last else set()
         if terms.delays.get(i, 0.0) > 0.0:
-            pieces.append(Piece(f"{DISPATCH} {i}", DISPATCH if thread else
-                                f"{DISPATCH} {p.stream}", tuple(sorted(set(deps) | before)),
-                                kind=HOST))
+            pieces.append(Piece(f"{DISPATCH} {i}", f"{DISPATCH} {p.stream}",
+                                tuple(sorted(set(deps) | before)), kind=HOST))
             deps = (len(pieces) - 1,)
         elif before & sides:
             deps = tuple(sorted(set(deps) | before))
@@ -379,18 +376,17 @@ def sides_us(programs, measured: Sequence[Measured]) -> dict[int, dict[int, floa
     return out
 
 
-def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = False,
-            gaps: bool = False, job: str = "fg", thread: bool = False,
+def compose(programs, traces: Traces, release: bool = False,
+            gaps: bool = False, job: str = "fg",
             cores: Optional[float] = None, gate_issue: bool = False,
             sides: bool = True, delays: Optional[Mapping[tuple[int, int], float]] = None
             ) -> list[Interval]:
     """The engine's run of ``programs`` (as ``join_ranks`` takes them) with each piece's own
     measured duration (:func:`measured_pieces`; each piece its own, a name that repeats
-    included) plus ``dispatch`` us of host dispatch per piece, after each rank's measured
+    included), after each rank's measured
     release (``release``: the :data:`RELEASE` host piece of that duration heads each rank's
     step). ``gaps``: each piece's own measured dispatch gap delays its start (a ``dispatch``
-    host piece before it, see :func:`_timed`; ``thread``: on the rank's one dispatching
-    thread), rather than lengthening the piece. ``sides``: a joined piece runs on its ranks
+    host piece before it, see :func:`_timed`), rather than lengthening the piece. ``sides``: a joined piece runs on its ranks
     for its shortest side, then each rank's longer side on that rank (:func:`sides_us`; False:
     the shortest side ends it on every rank). ``cores``: the engine's processor sharing of
     compute lanes (``simulate(cores=)``): for durations measured *alone*; measured own
@@ -422,11 +418,11 @@ def compose(programs, traces: Traces, dispatch: float = 0.0, release: bool = Fal
         if name == RELEASE:
             return start[rank]
         if (rank, name) in original:
-            return own[(rank, original[(rank, name)][0])] + dispatch
+            return own[(rank, original[(rank, name)][0])]
         what, index = name.rsplit(" ", 1)
         return (terms[rank].delays if what == DISPATCH else terms[rank].sides)[int(index)]
 
-    placed = join_ranks({r: _timed(p, terms[r], release, thread) for r, p in by_rank.items()},
+    placed = join_ranks({r: _timed(p, terms[r], release) for r, p in by_rank.items()},
                         duration)
     return _reported(simulate({job: placed}, cores=cores), original)
 
