@@ -2,40 +2,50 @@
 calibrated durations, against the measured step of data parallelism and a burst plan on gloo
 ranks.
 
+What is measured: each run's step as the period of a training loop (``CHAIN`` steps back to
+back, the mean per step, the slowest rank's; a step timed alone after a barrier pays the
+ranks' skew leaving it, up to 13 ms on 4 ranks of 2 cores, which a loop does not pay each
+step). Data parallelism is DDP (``broadcast_buffers=False``: the simulator syncs gradients
+only); the burst plan runs through ``tidal.compile(..., passes=[BurstParallel(plan=...)])``
+and ``Compiled.step``.
+
 Inputs of the prediction, none read from the steps being predicted:
 
 * a per-layer CPU profile (tidal's profiler, 1 thread) at the per-rank batches the plans use,
   calibrated in context: per batch, the profile is scaled so that its layers add up to a whole
-  forward + backward step of the model (``calibrate_profile``), timed on the ranks of the run
-  itself, every rank computing at once with no communication, round by round *interleaved*
-  with the measured DDP and burst steps (one job: a local step per batch, a DDP step, a burst
-  step, each after a barrier; :func:`_interleaved_worker`). Timed minutes apart, in jobs of
-  their own, the same step moved by 30 % on this shared 2-core machine, and the calibration
-  drifted from the run it predicted. The optimizer step timed there is an ``update`` task on
-  every rank. The calibration holds the sharing of the cores by the ranks (every rank busy
-  at once), so no processor sharing is simulated on top;
-* the gloo ring link (latency, bandwidth: ``runtime.comm.link_fit.fit_ring_link``) fitted to
-  all-reduces of two sizes timed in the same rounds, each issued beside the ranks' local
-  step: the runtime's collectives share the cores with computation, and on this CPU take
-  2-5 times an all-reduce on idle ranks. The plan is made with a link fitted on idle ranks
-  before (``measure_ring_link``) and costed again with the one fitted in context. DDP's one
-  bucket after the backward runs partly on idle cores: its rows come out over-predicted
-  (the engine has no link that slows only while computation overlaps it).
+  forward + backward step (``calibrate_profile``), timed on the ranks of the run itself, every
+  rank computing at once with no communication, round by round *interleaved* with the measured
+  steps (one job, :func:`_interleaved_worker`; timed minutes apart in jobs of their own, the
+  same step moved by 30 % on this shared 2-core machine). Per round the slowest rank's step
+  counts: a synchronous step waits for it. The calibration holds the sharing of the cores by
+  the ranks, so no processor sharing is simulated on top. The data-parallel rows are
+  calibrated on DDP's own step with its communication cut (a no-op communication hook: its
+  reducer's host work, 1-4 ms a step here, is the executor's computation); the burst rows on
+  the plain module's step;
+* two gloo ring links (latency, bandwidth: ``runtime.comm.link_fit.fit_ring_link``) fitted
+  to all-reduces of two sizes timed in the same rounds: one issued *after* the local step
+  (from the last rank's issue to the end: the collective once the computation is over) and
+  one issued *beside* it (from each rank's own issue: a synchronisation point inside the
+  step's computation, sharing the cores with it and waiting for the ranks still computing; on
+  this CPU several times the first). The engine gives each link piece the second's duration
+  while computation remains in the step and the first's after it
+  (``sim.engine.simulate(link_load=)``, ``sim.programs.link_load``). The plan itself is made
+  for a link fitted on idle ranks before (``measure_ring_link``), then costed with these;
+* two host terms of tidal's runtime calibrated on the composition runs of the burst kind
+  (other models and batches: ``sim_validation.burst_host_us``): the dispatch per runtime
+  piece and ``Compiled.step``'s host time outside its pieces (binding the batch, its checks),
+  added to the step.
 
-Per round the slowest rank counts (a synchronous step waits for it), then the estimator over
-``--steps`` rounds (``--stat``, default median). Each row is printed with where the prediction
-puts rank 0's time (compute segments, transfers, collectives, the optimizer step).
-
-Data parallelism is DDP (bucketed all-reduces overlapping backward) and simulated as such;
-DDP runs with ``broadcast_buffers=False``, since the simulator syncs gradients only. The
-burst plan is hand-written (the first half of the layers on all ranks, the second half on half of
-them: the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
-this profile and link (which on this CPU often puts every layer on one rank); it is run through
-``tidal.compile(..., passes=[BurstParallel(plan=...)])`` and ``Compiled.step`` and simulated
-by the cluster simulator's model of the burst-parallel program
-(``sim.programs.burst_execution``). CPU numbers only. The whole comparison is repeated
-``--rounds`` times (default 3) and each row reports the median over rounds of its prediction
-and of its measurement.
+Per round the estimator over ``--steps`` rounds (``--stat``, default median). Each row is
+printed with where the prediction puts rank 0's time (compute segments, transfers,
+collectives, the optimizer step; the every-link-idle and every-link-inside bounds), and the
+measured burst step's own trace summed the same way. The burst plan is hand-written (the
+first half of the layers on all ranks, the second half on half of them: the same plan on
+every run) or, with ``--plan planner``, the burst_parallel planner's for this profile and
+link (which on this CPU often puts every layer on one rank), simulated by the cluster
+simulator's model of the burst-parallel program (``sim.programs.burst_execution``). CPU
+numbers only. The whole comparison is repeated ``--rounds`` times (default 3) and each row
+reports the median over rounds of its prediction and of its measurement.
 
     python benchmarks/sim_validation.py [--e2e-models vgg16_small,resnet50_small]
                                         [--global-batch 32]
@@ -43,7 +53,6 @@ and of its measurement.
 from __future__ import annotations
 
 import copy
-import functools
 import statistics
 import sys
 import tempfile
@@ -67,13 +76,30 @@ from tidal.runtime.distributed import spawn  # noqa: E402
 from tidal.runtime.comm.link_fit import (DEFAULT_SIZES, RingLink,  # noqa: E402
                                          fit_ring_link, measure_ring_link)
 from tidal.sim.programs import (burst_execution, data_parallel,  # noqa: E402
-                                layer_buffer_bytes, layer_times, output_bytes, summarize)
+                                layer_buffer_bytes, layer_times, link_load, output_bytes,
+                                summarize)
 
 STATS = {"median": statistics.median, "min": min}
+CHAIN = 3
+"""Steps run back to back per measured timing (the mean per step): the period of a training
+loop, not one step after a barrier (see the module docstring)."""
 
 
 def _link_worker(rank: int, size: int):
     return measure_ring_link()
+
+
+def _timed_step(model, net, opt, x, y) -> Callable[[], tuple[float, float]]:
+    """A training step of ``net`` on (``x``, ``y``) with ``opt`` as a function returning
+    its (fwd+bwd, update) us."""
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        model.default_loss(net(*x), y).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
+    return step
 
 
 def _local_steps(name: str, batches) -> dict:
@@ -84,31 +110,45 @@ def _local_steps(name: str, batches) -> dict:
     out = {}
     for b in batches:
         work = copy.deepcopy(gm)
-        opt = torch.optim.SGD(work.parameters(), lr=0.01)
-        x, y = model.example_inputs(b), model.example_targets(b)
-
-        def step(work=work, opt=opt, x=x, y=y) -> tuple[float, float]:
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=False)
-            model.default_loss(work(*x), y).backward()
-            t1 = time.perf_counter()
-            opt.step()
-            return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
-        out[b] = step
+        out[b] = _timed_step(model, work, torch.optim.SGD(work.parameters(), lr=0.01),
+                             model.example_inputs(b), model.example_targets(b))
     return out
+
+
+def _no_communication(state, bucket):
+    """A DDP communication hook that communicates nothing (the bucket as it is)."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def _ddp_local_step(name: str, batch: int) -> Callable[[], tuple[float, float]]:
+    """DDP's step at ``batch`` with its communication cut (:func:`_no_communication`): the
+    executor's own local step, its reducer's host work included (on this CPU 1-4 ms per
+    step over the plain module's), as a function returning (fwd+bwd, update) us. Collective
+    (DDP's construction)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = ZOO[name]()
+    x = model.example_inputs(batch)
+    net = DDP(tidal.compile(model, x).graph_module, broadcast_buffers=False)
+    net.register_comm_hook(None, _no_communication)
+    return _timed_step(model, net, torch.optim.SGD(net.parameters(), lr=0.01), x,
+                       model.example_targets(batch))
 
 
 def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, steps: int,
                         cluster, plan, batches) -> list[dict]:
     """This rank's rounds (``steps``, after 2 warm-up ones): in each, the local step at every
-    batch of ``batches`` (the calibration: every rank computing at once, no communication),
-    then a DDP step, then a step of the burst ``plan`` through tidal, each started at a
-    barrier. Calibration and measured runs interleave round by round, so both see the same
-    machine (timed minutes apart, the same step moved by 30 % on a shared 2-core machine).
-    Each round also times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside
-    the rank's local step (:func:`_loaded_all_reduce_us`; the link is fitted to them,
-    ``"ar <bytes>"``). Per round: ``{batch: (fwd+bwd us, update
-    us), "dp": us, "burst": us, "ar <bytes>": us, ...}``."""
+    batch of ``batches`` and DDP's step with its communication cut (the calibration: every
+    rank computing at once, no communication), then ``CHAIN`` DDP steps and ``CHAIN`` steps
+    of the burst ``plan`` through tidal, each timing started at a barrier. Calibration and
+    measured runs interleave round by round, so both see the same machine. Each round also
+    times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside the rank's local
+    step (:func:`_all_reduce_beside`) and one issued after it (:func:`_all_reduce_after`).
+    Per round: ``{batch: (fwd+bwd us, update us), "ddp local": (...), "dp": us per step,
+    "burst": us per step, "burst parts": {piece kind: us}, "beside <bytes>": (issue, end),
+    "after <bytes>": (issue, end)}`` (times on the machine's clock, seconds)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -135,7 +175,8 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     flats = {n: torch.zeros(n // 4) for n in DEFAULT_SIZES}
     runs = {"dp": dp_step, "burst": lambda: c.step(inputs, targets)}
     local = _local_steps(name, batches)
-    own = local[-(-global_batch // size)]
+    own = local[shard]
+    local["ddp local"] = _ddp_local_step(name, shard)
     rounds = []
     for i in range(steps + 2):
         row: dict = {}
@@ -145,21 +186,39 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
         for what, run in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
-            run()
-            row[what] = (time.perf_counter() - t0) * 1e6
+            for _ in range(CHAIN):
+                run()
+            row[what] = (time.perf_counter() - t0) * 1e6 / CHAIN
+        row["burst parts"] = _trace_parts(c.executor.last_trace)
         for n, flat in flats.items():  # an all-reduce beside this rank's local step
             dist.barrier()
-            row[f"ar {n}"] = _loaded_all_reduce_us(flat, own)
+            row[f"beside {n}"] = _all_reduce_beside(flat, own)
+        for n, flat in flats.items():  # an all-reduce issued when the local step ended
+            dist.barrier()
+            row[f"after {n}"] = _all_reduce_after(flat, own)
         if i >= 2:
             rounds.append(row)
     return rounds
 
 
-def _loaded_all_reduce_us(flat: torch.Tensor, step: Callable[[], Any]) -> float:
-    """How long an all-reduce of ``flat`` took, issued asynchronously right before ``step``
-    (this rank's local training step) runs: a collective of the step shares the cores with
-    the ranks' computation, as the runtime's do (on this CPU, 2-5 times an all-reduce on idle
-    ranks). Collective."""
+def _trace_parts(trace) -> dict[str, float]:
+    """A rank's step trace summed by piece kind (us): segment, optimizer, point_to_point
+    (the transfer stream), collective (the comm stream), each piece from its start to its
+    end (its waits for other ranks included)."""
+    kinds = {"transfer": "point_to_point", "comm": "collective"}
+    out: dict[str, float] = {}
+    for t in trace:
+        kind = "optimizer" if t.name == "optimizer" else kinds.get(t.stream, "segment")
+        out[kind] = out.get(kind, 0.0) + t.end_us - t.start_us
+    return out
+
+
+def _all_reduce_beside(flat: torch.Tensor, step: Callable[[], Any]) -> tuple[float, float]:
+    """An all-reduce of ``flat`` issued asynchronously right before ``step`` (this rank's
+    local training step) runs: when it was issued and when it ended (``time.perf_counter``,
+    a clock all processes of the machine share). A collective of the step shares the cores
+    with the ranks' computation, as the runtime's do (on this CPU, several times an
+    all-reduce on idle ranks). Collective."""
     import torch.distributed as dist
 
     ended: list[float] = []
@@ -170,22 +229,49 @@ def _loaded_all_reduce_us(flat: torch.Tensor, step: Callable[[], Any]) -> float:
     work.wait()
     while not ended:  # the callback runs on gloo's thread right after completion
         time.sleep(1e-5)
-    return (ended[0] - t0) * 1e6
+    return t0, ended[0]
+
+
+def _all_reduce_after(flat: torch.Tensor, step: Callable[[], Any]) -> tuple[float, float]:
+    """``step`` (this rank's local training step), then an all-reduce of ``flat``: when the
+    all-reduce was issued and when it ended (``time.perf_counter``, a clock all processes of
+    the machine share). From the last rank's issue to the end, the collective on idle cores
+    (the ranks' waits for the slowest are the calibrated step's: it is the slowest rank's).
+    Collective."""
+    import torch.distributed as dist
+
+    step()
+    t0 = time.perf_counter()
+    dist.all_reduce(flat)
+    return t0, time.perf_counter()
 
 
 def _over_rounds(ranks: list[list[dict]], stat: str
-                 ) -> tuple[dict, float, float, RingLink]:
+                 ) -> tuple[dict, float, float, RingLink, RingLink, dict]:
     """The interleaved job's rounds of every rank: per batch the calibrated ``StepTime``, the
-    DDP and burst step times (us) and the ring link fitted to the all-reduces. Per round the
-    slowest rank counts (a synchronous step waits for it), then ``stat`` over rounds."""
+    DDP and burst step times (us) and two ring links: fitted to the all-reduces issued after
+    the local step (from the last rank's issue to the last end: the link on idle cores) and to
+    those issued beside it (the link beside computation). Per round the slowest rank counts (a
+    synchronous step waits for it), then ``stat`` over rounds."""
     rounds = range(len(ranks[0]))
     per = lambda key, k=None: [max(r[i][key] if k is None else r[i][key][k]  # noqa: E731
                                    for r in ranks) for i in rounds]
-    batches = [k for k in ranks[0][0] if isinstance(k, int)]
+    batches = [k for k in ranks[0][0] if isinstance(k, int)] + ["ddp local"]
     steps = {b: StepTime(STATS[stat](per(b, 0)), STATS[stat](per(b, 1))) for b in batches}
-    link = fit_ring_link(len(ranks), DEFAULT_SIZES,
-                         [STATS[stat](per(f"ar {n}")) for n in DEFAULT_SIZES])
-    return steps, STATS[stat](per("dp")), STATS[stat](per("burst")), link
+    def fit(key: str, issue) -> RingLink:
+        """The link fitted to the all-reduces ``key``, each from ``issue`` (of the ranks'
+        issue times) to its last end."""
+        return fit_ring_link(len(ranks), DEFAULT_SIZES, [STATS[stat](
+            [max(r[i][f"{key} {n}"][1] - issue(q[i][f"{key} {n}"][0] for q in ranks)
+                 for r in ranks) * 1e6 for i in rounds]) for n in DEFAULT_SIZES])
+
+    # after the step: from the last issue (the calibrated step is the slowest rank's already);
+    # inside it: from each rank's own issue (a rank's wait for the others is part of the cost
+    # of a synchronisation point inside the step's computation)
+    idle, beside = fit("after", max), fit("beside", min)
+    parts = {k: statistics.median(r["burst parts"].get(k, 0.0) for r in ranks[0])
+             for k in ranks[0][0]["burst parts"]}
+    return steps, STATS[stat](per("dp")), STATS[stat](per("burst")), idle, beside, parts
 
 
 def _parts(program, rank: int) -> str:
@@ -219,8 +305,8 @@ def _runs(plan) -> str:
     return text if len(text) <= 30 else text[:27] + "..."
 
 
-def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float]
-           ) -> list[tuple[str, int, str, float, float]]:
+def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float],
+           outside_us: Mapping[int, float]) -> list[tuple[str, int, str, float, float]]:
     """One independent round on each world size of ``worlds``: link fits and profiles, then
     per model and world size one job that calibrates the profile and measures DDP and the
     burst plan interleaved (:func:`_interleaved_worker`); rows of (model, ranks, plan label,
@@ -249,57 +335,81 @@ def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float]
             if plan is None or plan.is_data_parallel:
                 plan = _half_plan(problem, w, args.amp_limit)
             used = sorted({-(-gb // g) for g in (w,) + tuple(l.gpus for l in plan.layers)})
-            steps, dp_meas, bp_meas, fitted = _over_rounds(spawn(
+            steps, dp_meas, bp_meas, idle, beside, measured_parts = _over_rounds(spawn(
                 _interleaved_worker, w, name, gb, args.steps, cluster, plan, used,
                 timeout_s=900), args.stat)
             prof = profile
             for b in used:
                 prof = calibrate_profile(prof, gm, b, steps[b].fwd_bwd_us)
+            ddp = steps["ddp local"]
+            prof_ddp = calibrate_profile(profile, gm, gb // w, ddp.fwd_bwd_us)
             print(f"{name} on {w} ranks, in context: local step, every rank at once "
                   "(fwd+bwd / optimizer) " + ", ".join(
                       f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
                       for b, s in steps.items())
-                  + f"; link latency {fitted.latency_us:.1f} us, "
-                  f"{fitted.bandwidth_gbps:.2f} Gb/s")
-            cal = tidal.Cluster(gpus=w, bandwidth_gbps=fitted.bandwidth_gbps,
-                                latency_us=fitted.latency_us, profile=prof)
-            # the same plan (its GPU counts) costed with the link fitted in context
-            plan = plan_from_counts(build_problem(gm, cal, gb, sync="paper"),
-                                    [l.gpus for l in plan.layers], amp_limit=args.amp_limit,
-                                    algorithm=plan.algorithm)
-            times = lambda b: layer_times(gm, cal, b)  # noqa: E731
-            update = steps[-(-gb // w)].update_us
-            # the calibration ran with every rank computing at once: its durations hold the
-            # sharing of the cores already (no processor sharing on top)
-            dp_sim = summarize(data_parallel(times, w, gb, cal, update_us=update), w,
-                               gb).iteration_us
-            dp_program = data_parallel(times, w, gb, cal, update_us=update)
-            program = burst_execution(plan, preds, times, cal, output_bytes(gm), update,
-                                      buffer_bytes=layer_buffer_bytes(gm),
-                                      dispatch_us=dispatch_us.get(w, 0.0))
-            bp_sim = summarize(program, w, gb).iteration_us
-            for label, placed in (("data parallel", dp_program), ("burst", program)):
-                print(f"  predicted {label} on {w} ranks, rank 0's pieces: "
-                      + _parts(placed, 0) + (f" (with {dispatch_us.get(w, 0.0) / 1e3:.2f} ms "
-                                             "of host dispatch per runtime piece)"
-                                             if label == "burst" else ""))
+                  + f"; link on idle cores: latency {idle.latency_us:.1f} us, "
+                  f"{idle.bandwidth_gbps:.2f} Gb/s; beside computation: latency "
+                  f"{beside.latency_us:.1f} us, {beside.bandwidth_gbps:.2f} Gb/s")
+            update = steps[gb // w].update_us
+            counts = [l.gpus for l in plan.layers]
+
+            def built(fit: RingLink, prof=prof, update=update, counts=counts, w=w,
+                      algorithm=plan.algorithm, prof_ddp=prof_ddp, ddp=ddp):
+                """The plan costed with ``fit``'s link, and the DDP and burst step Programs
+                with its link durations. The calibration ran with every rank computing at
+                once: its durations hold the sharing of the cores already (no processor
+                sharing on top)."""
+                def cluster_with(profile):
+                    return tidal.Cluster(gpus=w, bandwidth_gbps=fit.bandwidth_gbps,
+                                         latency_us=fit.latency_us, profile=profile)
+                cal, cal_ddp = cluster_with(prof), cluster_with(prof_ddp)
+                # the same plan (its GPU counts) costed with this link
+                costed = plan_from_counts(build_problem(gm, cal, gb, sync="paper"), counts,
+                                          amp_limit=args.amp_limit, algorithm=algorithm)
+                times = lambda b: layer_times(gm, cal, b)  # noqa: E731
+                return costed, (
+                    data_parallel(lambda b: layer_times(gm, cal_ddp, b), w, gb, cal_ddp,
+                                  update_us=ddp.update_us),
+                    burst_execution(costed, preds, times, cal, output_bytes(gm), update,
+                                    buffer_bytes=layer_buffer_bytes(gm),
+                                    dispatch_us=dispatch_us.get(w, 0.0)))
+
+            plan, programs = built(idle)
+            _, loaded = built(beside)
+            dp_sim, bp_sim = (summarize(p, w, gb, link_load=link_load(p, q)).iteration_us
+                              for p, q in zip(programs, loaded))
+            bp_sim += outside_us.get(w, 0.0)  # serial, before the pieces
+            for label, placed, busy, sim in zip(("data parallel", "burst"), programs, loaded,
+                                                 (dp_sim, bp_sim)):
+                print(f"  predicted {label} on {w} ranks: {sim / 1e3:.1f} ms (every link idle "
+                      f"{summarize(placed, w, gb).iteration_us / 1e3:.1f}, every link beside "
+                      f"computation {summarize(busy, w, gb).iteration_us / 1e3:.1f}); rank 0's "
+                      "pieces, links idle: " + _parts(placed, 0)
+                      + (f" (with {dispatch_us.get(w, 0.0) / 1e3:.2f} ms of host dispatch per "
+                         f"runtime piece; {outside_us.get(w, 0.0) / 1e3:.2f} ms of host time "
+                         "outside the pieces)" if label == "burst" else ""))
+            print(f"  measured burst on {w} ranks, rank 0's pieces (median over rounds; "
+                  "waits for other ranks included): " + ", ".join(
+                      f"{k} {v / 1e3:.1f}" for k, v in measured_parts.items()) + " ms")
             rows.append((name, w, "data parallel", dp_sim, dp_meas))
             rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
     return rows
 
 
-def end_to_end_rows(args, cores: int, worlds, dispatch_us: Optional[Mapping[int, float]] = None
+def end_to_end_rows(args, cores: int, worlds, dispatch_us: Optional[Mapping[int, float]] = None,
+                    outside_us: Optional[Mapping[int, float]] = None
                     ) -> list[tuple[str, int, str, float, float]]:
     """``args.rounds`` independent rounds (:func:`_round`; ``args``: the command line's
-    ``e2e_models``, ``global_batch``, ``steps``, ``stat``, ``calibrate``, ``amp_limit``,
-    ``plan``): per row (model, ranks, plan label), the median over rounds of its prediction
-    and of its measurement (us). ``dispatch_us``: per world size, the host's dispatch per
-    piece of a burst run (calibrated on other runs; none: 0)."""
+    ``e2e_models``, ``global_batch``, ``steps``, ``stat``, ``amp_limit``, ``plan``): per row
+    (model, ranks, plan label), the median over rounds of its prediction and of its
+    measurement (us). ``dispatch_us``, ``outside_us``: per world size, the host's dispatch
+    per piece of a burst run and ``Compiled.step``'s host time outside its pieces
+    (calibrated on other runs; none: 0)."""
     rounds = []
     for r in range(args.rounds):
         if args.rounds > 1:
             print(f"end-to-end round {r + 1} of {args.rounds}", flush=True)
-        rounds.append(_round(args, cores, worlds, dispatch_us or {}))
+        rounds.append(_round(args, cores, worlds, dispatch_us or {}, outside_us or {}))
         if args.rounds > 1:
             errs = [abs(p - m) / m for *_, p, m in rounds[-1]]
             print(f"end-to-end round {r + 1}: median absolute error "

@@ -175,19 +175,29 @@ def _compiled(kind: str, name: str, batch: int, world: int, store: Optional[str]
 def _stepped(kind: str, name: str, batch: int, world: int, store: Optional[str],
              repeats: int):
     """``WARMUP`` steps of ``kind``, then ``repeats`` traced ones: (program, [trace per
-    repeat], clock origin, (program class, fallback reason)). Layer groups: a fresh compile
-    per repeat, its first step traced (the one that loads the groups from ``store``)."""
-    traces = []
+    repeat], clock origin, (program class, fallback reason), [the step's host time outside
+    its pieces per repeat, us]). Layer groups: a fresh compile per repeat, its first step
+    traced (the one that loads the groups from ``store``)."""
+    traces, outside = [], []
     for _ in range(repeats if kind == "layer groups" else 1):
         c = _compiled(kind, name, batch, world, store)
         steps = 1 if kind == "layer groups" else WARMUP + repeats
         for step in range(steps):
+            t0 = time.perf_counter()
             c.step(*_args(kind, name, step, batch))
+            wall_us = (time.perf_counter() - t0) * 1e6
             if step >= steps - (1 if kind == "layer groups" else repeats):
                 traces.append(list(c.executor.last_trace))
+                outside.append(wall_us - _span_us(traces[-1]))
     ex = c.executor
     return (ex.last_program, traces, _origin(ex.runner.backend),
-            (type(ex.rank_program).__name__, getattr(ex, "fallback_reason", "")))
+            (type(ex.rank_program).__name__, getattr(ex, "fallback_reason", "")), outside)
+
+
+def _span_us(trace) -> float:
+    """From a step trace's first piece start to its last end (its asynchronous work too)."""
+    return (max(t.end_us if t.done_us is None else max(t.end_us, t.done_us) for t in trace)
+            - min(t.start_us for t in trace))
 
 
 def _with_background(name: str, batch: int, repeats: int):
@@ -263,12 +273,15 @@ def write_store(name: str, batch: int, folder: Path) -> str:
 @dataclass(frozen=True)
 class KindRun:
     """One plan kind's run: the ranks' programs, per repeat the ranks' traces on one clock,
-    and per rank what else the run returned (program class and fallback reason; for the
-    foreground + background kind, the background job's spans)."""
+    per rank what else the run returned (program class and fallback reason; for the
+    foreground + background kind, the background job's spans) and, every rank's and repeat's,
+    ``Compiled.step``'s host time outside its pieces (us; binding the batch, its checks: the
+    wall time less the trace's span; empty for the foreground + background kind)."""
 
     programs: dict
     traces: list
     extra: dict
+    outside_us: tuple = ()
 
 
 def run(world: int, name: str, batch: int, folder: Path, kinds: Sequence[str] = KINDS,
@@ -298,5 +311,8 @@ def collect(ranks: Sequence[dict], kinds: Sequence[str] = KINDS, repeats: int = 
         origins = {r: ranks[r][kind][2] for r in range(world)}
         traces = [on_one_clock({r: ranks[r][kind][1][i] for r in range(world)}, origins)
                   for i in range(repeats)]
-        out[kind] = KindRun(programs, traces, {r: ranks[r][kind][3] for r in range(world)})
+        outside = tuple(us for r in range(world) for us in
+                        (ranks[r][kind][4] if len(ranks[r][kind]) > 4 else ()))
+        out[kind] = KindRun(programs, traces, {r: ranks[r][kind][3] for r in range(world)},
+                            outside)
     return out

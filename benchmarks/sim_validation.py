@@ -76,6 +76,7 @@ class Row:
     departure: str = ""
     modelled_us: tuple = ()
     mean_gap_us: float = 0.0
+    outside_us: float = 0.0
 
     @property
     def errors(self) -> list[float]:
@@ -131,7 +132,8 @@ def composition_row(model: str, world: int, kind: str, run_of_kind, tolerance: f
     gaps = [m.gap_us for ms in per_repeat for m in ms]
     return Row(model, world, kind, kind, tuple(measured), tuple(composed), None,
                str(first) if first else "none: every piece starts within "
-               f"{tolerance:.0%} of the step", tuple(modelled), statistics.fmean(gaps))
+               f"{tolerance:.0%} of the step", tuple(modelled), statistics.fmean(gaps),
+               statistics.fmean(run_of_kind.outside_us) if run_of_kind.outside_us else 0.0)
 
 
 def _spread(values, scale: float = 1e-3, fmt: str = "{:.2f}") -> str:
@@ -226,23 +228,28 @@ def composition_rows(args, worlds, cores: int) -> list[Row]:
     return rows
 
 
-def burst_dispatch_us(rows: list[Row]) -> dict[int, float]:
-    """Per world size, the host's mean dispatch gap per piece of tidal's burst runs among the
-    composition rows (every model and repeat): what the end-to-end burst predictions add per
-    runtime piece (``sim.programs.burst_execution(dispatch_us=)``), calibrated on other runs
-    than the ones they predict."""
-    by_world: dict[int, list[float]] = {}
+def burst_host_us(rows: list[Row]) -> tuple[dict[int, float], dict[int, float]]:
+    """Per world size, two host terms of tidal's burst runs among the composition rows
+    (every model and repeat), calibrated on other runs than the end-to-end ones they serve:
+    the mean dispatch gap per piece (added per runtime piece,
+    ``sim.programs.burst_execution(dispatch_us=)``) and ``Compiled.step``'s mean host time
+    outside its pieces (binding the batch, its checks; added to the step)."""
+    gaps: dict[int, list[float]] = {}
+    outside: dict[int, list[float]] = {}
     for r in rows:
         if r.kind == "burst" and r.composed_us:
-            by_world.setdefault(r.ranks, []).append(r.mean_gap_us)
-    return {w: statistics.fmean(v) for w, v in by_world.items()}
+            gaps.setdefault(r.ranks, []).append(r.mean_gap_us)
+            outside.setdefault(r.ranks, []).append(r.outside_us)
+    return ({w: statistics.fmean(v) for w, v in gaps.items()},
+            {w: statistics.fmean(v) for w, v in outside.items()})
 
 
-def end_to_end(args, worlds, cores: int, dispatch_us: dict[int, float]) -> list[Row]:
+def end_to_end(args, worlds, cores: int, dispatch_us: dict[int, float],
+               outside_us: dict[int, float]) -> list[Row]:
     """The end-to-end rows (``sim_end_to_end``) as table rows."""
     out = []
     for name, w, label, predicted, measured in sim_end_to_end.end_to_end_rows(
-            args, cores, worlds, dispatch_us):
+            args, cores, worlds, dispatch_us, outside_us):
         out.append(Row(name, w, "burst" if label.startswith("burst") else label, label,
                        (measured,), (), predicted))
     return out
@@ -280,12 +287,13 @@ def main(argv=None) -> int:
           "are not modelled: compare on a quiet machine)", flush=True)
     rows = composition_rows(args, worlds, cores)
     if args.e2e_models:
-        dispatch = burst_dispatch_us(rows)
+        dispatch, outside = burst_host_us(rows)
         missing = [w for w in worlds if w not in dispatch]
         if missing:
             print(f"note: no composition run of the burst kind on {missing} ranks: the "
-                  "end-to-end burst rows there model no host dispatch")
-        rows += end_to_end(args, worlds, cores, dispatch)
+                  "end-to-end burst rows there model no host dispatch or host time outside "
+                  "the pieces")
+        rows += end_to_end(args, worlds, cores, dispatch, outside)
     print_rows(rows)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (1 min), "
           f"{os.getloadavg()[1]:.1f} (5 min)")

@@ -19,7 +19,18 @@ does not slow down concurrent compute lanes of one GPU, except through ``cores``
 
 With ``cores`` set, the compute lanes of all GPUs share that many processors: while ``n``
 compute pieces run, each progresses at ``min(1, cores / n)`` of its full speed (processor
-sharing), the model of ranks oversubscribing a CPU's cores. Communication keeps its duration.
+sharing), the model of ranks oversubscribing a CPU's cores. Communication keeps its duration,
+unless ``link_load`` is given: ``link_load(piece)`` is a link piece's duration inside the step's
+computation (its ``duration_us`` being the one after it, on idle processors), and while any
+computation remains, running or still to run on any GPU (the optimizer step aside: it waits for
+the links), the link piece progresses at ``duration_us / link_load(piece)`` of its idle speed.
+The model of collectives whose threads share a host's cores with the ranks' computation and
+whose ranks arrive from it at different times (gloo on a CPU: a collective issued beside a
+training step takes several times one on idle cores; a data-parallel bucket issued after the
+backward takes about its idle time), measured by two link fits (``tidal.sim.programs.
+link_load`` pairs the Programs built with each). The engine's ranks run in lock step, so a link
+piece between two compute pieces is rarely beside one in the model though, on the machine,
+some rank is still computing: hence "remaining", not "running".
 
 Several jobs may share the GPUs: ``simulate({job: program, ...})`` issues them in that order,
 each interval naming its job.
@@ -36,9 +47,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Sequence, Union
+from typing import Callable, Mapping, NamedTuple, Sequence, Union
 
-from tidal.ir.program import COMM, LOAD, TRANSFER, Piece, Program
+from tidal.ir.program import COMM, LOAD, OPTIMIZER, TRANSFER, Piece, Program
 
 COMPUTE_LANE, LINK, H2D, PEER = "compute", "link", "h2d", "peer"
 LINKS = (LINK, H2D, PEER)
@@ -121,17 +132,31 @@ def _placed(jobs: Jobs) -> list[_Placed]:
     return out
 
 
-def simulate(jobs: Jobs, cores: float | None = None) -> list[Interval]:
+def simulate(jobs: Jobs, cores: float | None = None,
+             link_load: Callable[[Piece], float] | None = None) -> list[Interval]:
     """Run ``jobs`` (a placed Program, or placed Programs by job name) and return one interval
     per piece and GPU it occupies, in issue order. ``cores``: processors shared by all compute
-    lanes (None: every GPU computes at full speed). Raises ``ValueError`` for a piece placed on
-    no GPU, a compute piece on several, a compute stream named like a link, or ``cores`` <= 0
-    (a dependency on a later piece the Program itself refuses)."""
+    lanes (None: every GPU computes at full speed). ``link_load``: a link piece's duration
+    inside the step's computation (None: links ignore computation; see the module
+    docstring). Raises ``ValueError`` for a piece placed on no GPU, a compute piece on several,
+    a compute stream named like a link, ``cores`` <= 0 or a loaded duration shorter than the
+    piece's own (a dependency on a later piece the Program itself refuses).
+
+    Example (a 4 us collective that takes 12 us inside the step's computation, the first 3 us
+    while a compute piece remains: a quarter of its work done there, the rest at full speed):
+        >>> from tidal.ir.program import COMPUTE
+        >>> p = Program((Piece("f", COMPUTE, duration_us=3.0, ranks=(0,)),
+        ...              Piece("ar", COMM, duration_us=4.0, ranks=(0, 1))), world=2)
+        >>> [i.end_us for i in simulate(p, link_load=lambda q: 3 * q.duration_us)
+        ...  if i.name == "ar"]
+        [6.0, 6.0]
+    """
     placed = _placed(jobs)
-    if cores is not None:
-        if not cores > 0:
-            raise ValueError(f"simulate(cores={cores!r}): must be > 0")
-        return _simulate_shared(placed, float(cores))
+    if cores is not None and not cores > 0:
+        raise ValueError(f"simulate(cores={cores!r}): must be > 0")
+    if cores is not None or link_load is not None:
+        return _simulate_shared(placed, None if cores is None else float(cores),
+                                _loaded_durations(placed, link_load))
     free: dict[tuple[int, str], float] = defaultdict(float)
     ends: list[float] = []
     out: list[Interval] = []
@@ -147,8 +172,29 @@ def simulate(jobs: Jobs, cores: float | None = None) -> list[Interval]:
     return out
 
 
-def _simulate_shared(placed: Sequence[_Placed], cores: float) -> list[Interval]:
-    """Event-driven run with processor sharing of the compute lanes (see ``simulate``)."""
+def _loaded_durations(placed: Sequence[_Placed], link_load: Callable[[Piece], float] | None
+                      ) -> list[float]:
+    """Per placed piece, its duration with computation beside it throughout: ``link_load``'s
+    for a link piece (checked: not shorter than its own), its own for the rest."""
+    out = []
+    for t in placed:
+        us = t.duration_us
+        if link_load is not None and not is_compute_lane(t.lane):
+            loaded = float(link_load(t.piece))
+            if loaded < us * (1 - 1e-9):
+                raise ValueError(f"link_load({t.name!r}) = {loaded} us is shorter than the "
+                                 f"piece's own {us} us (computation beside a link only "
+                                 "slows it)")
+            us = loaded
+        out.append(us)
+    return out
+
+
+def _simulate_shared(placed: Sequence[_Placed], cores: float | None,
+                     loaded_us: Sequence[float]) -> list[Interval]:
+    """Event-driven run with processor sharing of the compute lanes and links slowed by
+    computation beside them (see ``simulate``; ``loaded_us``: each piece's duration with
+    computation beside it throughout)."""
     queues: dict[tuple[int, str], list[int]] = defaultdict(list)
     for i, t in enumerate(placed):
         for g in t.gpus:
@@ -156,13 +202,21 @@ def _simulate_shared(placed: Sequence[_Placed], cores: float) -> list[Interval]:
     head = {k: 0 for k in queues}
     start = [0.0] * len(placed)
     end: list[float | None] = [None] * len(placed)
-    left = {}  # running piece -> remaining work (us at full speed); comm: fixed end below
-    comm_end = {}
+    left = {}  # running compute piece -> remaining work (us at full speed)
+    link_left = {}  # running link piece -> remaining fraction of its work
     now, done = 0.0, 0
 
     def at_head(i: int) -> bool:
         t = placed[i]
         return all(queues[(g, t.lane)][head[(g, t.lane)]] == i for g in t.gpus)
+
+    # computation still running or to run (the optimizer step aside: it waits for the links)
+    computing = sum(1 for t in placed if is_compute_lane(t.lane) and t.piece.kind != OPTIMIZER)
+
+    def link_rate(i: int) -> float:
+        """Fraction of link piece ``i`` done per us now."""
+        us = loaded_us[i] if computing else placed[i].duration_us
+        return 1.0 / us if us > 0 else float("inf")
 
     while done < len(placed):
         started = True
@@ -172,7 +226,7 @@ def _simulate_shared(placed: Sequence[_Placed], cores: float) -> list[Interval]:
                 if head[k] >= len(q):
                     continue
                 i = q[head[k]]
-                if i in left or i in comm_end or not at_head(i):
+                if i in left or i in link_left or not at_head(i):
                     continue
                 if any(end[d] is None for d in placed[i].deps):
                     continue
@@ -180,25 +234,33 @@ def _simulate_shared(placed: Sequence[_Placed], cores: float) -> list[Interval]:
                 if is_compute_lane(placed[i].lane):
                     left[i] = placed[i].duration_us
                 else:
-                    comm_end[i] = now + placed[i].duration_us
+                    link_left[i] = 1.0
                 started = True
-        if not left and not comm_end:
+        if not left and not link_left:
             raise AssertionError("simulate: no runnable piece (dependency cycle)")
-        rate = min(1.0, cores / len(left)) if left else 1.0
-        step = min([w / rate for w in left.values()] + [e - now for e in comm_end.values()])
+        rate = min(1.0, cores / len(left)) if left and cores is not None else 1.0
+        rates = {i: link_rate(i) for i in link_left}
+        step = min([w / rate for w in left.values()]
+                   + [f / rates[i] for i, f in link_left.items()])
         step = max(step, 0.0)
         now += step
-        finished = [i for i, e in comm_end.items() if e <= now + 1e-9]
+        finished = []
+        for i in list(link_left):
+            link_left[i] -= step * rates[i] if step else 0.0
+            if link_left[i] <= 1e-9 or rates[i] == float("inf"):
+                finished.append(i)
         for i in list(left):
             left[i] -= step * rate
             if left[i] <= 1e-9 * max(1.0, placed[i].duration_us):
                 finished.append(i)
         for i in sorted(finished):
             left.pop(i, None)
-            comm_end.pop(i, None)
+            link_left.pop(i, None)
             end[i] = now
             done += 1
             t = placed[i]
+            if is_compute_lane(t.lane) and t.piece.kind != OPTIMIZER:
+                computing -= 1
             for g in t.gpus:
                 head[(g, t.lane)] += 1
     out = []

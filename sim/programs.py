@@ -171,17 +171,43 @@ class SimResult:
                 f"busy {self.busy_fraction:.0%}")
 
 
-def summarize(jobs: Jobs, gpus: int, global_batch: int, cores: float | None = None
-              ) -> SimResult:
+def summarize(jobs: Jobs, gpus: int, global_batch: int, cores: float | None = None,
+              link_load: Callable[[Piece], float] | None = None) -> SimResult:
     """Simulate ``jobs`` (a placed Program, or several by job name: ``tidal.sim.engine``;
-    compute lanes sharing ``cores`` processors when given) and summarise them."""
-    intervals = simulate(jobs, cores)
+    compute lanes sharing ``cores`` processors when given, links slowed by computation beside
+    them by ``link_load``, see :func:`link_load`) and summarise them."""
+    intervals = simulate(jobs, cores, link_load)
     end = max((i.end_us for i in intervals), default=0.0)
     spans: list[list[tuple[float, float]]] = [[] for _ in range(gpus)]
     for i in intervals:  # several compute lanes of a GPU (tick, tock) may overlap
         if is_compute_lane(i.lane):
             spans[i.gpu].append((i.start_us, i.end_us))
     return SimResult(tuple(intervals), gpus, global_batch, end, tuple(map(_covered, spans)))
+
+
+def link_load(program: Program, loaded: Program) -> Callable[[Piece], float]:
+    """``simulate(link_load=)`` from one step built twice: ``program`` with its link pieces'
+    durations on idle processors, ``loaded`` with those beside computation (the same builder
+    given a link fitted to collectives issued beside a training step). Pieces pair by
+    position; raises ``ValueError`` when the two are not the same pieces.
+
+    Example:
+        >>> from tidal.ir.program import COMM
+        >>> idle = Program((Piece("ar", COMM, duration_us=4.0, ranks=(0, 1)),), world=2)
+        >>> busy = Program((Piece("ar", COMM, duration_us=9.0, ranks=(0, 1)),), world=2)
+        >>> link_load(idle, busy)(idle.pieces[0])
+        9.0
+    """
+    if [(p.name, p.ranks, p.deps) for p in program.pieces] != \
+            [(p.name, p.ranks, p.deps) for p in loaded.pieces]:
+        raise ValueError("link_load: the idle and loaded Programs are not the same pieces "
+                         f"({len(program.pieces)} vs {len(loaded.pieces)}; build both with "
+                         "the same plan)")
+    # beside computation a link is never faster than on idle processors: two noisy fits may
+    # cross for some size, which is clipped
+    table = {p: max(p.duration_us, q.duration_us)
+             for p, q in zip(program.pieces, loaded.pieces)}
+    return lambda piece: table.get(piece, piece.duration_us)
 
 
 class _Placing:

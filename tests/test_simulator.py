@@ -2,6 +2,7 @@
 import random
 import re
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -278,6 +279,50 @@ def test_processor_sharing_slows_compute_beyond_the_cores():
     with pytest.raises(ValueError, match="cores"):
         simulate(dp, cores=0)
 
+
+
+def test_link_slows_only_while_computation_remains():
+    from tidal.ir.program import OPTIMIZER
+    from tidal.sim.programs import link_load, summarize
+
+    # a 6 us all-reduce that takes 18 us inside the step's computation: 4 us of it while
+    # rank 1 computes (4/18 of its work), the rest (14/18 of 6 us) after; the optimizer step
+    # after it does not count as computation to come (it waits for the link)
+    pieces = (Piece("c0", COMPUTE, duration_us=2.0, ranks=(0,)),
+              Piece("c1", COMPUTE, duration_us=6.0, ranks=(1,)),
+              Piece("ar", COMM, (0,), duration_us=6.0, ranks=(0, 1)),
+              Piece("after", COMPUTE, (2,), kind=OPTIMIZER, duration_us=1.0, ranks=(0,)))
+    idle = Program(pieces, 2)
+    busy = Program(tuple(replace(p, duration_us=18.0) if p.name == "ar" else p
+                         for p in pieces), 2)
+    iv = {(i.name, i.gpu): i for i in simulate(idle, link_load=link_load(idle, busy))}
+    assert iv[("ar", 0)].start_us == pytest.approx(2.0)
+    assert iv[("ar", 0)].end_us == pytest.approx(6.0 + 6.0 * 14 / 18)
+    assert iv[("after", 0)].start_us == pytest.approx(iv[("ar", 0)].end_us)
+    # without link_load, or when loaded equals idle: the links keep their durations
+    for kw in ({}, {"link_load": link_load(idle, idle)}):
+        assert {(i.name, i.gpu): i.end_us for i in simulate(idle, **kw)}[("ar", 1)] == \
+            pytest.approx(8.0)
+    # the bounds: every link idle <= switching <= every link beside computation
+    lt = _random_layers(random.Random(7), 12)
+    fast, slow = (tidal.Cluster(gpus=4, bandwidth_gbps=bw, latency_us=lat)
+                  for bw, lat in ((10, 5), (3, 20)))
+    dp_idle, dp_busy = (data_parallel(lambda b: lt, 4, 32, c, bucket_bytes=5e4, update_us=9.0)
+                        for c in (fast, slow))
+    switching = summarize(dp_idle, 4, 32, link_load=link_load(dp_idle, dp_busy)).iteration_us
+    assert summarize(dp_idle, 4, 32).iteration_us < switching \
+        < summarize(dp_busy, 4, 32).iteration_us
+    # a compute piece still to run after the link keeps it at the loaded speed throughout
+    later = Program(pieces[:3] + (Piece("after", COMPUTE, (2,), duration_us=1.0, ranks=(0,)),),
+                    2)
+    busy_later = Program(busy.pieces[:3] + later.pieces[3:], 2)
+    iv = {(i.name, i.gpu): i
+          for i in simulate(later, link_load=link_load(later, busy_later))}
+    assert iv[("ar", 0)].end_us == pytest.approx(2.0 + 18.0)
+    with pytest.raises(ValueError, match="not the same pieces"):
+        link_load(idle, Program(pieces[:3], 2))
+    with pytest.raises(ValueError, match="shorter than"):
+        simulate(idle, link_load=lambda p: 1.0)
 
 def test_burst_execution_follows_the_executor():
     from tidal.passes.burst_planner import BurstProblem, plan_from_counts
