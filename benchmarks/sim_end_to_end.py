@@ -57,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -152,6 +153,8 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    # torch 2.13 renames broadcast_buffers (forward_sync_buffers; 2.11 has only the old name)
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     torch.manual_seed(0)
     model = ZOO[name]()
     inputs, targets = model.example_inputs(global_batch), model.example_targets(global_batch)

@@ -47,13 +47,15 @@ def background_job(items):
 
 @pytest.fixture(scope="module")
 def runs(request, background_jobs):
-    """{kind: ({rank: program}, {rank: trace on one clock}, {rank: extra})}: the last of
-    the runs' steps (``benchmarks/sim_runs.py``: one spawned job of 2 ranks, the tiny MLP)."""
+    """{kind: ({rank: program}, {rank: trace on one clock}, {rank: extra}, the step's host
+    time outside its pieces per rank)}: the last of the runs' steps
+    (``benchmarks/sim_runs.py``: one spawned job of 2 ranks, the tiny MLP)."""
     try:
         ran = collect(background_jobs.result(request.module.__name__, _job()), KINDS, 1)
     finally:
         shutil.rmtree(_folder(), ignore_errors=True)
-    return {kind: (r.programs, r.traces[-1], r.extra) for kind, r in ran.items()}
+    return {kind: (r.programs, r.traces[-1], r.extra, r.outside_us)
+            for kind, r in ran.items()}
 
 
 def _order(spans):
@@ -74,11 +76,15 @@ def test_the_simulator_given_measured_durations_reproduces_order_and_overlap(run
                                        traced_spans)
     from tidal.sim.programs import simulated_order, trace_order
 
-    programs, traces, extra = runs[kind]
+    programs, traces, extra, outside_us = runs[kind]
     if kind != KINDS[-1]:
         assert {cls for cls, _ in extra.values()} != {"GraphProgram"}, extra  # the plan's
+        # Compiled.step's host time outside its pieces, one per rank and repeat (>= 0: the
+        # pieces run inside the step's wall time)
+        assert len(outside_us) == 2 and all(us >= 0 for us in outside_us), outside_us
     else:
         assert all(extra.values()), "the background job ran"
+        assert outside_us == ()  # a scheduler job: no Compiled.step to time
     streams = {p.stream for program in programs.values() for p in program.pieces}
     assert streams & {"comm", "transfer", "load"}, streams  # every kind moves data
     assert simulated_order(programs, traces) == trace_order(traces)
