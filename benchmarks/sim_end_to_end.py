@@ -3,9 +3,9 @@ calibrated durations, against the measured step of data parallelism and a burst 
 ranks.
 
 What is measured: each run's step as the period of a training loop (``CHAIN`` steps back to
-back, the mean per step, the slowest rank's; a step timed alone after a barrier pays the
-ranks' skew leaving it, up to 13 ms on 4 ranks of 2 cores, which a loop does not pay each
-step). Data parallelism is DDP (``broadcast_buffers=False``: the simulator syncs gradients
+back after one untimed step, the mean per step, the slowest rank's; a step timed after a
+barrier pays the ranks' skew leaving it, up to 13 ms on 4 ranks of 2 cores, which a loop
+does not pay each step). Data parallelism is DDP (``broadcast_buffers=False``: the simulator syncs gradients
 only); the burst plan runs through ``tidal.compile(..., passes=[BurstParallel(plan=...)])``
 and ``Compiled.step``.
 
@@ -82,8 +82,8 @@ from tidal.sim.programs import (burst_execution, data_parallel,  # noqa: E402
 
 STATS = {"median": statistics.median, "min": min}
 CHAIN = 3
-"""Steps run back to back per measured timing (the mean per step): the period of a training
-loop, not one step after a barrier (see the module docstring)."""
+"""Steps run back to back per measured timing, after an untimed one (the mean per step): the
+period of a training loop, not one step after a barrier (see the module docstring)."""
 
 
 def _link_worker(rank: int, size: int):
@@ -143,7 +143,7 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     """This rank's rounds (``steps``, after 2 warm-up ones): in each, the local step at every
     batch of ``batches`` and DDP's step with its communication cut (the calibration: every
     rank computing at once, no communication), then ``CHAIN`` DDP steps and ``CHAIN`` steps
-    of the burst ``plan`` through tidal, each timing started at a barrier. Calibration and
+    of the burst ``plan`` through tidal, each timing after a barrier and one untimed step. Calibration and
     measured runs interleave round by round, so both see the same machine. Each round also
     times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside the rank's local
     step (:func:`_all_reduce_beside`) and one issued after it (:func:`_all_reduce_after`).
@@ -188,6 +188,7 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
             row[b] = step()
         for what, run in runs.items():
             dist.barrier()
+            run()  # the first step after the barrier pays the ranks' skew leaving it
             t0 = time.perf_counter()
             for _ in range(CHAIN):
                 run()
