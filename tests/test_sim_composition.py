@@ -110,6 +110,6 @@ def test_the_overlap_comparisons_are_not_vacuous(runs):
     timing (a starved rank can bring every pair within the margin): counted over all."""
     from tidal.sim.composition import measured_step_us, overlaps, traced_spans
 
-    clear = [kind for kind, (_, traces, _) in runs.items()
+    clear = [kind for kind, (_, traces, _, _) in runs.items()
              if any(overlaps(traced_spans(traces), 0.1 * measured_step_us(traces)))]
     assert len(clear) >= len(runs) // 2, clear
