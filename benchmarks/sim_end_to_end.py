@@ -153,7 +153,7 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # torch 2.13 renames broadcast_buffers (forward_sync_buffers; 2.11 has only the old name)
+    # torch 2.13 deprecates broadcast_buffers under a new name that 2.11 lacks: keep the old one
     warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
     torch.manual_seed(0)
     model = ZOO[name]()
