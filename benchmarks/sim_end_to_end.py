@@ -5,9 +5,9 @@ ranks.
 What is measured: each run's step as the period of a training loop (``CHAIN`` steps back to
 back after one untimed step, the mean per step, the slowest rank's; a step timed after a
 barrier pays the ranks' skew leaving it, up to 13 ms on 4 ranks of 2 cores, which a loop
-does not pay each step). Data parallelism is DDP (``broadcast_buffers=False``: the simulator syncs gradients
-only); the burst plan runs through ``tidal.compile(..., passes=[BurstParallel(plan=...)])``
-and ``Compiled.step``.
+does not pay each step). Data parallelism is DDP (``broadcast_buffers=False``: the simulator
+syncs gradients only); the burst plan runs through ``tidal.compile(...,
+passes=[BurstParallel(plan=...)])`` and ``Compiled.step``.
 
 Inputs of the prediction, none read from the steps being predicted:
 
@@ -143,10 +143,11 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     """This rank's rounds (``steps``, after 2 warm-up ones): in each, the local step at every
     batch of ``batches`` and DDP's step with its communication cut (the calibration: every
     rank computing at once, no communication), then ``CHAIN`` DDP steps and ``CHAIN`` steps
-    of the burst ``plan`` through tidal, each timing after a barrier and one untimed step. Calibration and
-    measured runs interleave round by round, so both see the same machine. Each round also
-    times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside the rank's local
-    step (:func:`_all_reduce_beside`) and one issued after it (:func:`_all_reduce_after`).
+    of the burst ``plan`` through tidal, each timing after a barrier and one untimed step.
+    Calibration and measured runs interleave round by round, so both see the same machine.
+    Each round also times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside
+    the rank's local step (:func:`_all_reduce_beside`) and one issued after it
+    (:func:`_all_reduce_after`).
     Per round: ``{batch: (fwd+bwd us, update us), "ddp local": (...), "dp": us per step,
     "burst": us per step, "burst parts": {piece kind: us}, "beside <bytes>": (issue, end),
     "after <bytes>": (issue, end)}`` (times on the machine's clock, seconds)."""

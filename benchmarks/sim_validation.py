@@ -121,8 +121,9 @@ def composition_row(model: str, world: int, kind: str, run_of_kind, tolerance: f
     other), so no step is predicted from its own gaps. A repeat more than ``DISTURBED`` times
     the run's median step is left out of the calibration (still predicted): its gaps are
     another process's hold on the cores, which the model leaves out (one such step among 5
-    put its stalls in every other repeat's prediction: rows over-predicted by 14-16 %). The departure is the composition's, for
-    the repeat of median composition error, within ``tolerance`` of the measured step."""
+    put its stalls in every other repeat's prediction: rows over-predicted by 14-16 %). The
+    departure is the composition's, for the repeat of median composition error, within
+    ``tolerance`` of the measured step."""
     programs = run_of_kind.programs
     per_repeat = [measured_pieces(programs, traces, False) for traces in run_of_kind.traces]
     steps = [measured_step_us(traces) for traces in run_of_kind.traces]

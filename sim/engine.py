@@ -174,8 +174,8 @@ def simulate(jobs: Jobs, cores: float | None = None,
 
 def _loaded_durations(placed: Sequence[_Placed], link_load: Callable[[Piece], float] | None
                       ) -> list[float]:
-    """Per placed piece, its duration with computation beside it throughout: ``link_load``'s
-    for a link piece (checked: not shorter than its own), its own for the rest."""
+    """Per placed piece, its duration inside the step's computation: ``link_load``'s for a
+    link piece (checked: not shorter than its own), its own for the rest."""
     out = []
     for t in placed:
         us = t.duration_us
@@ -192,9 +192,9 @@ def _loaded_durations(placed: Sequence[_Placed], link_load: Callable[[Piece], fl
 
 def _simulate_shared(placed: Sequence[_Placed], cores: float | None,
                      loaded_us: Sequence[float]) -> list[Interval]:
-    """Event-driven run with processor sharing of the compute lanes and links slowed by
-    computation beside them (see ``simulate``; ``loaded_us``: each piece's duration with
-    computation beside it throughout)."""
+    """Event-driven run with processor sharing of the compute lanes and links slowed while
+    computation remains (see ``simulate``; ``loaded_us``: each piece's duration inside the
+    step's computation, :func:`_loaded_durations`)."""
     queues: dict[tuple[int, str], list[int]] = defaultdict(list)
     for i, t in enumerate(placed):
         for g in t.gpus:
