@@ -22,15 +22,22 @@ Inputs of the prediction, none read from the steps being predicted:
   calibrated on DDP's own step with its communication cut (a no-op communication hook: its
   reducer's host work, 1-4 ms a step here, is the executor's computation); the burst rows on
   the plain module's step;
-* two gloo ring links (latency, bandwidth: ``runtime.comm.link_fit.fit_ring_link``) fitted
-  to all-reduces of two sizes timed in the same rounds: one issued *after* the local step
-  (from the last rank's issue to the end: the collective once the computation is over) and
-  one issued *beside* it (from each rank's own issue: a synchronisation point inside the
-  step's computation, sharing the cores with it and waiting for the ranks still computing; on
-  this CPU several times the first). The engine gives each link piece the second's duration
-  while computation remains in the step and the first's after it
-  (``sim.engine.simulate(link_load=)``, ``sim.programs.link_load``). The plan itself is made
-  for a link fitted on idle ranks before (``measure_ring_link``), then costed with these;
+* three gloo ring links (latency, bandwidth: ``runtime.comm.link_fit.fit_ring_link``)
+  fitted to all-reduces of two sizes timed in the same rounds: issued *after* the local step,
+  from the last rank's issue to the last end, in a loop of step and all-reduce (``loop``:
+  each all-reduce but the last, followed by the next step, as a loop pays the sync that ends
+  its step: the ranks that leave it first compute beside the ranks still in it; ``after``:
+  the last, followed by nothing); and issued *beside* it (from each rank's own issue: a
+  synchronisation point inside the step's computation, sharing the cores with it and waiting
+  for the ranks still computing; on this CPU several times the others). The engine gives
+  each link piece the beside link's duration while computation remains in the step and the
+  after-computation one after it (``sim.engine.simulate(link_load=)``,
+  ``sim.programs.link_load``): for DDP the loop's (its bucket all-reduce ends its step), for
+  the burst plan the ``after`` one (its collectives come before the loss all-reduce that ends
+  ``Compiled.step``, whose loop cost is in the host time outside the pieces below). With the
+  ``after`` link alone, DDP was under-predicted by 6-10 % on average over four runs. The plan
+  itself is made for a link fitted on idle ranks before (``measure_ring_link``), then costed
+  with these;
 * two host terms of tidal's runtime calibrated on the composition runs of the burst kind
   (other models and batches: ``sim_validation.burst_host_us``): the dispatch per runtime
   piece and ``Compiled.step``'s host time outside its pieces (binding the batch, its checks),
@@ -146,11 +153,12 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     of the burst ``plan`` through tidal, each timing after a barrier and one untimed step.
     Calibration and measured runs interleave round by round, so both see the same machine.
     Each round also times an all-reduce of each of ``link_fit.DEFAULT_SIZES`` issued beside
-    the rank's local step (:func:`_all_reduce_beside`) and one issued after it
-    (:func:`_all_reduce_after`).
+    the rank's local step (:func:`_all_reduce_beside`) and a loop of the step and one issued
+    after it (:func:`_all_reduce_after`).
     Per round: ``{batch: (fwd+bwd us, update us), "ddp local": (...), "dp": us per step,
     "burst": us per step, "burst parts": {piece kind: us}, "beside <bytes>": (issue, end),
-    "after <bytes>": (issue, end)}`` (times on the machine's clock, seconds)."""
+    "after <bytes>": [(issue, end) per step of the loop]}`` (times on the machine's clock,
+    seconds)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -237,46 +245,65 @@ def _all_reduce_beside(flat: torch.Tensor, step: Callable[[], Any]) -> tuple[flo
     return t0, ended[0]
 
 
-def _all_reduce_after(flat: torch.Tensor, step: Callable[[], Any]) -> tuple[float, float]:
-    """``step`` (this rank's local training step), then an all-reduce of ``flat``: when the
-    all-reduce was issued and when it ended (``time.perf_counter``, a clock all processes of
-    the machine share). From the last rank's issue to the end, the collective on idle cores
-    (the ranks' waits for the slowest are the calibrated step's: it is the slowest rank's).
-    Collective."""
+def _all_reduce_after(flat: torch.Tensor, step: Callable[[], Any]) -> list[tuple[float, float]]:
+    """A loop of ``step`` (this rank's local training step) then an all-reduce of ``flat``,
+    ``CHAIN`` + 1 times from a barrier: per step, when the all-reduce was issued and when it
+    ended (``time.perf_counter``, a clock all processes of the machine share). From the last
+    rank's issue to the last end, the collective once the computation is over (the ranks'
+    waits for the slowest are the calibrated step's: it is the slowest rank's). All but the
+    last are followed by the next step, as a loop pays the sync that ends its step: the ranks
+    that leave it first start their next step beside the ranks still in it (on 4 ranks of 2
+    cores, a DDP loop's ends 3 ms apart, its all-reduce 12 ms against 7 ms on idle cores);
+    the last by nothing (the caller's barrier). Collective."""
     import torch.distributed as dist
 
-    step()
-    t0 = time.perf_counter()
-    dist.all_reduce(flat)
-    return t0, time.perf_counter()
+    out = []
+    for _ in range(CHAIN + 1):
+        step()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        out.append((t0, time.perf_counter()))
+    return out
 
 
 def _over_rounds(ranks: list[list[dict]], stat: str
-                 ) -> tuple[dict, float, float, RingLink, RingLink, dict]:
+                 ) -> tuple[dict, float, float, dict[str, RingLink], dict]:
     """The interleaved job's rounds of every rank: per batch the calibrated ``StepTime``, the
-    DDP and burst step times (us) and two ring links: fitted to the all-reduces issued after
-    the local step (from the last rank's issue to the last end: the link on idle cores) and to
-    those issued beside it (the link beside computation). Per round the slowest rank counts (a
-    synchronous step waits for it), then ``stat`` over rounds."""
+    DDP and burst step times (us), three ring links and the measured burst step's parts. The
+    links: fitted to the all-reduces issued after the local step, from the last rank's issue
+    to the last end (``after``: the loop's last, followed by nothing but a barrier; ``loop``:
+    the others, each the sync that ends a step, followed by the next) and to those issued beside it (``beside``: the link
+    beside computation). Per round the slowest rank counts (a synchronous step waits for it),
+    then ``stat`` over rounds."""
     rounds = range(len(ranks[0]))
     per = lambda key, k=None: [max(r[i][key] if k is None else r[i][key][k]  # noqa: E731
                                    for r in ranks) for i in rounds]
     batches = [k for k in ranks[0][0] if isinstance(k, int)] + ["ddp local"]
     steps = {b: StepTime(STATS[stat](per(b, 0)), STATS[stat](per(b, 1))) for b in batches}
-    def fit(key: str, issue) -> RingLink:
-        """The link fitted to the all-reduces ``key``, each from ``issue`` (of the ranks'
-        issue times) to its last end."""
+    def fit(key: str, issue, of: slice = slice(None)) -> RingLink:
+        """The link fitted to the all-reduces ``key`` (per round one (issue, end) pair per
+        rank, or a loop's list of them: the mean over its steps ``of``), each from ``issue``
+        (of the ranks' issue times) to its last end."""
+        def took_us(i: int, n: int) -> float:
+            loops = [(r[i][f"{key} {n}"] if isinstance(r[i][f"{key} {n}"], list)
+                      else [r[i][f"{key} {n}"]])[of] for r in ranks]
+            return statistics.fmean(
+                max(q[j][1] for q in loops) - issue(q[j][0] for q in loops)
+                for j in range(len(loops[0]))) * 1e6
         return fit_ring_link(len(ranks), DEFAULT_SIZES, [STATS[stat](
-            [max(r[i][f"{key} {n}"][1] - issue(q[i][f"{key} {n}"][0] for q in ranks)
-                 for r in ranks) * 1e6 for i in rounds]) for n in DEFAULT_SIZES])
+            [took_us(i, n) for i in rounds]) for n in DEFAULT_SIZES])
 
-    # after the step: from the last issue (the calibrated step is the slowest rank's already);
+    # after the step: from the last issue (the calibrated step is the slowest rank's already),
+    # the loop's last (nothing after it but a barrier) and the others (each followed by the
+    # next step: a loop's end-of-step sync);
     # inside it: from each rank's own issue (a rank's wait for the others is part of the cost
     # of a synchronisation point inside the step's computation)
-    idle, beside = fit("after", max), fit("beside", min)
+    links = {"after": fit("after", max, slice(-1, None)),
+             "loop": fit("after", max, slice(None, -1)),
+             "beside": fit("beside", min)}
     parts = {k: statistics.median(r["burst parts"].get(k, 0.0) for r in ranks[0])
              for k in ranks[0][0]["burst parts"]}
-    return steps, STATS[stat](per("dp")), STATS[stat](per("burst")), idle, beside, parts
+    return steps, STATS[stat](per("dp")), STATS[stat](per("burst")), links, parts
 
 
 def _parts(program, rank: int) -> str:
@@ -310,6 +337,33 @@ def _runs(plan) -> str:
     return text if len(text) <= 30 else text[:27] + "..."
 
 
+def _cluster(world: int, fit: RingLink, profile) -> "tidal.Cluster":
+    """``world`` ranks joined by ``fit``'s link, computing as ``profile`` says."""
+    return tidal.Cluster(gpus=world, bandwidth_gbps=fit.bandwidth_gbps,
+                         latency_us=fit.latency_us, profile=profile)
+
+
+def _dp_program(gm, cal, global_batch: int, update_us: float):
+    """DDP's step as a placed Program on ``cal`` (its ranks, link and calibrated profile:
+    the calibration ran with every rank computing at once, so its durations hold the
+    sharing of the cores; no processor sharing on top)."""
+    return data_parallel(lambda b: layer_times(gm, cal, b), cal.gpus, global_batch, cal,
+                         update_us=update_us)
+
+
+def _burst_program(gm, cal, global_batch: int, plan, amp_limit: float, preds,
+                   update_us: float, dispatch_us: float):
+    """``plan``'s GPU counts costed on ``cal`` (its link and calibrated profile), and the
+    burst step's placed Program with ``dispatch_us`` of host dispatch per runtime piece:
+    (costed plan, program)."""
+    costed = plan_from_counts(build_problem(gm, cal, global_batch, sync="paper"),
+                              [l.gpus for l in plan.layers], amp_limit=amp_limit,
+                              algorithm=plan.algorithm)
+    return costed, burst_execution(costed, preds, lambda b: layer_times(gm, cal, b), cal,
+                                   output_bytes(gm), update_us,
+                                   buffer_bytes=layer_buffer_bytes(gm), dispatch_us=dispatch_us)
+
+
 def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float],
            outside_us: Mapping[int, float]) -> list[tuple[str, int, str, float, float]]:
     """One independent round on each world size of ``worlds``: link fits and profiles, then
@@ -340,7 +394,7 @@ def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float],
             if plan is None or plan.is_data_parallel:
                 plan = _half_plan(problem, w, args.amp_limit)
             used = sorted({-(-gb // g) for g in (w,) + tuple(l.gpus for l in plan.layers)})
-            steps, dp_meas, bp_meas, idle, beside, measured_parts = _over_rounds(spawn(
+            steps, dp_meas, bp_meas, fits, measured_parts = _over_rounds(spawn(
                 _interleaved_worker, w, name, gb, args.steps, cluster, plan, used,
                 timeout_s=900), args.stat)
             prof = profile
@@ -352,52 +406,41 @@ def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float],
                   "(fwd+bwd / optimizer) " + ", ".join(
                       f"b={b}: {s.fwd_bwd_us / 1e3:.1f}/{s.update_us / 1e3:.1f} ms"
                       for b, s in steps.items())
-                  + f"; link on idle cores: latency {idle.latency_us:.1f} us, "
-                  f"{idle.bandwidth_gbps:.2f} Gb/s; beside computation: latency "
-                  f"{beside.latency_us:.1f} us, {beside.bandwidth_gbps:.2f} Gb/s")
+                  + "; links: " + ", ".join(
+                      f"{k} {f.latency_us:.1f} us, {f.bandwidth_gbps:.2f} Gb/s"
+                      for k, f in fits.items()))
             update = steps[gb // w].update_us
-            counts = [l.gpus for l in plan.layers]
 
-            def built(fit: RingLink, prof=prof, update=update, counts=counts, w=w,
-                      algorithm=plan.algorithm, prof_ddp=prof_ddp, ddp=ddp):
-                """The plan costed with ``fit``'s link, and the DDP and burst step Programs
-                with its link durations. The calibration ran with every rank computing at
-                once: its durations hold the sharing of the cores already (no processor
-                sharing on top)."""
-                def cluster_with(profile):
-                    return tidal.Cluster(gpus=w, bandwidth_gbps=fit.bandwidth_gbps,
-                                         latency_us=fit.latency_us, profile=profile)
-                cal, cal_ddp = cluster_with(prof), cluster_with(prof_ddp)
-                # the same plan (its GPU counts) costed with this link
-                costed = plan_from_counts(build_problem(gm, cal, gb, sync="paper"), counts,
-                                          amp_limit=args.amp_limit, algorithm=algorithm)
-                times = lambda b: layer_times(gm, cal, b)  # noqa: E731
-                return costed, (
-                    data_parallel(lambda b: layer_times(gm, cal_ddp, b), w, gb, cal_ddp,
-                                  update_us=ddp.update_us),
-                    burst_execution(costed, preds, times, cal, output_bytes(gm), update,
-                                    buffer_bytes=layer_buffer_bytes(gm),
-                                    dispatch_us=dispatch_us.get(w, 0.0)))
-
-            plan, programs = built(idle)
-            _, loaded = built(beside)
-            dp_sim, bp_sim = (summarize(p, w, gb, link_load=link_load(p, q)).iteration_us
-                              for p, q in zip(programs, loaded))
-            bp_sim += outside_us.get(w, 0.0)  # serial, before the pieces
-            for label, placed, busy, sim in zip(("data parallel", "burst"), programs, loaded,
-                                                 (dp_sim, bp_sim)):
-                print(f"  predicted {label} on {w} ranks: {sim / 1e3:.1f} ms (every link idle "
-                      f"{summarize(placed, w, gb).iteration_us / 1e3:.1f}, every link beside "
-                      f"computation {summarize(busy, w, gb).iteration_us / 1e3:.1f}); rank 0's "
-                      "pieces, links idle: " + _parts(placed, 0)
+            # DDP's collective is the sync that ends its step: the loop's link; the burst
+            # plan's collectives come before the loss all-reduce that ends tidal's step (its
+            # loop cost is in ``outside_us``, measured on tidal's own loops): the link after a
+            # barrier
+            dp = {k: _dp_program(gm, _cluster(w, fit, prof_ddp), gb, ddp.update_us)
+                  for k, fit in (("idle", fits["loop"]), ("busy", fits["beside"]))}
+            bp = {k: _burst_program(gm, _cluster(w, fit, prof), gb, plan, args.amp_limit,
+                                    preds, update, dispatch_us.get(w, 0.0))
+                  for k, fit in (("idle", fits["after"]), ("busy", fits["beside"]))}
+            plan = bp["idle"][0]
+            sims = {label: summarize(p["idle"], w, gb,
+                                     link_load=link_load(p["idle"], p["busy"])).iteration_us
+                    for label, p in (("data parallel", dp),
+                                     ("burst", {k: v[1] for k, v in bp.items()}))}
+            sims["burst"] += outside_us.get(w, 0.0)  # serial, before the pieces
+            for label, p in (("data parallel", dp), ("burst", {k: v[1] for k, v in bp.items()})):
+                print(f"  predicted {label} on {w} ranks: {sims[label] / 1e3:.1f} ms (every "
+                      f"link idle {summarize(p['idle'], w, gb).iteration_us / 1e3:.1f}, every "
+                      "link beside computation "
+                      f"{summarize(p['busy'], w, gb).iteration_us / 1e3:.1f}); rank 0's "
+                      "pieces, links idle: " + _parts(p["idle"], 0)
                       + (f" (with {dispatch_us.get(w, 0.0) / 1e3:.2f} ms of host dispatch per "
                          f"runtime piece; {outside_us.get(w, 0.0) / 1e3:.2f} ms of host time "
                          "outside the pieces)" if label == "burst" else ""))
             print(f"  measured burst on {w} ranks, rank 0's pieces (median over rounds; "
                   "waits for other ranks included): " + ", ".join(
                       f"{k} {v / 1e3:.1f}" for k, v in measured_parts.items()) + " ms")
-            rows.append((name, w, "data parallel", dp_sim, dp_meas))
-            rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", bp_sim, bp_meas))
+            rows.append((name, w, "data parallel", sims["data parallel"], dp_meas))
+            rows.append((name, w, f"burst {plan.algorithm} [{_runs(plan)}]", sims["burst"],
+                         bp_meas))
     return rows
 
 

@@ -20,7 +20,8 @@ reported apart.
   by how much, after what, and its measured dispatch gap).
 * **End-to-end** (``benchmarks/sim_end_to_end.py``): the cluster simulator given the
   profiler's per-layer durations, calibrated on the ranks in the same rounds as the measured
-  steps, two gloo links fitted in those rounds (after the step's computation and inside it;
+  steps, gloo links fitted in those rounds (after the step's computation, in a loop whose
+  next step follows each all-reduce or with nothing after; and inside the computation:
   ``sim.engine.simulate(link_load=)``) and two host terms of tidal's runtime calibrated on the
   composition runs of the burst kind (dispatch per piece, ``Compiled.step``'s host time
   outside its pieces: :func:`burst_host_us`), against DDP data parallelism and a hand-written
@@ -34,7 +35,7 @@ ranks beyond the cores share them (said when so).
 
     python benchmarks/sim_validation.py --quick          # 2 ranks, the MLP, 5 repeats, no e2e
     python benchmarks/sim_validation.py [--ranks 2,4] [--models mlp,nn_mha,nn_transformer]
-        [--kinds burst,tick_tock] [--repeats 5] [--e2e-models vgg16_small] [--rounds 1]
+        [--kinds burst,tick_tock] [--repeats 9] [--e2e-models vgg16_small] [--rounds 1]
 """
 from __future__ import annotations
 
@@ -279,8 +280,10 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16,
                         help="global batch of the composition runs (tick_tock on N ranks "
                              "needs 2N shards)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="traced steps per kind (after 2 warm-up steps)")
+    parser.add_argument("--repeats", type=int, default=9,
+                        help="traced steps per kind (after 2 warm-up steps; default 9: with 5, "
+                             "rows whose steps spread 2-3x on this shared 2-core machine missed "
+                             "by 11-16 %%)")
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="a piece departs when its composed start is off by more than "
                              "this fraction of the measured step")
