@@ -45,14 +45,15 @@ Inputs of the prediction, none read from the steps being predicted:
 
 Per round the estimator over ``--steps`` rounds (``--stat``, default median). Each row is
 printed with where the prediction puts rank 0's time (compute segments, transfers,
-collectives, the optimizer step; the every-link-idle and every-link-inside bounds), and the
-measured burst step's own trace summed the same way. The burst plan is hand-written (the
-first half of the layers on all ranks, the second half on half of them: the same plan on
-every run) or, with ``--plan planner``, the burst_parallel planner's for this profile and
-link (which on this CPU often puts every layer on one rank), simulated by the cluster
-simulator's model of the burst-parallel program (``sim.programs.burst_execution``). CPU
-numbers only. The whole comparison is repeated ``--rounds`` times (default 3) and each row
-reports the median over rounds of its prediction and of its measurement.
+collectives, the optimizer step; the bounds with every link after the computation and every
+link beside it), and the measured burst step's own trace summed the same way. The burst plan
+is hand-written (the first half of the layers on all ranks, the second half on half of them:
+the same plan on every run) or, with ``--plan planner``, the burst_parallel planner's for
+this profile and link (which on this CPU often puts every layer on one rank), simulated by
+the cluster simulator's model of the burst-parallel program
+(``sim.programs.burst_execution``). CPU numbers only. The whole comparison is repeated
+``--rounds`` times (default 3) and each row reports the median over rounds of its prediction
+and of its measurement.
 
     python benchmarks/sim_validation.py [--e2e-models vgg16_small,resnet50_small]
                                         [--global-batch 32]
@@ -270,11 +271,11 @@ def _over_rounds(ranks: list[list[dict]], stat: str
                  ) -> tuple[dict, float, float, dict[str, RingLink], dict]:
     """The interleaved job's rounds of every rank: per batch the calibrated ``StepTime``, the
     DDP and burst step times (us), three ring links and the measured burst step's parts. The
-    links: fitted to the all-reduces issued after the local step, from the last rank's issue
-    to the last end (``after``: the loop's last, followed by nothing but a barrier; ``loop``:
-    the others, each the sync that ends a step, followed by the next) and to those issued beside it (``beside``: the link
-    beside computation). Per round the slowest rank counts (a synchronous step waits for it),
-    then ``stat`` over rounds."""
+    links: fitted to the all-reduces issued after the local step, from the last rank's issue to
+    the last end (``after``: the loop's last, followed by nothing but a barrier; ``loop``: the
+    others, each the sync that ends a step, followed by the next) and to those issued beside it
+    (``beside``: the link beside computation). Per round the slowest rank counts (a synchronous
+    step waits for it), then ``stat`` over rounds."""
     rounds = range(len(ranks[0]))
     per = lambda key, k=None: [max(r[i][key] if k is None else r[i][key][k]  # noqa: E731
                                    for r in ranks) for i in rounds]
@@ -411,27 +412,27 @@ def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float],
                       for k, f in fits.items()))
             update = steps[gb // w].update_us
 
-            # DDP's collective is the sync that ends its step: the loop's link; the burst
-            # plan's collectives come before the loss all-reduce that ends tidal's step (its
-            # loop cost is in ``outside_us``, measured on tidal's own loops): the link after a
-            # barrier
+            # after the computation, DDP's collective is the sync that ends its step: the
+            # loop's link; the burst plan's collectives come before the loss all-reduce that
+            # ends tidal's step (its loop cost is in ``outside_us``, measured on tidal's own
+            # loops): the link of an all-reduce followed by nothing
             dp = {k: _dp_program(gm, _cluster(w, fit, prof_ddp), gb, ddp.update_us)
                   for k, fit in (("idle", fits["loop"]), ("busy", fits["beside"]))}
             bp = {k: _burst_program(gm, _cluster(w, fit, prof), gb, plan, args.amp_limit,
                                     preds, update, dispatch_us.get(w, 0.0))
                   for k, fit in (("idle", fits["after"]), ("busy", fits["beside"]))}
             plan = bp["idle"][0]
+            programs = {"data parallel": dp, "burst": {k: v[1] for k, v in bp.items()}}
             sims = {label: summarize(p["idle"], w, gb,
                                      link_load=link_load(p["idle"], p["busy"])).iteration_us
-                    for label, p in (("data parallel", dp),
-                                     ("burst", {k: v[1] for k, v in bp.items()}))}
+                    for label, p in programs.items()}
             sims["burst"] += outside_us.get(w, 0.0)  # serial, before the pieces
-            for label, p in (("data parallel", dp), ("burst", {k: v[1] for k, v in bp.items()})):
+            for label, p in programs.items():
                 print(f"  predicted {label} on {w} ranks: {sims[label] / 1e3:.1f} ms (every "
-                      f"link idle {summarize(p['idle'], w, gb).iteration_us / 1e3:.1f}, every "
-                      "link beside computation "
-                      f"{summarize(p['busy'], w, gb).iteration_us / 1e3:.1f}); rank 0's "
-                      "pieces, links idle: " + _parts(p["idle"], 0)
+                      "link after computation "
+                      f"{summarize(p['idle'], w, gb).iteration_us / 1e3:.1f}, every link beside "
+                      f"computation {summarize(p['busy'], w, gb).iteration_us / 1e3:.1f}); "
+                      "rank 0's pieces, links after computation: " + _parts(p["idle"], 0)
                       + (f" (with {dispatch_us.get(w, 0.0) / 1e3:.2f} ms of host dispatch per "
                          f"runtime piece; {outside_us.get(w, 0.0) / 1e3:.2f} ms of host time "
                          "outside the pieces)" if label == "burst" else ""))
