@@ -62,6 +62,17 @@ class Job:
         return replace(self, kwargs={**self.kwargs, "pg_timeout_s": limit})
 
 
+def sized_job(items, test: str, fn: Callable, size: int) -> Optional[Job]:
+    """``Job(fn, size)`` when ``items`` (a module's collected tests) hold the case of ``test``
+    (parametrized by ``size``) of that size, else None: a module's ``background_job`` for the
+    larger world of a test that runs the same function on 2 and 4 ranks."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.name.startswith(test + "[") and params.get("size") == size:
+            return Job(fn, size)
+    return None
+
+
 class BackgroundJobs:
     """The queued background jobs of a session, by name (the test module's)."""
 

@@ -22,7 +22,7 @@ from tidal.runtime.comm.compressors import NoCompression, PowerSGD, make_compres
 from tidal.runtime.programs.compression import compression_executor
 from tidal.runtime.programs.data_parallel import DataParallelProgram
 
-from background_jobs import Job
+from background_jobs import Job, sized_job
 
 BATCH = 8
 LR = 0.1
@@ -440,10 +440,7 @@ BACKGROUND_SIZE = 4
 def background_job(items):
     """The 4-rank job, run in the background while other tests run (``tests/conftest.py``),
     when its test is collected; the 2-rank job runs in its test."""
-    if any(getattr(getattr(i, "callspec", None), "params", {}).get("size") == BACKGROUND_SIZE
-           for i in items):
-        return Job(_all, BACKGROUND_SIZE)
-    return None
+    return sized_job(items, "test_compression_pass_on_gloo_ranks", _all, BACKGROUND_SIZE)
 
 
 @pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
