@@ -157,7 +157,7 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
     the rank's local step (:func:`_all_reduce_beside`) and a loop of the step and one issued
     after it (:func:`_all_reduce_after`).
     Per round: ``{batch: (fwd+bwd us, update us), "ddp local": (...), "dp": us per step,
-    "burst": us per step, "burst parts": {piece kind: us}, "beside <bytes>": (issue, end),
+    "burst": us per step, "burst parts": {piece kind: us}, "beside <bytes>": [(issue, end)],
     "after <bytes>": [(issue, end) per step of the loop]}`` (times on the machine's clock,
     seconds)."""
     import torch.distributed as dist
@@ -206,7 +206,7 @@ def _interleaved_worker(rank: int, size: int, name: str, global_batch: int, step
         row["burst parts"] = _trace_parts(c.executor.last_trace)
         for n, flat in flats.items():  # an all-reduce beside this rank's local step
             dist.barrier()
-            row[f"beside {n}"] = _all_reduce_beside(flat, own)
+            row[f"beside {n}"] = [_all_reduce_beside(flat, own)]
         for n, flat in flats.items():  # an all-reduce issued when the local step ended
             dist.barrier()
             row[f"after {n}"] = _all_reduce_after(flat, own)
@@ -282,12 +282,11 @@ def _over_rounds(ranks: list[list[dict]], stat: str
     batches = [k for k in ranks[0][0] if isinstance(k, int)] + ["ddp local"]
     steps = {b: StepTime(STATS[stat](per(b, 0)), STATS[stat](per(b, 1))) for b in batches}
     def fit(key: str, issue, of: slice = slice(None)) -> RingLink:
-        """The link fitted to the all-reduces ``key`` (per round one (issue, end) pair per
-        rank, or a loop's list of them: the mean over its steps ``of``), each from ``issue``
-        (of the ranks' issue times) to its last end."""
+        """The link fitted to the all-reduces ``key`` (per round and rank a list of (issue,
+        end) pairs: the mean over those ``of``), each from ``issue`` (of the ranks' issue
+        times) to its last end."""
         def took_us(i: int, n: int) -> float:
-            loops = [(r[i][f"{key} {n}"] if isinstance(r[i][f"{key} {n}"], list)
-                      else [r[i][f"{key} {n}"]])[of] for r in ranks]
+            loops = [r[i][f"{key} {n}"][of] for r in ranks]
             return statistics.fmean(
                 max(q[j][1] for q in loops) - issue(q[j][0] for q in loops)
                 for j in range(len(loops[0]))) * 1e6
@@ -388,8 +387,7 @@ def _round(args, cores: int, worlds, dispatch_us: Mapping[int, float],
         preds = {n: list(lg.predecessors(n)) for n in lg.nodes}
         for w in worlds:
             link = links[w]
-            cluster = tidal.Cluster(gpus=w, bandwidth_gbps=link.bandwidth_gbps,
-                                    latency_us=link.latency_us, profile=profile)
+            cluster = _cluster(w, link, profile)
             problem = build_problem(gm, cluster, gb, sync="paper")  # as the README figures
             plan = plan_burst(problem, args.amp_limit) if args.plan == "planner" else None
             if plan is None or plan.is_data_parallel:

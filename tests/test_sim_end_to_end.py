@@ -26,7 +26,7 @@ def _round(rank: int) -> dict:
         row[f"after {n}"] = [
             (i + skew, i + SKEW_US * 1e-6 + (LAST_US if i == CHAIN else LOOP_US)[n] * 1e-6)
             for i in range(CHAIN + 1)]
-        row[f"beside {n}"] = (skew, (SKEW_US + LOOP_US[n]) * 1e-6)
+        row[f"beside {n}"] = [(skew, (SKEW_US + LOOP_US[n]) * 1e-6)]
     return row
 
 
